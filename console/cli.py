@@ -1,0 +1,56 @@
+"""`dsv4`: every console action as a scriptable command (`--json` wherever it lists).
+
+Subcommand groups live in their own modules and register themselves; their handlers import
+the runtime (and so torch) lazily, so `dsv4 --help` and the torch-free commands stay fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from store.errors import UserError
+
+# Each module exposes `register(subparsers)`; order is the order of `dsv4 --help`.
+GROUPS = (
+    "console.cmd_model",
+    "console.cmd_cache",
+    "console.cmd_sidecar",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dsv4",
+        description="DeepSeek V4 serving host tools: synthetic checkpoints, contract checks, "
+        "program cache, weight sidecars.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in GROUPS:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name != name:  # a real import bug inside the module: surface it
+                raise
+            continue
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        code = args.func(args)
+    except UserError as e:
+        print(f"dsv4 {args.command}: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print(f"dsv4 {args.command}: interrupted", file=sys.stderr)
+        return 130
+    return int(code or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

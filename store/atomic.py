@@ -1,0 +1,74 @@
+"""Crash-safe publication: stage beside the target, fsync, set the mode, rename.
+
+A reader that trusts a final path must never see a partial file there, whatever moment a
+process dies at. Staging names start with `.tmp-` so every reader can ignore them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+STAGING_PREFIX = ".tmp-"
+
+
+def current_umask() -> int:
+    # os.umask can only be read by setting it; restore immediately. Not thread-safe against
+    # another thread creating files in the same instant, which we accept (CLI/worker processes).
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def shared_mode(base: int = 0o644) -> int:
+    """The mode a published file gets: `base & ~umask` (never mkstemp's 0600)."""
+    return base & ~current_umask()
+
+
+def staging_name(final: Path) -> Path:
+    """A per-writer staging path in the same directory (same filesystem: rename is atomic)."""
+    return final.with_name(f"{STAGING_PREFIX}{final.name}.{socket.gethostname()}.{os.getpid()}.{os.urandom(4).hex()}")
+
+
+def is_staging(name: str) -> bool:
+    return name.startswith(STAGING_PREFIX)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def staged_file(final: Path, mode: int | None = None) -> Iterator[tuple[Path, object]]:
+    """Yield (temp path, binary file) in final's dir; on clean exit fsync, chmod and rename.
+
+    On any exception the temp file is removed and nothing appears at `final`.
+    """
+    final = Path(final)
+    tmp = staging_name(final)
+    f = open(tmp, "xb")  # noqa: SIM115 - closed below on every path
+    try:
+        yield tmp, f
+        f.flush()
+        os.fsync(f.fileno())
+        f.close()
+        os.chmod(tmp, shared_mode() if mode is None else mode)
+        os.replace(tmp, final)
+        fsync_dir(final.parent)
+    except BaseException:
+        f.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def write_bytes_atomic(final: Path, data: bytes, mode: int | None = None) -> None:
+    with staged_file(final, mode) as (_, f):
+        f.write(data)

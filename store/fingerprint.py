@@ -1,0 +1,121 @@
+"""Cache keys as data: an ordered list of named components, and the one fingerprint function.
+
+A key is printable and diffable: "why did this miss?" is answered by the key itself. Every
+cache in this project (programs, sidecars) asks `fingerprint()`; nothing else hashes keys.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# A component whose value could not be determined. A key holding it never stores, never hits.
+UNKNOWN = "<unknown>"
+
+
+def canonical_json(value: Any) -> str:
+    """The one serialisation that is hashed: sorted keys, no whitespace, UTF-8 kept."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def sha256_hex(data: bytes | str) -> str:
+    if isinstance(data, str):
+        data = data.encode()
+    return hashlib.sha256(data).hexdigest()
+
+
+@dataclass(frozen=True)
+class Key:
+    """An ordered tuple of (name, JSON value) components."""
+
+    components: tuple[tuple[str, Any], ...]
+
+    @classmethod
+    def of(cls, items: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> Key:
+        pairs = tuple(items.items()) if isinstance(items, Mapping) else tuple(items)
+        names = [n for n, _ in pairs]
+        if len(names) != len(set(names)):
+            raise ValueError(f"duplicate key component names: {names}")
+        # Round-trip through JSON so the stored and the live key compare equal (tuples → lists).
+        return cls(tuple((n, json.loads(canonical_json(v))) for n, v in pairs))
+
+    def to_json(self) -> list[list[Any]]:
+        return [[n, v] for n, v in self.components]
+
+    @classmethod
+    def from_json(cls, data: Any) -> Key:
+        if not isinstance(data, list) or not all(
+            isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) for p in data
+        ):
+            raise ValueError("key must be a list of [name, value] pairs")
+        return cls.of((p[0], p[1]) for p in data)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.components)
+
+    def unknown_components(self) -> list[str]:
+        return [n for n, v in self.components if _holds_unknown(v)]
+
+    @property
+    def storable(self) -> bool:
+        return not self.unknown_components()
+
+
+def _holds_unknown(value: Any) -> bool:
+    if value == UNKNOWN:
+        return True
+    if isinstance(value, dict):
+        return any(_holds_unknown(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_holds_unknown(v) for v in value)
+    return False
+
+
+def fingerprint(key: Key) -> str:
+    """sha256 of the key's canonical JSON: the only place a key becomes a hash."""
+    return sha256_hex(canonical_json(key.to_json()))
+
+
+def _short(value: Any, limit: int = 40) -> str:
+    text = value if isinstance(value, str) else canonical_json(value)
+    return text if len(text) <= limit else text[: limit - 9] + "…" + sha256_hex(text)[:8]
+
+
+@dataclass(frozen=True)
+class Change:
+    component: str
+    old: Any
+    new: Any
+
+    def __str__(self) -> str:
+        if self.old is _ABSENT:
+            return f"{self.component} added ({_short(self.new)})"
+        if self.new is _ABSENT:
+            return f"{self.component} removed (was {_short(self.old)})"
+        return f"{self.component} {_short(self.old)} → {_short(self.new)}"
+
+
+class _Absent:
+    def __repr__(self) -> str:
+        return "<absent>"
+
+
+_ABSENT: Any = _Absent()
+
+
+def diff(old: Key, new: Key) -> list[Change]:
+    """The components that differ between two keys, in the new key's order."""
+    a, b = old.as_dict(), new.as_dict()
+    changes = [Change(n, a.get(n, _ABSENT), v) for n, v in new.components if a.get(n, _ABSENT) != v]
+    changes += [Change(n, v, _ABSENT) for n, v in old.components if n not in b]
+    return changes
+
+
+def describe(changes: list[Change]) -> str:
+    return "; ".join(str(c) for c in changes) if changes else "no component differs"

@@ -1,0 +1,27 @@
+"""Default locations, from the user's platform dirs, each overridable by an env variable."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import platformdirs
+
+APP = "dsv4-console"
+
+
+def _dir(env: str, default: str) -> Path:
+    value = os.environ.get(env)
+    return Path(value).expanduser() if value else Path(default)
+
+
+def kernel_cache_dir() -> Path:
+    return _dir("DSV4_KERNEL_CACHE_DIR", str(Path(platformdirs.user_cache_dir(APP)) / "programs"))
+
+
+def data_dir() -> Path:
+    return _dir("DSV4_DATA_DIR", platformdirs.user_data_dir(APP))
+
+
+def state_dir() -> Path:
+    return _dir("DSV4_STATE_DIR", platformdirs.user_state_dir(APP))
