@@ -46,6 +46,12 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"dsv4 {args.command}: {e}", file=sys.stderr)
         return e.exit_code
+    except BrokenPipeError:
+        # `dsv4 … | head`: the reader left; say nothing more.
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except KeyboardInterrupt:
         print(f"dsv4 {args.command}: interrupted", file=sys.stderr)
         return 130

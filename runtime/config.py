@@ -1,0 +1,244 @@
+"""DeepSeek V4 `config.json` as a frozen, validated value, plus the facts derived from it.
+
+No torch here: the console reads configs too. Nothing assumes V4-Flash dimensions; every size
+comes from the file, so the synthetic presets and the real model run the same code.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from store.errors import UserError
+
+SLIDING, CSA, HCA = "sliding", "csa", "hca"
+# V4 uses ratio 4 for CSA (overlapping compressor + indexer) and 128 for HCA (compressor only).
+# The config names no kind, so the kind follows the ratio: a few tokens per entry is CSA, many
+# is HCA. The tiny preset's 16 stays HCA under this rule.
+CSA_MAX_RATIO = 8
+
+
+class ConfigError(UserError):
+    """config.json is missing, malformed, or inconsistent; the message names file and field."""
+
+
+@dataclass(frozen=True)
+class DeepSeekV4Config:
+    hidden_size: int
+    num_hidden_layers: int
+    vocab_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    qk_rope_head_dim: int
+    q_lora_rank: int
+    o_lora_rank: int
+    o_groups: int
+    sliding_window: int
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    scoring_func: str
+    topk_method: str
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    swiglu_limit: float
+    num_hash_layers: int
+    hc_mult: int
+    hc_sinkhorn_iters: int
+    hc_eps: float
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    num_nextn_predict_layers: int
+    rope_theta: float
+    compress_rope_theta: float
+    rope_scaling: dict
+    max_position_embeddings: int
+    expert_dtype: str
+    quantization_config: dict
+    compress_ratios: tuple[int, ...]
+    model_type: str = "deepseek_v4"
+    # Where it was read from, for error messages; not part of equality.
+    source: str = field(default="config.json", compare=False)
+
+    # ---- derived facts ----
+
+    @property
+    def num_layers_total(self) -> int:
+        return self.num_hidden_layers + self.num_nextn_predict_layers
+
+    def layer_kind(self, layer: int) -> str:
+        """Kind of main layer `layer`, or of MTP layer `layer - num_hidden_layers`."""
+        ratio = self.compress_ratios[layer]
+        if ratio == 0:
+            return SLIDING
+        return CSA if ratio <= CSA_MAX_RATIO else HCA
+
+    @property
+    def layer_kinds(self) -> tuple[str, ...]:
+        return tuple(self.layer_kind(i) for i in range(self.num_hidden_layers))
+
+    @property
+    def mtp_kinds(self) -> tuple[str, ...]:
+        return tuple(self.layer_kind(self.num_hidden_layers + i) for i in range(self.num_nextn_predict_layers))
+
+    @property
+    def hash_layers(self) -> tuple[int, ...]:
+        return tuple(range(min(self.num_hash_layers, self.num_hidden_layers)))
+
+    def is_hash_layer(self, layer: int) -> bool:
+        return layer < self.num_hash_layers
+
+    @property
+    def sliding_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, k in enumerate(self.layer_kinds) if k == SLIDING)
+
+    @property
+    def csa_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, k in enumerate(self.layer_kinds) if k == CSA)
+
+    @property
+    def hca_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, k in enumerate(self.layer_kinds) if k == HCA)
+
+    @property
+    def fp8_block(self) -> tuple[int, int]:
+        b = self.quantization_config.get("weight_block_size", [128, 128])
+        return int(b[0]), int(b[1])
+
+    @property
+    def fp4_group(self) -> int:
+        """Inputs sharing one E8M0 scale in FP4 expert weights."""
+        return 32
+
+    @property
+    def hc_mix_dim(self) -> int:
+        """Rows of hc_attn_fn / hc_ffn_fn: pre weights, post weights and the combine matrix."""
+        return (2 + self.hc_mult) * self.hc_mult
+
+    def check_ranks(self, ranks: int) -> None:
+        if ranks < 1 or self.n_routed_experts % ranks:
+            raise ConfigError(
+                f"{self.source}: n_routed_experts={self.n_routed_experts} is not divisible by "
+                f"ranks={ranks}; pick a rank count that divides the expert count"
+            )
+
+    def to_json(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "source"}
+        out["compress_ratios"] = list(self.compress_ratios)
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "layers": self.num_hidden_layers,
+            "sliding_layers": len(self.sliding_layers),
+            "csa_layers": len(self.csa_layers),
+            "hca_layers": len(self.hca_layers),
+            "hash_layers": len(self.hash_layers),
+            "mtp_layers": self.num_nextn_predict_layers,
+            "experts": self.n_routed_experts,
+            "experts_per_token": self.num_experts_per_tok,
+            "hidden": self.hidden_size,
+            "vocab": self.vocab_size,
+        }
+
+
+_TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "float": (int, float), "str": (str,),
+                                       "bool": (bool,), "dict": (dict,)}
+
+
+def _field_type(f) -> str:
+    t = f.type if isinstance(f.type, str) else f.type.__name__
+    return "tuple" if t.startswith("tuple") else t
+
+
+def from_dict(raw: Any, source: str = "config.json") -> DeepSeekV4Config:
+    """Validate a parsed config.json; every problem names `source` and the field."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: expected a JSON object at top level")
+    values: dict[str, Any] = {}
+    for f in fields(DeepSeekV4Config):
+        if f.name == "source":
+            continue
+        if f.name not in raw:
+            if f.name == "model_type":
+                continue
+            raise ConfigError(f"{source}: missing field '{f.name}'")
+        v = raw[f.name]
+        kind = _field_type(f)
+        if kind == "tuple":
+            if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+                raise ConfigError(f"{source}: field '{f.name}' must be a list of integers, got {v!r}")
+            v = tuple(v)
+        else:
+            ok = isinstance(v, _TYPES[kind]) and (kind == "bool" or not isinstance(v, bool))
+            if not ok:
+                raise ConfigError(f"{source}: field '{f.name}' must be {kind}, got {type(v).__name__} {v!r}")
+            if kind == "float":
+                v = float(v)
+        values[f.name] = v
+    cfg = DeepSeekV4Config(**values, source=source)
+    _check_consistency(cfg)
+    return cfg
+
+
+def _check_consistency(c: DeepSeekV4Config) -> None:
+    def fail(fieldname: str, why: str) -> None:
+        raise ConfigError(f"{c.source}: field '{fieldname}' {why}")
+
+    if c.model_type != "deepseek_v4":
+        fail("model_type", f"is {c.model_type!r}, expected 'deepseek_v4'")
+    for name in ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads", "head_dim",
+                 "q_lora_rank", "o_lora_rank", "o_groups", "n_routed_experts", "num_experts_per_tok",
+                 "moe_intermediate_size", "hc_mult", "sliding_window"):
+        if getattr(c, name) <= 0:
+            fail(name, f"must be positive, got {getattr(c, name)}")
+    if len(c.compress_ratios) != c.num_layers_total:
+        fail("compress_ratios", f"has {len(c.compress_ratios)} entries, expected num_hidden_layers + "
+             f"num_nextn_predict_layers = {c.num_layers_total}")
+    if any(r < 0 for r in c.compress_ratios):
+        fail("compress_ratios", "holds a negative ratio")
+    if (c.num_attention_heads * c.head_dim) % c.o_groups:
+        fail("o_groups", f"={c.o_groups} does not divide num_attention_heads·head_dim = "
+             f"{c.num_attention_heads * c.head_dim}")
+    if c.num_attention_heads % c.o_groups:
+        fail("o_groups", f"={c.o_groups} does not divide num_attention_heads={c.num_attention_heads}")
+    if c.num_experts_per_tok > c.n_routed_experts:
+        fail("num_experts_per_tok", f"={c.num_experts_per_tok} exceeds n_routed_experts={c.n_routed_experts}")
+    if c.qk_rope_head_dim > c.head_dim or c.qk_rope_head_dim % 2:
+        fail("qk_rope_head_dim", f"={c.qk_rope_head_dim} must be even and at most head_dim={c.head_dim}")
+    if c.index_head_dim % 2 or c.index_head_dim < c.qk_rope_head_dim:
+        fail("index_head_dim", f"={c.index_head_dim} must be even and at least qk_rope_head_dim")
+    for name in ("hidden_size", "moe_intermediate_size"):
+        if getattr(c, name) % 32:
+            fail(name, "must be a multiple of 32 (FP4 experts carry one scale per 32 inputs)")
+    if c.num_hash_layers > c.num_hidden_layers:
+        fail("num_hash_layers", f"={c.num_hash_layers} exceeds num_hidden_layers={c.num_hidden_layers}")
+    if c.expert_dtype not in ("fp4", "fp8"):
+        fail("expert_dtype", f"is {c.expert_dtype!r}, expected 'fp4' or 'fp8'")
+    qc = c.quantization_config
+    block = qc.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        fail("quantization_config.weight_block_size", f"must be two positive integers, got {block!r}")
+    if qc.get("quant_method") != "fp8":
+        fail("quantization_config.quant_method", f"is {qc.get('quant_method')!r}, expected 'fp8'")
+    if c.scoring_func != "sqrtsoftplus":
+        fail("scoring_func", f"is {c.scoring_func!r}; this runtime implements 'sqrtsoftplus'")
+
+
+def load_config(path: str | Path) -> DeepSeekV4Config:
+    """Read `path` (a config.json, or a checkpoint dir holding one)."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        raise ConfigError(f"{p}: no config.json here; point at a DeepSeek V4 checkpoint directory")
+    try:
+        raw = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{p}: malformed JSON ({e})") from None
+    return from_dict(raw, source=str(p))

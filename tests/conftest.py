@@ -1,0 +1,33 @@
+"""Shared fixtures: one tiny synthetic checkpoint per session, copied when a test mutates it."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _isolated_user_dirs(tmp_path_factory, monkeypatch):
+    """Never touch the real user cache/data/state dirs from a test."""
+    base = tmp_path_factory.mktemp("userdirs")
+    monkeypatch.setenv("DSV4_DATA_DIR", str(base / "data"))
+    monkeypatch.setenv("DSV4_STATE_DIR", str(base / "state"))
+    monkeypatch.setenv("DSV4_KERNEL_CACHE_DIR", str(base / "programs"))
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt_ro(tmp_path_factory) -> Path:
+    """A tiny checkpoint shared by the whole session: never modify it (use `tiny_ckpt`)."""
+    from runtime.synth import synthesize
+
+    return synthesize("tiny", tmp_path_factory.mktemp("tiny") / "ckpt", seed=0)
+
+
+@pytest.fixture
+def tiny_ckpt(tiny_ckpt_ro, tmp_path) -> Path:
+    """A private copy of the tiny checkpoint, free to corrupt."""
+    dst = tmp_path / "ckpt"
+    shutil.copytree(tiny_ckpt_ro, dst)
+    return dst

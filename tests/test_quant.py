@@ -1,0 +1,70 @@
+import pytest
+import torch
+
+from store.quant import (
+    FP4_VALUES,
+    dequant_fp4,
+    dequant_fp8_block,
+    e8m0_to_float,
+    fp4_codes_to_float,
+    quant_fp4,
+    quant_fp8_block,
+    unpack_fp4,
+)
+
+
+def test_e8m0_is_a_bare_exponent():
+    raw = torch.tensor([127, 128, 126, 120, 134], dtype=torch.uint8)
+    assert e8m0_to_float(raw).tolist() == [1.0, 2.0, 0.5, 2.0**-7, 128.0]
+    assert e8m0_to_float(raw.view(torch.float8_e8m0fnu)).tolist() == [1.0, 2.0, 0.5, 2.0**-7, 128.0]
+
+
+def test_e2m1_value_table():
+    assert FP4_VALUES == (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+    codes = torch.arange(16, dtype=torch.uint8)
+    assert fp4_codes_to_float(codes).tolist() == [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                                                   -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+
+
+def test_fp4_low_nibble_first():
+    # byte 0x3A: low nibble 0xA = -1.0 (input 0), high nibble 0x3 = 1.5 (input 1)
+    packed = torch.tensor([[0x3A]], dtype=torch.uint8).view(torch.int8)
+    assert unpack_fp4(packed).tolist() == [[0xA, 0x3]]
+    scale = torch.tensor([[128]], dtype=torch.uint8)  # 2.0, one group covers both inputs
+    assert dequant_fp4(packed, scale, group=2).tolist() == [[-2.0, 3.0]]
+
+
+def test_fp8_block_dequant_hand_computed():
+    q = torch.tensor([[1.0, -2.0, 0.5, 3.0]]).to(torch.float8_e4m3fn)
+    scale = torch.tensor([[126, 129]], dtype=torch.uint8)  # 0.5 for cols 0-1, 4.0 for cols 2-3
+    out = dequant_fp8_block(q, scale, (1, 2))
+    assert out.tolist() == [[0.5, -1.0, 2.0, 12.0]]
+
+
+def test_fp8_roundtrip_within_e4m3_error():
+    torch.manual_seed(0)
+    w = torch.randn(200, 130) * 0.03
+    q, s = quant_fp8_block(w, (64, 64))
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (4, 3)
+    back = dequant_fp8_block(q, s, (64, 64))
+    # e4m3 keeps 3 mantissa bits: relative error <= 2^-4 of the value, plus subnormal slack
+    slack = e8m0_to_float(s).repeat_interleave(64, 0).repeat_interleave(64, 1)[:200, :130] * 2**-9
+    assert ((back - w).abs() <= w.abs() * 2**-4 + slack).all()
+
+
+def test_fp4_roundtrip_within_half_a_step():
+    torch.manual_seed(1)
+    w = torch.randn(64, 256) * 0.02
+    packed, s = quant_fp4(w)
+    assert packed.shape == (64, 128) and packed.dtype == torch.int8 and s.shape == (64, 8)
+    back = dequant_fp4(packed, s)
+    step = e8m0_to_float(s).repeat_interleave(32, -1)
+    # the widest gap in e2m1 is 4 → 6, so the error is at most one scale unit
+    assert ((back - w).abs() <= step * 1.0 + 1e-12).all()
+    # and the group maximum is represented exactly up to the format's rounding
+    assert (back.abs().amax(dim=1) > 0).all()
+
+
+def test_fp4_rejects_bad_group():
+    with pytest.raises(ValueError):
+        quant_fp4(torch.zeros(2, 40))
