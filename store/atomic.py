@@ -7,7 +7,9 @@ process dies at. Staging names start with `.tmp-` so every reader can ignore the
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import re
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -45,11 +47,43 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def staging_writer_pid(name: str) -> int | None:
+    """The writer's pid if `name` is a staging file made by `staging_name` on this host."""
+    if not is_staging(name):
+        return None
+    m = re.search(rf"\.{re.escape(socket.gethostname())}\.(\d+)\.[0-9a-f]{{8}}$", name)
+    return None if m is None else int(m.group(1))
+
+
+def publish(tmp: Path, final: Path, *, replace: bool = True) -> None:
+    """Rename `tmp` to `final`; with replace=False fail (FileExistsError) if `final` exists.
+
+    The no-replace form links then unlinks, so the existence check and the publication are one
+    atomic step (a crash in between leaves the complete file at `final` and a staging leftover).
+    """
+    if not replace:
+        try:
+            os.link(tmp, final)
+        except OSError as e:
+            if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP):
+                raise
+            # No hard links on this filesystem: check, then rename (a narrow race we accept).
+            if os.path.lexists(final):
+                raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(final)) from e
+        else:
+            os.unlink(tmp)
+            return
+    os.replace(tmp, final)
+
+
 @contextlib.contextmanager
-def staged_file(final: Path, mode: int | None = None) -> Iterator[tuple[Path, object]]:
+def staged_file(
+    final: Path, mode: int | None = None, *, replace: bool = True
+) -> Iterator[tuple[Path, object]]:
     """Yield (temp path, binary file) in final's dir; on clean exit fsync, chmod and rename.
 
-    On any exception the temp file is removed and nothing appears at `final`.
+    On any exception the temp file is removed and nothing appears at `final`. With
+    replace=False an existing `final` is never overwritten (FileExistsError).
     """
     final = Path(final)
     tmp = staging_name(final)
@@ -60,7 +94,7 @@ def staged_file(final: Path, mode: int | None = None) -> Iterator[tuple[Path, ob
         os.fsync(f.fileno())
         f.close()
         os.chmod(tmp, shared_mode() if mode is None else mode)
-        os.replace(tmp, final)
+        publish(tmp, final, replace=replace)
         fsync_dir(final.parent)
     except BaseException:
         f.close()

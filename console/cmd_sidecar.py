@@ -1,0 +1,240 @@
+"""`dsv4 sidecar status|warm|evict`: the prepacked weight sidecar as an operator sees it.
+
+Torch-free: verdicts come from `store.sidecar.inspect`, which reads headers, never tensors.
+(`dsv4 prepack`, which writes sidecars, comes with the packer.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from store import pagecache, sidecar
+from store.errors import UserError
+from store.units import format_size
+
+STATUS_HELP = """\
+Judge a sidecar the way loading would: MAP it, or REPACK (missing, stale, cold, corrupt).
+
+MODEL_DIR_OR_PATH is either a sidecar file, or a checkpoint directory whose sidecar is found
+beside it by name (dsv4-packed.rRANKS.safetensors; pass --ranks when there are several).
+
+Staleness is judged against the checkpoint the sidecar records (its source dir and the
+format, packer version, ranks and layout it was packed with): a changed config.json, index or
+shard makes it stale. A newer packer version or a different layout is only seen by the
+loader, which knows the settings it wants; tensor names are likewise checked at load time.
+Leftover staging files of crashed writers beside the sidecar are listed, not removed.
+"""
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    group = subparsers.add_parser(
+        "sidecar",
+        help="prepacked weight sidecars: status, warm, evict",
+        description="Prepacked weight sidecars: verdict and page-cache residency, warm, evict.",
+    )
+    sub = group.add_subparsers(dest="sidecar_command", metavar="ACTION", required=True)
+
+    status = sub.add_parser(
+        "status",
+        help="verdict (MAP/REPACK and why), residency, size, age",
+        description=STATUS_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _target(status)
+    status.add_argument(
+        "--cold-threshold",
+        type=float,
+        default=sidecar.DEFAULT_COLD_THRESHOLD,
+        metavar="FRACTION",
+        help="residency below which the sidecar counts as cold (default %(default)s)",
+    )
+    status.add_argument(
+        "--cold-policy",
+        choices=sidecar.COLD_POLICIES,
+        default="auto",
+        help="cold sidecar: reject (repack), read it, or auto: whichever is predicted faster "
+        "(default %(default)s)",
+    )
+    status.add_argument("--json", action="store_true", help="print one JSON object")
+    status.set_defaults(func=_status)
+
+    warm = sub.add_parser(
+        "warm",
+        help="read a sidecar into the page cache (and measure this host's read throughput)",
+        description="Read the sidecar sequentially so it is hot for the next launch. A read of "
+        "enough cold bytes records this host's read throughput, which the auto cold policy uses.",
+    )
+    _target(warm)
+    warm.add_argument(
+        "--no-willneed", action="store_true", help="do not send POSIX_FADV_WILLNEED first"
+    )
+    warm.add_argument("--json", action="store_true", help="print one JSON object")
+    warm.set_defaults(func=_warm)
+
+    evict = sub.add_parser(
+        "evict",
+        help="drop a sidecar from the page cache (POSIX_FADV_DONTNEED)",
+        description="Drop the sidecar's pages from the page cache, e.g. to measure a cold launch.",
+    )
+    _target(evict)
+    evict.add_argument("--json", action="store_true", help="print one JSON object")
+    evict.set_defaults(func=_evict)
+
+
+def _target(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "target", metavar="MODEL_DIR_OR_PATH", help="sidecar file or checkpoint dir"
+    )
+    parser.add_argument("--ranks", type=int, help="with a checkpoint dir: the sidecar for RANKS")
+
+
+def _resolve(target: str, ranks: int | None) -> Path | None:
+    """The sidecar path a target names; None for a checkpoint dir without any sidecar."""
+    path = Path(target).expanduser()
+    if not path.is_dir():
+        if not path.parent.is_dir():
+            raise UserError(f"{path}: no such file or directory; give a sidecar or checkpoint dir")
+        return path
+    if ranks is not None:
+        return sidecar.default_sidecar_path(path, ranks)
+    found = sidecar.find_sidecars(path)
+    if len(found) > 1:
+        names = ", ".join(p.name for p in found)
+        raise UserError(f"{path}: several sidecars ({names}); pass --ranks N to pick one")
+    if found:
+        return found[0]
+    if not (path / sidecar.CONFIG_FILE).exists():
+        raise UserError(f"{path}: neither a sidecar nor a checkpoint directory (no config.json)")
+    return None
+
+
+def _existing(args: argparse.Namespace) -> Path:
+    path = _resolve(args.target, args.ranks)
+    if path is None or not path.is_file():
+        where = path or Path(args.target)
+        raise UserError(f"{where}: no sidecar there; run `dsv4 prepack` to create one")
+    return path
+
+
+def _status(args: argparse.Namespace) -> int:
+    if not 0.0 <= args.cold_threshold <= 1.0:
+        raise UserError(f"--cold-threshold {args.cold_threshold}: give a fraction within 0..1")
+    path = _resolve(args.target, args.ranks)
+    if path is None:
+        pattern = Path(args.target) / f"{sidecar.FILE_PREFIX}.r*.safetensors"
+        verdict = sidecar.Verdict(
+            sidecar.REPACK, "missing", "no sidecar beside this checkpoint; prepack to create it",
+            str(pattern),
+        )  # fmt: skip
+        directory = Path(args.target)
+    else:
+        verdict = sidecar.inspect(
+            path, cold_threshold=args.cold_threshold, cold_policy=args.cold_policy
+        )
+        directory = path.parent
+    leftovers = sidecar.sweep_temp_files(directory, remove=False)
+    data = {**verdict.to_json(), "leftover_temp_files": [str(p) for p in leftovers]}
+    if args.json:
+        from console.output import print_json
+
+        print_json(data)
+        return 0
+    from console.output import print_table
+
+    rows = [
+        ("verdict", verdict.action + (f" ({verdict.reason})" if verdict.reason else "")),
+        ("detail", verdict.detail),
+        ("residency", _percent(verdict.residency, verdict.residency_method)),
+        ("size", format_size(verdict.size_bytes) if verdict.size_bytes else "-"),
+        ("tensors", verdict.tensors or "-"),
+        ("age", _age(data["age_seconds"])),
+        ("pack seconds", "-" if verdict.pack_seconds is None else f"{verdict.pack_seconds:.1f}"),
+    ]
+    rows += [("leftover", str(p)) for p in leftovers]
+    print_table(verdict.path, ("field", "value"), rows)
+    return 0
+
+
+def _percent(fraction: float | None, method: str | None) -> str:
+    return "-" if fraction is None else f"{fraction:.1%} ({method})"
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f} {unit}"
+    return f"{seconds:.0f} s"
+
+
+class _Progress:
+    """A single self-rewriting stderr line, at most a few times a second, only on a terminal."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.enabled = sys.stderr.isatty()
+        self.last = 0.0
+
+    def __call__(self, done: int, total: int, bytes_per_s: float) -> None:
+        now = time.monotonic()
+        if not self.enabled or (now - self.last < 0.25 and done < total):
+            return
+        self.last = now
+        pct = done / total if total else 1.0
+        sys.stderr.write(
+            f"\r{self.label}: {format_size(done)} / {format_size(total)} ({pct:.0%}) "
+            f"at {format_size(bytes_per_s)}/s   "
+        )
+        if done >= total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def _warm(args: argparse.Namespace) -> int:
+    path = _existing(args)
+    try:
+        result = pagecache.warm(
+            path, _Progress(f"warming {path.name}"), willneed=not args.no_willneed
+        )
+    except OSError as e:
+        raise UserError(
+            f"{path}: cannot read ({e.strerror}); check the file and its permissions"
+        ) from None
+    recorded = result.cold_bytes_per_s
+    if args.json:
+        from console.output import print_json
+
+        print_json({**result.to_json(), "recorded_bytes_per_s": recorded})
+        return 0
+    print(
+        f"warmed {path}: {format_size(result.bytes_read)} in {result.seconds:.1f} s "
+        f"({format_size(result.bytes_per_s)}/s); resident "
+        f"{_percent(result.after.fraction, result.after.method)}"
+    )
+    if recorded is not None:
+        print(f"recorded this host's read throughput: {format_size(recorded)}/s")
+    else:
+        print(
+            f"read throughput not recorded: only {format_size(result.cold_bytes)} were cold "
+            f"(needs ≥ {format_size(pagecache.MIN_MEASURED_BYTES)}; evict first to measure)"
+        )
+    return 0
+
+
+def _evict(args: argparse.Namespace) -> int:
+    path = _existing(args)
+    try:
+        after = pagecache.evict(path)
+    except OSError as e:
+        raise UserError(f"{path}: cannot evict ({e.strerror}); check the file") from None
+    if args.json:
+        from console.output import print_json
+
+        print_json({"path": str(path), "residency": after.fraction, **after.to_json()})
+        return 0
+    print(f"evicted {path}: resident {_percent(after.fraction, after.method)}")
+    return 0
