@@ -1,0 +1,208 @@
+"""`dsv4 cache ls|verify|purge|gc|why`: the program cache as an operator sees it.
+
+States are judged against this environment: `runtime.programs.reference()` computes the
+toolchain without importing torch, plus the live keys of the registered programs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+from console.output import print_json, print_table
+from store import kernel_cache as kc
+from store.errors import UserError
+from store.paths import kernel_cache_dir
+from store.units import format_size, parse_size
+
+PURGE_SELECTIONS = {
+    "stale": lambda e: e.state == kc.STALE,
+    "corrupt": lambda e: e.state == kc.CORRUPT,
+    "partial": lambda e: e.state == kc.PARTIAL,
+    "all": lambda e: True,
+}
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    group = subparsers.add_parser(
+        "cache",
+        help="program cache: ls, verify, purge, gc, why",
+        description="The compiled-program cache: inventory, verification, cleanup, diagnosis.",
+    )
+    sub = group.add_subparsers(dest="cache_command", metavar="ACTION", required=True)
+
+    ls = _action(sub, "ls", _ls, "every entry with its state against this environment")
+    ls.add_argument("--json", action="store_true", help="print a JSON list of entries")
+
+    verify = _action(sub, "verify", _verify, "hash every entry; quarantine those that fail")
+    verify.add_argument("--json", action="store_true", help="print the quarantined entries as JSON")
+
+    purge = _action(sub, "purge", _purge, "delete entries (safe while other processes read)")
+    which = purge.add_mutually_exclusive_group(required=True)
+    for name in PURGE_SELECTIONS:
+        which.add_argument(f"--{name}", action="store_const", const=name, dest="selection")
+    which.add_argument("--program", metavar="P", help="every entry of one program")
+    purge.add_argument("--dry-run", action="store_true", help="list what would be deleted")
+    purge.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+
+    gc = _action(sub, "gc", _gc, "evict least recently used entries down to a size")
+    gc.add_argument("--max-size", required=True, metavar="SIZE", help="e.g. 10G, 512M")
+
+    why = _action(sub, "why", _why, "would PROGRAM hit now; if not, what differs")
+    why.add_argument("program", metavar="PROGRAM")
+
+
+def _action(sub: argparse._SubParsersAction, name: str, func: Callable, help: str) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, help=help, description=help[0].upper() + help[1:] + ".")
+    p.add_argument("--cache-dir", type=Path, default=None, help="default: DSV4_KERNEL_CACHE_DIR or the user cache dir")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "npu"), help="device whose toolchain is current")
+    p.set_defaults(func=func)
+    return p
+
+
+def _cache(args: argparse.Namespace) -> kc.KernelCache:
+    root = args.cache_dir or kernel_cache_dir()
+    if root.exists() and not root.is_dir():
+        raise UserError(f"{root} is not a directory; pass a directory with --cache-dir")
+    return kc.KernelCache(root)
+
+
+def _reference(args: argparse.Namespace) -> kc.Reference:
+    from runtime.programs import reference
+
+    return reference(device=args.device)
+
+
+def _rows(entries: list[kc.Entry], now: float) -> list[list[str]]:
+    return [
+        [
+            e.program,
+            e.fingerprint[:12],
+            e.state,
+            e.reason,
+            format_size(e.size_bytes),
+            _ago(e.last_used, now) if e.hits else "never",
+            str(e.hits),
+        ]
+        for e in entries
+    ]
+
+
+def _ago(t: float, now: float) -> str:
+    seconds = max(0.0, now - t)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit} ago"
+    return f"{seconds:.0f}s ago"
+
+
+def _totals(entries: list[kc.Entry]) -> str:
+    counts = Counter(e.state for e in entries)
+    by_state = ", ".join(f"{counts[s]} {s}" for s in kc.STATES if counts[s])
+    size = format_size(sum(e.size_bytes for e in entries))
+    return f"{len(entries)} entries, {size}" + (f" ({by_state})" if by_state else "")
+
+
+def render_ls(entries: list[kc.Entry], root: Path) -> None:
+    """The `ls` table and totals (shared with the benchmark, which times it)."""
+    columns = ("program", "fingerprint", "state", "reason", "size", "last used", "hits")
+    print_table(f"program cache {root}", columns, _rows(entries, time.time()))
+    print(_totals(entries))
+
+
+def _ls(args: argparse.Namespace) -> int:
+    cache = _cache(args)
+    entries = cache.inventory(_reference(args))
+    if args.json:
+        print_json([e.to_json() for e in entries])
+        return 0
+    render_ls(entries, cache.root)
+    problem = cache.trust_problem()
+    if problem:
+        print(f"warning: {problem}", file=sys.stderr)
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    cache = _cache(args)
+    cache.check_trust()
+    bad = cache.verify()
+    if args.json:
+        print_json([e.to_json() for e in bad])
+    else:
+        for e in bad:
+            print(f"quarantined {e.program}/{e.fingerprint[:12]}: {e.reason}")
+        total = sum(1 for e in cache.inventory() if e.state != kc.PARTIAL)
+        print(f"{total} entries checked, {len(bad)} quarantined")
+    return 1 if bad else 0
+
+
+def _purge(args: argparse.Namespace) -> int:
+    cache = _cache(args)
+    needs_reference = args.selection == "stale"
+    entries = cache.inventory(_reference(args) if needs_reference else None)
+    if args.program:
+        chosen = [e for e in entries if e.program == args.program]
+    else:
+        chosen = [e for e in entries if PURGE_SELECTIONS[args.selection](e)]
+    busy = [e for e in chosen if e.busy]
+    chosen = [e for e in chosen if not e.busy]
+    for e in chosen:
+        print(f"{'would delete' if args.dry_run else 'delete'} {e.program}/{e.fingerprint[:12]} "
+              f"({e.state}, {format_size(e.size_bytes)}) {e.reason}".rstrip())
+    for e in busy:
+        print(f"skip {e.program}/{e.fingerprint[:12]}: {e.reason}")
+    if args.dry_run or not chosen:
+        print(f"{len(chosen)} entries, {format_size(sum(e.size_bytes for e in chosen))}"
+              + (" (dry run)" if args.dry_run else ""))
+        return 0
+    _confirm(args, f"delete {len(chosen)} entries from {cache.root}?")
+    removed = cache.remove(chosen)
+    print(f"deleted {len(removed)} entries, {format_size(sum(e.size_bytes for e in removed))}")
+    return 0
+
+
+def _confirm(args: argparse.Namespace, question: str) -> None:
+    if args.yes:
+        return
+    if not sys.stdin.isatty():
+        raise UserError(f"{question} pass --yes to confirm (stdin is not a terminal)")
+    if input(f"{question} [y/N] ").strip().lower() not in ("y", "yes"):
+        raise UserError("nothing deleted")
+
+
+def _gc(args: argparse.Namespace) -> int:
+    try:
+        max_size = parse_size(args.max_size)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    cache = _cache(args)
+    removed = cache.gc(max_size)
+    for e in removed:
+        print(f"delete {e.program}/{e.fingerprint[:12]} ({e.state}, {format_size(e.size_bytes)})")
+    left = sum(e.size_bytes for e in cache.inventory())
+    print(f"deleted {len(removed)} entries; cache now {format_size(left)} (limit {format_size(max_size)})")
+    return 0
+
+
+def _why(args: argparse.Namespace) -> int:
+    cache = _cache(args)
+    reference = _reference(args)
+    live = reference.keys.get(args.program)
+    entries = [e for e in cache.inventory(reference) if e.program == args.program]
+    if live is not None:
+        result = cache.probe(args.program, live)
+        verdict = "HIT" if result.hit else f"MISS: {result.reason}"
+        print(f"{args.program}: {verdict}")
+    else:
+        print(f"{args.program}: no live key (not defined by a registered program module); "
+              "entries judged by toolchain only")
+    for e in entries:
+        print(f"  {e.fingerprint[:12]} {e.state}" + (f": {e.reason}" if e.reason else ""))
+    if not entries:
+        print("  no entries cached for this program")
+    return 0 if live is not None and result.hit else 1

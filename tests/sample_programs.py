@@ -1,0 +1,40 @@
+"""Tiny programs for the program-cache tests (kept in a file: their source is part of the key)."""
+
+from __future__ import annotations
+
+import torch
+
+from runtime.programs import DynamicDim, ProgramSpec, TensorSpec
+
+
+def _gate(scores: torch.Tensor) -> torch.Tensor:
+    return torch.softmax(scores, dim=-1)
+
+
+def scaled_mlp(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """A pure function of activations and weights (both inputs)."""
+    return _gate(torch.relu(x @ w)) * scale
+
+
+def spec(name: str = "mlp", hidden: int = 8, out: int = 4, **layout: int) -> ProgramSpec:
+    return ProgramSpec(
+        name=name,
+        fn=scaled_mlp,
+        inputs=(
+            TensorSpec("x", "float32", ("tokens", hidden)),
+            TensorSpec("w", "float32", (hidden, out)),
+            TensorSpec("scale", "float32", (out,)),
+        ),
+        dims=(DynamicDim("tokens", 1, 64),),
+        layout=layout,
+        model_dims={"hidden": hidden, "out": out},
+    )
+
+
+def inputs(tokens: int = 5, hidden: int = 8, out: int = 4, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    return (
+        torch.randn(tokens, hidden, generator=g),
+        torch.randn(hidden, out, generator=g),
+        torch.randn(out, generator=g),
+    )
