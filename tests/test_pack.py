@@ -1,0 +1,100 @@
+"""Packing rules: every family's packed form equals the dequantised checkpoint tensor."""
+
+import pytest
+import torch
+
+from runtime.config import load_config
+from runtime.pack import RULES, PackPlan, dequantize, pack_in_memory, quantize_rows, rule_for
+from runtime.tensors import all_params
+from store.checkpoint import Checkpoint
+
+
+@pytest.fixture(scope="module")
+def packed(tiny_ckpt_ro):
+    ck = Checkpoint.open(tiny_ckpt_ro)
+    config = load_config(tiny_ckpt_ro)
+    plan = PackPlan(config, ranks=2)
+    return ck, config, plan, pack_in_memory(ck, plan)
+
+
+def test_every_checkpoint_parameter_has_exactly_one_rule(packed):
+    _, config, plan, _ = packed
+    assert set(plan.slots) == {p.name for p in all_params(config)}
+    used = {s.rule for s in plan.slots.values()}
+    assert used == set(RULES)  # no dead rows in the table
+
+
+def test_plan_matches_packed_tensors(packed):
+    _, _, plan, tensors = packed
+    assert set(tensors) == plan.names()
+    dt = {"I8": torch.int8, "F32": torch.float32, "BF16": torch.bfloat16, "I32": torch.int32}
+    for name, t in plan.tensors.items():
+        assert tuple(tensors[name].shape) == t.shape and tensors[name].dtype == dt[t.dtype], name
+
+
+def _unpacked(tensors, slot):
+    return [tensors[n][slot.index] for n in slot.names]
+
+
+@pytest.mark.parametrize("name", [
+    "layers.2.attn.wq_a.weight",          # FP8, all layers
+    "mtp.0.e_proj.weight",                # FP8, MTP
+    "layers.4.attn.indexer.wq_b.weight",  # FP8, CSA group
+    "layers.1.ffn.experts.6.w2.weight",   # FP4, rank-major experts
+    "mtp.0.ffn.experts.3.w1.weight",      # FP4, MTP experts
+])
+def test_int8_rows_times_scale_match_dequantised_weight(packed, name):
+    ck, config, plan, tensors = packed
+    p = next(p for p in all_params(config) if p.name == name)
+    slot = plan.slots[name]
+    q, scale = _unpacked(tensors, slot)
+    ref = dequantize(ck, config, p)
+    back = (q.float() * scale[None, :]).t()
+    # per-row int8: error at most half a step of that row's scale
+    assert ((back - ref).abs() <= scale[:, None] * 0.5 + 1e-7).all()
+
+
+def test_expert_slot_is_rank_major(packed):
+    _, config, plan, _ = packed
+    per_rank = config.n_routed_experts // 2
+    slot = plan.slots["layers.3.ffn.experts.5.w2.weight"]
+    assert slot.index == (5 // per_rank, 3, 5 % per_rank)
+    assert plan.tensors["layers.ffn.experts.w2.qweight"].shape[:3] == (2, config.num_hidden_layers, per_rank)
+
+
+def test_plain_families(packed):
+    ck, _config, plan, tensors = packed
+    gate = _unpacked(tensors, plan.slots["layers.1.ffn.gate.weight"])[0]
+    assert torch.equal(gate, ck.read("layers.1.ffn.gate.weight").t())
+    tid = _unpacked(tensors, plan.slots["layers.1.ffn.gate.tid2eid"])[0]
+    assert tid.dtype == torch.int32 and torch.equal(tid.long(), ck.read("layers.1.ffn.gate.tid2eid"))
+    bias = _unpacked(tensors, plan.slots["layers.2.ffn.gate.bias"])[0]
+    assert torch.equal(bias, ck.read("layers.2.ffn.gate.bias"))
+    assert plan.slots["layers.2.ffn.gate.bias"].index == (0,)  # first score-routed layer
+    hca = _unpacked(tensors, plan.slots["layers.3.attn.compressor.wkv.weight"])[0]
+    assert torch.equal(hca, ck.read("layers.3.attn.compressor.wkv.weight").t())
+    assert torch.equal(tensors["head.weight"], ck.read("head.weight").t())
+
+
+def test_packing_is_deterministic(packed, tiny_ckpt_ro):
+    _ck, config, _plan, tensors = packed
+    again = pack_in_memory(Checkpoint.open(tiny_ckpt_ro), PackPlan(config, ranks=2))
+    for n in tensors:
+        assert torch.equal(tensors[n].view(torch.uint8), again[n].view(torch.uint8)), n
+
+
+def test_quantize_rows_zero_row_is_safe():
+    q, s = quantize_rows(torch.zeros(3, 4))
+    assert q.shape == (4, 3) and torch.isfinite(s).all() and (q == 0).all()
+
+
+def test_unknown_family_has_no_rule():
+    with pytest.raises(KeyError):
+        rule_for("attn.new_thing.weight")
+
+
+def test_ranks_must_divide_experts(tiny_ckpt_ro):
+    from runtime.config import ConfigError
+
+    with pytest.raises(ConfigError):
+        PackPlan(load_config(tiny_ckpt_ro), ranks=3)
