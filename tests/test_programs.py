@@ -1,0 +1,176 @@
+"""Programs: keys from specs, compile from the signature, prepare through the cache, load safely."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import sample_programs as sp
+import torch
+
+from console.cli import main as cli
+from runtime import programs
+from runtime.programs import ARTIFACT, ProgramSpec, prepare, program_key, source_components
+from store.fingerprint import UNKNOWN, fingerprint
+from store.kernel_cache import CURRENT, QUARANTINE, KernelCache
+
+TESTS = Path(__file__).parent
+
+
+@pytest.fixture
+def cache(tmp_path) -> KernelCache:
+    return KernelCache(tmp_path / "programs")
+
+
+def _same(run, tokens: int = 7) -> bool:
+    x = sp.inputs(tokens=tokens)
+    return torch.allclose(run(*x), sp.scaled_mlp(*x))
+
+
+def test_export_round_trip_compiles_once_then_hits_with_same_outputs(cache):
+    first = prepare(sp.spec(), cache=cache, backend="export")
+    second = prepare(sp.spec(), cache=cache, backend="export")
+    assert (first.outcome, first.reason) == ("compiled", "not cached")
+    assert (second.outcome, second.reason) == ("hit", "")
+    assert first.fingerprint == second.fingerprint
+    assert _same(second.run, tokens=7) and _same(second.run, tokens=33)  # dynamic dim honoured
+
+
+def test_layout_change_misses_as_another_configuration(cache):
+    prepare(sp.spec(tp=1), cache=cache, backend="export")
+    other = prepare(sp.spec(tp=2), cache=cache, backend="export")
+    assert other.outcome == "compiled"
+    assert other.reason.startswith("not cached for this configuration: layout")
+
+
+def _load_module(path: Path, source: str):
+    path.write_text(textwrap.dedent(source))
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _source_hashes(module) -> list[str]:
+    return [v for _, v in source_components(module.f)]
+
+
+def test_comments_whitespace_and_docstrings_do_not_change_the_source_key(tmp_path):
+    plain = _load_module(tmp_path / "a.py", "def f(x):\n    return x + 1\n")
+    noisy = _load_module(
+        tmp_path / "b.py",
+        '''
+        def f(x):   # add one
+            """Docstrings are documentation, not code."""
+
+            return x   +   1   # really
+        ''',
+    )
+    changed = _load_module(tmp_path / "c.py", "def f(x):\n    return x + 2\n")
+    assert _source_hashes(plain) == _source_hashes(noisy)
+    assert _source_hashes(plain) != _source_hashes(changed)
+
+
+def test_source_key_covers_the_project_functions_a_program_calls():
+    names = [n for n, _ in source_components(sp.scaled_mlp)]
+    assert names == ["source:sample_programs._gate", "source:sample_programs.scaled_mlp"]
+
+
+def test_key_covers_toolchain_and_relevant_env_only(monkeypatch):
+    base = program_key(sp.spec(), "aoti")
+    components = base.as_dict()
+    assert components["torch"] == torch.__version__
+    assert components["torch.git"] == torch.version.git_version
+    assert components["compiler"] != UNKNOWN and "device.cpu" in components
+    assert "compiler" not in program_key(sp.spec(), "export").as_dict()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/somewhere/else")
+    assert program_key(sp.spec(), "aoti") == base
+    monkeypatch.setenv("TORCHINDUCTOR_MAX_AUTOTUNE", "1")
+    assert program_key(sp.spec(), "aoti").as_dict()["env"] == {"TORCHINDUCTOR_MAX_AUTOTUNE": "1"}
+
+
+def test_function_without_readable_source_is_compiled_but_never_cached(cache):
+    namespace: dict = {}
+    exec("def anonymous(x, w, scale):\n    return (x @ w) * scale\n", namespace)
+    spec = ProgramSpec("anonymous", namespace["anonymous"], sp.spec().inputs, sp.spec().dims)
+    prepared = prepare(spec, cache=cache, backend="export")
+    assert prepared.outcome == "uncached" and "unknown components" in prepared.reason
+    assert cache.inventory() == []
+    x = sp.inputs()
+    assert torch.allclose(prepared.run(*x), namespace["anonymous"](*x))
+
+
+def test_entry_that_fails_to_load_is_quarantined_and_recompiled(cache):
+    key = program_key(sp.spec(), "export")
+    cache.publish("mlp", key, {ARTIFACT: b"verified bytes that are no program"})
+    prepared = prepare(sp.spec(), cache=cache, backend="export")
+    assert prepared.outcome == "compiled" and _same(prepared.run)
+    assert len(list((cache.root / QUARANTINE).iterdir())) == 1
+    assert prepare(sp.spec(), cache=cache, backend="export").outcome == "hit"
+
+
+def test_eager_backend_bypasses_the_cache(cache):
+    prepared = prepare(sp.spec(), cache=cache, backend="eager")
+    assert prepared.outcome == "eager" and prepared.run is sp.scaled_mlp
+    assert cache.inventory() == []
+
+
+def test_why_and_ls_judge_registered_programs_by_their_live_key(cache, monkeypatch, capsys):
+    monkeypatch.setattr(programs, "_REGISTRY", {"mlp": sp.spec()})
+    prepare(sp.spec(), cache=cache, backend="export")
+    # the live key uses the default backend (aoti): the export entry is another configuration
+    assert cli(["cache", "why", "mlp", "--cache-dir", str(cache.root)]) == 1
+    assert "not cached for this configuration: backend export → aoti" in capsys.readouterr().out
+    monkeypatch.setattr(programs, "default_backend", lambda device: "export")
+    assert cli(["cache", "why", "mlp", "--cache-dir", str(cache.root)]) == 0
+    assert "mlp: HIT" in capsys.readouterr().out
+    assert [e.state for e in cache.inventory(programs.reference())] == [CURRENT]
+
+
+CHILD = """
+import sys, torch
+import sample_programs as sp
+from runtime.programs import prepare
+from store.kernel_cache import KernelCache
+prepared = prepare(sp.spec(), cache=KernelCache(sys.argv[1]), backend="export")
+print(prepared.outcome, flush=True)
+sys.stdin.readline()
+x = sp.inputs(tokens=11)
+print(torch.allclose(prepared.run(*x), sp.scaled_mlp(*x)), flush=True)
+"""
+
+
+def test_purge_while_another_process_holds_a_loaded_program(cache):
+    prepare(sp.spec(), cache=cache, backend="export")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)])}
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(cache.root)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert child.stdout.readline().strip() == "hit"
+        assert cli(["cache", "purge", "--all", "--yes", "--cache-dir", str(cache.root)]) == 0
+        assert cache.inventory() == []
+        out, _ = child.communicate("go\n", timeout=60)
+    finally:
+        child.kill()
+    assert child.returncode == 0 and out.strip() == "True"
+
+
+@pytest.mark.slow
+def test_aoti_package_round_trip_through_the_cache(cache):
+    first = prepare(sp.spec(), cache=cache, backend="aoti")
+    second = prepare(sp.spec(), cache=cache, backend="aoti")
+    assert (first.outcome, second.outcome) == ("compiled", "hit")
+    assert _same(first.run) and _same(second.run, tokens=40)
+    entry = cache.root / "v1" / "mlp" / second.fingerprint
+    assert second.fingerprint == fingerprint(program_key(sp.spec(), "aoti"))
+    assert (entry / ARTIFACT).stat().st_size > 0
