@@ -220,7 +220,7 @@ def _warm(args: argparse.Namespace) -> int:
     else:
         print(
             f"read throughput not recorded: only {format_size(result.cold_bytes)} were cold "
-            f"(needs ≥ {format_size(pagecache.MIN_MEASURED_BYTES)}; evict first to measure)"
+            f"(a measurement needs ≥ {format_size(pagecache.MIN_MEASURED_BYTES)} cold)"
         )
     return 0
 

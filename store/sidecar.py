@@ -5,7 +5,9 @@ layout of one checkpoint for one (ranks, layout). The packing rules live in runt
 this module only knows plans, bytes and keys. What the packer calls:
 
     key  = source_key(model_dir, format=F, packer_version=V, ranks=R, layout=L)  # BEFORE packing
-    info = write_sidecar(path, plan, tensors, metadata=sidecar_metadata(key, model_dir),
+    plan = [TensorPlan(t.name, t.dtype, t.shape) for t in pack_plan.tensors.values()]
+    info = write_sidecar(path, plan, runtime.pack.stream(ckpt, pack_plan),
+                         metadata=sidecar_metadata(key, model_dir),
                          mode_from=a_shard, force=False, progress=cb)
     verdict, mapped = open_sidecar(path, expected_key=key, expected_names=names)
     if mapped: use mapped.tensors (zero-copy, read-only views); mapped.close() when done
@@ -16,18 +18,27 @@ Differences from the brief, all additive:
   recomputed from the checkpoint dir and the settings recorded in the sidecar (`source_dir`,
   `source_key`). `dsv4 sidecar status` uses this until the packer's settings are importable.
 - The loader class is `MappedSidecar` (not `Mapping`, which would shadow collections.abc).
+- The stream may yield whole tensors `(name, tensor)` or slices of stacked ones
+  `(name, leading_index, slice)`, in any order, so the packer streams one layer at a time and
+  never assembles a stacked tensor in memory. Each slice is checked against the plan, written at
+  its precomputed offset (`pwrite`), and released; a slice given twice, or missing at the end,
+  aborts the write (nothing is published).
 - Data layout: tensors are laid out in plan order *grouped by element size* (8-byte dtypes
-  first), so every zero-copy view is naturally aligned; the writer `pwrite`s each tensor at its
-  precomputed offset as it arrives (a plan already sorted that way is written sequentially).
+  first), so every zero-copy view is naturally aligned.
 - `metadata["pack_seconds"]`, when the caller gives it, is kept (the packer may time packing
-  alone); otherwise the writer records the wall time from first to last tensor.
+  alone); otherwise the writer records the wall time from asking for the first tensor to
+  writing the last (packing plus writing).
+- Metadata also holds `source_dir` (the checkpoint dir, resolved), kept out of the key so a
+  checkpoint moved together with its sidecar stays valid.
 - A shard touched while packing is detected at the end of the write: the sidecar is still
   published (it is stale, never wrong) and `SidecarInfo.stale_detail` / the log say so.
 
 The loader does everything through one file descriptor (fstat, header, validation, residency,
 mmap), so a concurrent `os.replace` of the path can never mix two files in one load. The
-mapping is MAP_SHARED + PROT_READ: views are read-only (writing through one faults) and page
-cache pages are shared, never copied on write.
+mapping is MAP_SHARED + PROT_READ: page-cache pages are shared, never copied on write, and the
+views are truly read-only — writing through one kills the process with SIGSEGV, so consumers
+copy (`.clone()`, `.to(device)`) before any in-place op. Writers always publish by rename;
+truncating a mapped sidecar in place would SIGBUS its readers, which is why nothing does.
 
 This module imports torch only inside the functions that make or return tensors; the console
 calls `inspect` without torch.
@@ -377,6 +388,8 @@ class SidecarInfo:
     stale_detail: str = ""  # non-empty: the checkpoint changed while packing
 
 
+# (name, tensor) for a whole tensor, or (name, leading index, slice) for part of a stacked one
+Part = tuple[str, "torch.Tensor"] | tuple[str, tuple[int, ...], "torch.Tensor"]
 # progress(bytes_written, bytes_total)
 WriteProgress = Callable[[int, int], None]
 
@@ -406,31 +419,77 @@ def _write_tensor(fd: int, tensor: torch.Tensor, offset: int, u8: torch.dtype) -
     _pwrite_all(fd, raw.numpy(), offset)
 
 
-def _check_tensor(plan: TensorPlan, name: str, tensor: Any, dtypes: dict) -> None:
-    if name != plan.name:
-        raise ValueError(
-            f"tensor stream out of plan order: got {name!r}, plan expects {plan.name!r}"
-        )
-    if tensor.dtype != dtypes[plan.dtype]:
-        raise ValueError(f"{name}: dtype {tensor.dtype} but the plan says {plan.dtype}")
-    if tuple(tensor.shape) != plan.shape:
-        raise ValueError(f"{name}: shape {tuple(tensor.shape)} but the plan says {plan.shape}")
+class _Coverage:
+    """Which slices of each planned tensor have been written: each exactly once, all of them."""
+
+    def __init__(self, placed: list[tuple[TensorPlan, int]]) -> None:
+        self.placed = {p.name: (p, offset) for p, offset in placed}
+        self.depth: dict[str, int] = {}
+        self.written: dict[str, set[tuple[int, ...]]] = {}
+
+    def locate(
+        self, name: str, index: tuple[int, ...], tensor: Any, dtypes: dict
+    ) -> tuple[int, int]:
+        """(data offset, byte count) of this slice, after checking it against the plan."""
+        if name not in self.placed:
+            raise ValueError(f"tensor stream yielded {name!r}, which is not in the plan")
+        p, offset = self.placed[name]
+        k = len(index)
+        lead, rest = p.shape[:k], p.shape[k:]
+        if k > len(p.shape) or not all(
+            _is_int(i) and 0 <= i < d for i, d in zip(index, lead, strict=True)
+        ):
+            raise ValueError(f"{name}: index {index} is outside its leading dims {lead}")
+        if self.depth.setdefault(name, k) != k:
+            raise ValueError(f"{name}: slices mix index depths {self.depth[name]} and {k}")
+        seen = self.written.setdefault(name, set())
+        if index in seen:
+            raise ValueError(f"{name}: slice {index} yielded twice")
+        if tensor.dtype != dtypes[p.dtype]:
+            raise ValueError(f"{name}: dtype {tensor.dtype} but the plan says {p.dtype}")
+        if tuple(tensor.shape) != rest:
+            raise ValueError(f"{name}{list(index)}: shape {tuple(tensor.shape)}, plan says {rest}")
+        seen.add(index)
+        nbytes = math.prod(rest) * DTYPE_SIZES[p.dtype]
+        flat = 0
+        for i, d in zip(index, lead, strict=True):
+            flat = flat * d + i
+        return offset + flat * nbytes, nbytes
+
+    def incomplete(self) -> list[str]:
+        out = []
+        for name, (p, _) in self.placed.items():
+            want = math.prod(p.shape[: self.depth.get(name, 0)])
+            got = len(self.written.get(name, ()))
+            if got != want and p.nbytes:
+                out.append(f"{name} ({got} of {want} slices)" if got else f"{name} (missing)")
+        return out
+
+
+def _part(item: tuple) -> tuple[str, tuple[int, ...], Any]:
+    if len(item) == 2:
+        return item[0], (), item[1]
+    name, index, tensor = item
+    return name, tuple(index), tensor
 
 
 def write_sidecar(
     path: Path | str,
     plan: list[TensorPlan],
-    tensors: Iterable[tuple[str, torch.Tensor]],
+    tensors: Iterable[Part],
     *,
     metadata: dict[str, str],
     mode_from: Path | str | None = None,
     force: bool = False,
     progress: WriteProgress | None = None,
 ) -> SidecarInfo:
-    """Stream `tensors` (in plan order) into a sidecar at `path`, published in one rename.
+    """Stream `tensors` into a sidecar at `path`, published in one rename.
 
-    The header comes from the plan and is written before the first tensor is consumed; only
-    one tensor is held at a time. The file gets `mode_from`'s permission bits (a checkpoint
+    Items are `(name, tensor)` for a whole planned tensor or `(name, index, slice)` for the
+    slice at leading index `index` of a stacked one (`runtime.pack.stream` yields these), in
+    any order; each is checked against the plan and written at its offset as it arrives, and
+    every slice must come exactly once. The header comes from the plan and is written before
+    the first item is consumed; only one item is held at a time. The file gets `mode_from`'s permission bits (a checkpoint
     shard), else 0644 & ~umask. A crash leaves only a staging file, which later writers sweep.
     """
     path = Path(path)
@@ -457,6 +516,8 @@ def write_sidecar(
     keep_pack_seconds = "pack_seconds" in meta
     meta.setdefault("pack_seconds", "0")
     header = _encode_header(entries, meta, None)
+    if len(header) - 8 > MAX_HEADER_BYTES:
+        raise ValueError(f"plan header of {len(header)} bytes exceeds {MAX_HEADER_BYTES}")
     data_bytes = sum(p.nbytes for p in plan)
     total = len(header) + data_bytes
 
@@ -468,20 +529,20 @@ def write_sidecar(
             _reserve(fd, total)
             _pwrite_all(fd, header, 0)
             data_start, done = len(header), len(header)
-            stream = iter(tensors)
-            for p, offset in placed:
-                item = next(stream, None)
-                if item is None:
-                    raise ValueError(f"tensor stream ended before {p.name!r} ({len(plan)} planned)")
-                _check_tensor(p, *item, dtypes)
-                if p.nbytes:
-                    _write_tensor(fd, item[1], data_start + offset, dtypes["U8"])
-                del item  # the next tensor is packed only after this one is released
-                done += p.nbytes
+            coverage = _Coverage(placed)
+            for item in tensors:
+                name, index, tensor = _part(item)
+                offset, nbytes = coverage.locate(name, index, tensor, dtypes)
+                if nbytes:
+                    _write_tensor(fd, tensor, data_start + offset, dtypes["U8"])
+                del item, tensor  # released before the next one is packed
+                done += nbytes
                 if progress is not None:
                     progress(done, total)
-            if next(stream, None) is not None:
-                raise ValueError(f"tensor stream has more tensors than the {len(plan)} planned")
+            incomplete = coverage.incomplete()
+            if incomplete:
+                shown = ", ".join(incomplete[:5]) + (", …" if len(incomplete) > 5 else "")
+                raise ValueError(f"tensor stream ended with {len(incomplete)} incomplete: {shown}")
             pack_seconds = time.monotonic() - start
             if not keep_pack_seconds:
                 meta["pack_seconds"] = f"{pack_seconds:.6f}"
@@ -550,9 +611,12 @@ def sweep_temp_files(
             continue
         pid = atomic.staging_writer_pid(p.name)
         try:
-            age = now - p.lstat().st_mtime
+            st = p.lstat()
         except FileNotFoundError:
             continue
+        if not stat.S_ISREG(st.st_mode):
+            continue
+        age = now - st.st_mtime
         leftover = not _pid_alive(pid) if pid is not None else age >= min_age_s
         if not leftover:
             continue

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import struct
 import subprocess
@@ -156,23 +157,55 @@ def test_every_view_is_aligned_to_its_element_size(model_dir):
                 assert t.data_ptr() % t.element_size() == 0
 
 
+def _swap(items, name, fn):
+    return [(n, fn(t) if n == name else t) for n, t in items]
+
+
 @pytest.mark.parametrize(
     "mutate, message",
     [
-        (lambda items: [("wrong", items[0][1]), *items[1:]], "out of plan order"),
-        (lambda items: [(items[0][0], items[0][1].to(torch.int32)), *items[1:]], "dtype"),
-        (lambda items: [(items[0][0], items[0][1].reshape(5, 3)), *items[1:]], "shape"),
-        (lambda items: items[:-1], "ended before"),
-        (lambda items: [*items, ("extra", torch.zeros(1))], "more tensors"),
+        (lambda items: [("wrong", torch.zeros(1)), *items], "not in the plan"),
+        (lambda items: _swap(items, "layers.scale", lambda t: t.double()), "dtype"),
+        (lambda items: _swap(items, "layers.w_int8", lambda t: t.reshape(5, 3)), "shape"),
+        (
+            lambda items: [(n, t) for n, t in items if n not in ("mask", "fp8")],
+            "incomplete: mask (missing), fp8 (missing)",
+        ),
+        (lambda items: [*items, items[0]], "yielded twice"),
     ],
-    ids=["name", "dtype", "shape", "too-few", "too-many"],
+    ids=["name", "dtype", "shape", "too-few", "twice"],
 )
 def test_a_stream_that_disagrees_with_its_plan_publishes_nothing(model_dir, mutate, message):
     tensors = sample_tensors()
-    with pytest.raises(ValueError, match=message):
-        write(model_dir, tensors=tensors, stream=iter(mutate(list(tensors.items()))))
+    items = list(reversed(tensors.items()))  # any order is fine: the plan fixes the layout
+    with pytest.raises(ValueError, match=re.escape(message)):
+        write(model_dir, tensors=tensors, stream=iter(mutate(items)))
     assert sidecar.find_sidecars(model_dir) == []
     assert not [p for p in model_dir.iterdir() if atomic.is_staging(p.name)]
+
+
+def test_stacked_tensors_are_written_slice_by_slice_in_any_order(model_dir):
+    experts = torch.arange(2 * 3 * 4 * 5, dtype=torch.float32).reshape(2, 3, 4, 5)
+    layers = torch.arange(3 * 6, dtype=torch.int8).reshape(3, 6)
+    tensors = {"layers.experts.w1": experts, "layers.norm": layers}
+    parts = [
+        ("layers.experts.w1", (rank, layer, e), experts[rank, layer, e])
+        for rank in range(2)
+        for layer in range(3)
+        for e in range(4)
+    ]
+    parts += [("layers.norm", (i,), layers[i]) for i in range(3)]
+    path, _, _ = write(model_dir, tensors=tensors, stream=iter(reversed(parts)))
+    assert_equal_tensors(load_file(path), tensors)
+
+    for bad, message in [
+        ([*parts[:-1], ("layers.norm", (3,), layers[0])], "outside its leading dims"),
+        ([*parts, ("layers.norm", (), layers)], "mix index depths"),
+        (parts[1:], "layers.experts.w1 (23 of 24 slices)"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            write(model_dir, path=model_dir / "bad.safetensors", tensors=tensors, stream=iter(bad))
+    assert not (model_dir / "bad.safetensors").exists()
 
 
 def test_refuses_to_overwrite_without_force_and_replaces_with_force(model_dir):
