@@ -1,12 +1,15 @@
 """`dsv4 sidecar status|warm|evict`: the prepacked weight sidecar as an operator sees it.
 
-Torch-free: verdicts come from `store.sidecar.inspect`, which reads headers, never tensors.
-(`dsv4 prepack`, which writes sidecars, comes with the packer.)
+Verdicts come from `store.sidecar.inspect`, which reads headers, never tensors. `status` of a
+sidecar FILE stays torch-free (judged against the settings it records); `status` of a
+checkpoint DIR asks the packer (`runtime.prepack.judge`, which imports torch) for the live key
+and tensor names, exactly as loading would. `dsv4 prepack` writes sidecars.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from pathlib import Path
@@ -21,10 +24,15 @@ Judge a sidecar the way loading would: MAP it, or REPACK (missing, stale, cold, 
 MODEL_DIR_OR_PATH is either a sidecar file, or a checkpoint directory whose sidecar is found
 beside it by name (dsv4-packed.rRANKS.safetensors; pass --ranks when there are several).
 
-Staleness is judged against the checkpoint the sidecar records (its source dir and the
-format, packer version, ranks and layout it was packed with): a changed config.json, index or
-shard makes it stale. A newer packer version or a different layout is only seen by the
-loader, which knows the settings it wants; tensor names are likewise checked at load time.
+Given a checkpoint dir, the sidecar is judged exactly as loading would judge it: against
+this packer's format, version and layout, the ranks (--ranks, else the file name's), the
+checkpoint's config.json, index and shards, and the tensor names the pack plan expects. So a
+newer packer, other ranks or a different tensor set read as REPACK too.
+
+Given a sidecar file, it is judged against the checkpoint it records (its source dir and the
+settings it was packed with): a changed config.json, index or shard makes it stale; a newer
+packer version, layout or tensor set is not seen this way. The same holds for a checkpoint
+dir whose config.json this runtime cannot plan (the output says which way was used).
 Leftover staging files of crashed writers beside the sidecar are listed, not removed.
 """
 
@@ -123,6 +131,7 @@ def _status(args: argparse.Namespace) -> int:
     if not 0.0 <= args.cold_threshold <= 1.0:
         raise UserError(f"--cold-threshold {args.cold_threshold}: give a fraction within 0..1")
     path = _resolve(args.target, args.ranks)
+    judged_against = RECORDED
     if path is None:
         pattern = Path(args.target) / f"{sidecar.FILE_PREFIX}.r*.safetensors"
         verdict = sidecar.Verdict(
@@ -131,12 +140,20 @@ def _status(args: argparse.Namespace) -> int:
         )  # fmt: skip
         directory = Path(args.target)
     else:
-        verdict = sidecar.inspect(
-            path, cold_threshold=args.cold_threshold, cold_policy=args.cold_policy
-        )
+        verdict = None
+        if Path(args.target).expanduser().is_dir():
+            verdict, judged_against = _judge_live(Path(args.target).expanduser(), path, args)
+        if verdict is None:
+            verdict = sidecar.inspect(
+                path, cold_threshold=args.cold_threshold, cold_policy=args.cold_policy
+            )
         directory = path.parent
     leftovers = sidecar.sweep_temp_files(directory, remove=False)
-    data = {**verdict.to_json(), "leftover_temp_files": [str(p) for p in leftovers]}
+    data = {
+        **verdict.to_json(),
+        "judged_against": judged_against,
+        "leftover_temp_files": [str(p) for p in leftovers],
+    }
     if args.json:
         from console.output import print_json
 
@@ -152,10 +169,37 @@ def _status(args: argparse.Namespace) -> int:
         ("tensors", verdict.tensors or "-"),
         ("age", _age(data["age_seconds"])),
         ("pack seconds", "-" if verdict.pack_seconds is None else f"{verdict.pack_seconds:.1f}"),
+        ("judged against", judged_against),
     ]
     rows += [("leftover", str(p)) for p in leftovers]
     print_table(verdict.path, ("field", "value"), rows)
     return 0
+
+
+RECORDED = "settings recorded in the sidecar"
+LIVE = "this packer's key and tensor names"
+
+
+def _judge_live(
+    model_dir: Path, path: Path, args: argparse.Namespace
+) -> tuple[sidecar.Verdict | None, str]:
+    """The loader's verdict (live key and plan names), or None with why it cannot be had."""
+    ranks = args.ranks
+    if ranks is None:
+        m = re.fullmatch(rf"{re.escape(sidecar.FILE_PREFIX)}\.r(\d+)\.safetensors", path.name)
+        if m is None:
+            return None, f"{RECORDED} (pass --ranks to judge it as loading would)"
+        ranks = int(m.group(1))
+    from runtime.config import ConfigError
+    from runtime.prepack import judge
+
+    try:
+        verdict = judge(
+            model_dir, ranks, path, cold_policy=args.cold_policy, cold_threshold=args.cold_threshold
+        )
+    except ConfigError as e:
+        return None, f"{RECORDED} (cannot plan this checkpoint: {e})"
+    return verdict, f"{LIVE} (ranks {ranks})"
 
 
 def _percent(fraction: float | None, method: str | None) -> str:

@@ -482,6 +482,7 @@ def write_sidecar(
     mode_from: Path | str | None = None,
     force: bool = False,
     progress: WriteProgress | None = None,
+    pack_seconds: Callable[[], float] | None = None,
 ) -> SidecarInfo:
     """Stream `tensors` into a sidecar at `path`, published in one rename.
 
@@ -491,6 +492,9 @@ def write_sidecar(
     every slice must come exactly once. The header comes from the plan and is written before
     the first item is consumed; only one item is held at a time. The file gets `mode_from`'s permission bits (a checkpoint
     shard), else 0644 & ~umask. A crash leaves only a staging file, which later writers sweep.
+
+    `pack_seconds`, when given, is asked after the last item and recorded (the packer times
+    packing alone, which is what a repack at load time costs); else the writer's wall time is.
     """
     path = Path(path)
     missing = [
@@ -543,9 +547,9 @@ def write_sidecar(
             if incomplete:
                 shown = ", ".join(incomplete[:5]) + (", …" if len(incomplete) > 5 else "")
                 raise ValueError(f"tensor stream ended with {len(incomplete)} incomplete: {shown}")
-            pack_seconds = time.monotonic() - start
+            seconds = pack_seconds() if pack_seconds is not None else time.monotonic() - start
             if not keep_pack_seconds:
-                meta["pack_seconds"] = f"{pack_seconds:.6f}"
+                meta["pack_seconds"] = f"{seconds:.6f}"
                 _pwrite_all(fd, _encode_header(entries, meta, len(header) - 8), 0)
     except FileExistsError:
         raise UserError(f"{path} appeared while writing; pass --force to replace it") from None

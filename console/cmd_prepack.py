@@ -1,0 +1,64 @@
+"""`dsv4 prepack MODEL_DIR`: pack a checkpoint once into a weight sidecar beside it."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from console.progress import byte_progress
+from store.units import format_size
+
+DESCRIPTION = """\
+Pack MODEL_DIR into the serving layout once and write it as a sidecar (a safetensors file,
+dsv4-packed.rRANKS.safetensors beside the checkpoint unless --out says otherwise), so launches
+map it instead of repacking. Memory stays at about one layer whatever the model size; the file
+is published in one rename (a crash leaves no partial sidecar) with the mode of a checkpoint
+shard. Exits 1 when the checkpoint changed while packing (the sidecar is then already stale).
+"""
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "prepack",
+        help="pack a checkpoint into a weight sidecar (mapped at launch instead of repacking)",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("model_dir", metavar="MODEL_DIR", type=Path, help="checkpoint directory")
+    p.add_argument(
+        "--ranks", type=int, default=1, help="ranks the experts are split over (default 1)"
+    )
+    p.add_argument("--out", type=Path, metavar="PATH", help="sidecar file or directory to write to")
+    p.add_argument("--force", action="store_true", help="replace an existing sidecar")
+    p.set_defaults(func=cmd_prepack)
+
+
+def cmd_prepack(args: argparse.Namespace) -> int:
+    from runtime.prepack import PrepackProgress, prepack
+
+    t0 = time.monotonic()
+    with byte_progress(f"prepack {args.model_dir.name}") as update:
+
+        def progress(p: PrepackProgress) -> None:
+            update(p.bytes_done, p.bytes_total, f"layer {p.layer}/{p.layers} {p.group}")
+
+        info = prepack(args.model_dir, ranks=args.ranks, out=args.out, force=args.force,
+                       progress=progress)  # fmt: skip
+    seconds = time.monotonic() - t0
+    for leftover in info.swept:
+        print(f"removed leftover staging file of a crashed writer: {leftover}", file=sys.stderr)
+    rate = info.size_bytes / seconds / 1e9 if seconds > 0 else 0.0
+    print(
+        f"wrote {info.path}: {format_size(info.size_bytes)}, {info.tensors} tensors in "
+        f"{seconds:.1f} s (packing {info.pack_seconds:.1f} s, {rate:.2f} GB/s)"
+    )
+    if info.stale_detail:
+        print(
+            f"dsv4 prepack: the checkpoint changed while packing ({info.stale_detail}); the "
+            "sidecar is stale: run again with --force once the checkpoint is settled",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
