@@ -38,7 +38,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ls = _action(sub, "ls", _ls, "every entry with its state against this environment")
     ls.add_argument("--json", action="store_true", help="print a JSON list of entries")
 
-    verify = _action(sub, "verify", _verify, "hash every entry; quarantine those that fail")
+    verify = _action(sub, "verify", _verify, "hash every entry; quarantine those that fail (exit 1)")
     verify.add_argument("--json", action="store_true", help="print the quarantined entries as JSON")
 
     purge = _action(sub, "purge", _purge, "delete entries (safe while other processes read)")

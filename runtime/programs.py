@@ -353,7 +353,11 @@ class Prepared:
 def prepare(
     spec: ProgramSpec, *, cache: KernelCache | None, backend: str = "auto", device: str = "cpu"
 ) -> Prepared:
-    """HIT (load verified bytes) or compile from the signature, publish, and load."""
+    """HIT (load verified bytes) or compile from the signature, publish, and load.
+
+    Raises UntrustedCacheError (a UserError, one line) when the cache root is not safe to load
+    from; every other cache problem is a MISS (the entry quarantined) and a compile.
+    """
     started = time.perf_counter()
     backend = default_backend(device) if backend == "auto" else backend
     if backend == "eager":
@@ -447,5 +451,40 @@ def _load(backend: str, data: bytes) -> Callable[..., Any]:
 
     if backend == "export":
         return torch.export.load(io.BytesIO(data)).module()
-    # The AOTI loader copies the buffer to its own private temp file before dlopen.
-    return torch._inductor.aoti_load_package(io.BytesIO(data))
+    return _load_aoti(data)
+
+
+def _load_aoti(data: bytes) -> Callable[..., Any]:
+    """Load an AOTInductor package from verified bytes.
+
+    The public `aoti_load_package` imports torch._inductor and dynamo (seconds) just to load a
+    shared library; the package loader it wraps needs neither, so a HIT costs milliseconds.
+    The bytes go to a private (0600) temp file that only lives while the loader extracts and
+    dlopens it. Residual risk: a process running as this user could swap that file in between;
+    such a process can already run code as us.
+    """
+    import torch
+
+    loader_class = getattr(getattr(torch._C, "_aoti", None), "AOTIModelPackageLoader", None)
+    if loader_class is None:  # another torch build: fall back to the public (slower) loader
+        return torch._inductor.aoti_load_package(io.BytesIO(data))
+    with tempfile.NamedTemporaryFile(prefix="dsv4-program-", suffix=".pt2") as f:
+        f.write(data)
+        f.flush()
+        loader = loader_class(f.name, "model", False, 1, -1)
+    return _AotiProgram(loader)
+
+
+class _AotiProgram:
+    """Calls a loaded package with positional tensors (a program's signature), like
+    torch's AOTICompiledModel without its import cost."""
+
+    def __init__(self, loader: Any):
+        import torch.utils._pytree as pytree
+
+        self._loader = loader
+        self._unflatten = pytree.tree_unflatten
+        self._out_spec = pytree.treespec_loads(loader.get_call_spec()[1])
+
+    def __call__(self, *args: Any) -> Any:
+        return self._unflatten(self._loader.boxed_run(list(args)), self._out_spec)

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import json
 import os
 import shutil
@@ -67,7 +68,7 @@ QUARANTINE = "quarantine"
 QUARANTINE_NOTE = "quarantine.json"
 TRASH = ".trash"
 LOCKS = ".locks"
-# A staging dir of a writer we cannot see (other host) is considered abandoned after this.
+# A staging dir older than this is abandoned (sooner if its writer on this host is gone).
 STAGING_MAX_AGE = 3600.0
 # A compile may take minutes; past this we compile anyway (the lock is an optimisation).
 LOCK_TIMEOUT = 1800.0
@@ -140,7 +141,7 @@ class Manifest:
             m = cls(
                 program=data["program"],
                 fingerprint=data["fingerprint"],
-                key=Key.from_json(data["key"]),
+                key=_key_from_json(data["key"]),
                 config_components=tuple(str(n) for n in data["config_components"]),
                 files=tuple(
                     ArtifactFile(str(f["name"]), str(f["sha256"]), int(f["size"]))
@@ -164,6 +165,18 @@ class Manifest:
         if bad or not m.files:
             raise _Corrupt(f"manifest lists invalid artifact names {bad}")
         return m
+
+
+def _key_from_json(data: Any) -> Key:
+    # Key.from_json re-canonicalises every value through JSON; values parsed from JSON already
+    # are canonical, and skipping that halves the time `ls` takes over a large cache.
+    if not isinstance(data, list) or not all(
+        isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) for p in data
+    ):
+        raise ValueError("key must be a list of [name, value] pairs")
+    if len({p[0] for p in data}) != len(data):
+        raise ValueError("duplicate key component names")
+    return Key(tuple((p[0], p[1]) for p in data))
 
 
 @dataclass(frozen=True)
@@ -208,6 +221,10 @@ class Reference:
 
     components: Mapping[str, Any] = field(default_factory=dict)
     keys: Mapping[str, Key] = field(default_factory=dict)
+
+    @functools.cached_property
+    def fingerprints(self) -> dict[str, str]:
+        return {program: fingerprint(key) for program, key in self.keys.items()}
 
 
 @dataclass(frozen=True)
@@ -470,6 +487,7 @@ class KernelCache:
         if first.kind == "unknown":
             return Fetch(self._build_private(program, key, build, config_components), True, first)
         self._ensure_layout(program)
+        self.sweep_staging(program)
         with self._compile_lock(program, fingerprint(key)):
             again = self.lookup(program, key)
             if isinstance(again, Hit):
@@ -646,6 +664,16 @@ class KernelCache:
         self.empty_trash()
         return removed
 
+    def sweep_staging(self, program: str) -> list[Entry]:
+        """Remove the abandoned staging dirs of one program (crashed or long-dead writers)."""
+        stale = []
+        for d in _scandir(self.base / program):
+            if is_staging(d.name):
+                entry = _partial_entry(program, Path(d.path))
+                if not entry.busy:
+                    stale.append(entry)
+        return self.remove(stale)
+
     def empty_trash(self) -> None:
         trash = self.root / TRASH
         if trash.is_dir():
@@ -684,7 +712,7 @@ class KernelCache:
                 if is_staging(child.name):
                     out.append(_partial_entry(program, Path(child.path)))
                 elif not child.name.startswith(".") and child.is_dir():
-                    out.append(self._entry(program, Path(child.path), reference))
+                    out.append(self._entry(program, child.path, reference))
         out.extend(self._quarantined())
         return out
 
@@ -713,18 +741,21 @@ class KernelCache:
             if not d.name.startswith(".") and d.is_dir():
                 yield d.name, Path(d.path)
 
-    def _entry(self, program: str, path: Path, reference: Reference) -> Entry:
-        fp = path.name
+    def _entry(self, program: str, path: str, reference: Reference) -> Entry:
+        # Plain strings and one read per manifest: `ls` over thousands of entries stays fast.
+        fp = os.path.basename(path)
         hits, last_used = _hit_stats(path)
         try:
-            manifest = Manifest.parse((path / MANIFEST).read_bytes(), program, fp)
-            size = _check_sizes(path, manifest)
+            with open(os.path.join(path, MANIFEST), "rb") as f:
+                raw = f.read()
+            manifest = Manifest.parse(raw, program, fp)
+            size = len(raw) + _artifact_sizes(path, manifest)
         except (OSError, _Corrupt) as e:
             reason = str(e) if isinstance(e, _Corrupt) else f"unreadable: {e}"
-            return Entry(program, fp, CORRUPT, reason, _tree_size(path), 0.0, last_used, hits, path)
+            return Entry(program, fp, CORRUPT, reason, _tree_size(Path(path)), 0.0, last_used, hits, Path(path))
         state, reason = judge(manifest, reference)
         return Entry(
-            program, fp, state, reason, size, manifest.created, last_used or manifest.created, hits, path
+            program, fp, state, reason, size, manifest.created, last_used or manifest.created, hits, Path(path)
         )
 
     def _quarantined(self) -> list[Entry]:
@@ -759,7 +790,7 @@ class KernelCache:
 def judge(manifest: Manifest, reference: Reference) -> tuple[str, str]:
     """(state, reason) of a readable entry against what the caller knows now."""
     live = reference.keys.get(manifest.program)
-    if live is not None and fingerprint(live) == manifest.fingerprint:
+    if live is not None and reference.fingerprints[manifest.program] == manifest.fingerprint:
         return CURRENT, ""
     if live is not None:
         changes = [c for c in diff(manifest.key, live) if c.new != UNKNOWN]
@@ -776,7 +807,7 @@ def judge(manifest: Manifest, reference: Reference) -> tuple[str, str]:
     if build:
         return STALE, describe(build)
     if live is None:
-        return CURRENT, "known components match; source and layout not checked (no live key)"
+        return CURRENT, "no live key: toolchain checked, source and layout not"
     return OTHER_LAYOUT, describe(changes)
 
 
@@ -806,19 +837,19 @@ def _scandir(path: Path) -> list[os.DirEntry[str]]:
         return []
 
 
-def _hit_stats(entry: Path) -> tuple[int, float]:
+def _hit_stats(entry: str) -> tuple[int, float]:
     try:
-        st = os.stat(entry / HITS)
+        st = os.stat(os.path.join(entry, HITS))
     except OSError:
         return 0, 0.0
     return st.st_size, st.st_mtime
 
 
-def _check_sizes(entry: Path, manifest: Manifest) -> int:
-    total = os.stat(entry / MANIFEST).st_size
+def _artifact_sizes(entry: str, manifest: Manifest) -> int:
+    total = 0
     for f in manifest.files:
         try:
-            size = os.stat(entry / f.name).st_size
+            size = os.stat(os.path.join(entry, f.name)).st_size
         except FileNotFoundError:
             raise _Corrupt(f"{f.name} is missing") from None
         if size != f.size:
@@ -835,7 +866,9 @@ def _partial_entry(program: str, path: Path) -> Entry:
     age = max(0.0, time.time() - mtime)
     writer = _staging_writer(path.name)
     alive = _writer_alive(*writer) if writer else None
-    busy = alive is True or (alive is None and age < STAGING_MAX_AGE)
+    # Young staging dirs may still be filling unless their writer is provably gone; old ones
+    # are abandoned whatever the pid says (pids get reused).
+    busy = age < STAGING_MAX_AGE and alive is not False
     who = f"pid {writer[1]} on {writer[0]}" if writer else "unknown writer"
     status = "writer running" if alive else "writer gone" if alive is False else "writer on another host"
     reason = f"staging dir of {who}, age {_age(age)} ({status})"

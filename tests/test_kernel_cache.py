@@ -272,14 +272,15 @@ def test_sigkill_mid_publish_leaves_no_visible_entry(tmp_path):
 
     cache = KernelCache(root)
     sys.path.insert(0, str(WORKER.parent))
-    from worker_kernel_cache import key
+    from worker_kernel_cache import PAYLOAD, key
 
     assert isinstance(cache.lookup("racer", key()), Miss)
     assert _visible_entries(root) == []
     [partial] = cache.inventory()
     assert partial.state == PARTIAL and "writer gone" in partial.reason and not partial.busy
-    assert cache.remove([partial]) == [partial]
-    assert cache.inventory() == []
+    # the next writer sweeps the dead writer's staging dir and publishes normally
+    fetch = cache.get_or_build("racer", key(), lambda d: (d / ART).write_bytes(PAYLOAD))
+    assert fetch.built and [e.state for e in cache.inventory()] == [CURRENT]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -364,7 +365,7 @@ def test_ls_states_on_a_prepared_cache(cache):
     assert "torch 2.12.0 → 2.13" in states["layer", STALE].reason
     assert "short" not in states["layer", CORRUPT].reason and "bytes" in states["layer", CORRUPT].reason
     assert "age" in states["layer", PARTIAL].reason and states["layer", PARTIAL].busy
-    assert "not checked" in states["unlisted", CURRENT].reason
+    assert "no live key" in states["unlisted", CURRENT].reason
 
 
 def test_hits_and_last_use_are_recorded_without_touching_the_manifest(cache):
@@ -440,3 +441,15 @@ def test_why_names_what_differs_for_each_entry(cache, capsys):
     assert cli(["cache", "why", "layer", "--cache-dir", str(cache.root)]) == 1
     out = capsys.readouterr().out
     assert "no live key" in out and "stale: torch 2.12.0" in out
+
+
+def test_purge_one_program_and_gc_from_the_cli(cache, capsys):
+    put(cache, make_key(), program="keep")
+    put(cache, make_key(), program="drop")
+    root = str(cache.root)
+    assert cli(["cache", "purge", "--program", "drop", "--yes", "--cache-dir", root]) == 0
+    assert [e.program for e in cache.inventory()] == ["keep"]
+    assert cli(["cache", "gc", "--max-size", "lots", "--cache-dir", root]) == 1
+    assert "not a size" in capsys.readouterr().err
+    assert cli(["cache", "gc", "--max-size", "0", "--cache-dir", root]) == 0
+    assert cache.inventory() == []
