@@ -18,6 +18,7 @@ GROUPS = (
     "console.cmd_cache",
     "console.cmd_sidecar",
     "console.cmd_prepack",
+    "console.cmd_bench",
 )
 
 
