@@ -17,6 +17,7 @@ GROUPS = (
     "console.cmd_model",
     "console.cmd_cache",
     "console.cmd_sidecar",
+    "console.cmd_serve",
     "console.cmd_prepack",
     "console.cmd_bench",
 )

@@ -137,6 +137,11 @@ class Slot:
     names: tuple[str, ...]  # (qweight, qscale) for Q8, else one name
     index: tuple[int, ...]
     rule: Rule
+    prefix: str = ""  # the group ("layers", "layers.csa", "mtp.bias", …); "" at top level
+
+    def relative(self, name: str) -> str:
+        """A packed name without its group: the key the model's block functions use."""
+        return name[len(self.prefix) + 1:] if self.prefix else name
 
 
 def _relative(name: str) -> tuple[str, str, int]:
@@ -205,7 +210,7 @@ class PackPlan:
                     index = (e // experts_per_rank, slot_layer, e % experts_per_rank)
                 else:
                     index = (slot_layer,)
-                self.slots[p.name] = Slot(self._names(rule, f"{prefix}.{fam}"), index, rule)
+                self.slots[p.name] = Slot(self._names(rule, f"{prefix}.{fam}"), index, rule, prefix)
         for (prefix, fam), layers in members.items():
             p = params[(prefix, fam)]
             rule = self.slots[p.name].rule

@@ -1,0 +1,148 @@
+"""`dsv4 serve` (registration + HTTP service) and `dsv4 compile` (programs only)."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+from pathlib import Path
+
+from console.output import print_json, print_table
+from store.units import parse_size
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model_dir", metavar="MODEL_DIR", type=Path, nargs="?",
+                   help="checkpoint directory (default: the embedded synthetic checkpoint)")
+    p.add_argument("--kernel-cache-dir", type=Path, default=None,
+                   help="program cache root (default: $DSV4_KERNEL_CACHE_DIR or the user cache dir)")
+    p.add_argument("--backend", choices=("auto", "aoti", "export", "eager"), default="auto",
+                   help="aoti (AOTInductor, default on cpu/cuda), export (torch.export; npu), eager (no cache)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda", "npu"), default="auto")
+    p.add_argument("--max-seq", type=int, default=1024, help="context length per KV slot (default 1024)")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="register the model (programs, weights, KV) and serve HTTP",
+                       description="Register the model phase by phase (check → programs ∥ weights → upload → "
+                       "kv → validate → serve) and serve /health, /v1/completions and /metrics until SIGTERM.")
+    _common(p)
+    p.add_argument("--memory-utilization", type=float, default=0.9,
+                   help="fraction of device memory the service may use (KV budget = total × this − used)")
+    p.add_argument("--device-memory", type=_size, default=None, help="cap device memory (e.g. 8G; on cpu: host memory)")
+    p.add_argument("--host", default="127.0.0.1", help="listen address (default loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="listen port (0: any free port)")
+    p.add_argument("--events", metavar="FILE|-", default=None, help="write registration events as JSON lines")
+    p.add_argument("--no-sidecar", action="store_true", help="always pack from the checkpoint")
+    p.add_argument("--cold-policy", choices=("reject", "read", "auto"), default="auto",
+                   help="a valid sidecar that is not in the page cache: repack, read it, or pick the faster")
+    p.add_argument("--ranks", type=int, default=1, help="expert-parallel ranks of the packed layout")
+    p.add_argument("--max-slots", type=int, default=4, help="at most this many concurrent sequences")
+    p.add_argument("--validate-tokens", type=int, default=8, help="greedy decode steps in the validate phase")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("compile", help="prepare every program through the cache without launching",
+                       description="Compile (or HIT) every program of the model into the program cache, "
+                       "so the next launch starts warm.")
+    _common(p)
+    p.add_argument("--json", action="store_true", help="print a list of {program, outcome, seconds}")
+    p.set_defaults(func=cmd_compile)
+
+
+def _options(args: argparse.Namespace):
+    from console.cmd_model import resolve_model_dir
+    from runtime.registration import LaunchOptions
+
+    if args.max_seq < 16:
+        from store.errors import UserError
+
+        raise UserError("--max-seq must be at least 16")
+    return LaunchOptions(
+        model_dir=resolve_model_dir(args.model_dir), kernel_cache_dir=args.kernel_cache_dir,
+        backend=args.backend, device=args.device, max_seq=args.max_seq,
+        memory_utilization=getattr(args, "memory_utilization", 0.9),
+        device_memory=getattr(args, "device_memory", None),
+        use_sidecar=not getattr(args, "no_sidecar", False), cold_policy=getattr(args, "cold_policy", "auto"),
+        ranks=getattr(args, "ranks", 1), max_slots=getattr(args, "max_slots", 4),
+        validate_tokens=getattr(args, "validate_tokens", 8),
+    )
+
+
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from console.live import PhaseDisplay
+    from runtime.events import Emitter, open_sink
+    from runtime.registration import append_history, register
+    from runtime.service import serve
+
+    options = _options(args)
+    sinks = []
+    if args.events:
+        sinks.append(open_sink(args.events))
+    display = PhaseDisplay() if args.events != "-" and sys.stderr.isatty() else None
+    if display:
+        sinks.append(display.sink)
+    emitter = Emitter(*sinks)
+    # SIGTERM during registration: stop like Ctrl-C (serve installs uvicorn's own handlers)
+    signal.signal(signal.SIGTERM, _interrupt)
+    started = time.time()
+    try:
+        launched = register(options, emitter)
+    finally:
+        if display:
+            display.stop()
+    emitter.emit("serve", "start", detail={"host": args.host, "port": args.port})
+    t0 = time.perf_counter()
+
+    def ready(url: str) -> None:
+        seconds = time.perf_counter() - t0
+        launched.phases["serve"] = {"seconds": round(seconds, 4), "url": url}
+        emitter.emit("serve", "end", seconds=seconds, detail={"url": url})
+        append_history(options, launched.phases, started, "ok", extra={"url": url})
+        if args.events != "-":
+            print(f"serving {options.model_dir} at {url} (Ctrl-C or SIGTERM to stop)", file=sys.stderr)
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    serve(launched, args.host, args.port, on_ready=ready)
+    emitter.emit("serve", "log", message="stopped: drained and released device memory")
+    return 0
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    from runtime.device import get_device
+    from runtime.events import Emitter
+    from runtime.model_programs import build_programs
+    from runtime.pack import PackPlan
+    from runtime.registration import prepare_programs
+
+    options = _options(args)
+    from runtime.config import load_config
+
+    config = load_config(options.model_dir)
+    programs = build_programs(config, PackPlan(config, options.ranks), options.max_seq)
+    device = get_device(options.device)
+
+    def show(event) -> None:
+        if not args.json and event.kind == "progress":
+            d = event.detail
+            print(f"[{event.done}/{event.total}] {d['program']}: {d['outcome']} ({d['seconds']:.2f} s)",
+                  file=sys.stderr, flush=True)
+
+    _, results = prepare_programs(programs, options, device.kind, Emitter(show), phase="compile")
+    if args.json:
+        print_json(results)
+    else:
+        print_table(None, ("program", "outcome", "seconds", "reason"),
+                    [(r["program"], r["outcome"], f"{r['seconds']:.2f}", r["reason"]) for r in results])
+    return 0

@@ -1,0 +1,168 @@
+"""One device interface for cpu, cuda and npu: memory, upload with progress, allocation.
+
+On cpu, "device memory" is host memory, capped by `--device-memory` when given, so KV sizing
+runs the same code everywhere (and a cap makes its failure paths testable here). torch_npu is
+imported only when npu is chosen or probed by `auto`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from store.errors import UserError
+from store.units import format_size
+
+UPLOAD_CHUNK = 64 << 20
+
+
+class DeviceError(UserError):
+    """A device that cannot be used as asked."""
+
+
+class OutOfMemory(RuntimeError):
+    """An allocation that does not fit; KV sizing catches it and halves."""
+
+
+@dataclass(frozen=True)
+class Memory:
+    total: int
+    free: int
+    used: int
+
+    def to_json(self) -> dict[str, int]:
+        return {"total": self.total, "free": self.free, "used": self.used}
+
+
+Progress = Callable[[int, int], None]
+
+
+class Device:
+    kind = "cpu"
+
+    def __init__(self, index: int = 0, cap: int | None = None):
+        self.index, self.cap = index, cap
+        self.allocated = 0  # bytes this process placed here (weights copied, KV caches)
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.kind, self.index) if self.kind != "cpu" else torch.device("cpu")
+
+    def memory(self) -> Memory:
+        vm = psutil.virtual_memory()
+        if self.cap is None:
+            return Memory(vm.total, vm.available, vm.total - vm.available)
+        free = max(0, min(self.cap - self.allocated, vm.available))
+        return Memory(self.cap, free, self.cap - free)
+
+    def upload(self, tensors: dict[str, torch.Tensor], progress: Progress | None = None) -> dict[str, torch.Tensor]:
+        """Place tensors on the device. On cpu they already are: zero-copy, whether mapped
+        from a sidecar or packed in memory (progress still reports the bytes made ready)."""
+        total = sum(t.nbytes for t in tensors.values())
+        if progress:
+            progress(total, total)
+        return dict(tensors)
+
+    def allocate(self, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        if self.cap is not None and nbytes > self.memory().free:
+            raise OutOfMemory(f"{format_size(nbytes)} does not fit in the {format_size(self.memory().free)} free")
+        try:
+            t = torch.zeros(shape, dtype=dtype, device=self.torch_device)
+        except (RuntimeError, MemoryError) as e:
+            raise OutOfMemory(str(e)) from None
+        self.allocated += nbytes
+        return t
+
+    def free_bytes(self, nbytes: int) -> None:
+        self.allocated = max(0, self.allocated - nbytes)
+
+    def synchronize(self) -> None:
+        pass
+
+    def release(self) -> None:
+        self.allocated = 0
+
+    def describe(self) -> str:
+        return f"{self.kind}:{self.index}" if self.kind != "cpu" else "cpu"
+
+
+class _Accelerator(Device):
+    """cuda and npu: chunked copies through a pinned host buffer, with progress."""
+
+    module_name = "cuda"
+
+    def _mod(self):
+        return getattr(torch, self.module_name)
+
+    def memory(self) -> Memory:
+        free, total = self._mod().mem_get_info(self.index)
+        if self.cap is not None:
+            total = min(total, self.cap)
+            free = min(free, total)
+        return Memory(total, free, total - free)
+
+    def upload(self, tensors: dict[str, torch.Tensor], progress: Progress | None = None) -> dict[str, torch.Tensor]:
+        total = sum(t.nbytes for t in tensors.values())
+        staging = torch.empty(UPLOAD_CHUNK, dtype=torch.uint8, pin_memory=True)
+        out, done = {}, 0
+        for name, t in tensors.items():
+            dst = torch.empty(t.shape, dtype=t.dtype, device=self.torch_device)
+            src, dst_bytes = t.contiguous().reshape(-1).view(torch.uint8), dst.reshape(-1).view(torch.uint8)
+            for start in range(0, src.numel(), UPLOAD_CHUNK):
+                n = min(UPLOAD_CHUNK, src.numel() - start)
+                staging[:n].copy_(src[start:start + n])
+                dst_bytes[start:start + n].copy_(staging[:n], non_blocking=True)
+                self.synchronize()  # the staging buffer is reused by the next chunk
+                done += n
+                if progress:
+                    progress(done, total)
+            out[name] = dst
+            self.allocated += t.nbytes
+        return out
+
+    def synchronize(self) -> None:
+        self._mod().synchronize(self.index)
+
+    def release(self) -> None:
+        super().release()
+        self._mod().empty_cache()
+
+
+class CudaDevice(_Accelerator):
+    kind = "cuda"
+    module_name = "cuda"
+
+
+class NpuDevice(_Accelerator):
+    kind = "npu"
+    module_name = "npu"
+
+
+def _npu_available() -> bool:
+    try:
+        importlib.import_module("torch_npu")
+    except ImportError:
+        return False
+    return bool(getattr(torch, "npu", None) and torch.npu.is_available())
+
+
+def get_device(name: str = "auto", cap: int | None = None) -> Device:
+    """auto picks npu > cuda > cpu."""
+    if name == "auto":
+        name = "npu" if _npu_available() else "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cpu":
+        return Device(cap=cap)
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise DeviceError("--device cuda: torch sees no CUDA device (is this a CUDA build of torch?)")
+        return CudaDevice(cap=cap)
+    if name == "npu":
+        if not _npu_available():
+            raise DeviceError("--device npu: torch_npu is not installed or sees no NPU (pip install -e '.[npu]')")
+        return NpuDevice(cap=cap)
+    raise DeviceError(f"unknown device '{name}'; choose auto, cpu, cuda or npu")

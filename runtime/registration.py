@@ -1,0 +1,340 @@
+"""Registration: checkpoint → prepared programs + packed weights on the device → serving.
+
+Phases: check → (programs ∥ weights) → upload → kv → validate → serve. Each phase emits
+start / progress / end events (runtime.events) with its seconds and the path it took, and the
+launch is appended to the launch history. Programs and weights are independent until upload,
+so they run on two threads; their events interleave, which is how the overlap shows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from runtime.config import load_config
+from runtime.events import Emitter, Event
+from store.errors import UserError
+from store.units import format_size
+
+
+class RegistrationError(UserError):
+    """A launch that cannot proceed; the message says which phase and why."""
+
+
+@dataclass
+class LaunchOptions:
+    model_dir: Path
+    kernel_cache_dir: Path | None = None
+    backend: str = "auto"  # aoti | export | eager | auto
+    device: str = "auto"
+    memory_utilization: float = 0.9
+    device_memory: int | None = None
+    use_sidecar: bool = True
+    cold_policy: str = "auto"
+    ranks: int = 1
+    max_seq: int = 1024
+    max_slots: int = 4
+    validate_tokens: int = 8
+    history: bool = True
+
+
+@dataclass
+class Launched:
+    """Everything a running service needs, plus what the launch cost."""
+
+    options: LaunchOptions
+    config: Any
+    programs: Any
+    weights: Any
+    engines: list
+    device: Any
+    tokenizer: Any
+    phases: dict[str, dict[str, Any]] = field(default_factory=dict)
+    validation_tokens: list[int] = field(default_factory=list)
+    _closers: list = field(default_factory=list)
+
+    def close(self) -> None:
+        """Release device memory and the sidecar mapping."""
+        self.engines.clear()
+        self.weights = None
+        for close in self._closers:
+            with contextlib.suppress(Exception):
+                close()
+        self._closers.clear()
+        self.device.release()
+
+
+class _Phases:
+    """Start/end bookkeeping shared by every phase; collects the launch-history record."""
+
+    def __init__(self, emitter: Emitter):
+        self.emitter = emitter
+        self.records: dict[str, dict[str, Any]] = {}
+
+    @contextlib.contextmanager
+    def run(self, phase: str, **start_detail: Any) -> Iterator[dict[str, Any]]:
+        detail: dict[str, Any] = {}
+        t0 = time.perf_counter()
+        self.emitter.emit(phase, "start", detail=start_detail)
+        try:
+            yield detail
+        except BaseException as e:
+            seconds = time.perf_counter() - t0
+            self.records[phase] = {"seconds": round(seconds, 4), "error": str(e)}
+            self.emitter.emit(phase, "error", seconds=seconds, message=str(e) or type(e).__name__)
+            raise
+        seconds = time.perf_counter() - t0
+        self.records[phase] = {"seconds": round(seconds, 4), **detail}
+        self.emitter.emit(phase, "end", seconds=seconds, detail=detail)
+
+
+def _path_taken(prepared) -> str:
+    """HIT, or MISS / STALE (a cached entry of that program was built by another toolchain)."""
+    if prepared.outcome == "hit":
+        return "HIT"
+    if prepared.outcome == "eager":
+        return "EAGER"
+    return "STALE" if "stale" in prepared.reason.lower() else "MISS"
+
+
+def prepare_programs(programs, options: LaunchOptions, device_kind: str, emitter: Emitter,
+                     phase: str = "programs") -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Every program HIT (verified load) or compiled from its signature and published."""
+    from runtime.programs import prepare
+    from store.kernel_cache import KernelCache
+    from store.paths import kernel_cache_dir
+
+    backend = options.backend
+    cache = None
+    if backend != "eager":
+        cache = KernelCache(options.kernel_cache_dir or kernel_cache_dir())
+    runners, results = {}, []
+    specs = list(programs.specs.values())
+    for i, spec in enumerate(specs, start=1):
+        prepared = prepare(spec, cache=cache, backend=backend, device=device_kind)
+        runners[spec.name] = prepared.run
+        result = {"program": spec.name, "outcome": _path_taken(prepared), "seconds": round(prepared.seconds, 4),
+                  "backend": prepared.backend, "fingerprint": prepared.fingerprint, "reason": prepared.reason}
+        results.append(result)
+        emitter.emit(phase, "progress", done=i, total=len(specs), unit="programs", detail=result)
+    return runners, results
+
+
+def _load_weights(options: LaunchOptions, ckpt, plan, emitter: Emitter) -> tuple[dict, dict[str, Any], Any]:
+    """MAP a valid, hot sidecar; otherwise REPACK from the checkpoint (verdict says why)."""
+    from runtime import pack, prepack
+
+    mapped, verdict = None, None
+    if options.use_sidecar:
+        verdict, mapped = prepack.open_prepacked(options.model_dir, options.ranks, cold_policy=options.cold_policy)
+        emitter.log("weights", verdict.line() if hasattr(verdict, "line") else str(verdict))
+    if mapped is not None:
+        return dict(mapped.tensors), {"path": "MAP", "reason": "", "detail": verdict.detail,
+                                      "residency": verdict.residency}, mapped
+    reason = verdict.reason if verdict is not None else "disabled"
+    detail = verdict.detail if verdict is not None else "--no-sidecar"
+
+    def progress(done: int, total: int, group: str) -> None:
+        emitter.emit("weights", "progress", done=done, total=total, unit="layers", detail={"group": group})
+
+    tensors = pack.pack_in_memory(ckpt, plan, progress)
+    return tensors, {"path": "REPACK", "reason": reason, "detail": detail}, None
+
+
+def _size_kv(launched_device, programs, weights, runners, options: LaunchOptions, detail: dict) -> list:
+    from runtime.device import OutOfMemory
+    from runtime.engine import Engine, cache_bytes
+
+    mem = launched_device.memory()
+    per_slot = cache_bytes(programs)
+    budget = int(mem.total * options.memory_utilization) - mem.used
+    want = min(options.max_slots, budget // per_slot) if budget > 0 else 0
+
+    def too_small(why: str) -> RegistrationError:
+        return RegistrationError(
+            f"kv: {why}: one sequence slot needs {format_size(per_slot)} (max_seq {programs.dims.max_seq}) but "
+            f"the budget is {format_size(max(budget, 0))} = total {format_size(mem.total)} × utilization "
+            f"{options.memory_utilization} − used {format_size(mem.used)} (free {format_size(mem.free)}); "
+            f"free device memory (residual allocations?), raise --memory-utilization or lower --max-seq")
+
+    if want < 1:
+        raise too_small("not even one KV slot fits")
+    attempts = []
+    while want >= 1:
+        engines: list = []
+        before = launched_device.allocated
+        try:
+            for _ in range(want):
+                engines.append(Engine(programs, weights, runners, device=str(launched_device.torch_device),
+                                      allocate=launched_device.allocate))
+        except OutOfMemory as e:
+            attempts.append({"slots": want, "error": str(e)})
+            engines.clear()  # their caches (and a partly built one's) are garbage now
+            launched_device.free_bytes(launched_device.allocated - before)
+            want //= 2
+            continue
+        detail.update(slots=want, slot_bytes=per_slot, budget_bytes=budget, total_bytes=mem.total,
+                      used_bytes=mem.used, utilization=options.memory_utilization, attempts=attempts,
+                      max_seq=programs.dims.max_seq)
+        return engines
+    raise too_small("allocation failed even after halving to one slot")
+
+
+def validation_prompt(tokenizer) -> list[int]:
+    return tokenizer.encode("DeepSeek V4 registration check")
+
+
+def register(options: LaunchOptions, emitter: Emitter) -> Launched:
+    """Run every phase up to (not including) serve. Raises RegistrationError on a failed phase,
+    after its error event; the launch history records the failure too."""
+    phases = _Phases(emitter)
+    started = time.time()
+    try:
+        launched = _register(options, emitter, phases)
+    except BaseException as e:
+        if options.history:
+            append_history(options, phases.records, started, "error", str(e))
+        raise
+    launched.phases = phases.records
+    return launched
+
+
+def _register(options: LaunchOptions, emitter: Emitter, phases: _Phases) -> Launched:
+    import torch
+
+    from runtime.device import get_device
+    from runtime.engine import Engine
+    from runtime.model_programs import build_programs
+    from runtime.pack import PackPlan
+    from runtime.tensors import expected_tensors
+    from runtime.tokenizer import ByteTokenizer
+    from runtime.weights import packed_views
+    from store.checkpoint import Checkpoint, check_contract
+
+    with phases.run("check", model=str(options.model_dir)) as d:
+        config = load_config(options.model_dir)
+        ckpt = Checkpoint.open(options.model_dir)
+        report = check_contract(ckpt, expected_tensors(config))
+        if not report.ok:
+            raise RegistrationError(f"check: {options.model_dir} breaks the tensor contract "
+                                    f"({len(report.missing)} missing, {len(report.extra)} extra, "
+                                    f"{len(report.mismatched)} mismatched); run `dsv4 check` for the list")
+        device = get_device(options.device, options.device_memory)
+        plan = PackPlan(config, options.ranks)
+        programs = build_programs(config, plan, options.max_seq)
+        d.update(tensors=report.checked, device=device.describe(), programs=len(programs.specs),
+                 layers=config.summary())
+
+    # programs ∥ weights: independent until upload
+    def programs_job():
+        with phases.run("programs", total=len(programs.specs), backend=options.backend) as d:
+            runners, results = prepare_programs(programs, options, device.kind, emitter)
+            counts = {k: sum(r["outcome"] == k for r in results) for k in ("HIT", "MISS", "STALE", "EAGER")}
+            d.update(counts=counts, programs={r["program"]: r["outcome"] for r in results})
+        return runners
+
+    def weights_job():
+        with phases.run("weights", sidecar=options.use_sidecar) as d:
+            tensors, detail, mapped = _load_weights(options, ckpt, plan, emitter)
+            d.update(detail, bytes=sum(t.nbytes for t in tensors.values()))
+        return tensors, mapped
+
+    with ThreadPoolExecutor(2, thread_name_prefix="register") as pool:
+        fut_programs, fut_weights = pool.submit(programs_job), pool.submit(weights_job)
+        runners = fut_programs.result()
+        host_tensors, mapped = fut_weights.result()
+
+    launched = Launched(options, config, programs, None, [], device, ByteTokenizer(config.vocab_size))
+    if mapped is not None:
+        launched._closers.append(mapped.close)
+
+    with phases.run("upload", device=device.describe()) as d:
+        main = {n: t for n, t in host_tensors.items() if not n.startswith("mtp.")}
+        mtp = {n: t for n, t in host_tensors.items() if n.startswith("mtp.")}
+        total = sum(t.nbytes for t in host_tensors.values())
+        placed: dict = {}
+        offset = 0
+        for part, tensors in (("main", main), ("mtp", mtp)):
+            def progress(done, _total, part=part, base=offset):
+                emitter.emit("upload", "progress", done=base + done, total=total, unit="bytes", detail={"part": part})
+            placed.update(device.upload(tensors, progress))
+            offset += sum(t.nbytes for t in tensors.values())
+        zero_copy = device.kind == "cpu"
+        released = 0 if zero_copy else total
+        del host_tensors, main, mtp
+        if not zero_copy and mapped is not None:
+            mapped.close()  # device copies made: the host mapping is no longer needed
+        launched.weights = packed_views(plan, placed)
+        d.update(bytes=total, zero_copy=zero_copy, host_released_bytes=released)
+
+    with phases.run("kv", utilization=options.memory_utilization) as d:
+        launched.engines = _size_kv(device, programs, launched.weights, runners, options, d)
+
+    with phases.run("validate", decode_steps=options.validate_tokens) as d:
+        engine: Engine = launched.engines[0]
+        prompt = validation_prompt(launched.tokenizer)
+        t0 = time.perf_counter()
+        tokens = list(engine.generate(prompt, options.validate_tokens))
+        seconds = time.perf_counter() - t0
+        if len(tokens) != options.validate_tokens or any(not 0 <= t < config.vocab_size for t in tokens):
+            raise RegistrationError(f"validate: decode produced {tokens}")
+        # an MTP draft over the prompt, so the MTP programs are exercised before serving
+        engine.reset()
+        first = engine.forward(torch.tensor(prompt))
+        draft = engine.mtp(first.hidden[:-1], torch.tensor(prompt[1:]), 0)
+        if not bool(draft.isfinite().all()):
+            raise RegistrationError("validate: the MTP layer produced non-finite logits")
+        engine.reset()
+        launched.validation_tokens = tokens
+        d.update(health="ok", prefill_tokens=len(prompt), tokens=tokens,
+                 decode_tokens_per_s=round(len(tokens) / seconds, 2) if seconds else None)
+    return launched
+
+
+def history_path() -> Path:
+    from store.paths import state_dir
+
+    return state_dir() / "launches.jsonl"
+
+
+def append_history(options: LaunchOptions, phases: dict[str, dict[str, Any]], started: float,
+                   outcome: str, error: str = "", extra: dict[str, Any] | None = None) -> None:
+    """One JSON line per launch (appended with O_APPEND: concurrent launches never interleave)."""
+    preset = None
+    with contextlib.suppress(Exception):
+        preset = (json.loads((Path(options.model_dir) / "config.json").read_text()).get("dsv4_synthetic") or {}).get("preset")
+    record = {
+        "v": 1, "started": round(started, 3), "ended": round(time.time(), 3), "host": socket.gethostname(),
+        "pid": os.getpid(), "model": str(options.model_dir), "preset": preset, "device": options.device,
+        "backend": options.backend, "cache_dir": str(options.kernel_cache_dir or ""),
+        "sidecar": options.use_sidecar, "outcome": outcome, "error": error, "phases": phases, **(extra or {}),
+    }
+    path = history_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (json.dumps(record, default=str) + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def read_history(limit: int | None = None) -> list[dict[str, Any]]:
+    path = history_path()
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(ValueError):
+            out.append(json.loads(line))
+    return out[-limit:] if limit else out
+
+
+__all__ = ["Event", "LaunchOptions", "Launched", "RegistrationError", "append_history", "read_history", "register"]
