@@ -21,7 +21,6 @@ from __future__ import annotations
 import ast
 import functools
 import importlib
-import importlib.metadata
 import importlib.util
 import inspect
 import io
@@ -166,26 +165,26 @@ def toolchain_components(device: str, backend: str = "aoti") -> list[tuple[str, 
     return parts
 
 
-@functools.cache
 def _torch_version() -> str:
-    try:
-        return importlib.metadata.version("torch")
-    except importlib.metadata.PackageNotFoundError:
-        return UNKNOWN
+    return _torch_version_file().get("__version__", UNKNOWN)
+
+
+def _torch_git_version() -> str:
+    return _torch_version_file().get("git_version", UNKNOWN)
 
 
 @functools.cache
-def _torch_git_version() -> str:
-    # Read torch/version.py as text: finding a spec does not import the package.
+def _torch_version_file() -> dict[str, str]:
+    # torch/version.py read as text (what torch.__version__ comes from): finding the package's
+    # spec does not import it, so `dsv4 cache ls` stays torch-free.
     spec = importlib.util.find_spec("torch")
     if spec is None or not spec.origin:
-        return UNKNOWN
+        return {}
     try:
         text = (Path(spec.origin).parent / "version.py").read_text()
     except OSError:
-        return UNKNOWN
-    m = re.search(r"^git_version\s*=\s*['\"]([^'\"]+)['\"]", text, re.MULTILINE)
-    return m.group(1) if m else UNKNOWN
+        return {}
+    return dict(re.findall(r"^(\w+)\s*(?::[^=]*)?=\s*['\"]([^'\"]*)['\"]", text, re.MULTILINE))
 
 
 def device_capability(device: str) -> Any:
