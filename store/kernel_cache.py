@@ -351,11 +351,11 @@ class KernelCache:
                 return None
             problem = _ownership_problem(st)
             if problem:
-                fix = "chmod go-w" if "writable" in problem else "use a cache dir you own:"
+                fix = f"run `chmod go-w {d}` or use" if "writable" in problem else "use"
                 return (
-                    f"refusing to load programs from {d}: it is {problem} and a compiled "
-                    f"program is executable code; fix with `{fix} {d}` or pick another "
-                    f"--cache-dir / DSV4_KERNEL_CACHE_DIR"
+                    f"refusing to load programs from {d}: it is {problem} and a compiled program "
+                    f"is executable code; {fix} a cache dir of your own (--cache-dir or "
+                    "DSV4_KERNEL_CACHE_DIR)"
                 )
         return None
 
@@ -390,8 +390,9 @@ class KernelCache:
             return self._closest_miss(program, key, fp)
         except _Corrupt as e:
             kind = "untrusted" if isinstance(e, _Untrusted) else "corrupt"
-            if record:
-                self.quarantine(entry, f"{kind}: {e}")
+            if not record:
+                return Miss(program, fp, kind, f"{kind}: {e}")
+            self.quarantine(entry, f"{kind}: {e}")
             return Miss(program, fp, kind, f"{kind}: {e} (entry quarantined)")
         if record:
             self._stamp_hit(entry)
