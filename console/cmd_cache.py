@@ -130,15 +130,14 @@ def _ls(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     cache = _cache(args)
     cache.check_trust()
-    bad = cache.verify()
+    result = cache.verify()
     if args.json:
-        print_json([e.to_json() for e in bad])
+        print_json([e.to_json() for e in result.quarantined])
     else:
-        for e in bad:
+        for e in result.quarantined:
             print(f"quarantined {e.program}/{e.fingerprint[:12]}: {e.reason}")
-        total = sum(1 for e in cache.inventory() if e.state != kc.PARTIAL)
-        print(f"{total} entries checked, {len(bad)} quarantined")
-    return 1 if bad else 0
+        print(f"{result.checked} entries checked, {len(result.quarantined)} quarantined")
+    return 1 if result.quarantined else 0
 
 
 def _purge(args: argparse.Namespace) -> int:

@@ -257,6 +257,14 @@ class Entry:
         }
 
 
+@dataclass(frozen=True)
+class Verification:
+    """Result of `verify`: how many entries were hashed, which were quarantined."""
+
+    checked: int
+    quarantined: tuple[Entry, ...]
+
+
 # ---------------------------------------------------------------------------------------------
 # Small helpers
 
@@ -720,11 +728,12 @@ class KernelCache:
     def programs(self) -> list[str]:
         return sorted(d.name for d in _scandir(self.base) if not d.name.startswith(".") and d.is_dir())
 
-    def verify(self) -> list[Entry]:
-        """Hash every entry; quarantine those that fail. Returns the quarantined entries."""
-        bad = []
+    def verify(self) -> Verification:
+        """Hash every entry; quarantine those that fail."""
+        checked, bad = 0, []
         for program in self.programs():
             for fp, entry in self._entry_dirs(program):
+                checked += 1
                 try:
                     self._read_verified(entry, program, fp)
                 except FileNotFoundError:
@@ -735,7 +744,7 @@ class KernelCache:
                     dest = self.quarantine(entry, f"{kind}: {e}")
                     if dest is not None:
                         bad.append(Entry(program, fp, CORRUPT, f"{kind}: {e}", size, 0.0, 0.0, 0, dest))
-        return bad
+        return Verification(checked, tuple(bad))
 
     def _entry_dirs(self, program: str) -> Iterator[tuple[str, Path]]:
         for d in _scandir(self.base / program):
@@ -808,7 +817,7 @@ def judge(manifest: Manifest, reference: Reference) -> tuple[str, str]:
     if build:
         return STALE, describe(build)
     if live is None:
-        return CURRENT, "no live key: toolchain checked, source and layout not"
+        return CURRENT, "toolchain matches; no live key for source/layout"
     return OTHER_LAYOUT, describe(changes)
 
 

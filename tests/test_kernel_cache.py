@@ -207,7 +207,9 @@ def test_verify_quarantines_what_ls_cannot_see(cache):
     put(cache, bad)
     _flip_byte(entry_dir(cache, bad))  # same size: only hashing finds it
     assert {e.state for e in cache.inventory()} == {CURRENT}
-    [found] = cache.verify()
+    result = cache.verify()
+    assert result.checked == 2
+    [found] = result.quarantined
     assert found.fingerprint == fingerprint(bad) and "sha256" in found.reason
     assert isinstance(cache.lookup("layer", good), Hit)
 

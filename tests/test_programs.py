@@ -174,3 +174,10 @@ def test_aoti_package_round_trip_through_the_cache(cache):
     entry = cache.root / "v1" / "mlp" / second.fingerprint
     assert second.fingerprint == fingerprint(program_key(sp.spec(), "aoti"))
     assert (entry / ARTIFACT).stat().st_size > 0
+
+
+def test_programs_compile_from_the_signature_with_weights_as_inputs():
+    exported = programs.export_program(sp.spec())
+    assert dict(exported.state_dict) == {} and dict(exported.constants) == {}
+    placeholders = [n.name for n in exported.graph.nodes if n.op == "placeholder"]
+    assert len(placeholders) == len(sp.spec().inputs)
