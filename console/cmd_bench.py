@@ -21,8 +21,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     cache.add_argument("--json", action="store_true", help="print one JSON object")
     cache.set_defaults(func=_cache)
 
+    side = sub.add_parser(
+        "sidecar",
+        help="weight sidecar: packing vs load_file vs hot map vs cat; cold policies; probes; RSS",
+        description="On one synthetic checkpoint and its sidecar: packing from the checkpoint "
+        "(the baseline), safetensors load_file, our hot map + touch, cat from the page cache, "
+        "the cold path per policy, residency probes (cachestat, mincore, fincore) of the "
+        "sidecar and a 1 GiB file, and prepack's peak RSS, with the targets and whether each "
+        "is met.",
+    )
+    side.add_argument(
+        "--preset", choices=("tiny", "small", "medium"), default="small",
+        help="synthetic checkpoint to measure on (made once under the user data dir)",
+    )  # fmt: skip
+    side.add_argument("--json", action="store_true", help="print the rows as a JSON list")
+    side.set_defaults(func=_sidecar)
+
 
 def _cache(args: argparse.Namespace) -> int:
     from bench.cache_bench import main
 
     return main(json_output=args.json)
+
+
+def _sidecar(args: argparse.Namespace) -> int:
+    from bench.sidecar_bench import main
+
+    return main(preset=args.preset, json_output=args.json)
