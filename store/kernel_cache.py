@@ -756,8 +756,7 @@ class KernelCache:
         fp = os.path.basename(path)
         hits, last_used = _hit_stats(path)
         try:
-            with open(os.path.join(path, MANIFEST), "rb") as f:
-                raw = f.read()
+            raw = _read_small(os.path.join(path, MANIFEST))
             manifest = Manifest.parse(raw, program, fp)
             size = len(raw) + _artifact_sizes(path, manifest)
         except (OSError, _Corrupt) as e:
@@ -845,6 +844,18 @@ def _scandir(path: Path) -> list[os.DirEntry[str]]:
             return list(it)
     except (FileNotFoundError, NotADirectoryError):
         return []
+
+
+def _read_small(path: str) -> bytes:
+    # os.read on a raw fd: half the cost of open()/BufferedReader, which shows over 1,000s.
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        chunks = []
+        while chunk := os.read(fd, 1 << 16):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def _hit_stats(entry: str) -> tuple[int, float]:
