@@ -117,7 +117,7 @@ class Engine:
                              *(mw[n] for n in self.p.weight_names["mtp.input"]))
         x = self._layer("mtp.0", mode, x, next_tokens, positions)
         # MTP's own hc head and norm, over the shared output head
-        logits, _ = self._head(mode, x, {**mw, "head.weight": top["head.weight"]})
+        logits, _ = self._head(mode, x, {**{n: mw[n] for n in TOP_HEAD[:-1]}, "head.weight": top["head.weight"]})
         return logits
 
     def generate(self, prompt: list[int], max_tokens: int, temperature: float = 0.0,

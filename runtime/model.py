@@ -183,7 +183,7 @@ def attention(d: Dims, w: dict[str, torch.Tensor], kind: str, ratio: int, h: tor
     visible = (all_pos[None, :] <= positions[:, None]) & (all_pos[None, :] > positions[:, None] - d.window)
     logits = torch.einsum("thd,sd->ths", q, k) * scale
     logits = logits.masked_fill(~visible[:, None, :], float("-inf"))
-    parts_logits, parts_values = [logits], [kv[None].expand(t, s, d.head_dim)]
+    parts_logits, parts_values = [logits], [("ths,sd->thd", kv)]
     if kind in (CSA, HCA):
         overlap = kind == CSA
         ckv_new, cgate_new = linear(w, "attn.compressor.wkv", h), linear(w, "attn.compressor.wgate", h)
@@ -213,16 +213,20 @@ def attention(d: Dims, w: dict[str, torch.Tensor], kind: str, ratio: int, h: tor
             c_logits = torch.einsum("thd,tkd->thk", q, selected) * scale
             c_logits = c_logits.masked_fill(~sel_visible[:, None, :], float("-inf"))
             parts_logits.append(c_logits)
-            parts_values.append(selected)
+            parts_values.append(("thk,tkd->thd", selected))
         else:
             c_logits = torch.einsum("thd,bd->thb", q, entries) * scale
             c_logits = c_logits.masked_fill(~c_visible[:, None, :], float("-inf"))
             parts_logits.append(c_logits)
-            parts_values.append(entries[None].expand(t, nb, d.head_dim))
+            parts_values.append(("thb,bd->thd", entries))
     sink = w["attn.attn_sink"].float()[None, :, None].expand(t, d.heads, 1)
-    probs = torch.softmax(torch.cat([*parts_logits, sink], dim=-1), dim=-1)[..., :-1]
-    values = torch.cat(parts_values, dim=1)  # [T, S(+K|NB), hd]
-    out = torch.einsum("ths,tsd->thd", probs, values)  # [T, H, hd]
+    # one softmax over window keys, compressed entries and the sink; then each part's values
+    probs = torch.softmax(torch.cat([*parts_logits, sink], dim=-1), dim=-1)
+    out, start = 0, 0
+    for part_logits, (equation, values) in zip(parts_logits, parts_values, strict=True):
+        width = part_logits.shape[-1]
+        out = out + torch.einsum(equation, probs[..., start:start + width], values)
+        start += width
     # grouped low-rank output: each of o_groups head groups has its own wo_a slice
     k_in = d.heads * d.head_dim // d.o_groups
     wa, sa = _matrix(w, "attn.wo_a")

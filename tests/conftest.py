@@ -31,3 +31,28 @@ def tiny_ckpt(tiny_ckpt_ro, tmp_path) -> Path:
     dst = tmp_path / "ckpt"
     shutil.copytree(tiny_ckpt_ro, dst)
     return dst
+
+
+MAX_SEQ = 64  # small fixed-size KV caches keep every test launch cheap
+
+
+def launch(model_dir, *, backend="export", cache_dir=None, history=False, **kw):
+    """Run registration in-process; returns (Launched, events)."""
+    from runtime.events import Emitter
+    from runtime.registration import LaunchOptions, register
+
+    events = []
+    options = LaunchOptions(Path(model_dir), kernel_cache_dir=cache_dir, backend=backend, device="cpu",
+                            max_seq=kw.pop("max_seq", MAX_SEQ), history=history, **kw)
+    launched = register(options, Emitter(events.append))
+    return launched, events
+
+
+@pytest.fixture(scope="session")
+def cold_export_launch(tiny_ckpt_ro, tmp_path_factory):
+    """One cold launch (empty program cache, no sidecar) with the export backend; its cache
+    directory is warm afterwards and shared (read-mostly) by later tests."""
+    cache_dir = tmp_path_factory.mktemp("programs")
+    launched, events = launch(tiny_ckpt_ro, cache_dir=cache_dir)
+    launched.close()
+    return cache_dir, launched, events
