@@ -4,7 +4,8 @@ On one synthetic checkpoint (the preset's embedded default, made on first use) a
 prepacked from it into a temp dir:
 
 - packing from the checkpoint, shards hot (the no-sidecar path, `pack_in_memory`): the baseline;
-- `safetensors.torch.load_file` of the sidecar (a copying reader), page cache hot;
+- `safetensors.torch.load_file` of the sidecar + the same touch (safetensors 0.8 maps the file
+  privately, copy-on-write, and reads lazily: without the touch it would time nothing);
 - our hot path: judge + map (`open_prepacked`) + touch one byte per 4 KiB page through the views;
 - `cat FILE > /dev/null` from the page cache: the ceiling for reading those bytes at all;
 - the cold path per policy (evicted first): reject (verdict, then repack), read (map, read-ahead,
@@ -47,7 +48,7 @@ TARGETS = {
 
 @dataclass
 class Row:
-    kind: str  # "measure" | "target"
+    kind: str  # "measure" | "target" | "context"
     name: str
     seconds: float | None = None
     vs_packing: float | None = None  # packing seconds / these seconds (>1: faster)
@@ -103,20 +104,59 @@ def largest_layer_bytes(plan) -> tuple[str, int]:
     return group, sizes[group]
 
 
-def _peak_rss(argv: list[str]) -> tuple[float, int, str]:
-    """(wall seconds, peak RSS bytes, stderr tail) of a child process run to completion."""
+@dataclass(frozen=True)
+class ChildUsage:
+    seconds: float
+    max_rss: int  # ru_maxrss: anonymous and file-backed pages together
+    anon_peak: int  # sampled from /proc/PID/status every SAMPLE_S (may miss a short spike)
+    file_peak: int  # mapped file pages (checkpoint shards read through mmap): page cache
+
+
+SAMPLE_S = 0.02
+
+
+def _status_kib(pid: int) -> dict[str, int]:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return {
+                k: int(v.split()[0])
+                for k, _, v in (line.partition(":") for line in f)
+                if k in ("RssAnon", "RssFile")
+            }
+    except (OSError, ValueError):
+        return {}
+
+
+def _run_measured(argv: list[str]) -> ChildUsage:
+    """Run a child to completion: wall time, ru_maxrss, and sampled anon/file RSS peaks."""
+    import threading
+
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(argv, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(proc.pid, 0)
-    seconds = time.perf_counter() - t0
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    err = proc.stderr.read().decode(errors="replace")
-    proc.stdout.close()
-    proc.stderr.close()
-    if proc.returncode != 0:
-        raise RuntimeError(f"{argv[-3:]} exited {proc.returncode}: {err.strip()[-500:]}")
-    return seconds, usage.ru_maxrss * 1024, err
+    peaks = {"RssAnon": 0, "RssFile": 0}
+    with tempfile.TemporaryFile() as err:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(argv, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=err)
+        done = threading.Event()
+
+        def sample() -> None:
+            while not done.wait(SAMPLE_S):
+                for k, v in _status_kib(proc.pid).items():
+                    peaks[k] = max(peaks[k], v)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        _, status, usage = os.wait4(proc.pid, 0)
+        seconds = time.perf_counter() - t0
+        done.set()
+        sampler.join()
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        if proc.returncode != 0:
+            err.seek(0)
+            tail = err.read().decode(errors="replace").strip()[-500:]
+            raise RuntimeError(f"{' '.join(argv[-4:])} exited {proc.returncode}: {tail}")
+    return ChildUsage(
+        seconds, usage.ru_maxrss * 1024, peaks["RssAnon"] * 1024, peaks["RssFile"] * 1024
+    )
 
 
 def _fincore(path: Path) -> None:
@@ -190,13 +230,14 @@ def run(preset: str = "small", log: Callable[[str], None] = print) -> list[Row]:
     layer_group, layer_bytes = largest_layer_bytes(plan)
     have_fincore = shutil.which("fincore") is not None
     rows: list[Row] = []
+    load_start = os.getloadavg()[0]
     tmp = Path(tempfile.mkdtemp(prefix="dsv4-bench-sidecar-"))
     try:
         sidecar_path = tmp / "packed.r1.safetensors"
 
         log("prepack (subprocess) …")
-        _, import_rss, _ = _peak_rss([sys.executable, "-c", "import runtime.prepack"])
-        prepack_s, prepack_rss, _ = _peak_rss(
+        base = _run_measured([sys.executable, "-c", "import runtime.prepack"])
+        pre = _run_measured(
             [sys.executable, "-m", "console.cli", "prepack", str(model), "--out", str(sidecar_path)]
         )
         size = sidecar_path.stat().st_size
@@ -225,16 +266,29 @@ def run(preset: str = "small", log: Callable[[str], None] = print) -> list[Row]:
         )
         measure(
             "dsv4 prepack (subprocess, writes the sidecar)",
-            prepack_s,
-            f"peak RSS {format_size(prepack_rss)} (import alone {format_size(import_rss)})",
+            pre.seconds,
+            f"peak RSS {format_size(pre.max_rss)}: anon ≤ {format_size(pre.anon_peak)}, "
+            f"mapped shards ≤ {format_size(pre.file_peak)} (sampled); python + torch import "
+            f"alone {format_size(base.max_rss)}",
         )
 
         log("safetensors load_file …")
         from safetensors.torch import load_file
 
-        load_s, loaded = _best(lambda: load_file(sidecar_path), RUNS)
-        del loaded
-        measure("safetensors load_file (copies)", load_s, f"page cache hot, best of {RUNS}")
+        def load_and_touch() -> float:
+            t0 = time.perf_counter()
+            loaded = load_file(sidecar_path)
+            opened = time.perf_counter() - t0
+            touch_pages(loaded)
+            return opened
+
+        load_s, opened_s = _best(load_and_touch, RUNS)
+        measure(
+            "safetensors load_file + touch every page",
+            load_s,
+            f"best of {RUNS}; load_file {_fmt_s(opened_s)} (a private lazy mapping), "
+            f"touch {_fmt_s(load_s - opened_s)}",
+        )
 
         log("hot map + touch …")
 
@@ -298,7 +352,15 @@ def run(preset: str = "small", log: Callable[[str], None] = print) -> list[Row]:
         big.unlink()
         probes = [probe, read_probe]
 
-        rows += _targets(pack_s, map_s, cat_s, probes, prepack_rss, layer_group, layer_bytes)
+        import safetensors
+
+        context = (
+            f"{os.cpu_count()} CPUs, kernel {os.uname().release}, safetensors "
+            f"{safetensors.__version__}; 1-min load average {load_start:.1f} at start, "
+            f"{os.getloadavg()[0]:.1f} at end"
+        )
+        rows.append(Row("context", "host", note=context))
+        rows += _targets(pack_s, map_s, cat_s, probes, pre.max_rss, layer_group, layer_bytes)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return rows
@@ -361,6 +423,8 @@ def _fmt_s(s: float | None) -> str:
 def _fmt_ratio(r: float | None) -> str:
     if r is None:
         return "-"
+    if r == 1.0:
+        return "baseline"
     return f"{r:.1f}x faster" if r >= 1 else f"{1 / r:.1f}x slower"
 
 
@@ -387,6 +451,9 @@ def main(preset: str = "small", json_output: bool = False) -> int:
             for r in measures
         ],
     )
+    for r in rows:
+        if r.kind == "context":
+            print(f"{r.name}: {r.note}")
     targets = [r for r in rows if r.kind == "target"]
     met = {True: "yes", False: "NO", None: "n/a"}
     print_table(
