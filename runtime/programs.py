@@ -347,6 +347,7 @@ class Prepared:
     reason: str  # why it was not a HIT ("" for a HIT)
     seconds: float
     run: Callable[..., Any] = field(repr=False)
+    miss_kind: str = ""  # absent | stale | corrupt | unknown | untrusted ("" for a HIT)
 
 
 def prepare(
@@ -383,6 +384,7 @@ def prepare(
         fetched.miss.reason if fetched.miss else "",
         _since(started),
         run,
+        fetched.miss.kind if fetched.miss else "",
     )
 
 

@@ -35,8 +35,8 @@ def _same(run, tokens: int = 7) -> bool:
 def test_export_round_trip_compiles_once_then_hits_with_same_outputs(cache):
     first = prepare(sp.spec(), cache=cache, backend="export")
     second = prepare(sp.spec(), cache=cache, backend="export")
-    assert (first.outcome, first.reason) == ("compiled", "not cached")
-    assert (second.outcome, second.reason) == ("hit", "")
+    assert (first.outcome, first.miss_kind, first.reason) == ("compiled", "absent", "not cached")
+    assert (second.outcome, second.miss_kind, second.reason) == ("hit", "", "")
     assert first.fingerprint == second.fingerprint
     assert _same(second.run, tokens=7) and _same(second.run, tokens=33)  # dynamic dim honoured
 
