@@ -49,10 +49,10 @@ def cmd_prepack(args: argparse.Namespace) -> int:
     seconds = time.monotonic() - t0
     for leftover in info.swept:
         print(f"removed leftover staging file of a crashed writer: {leftover}", file=sys.stderr)
-    rate = info.size_bytes / seconds / 1e9 if seconds > 0 else 0.0
+    rate = info.size_bytes / seconds if seconds > 0 else 0.0
     print(
         f"wrote {info.path}: {format_size(info.size_bytes)}, {info.tensors} tensors in "
-        f"{seconds:.1f} s (packing {info.pack_seconds:.1f} s, {rate:.2f} GB/s)"
+        f"{seconds:.1f} s (packing {info.pack_seconds:.1f} s, {format_size(rate)}/s)"
     )
     if info.stale_detail:
         print(
