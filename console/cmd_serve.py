@@ -113,7 +113,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if args.events != "-":
             print(f"serving {options.model_dir} at {url} (Ctrl-C or SIGTERM to stop)", file=sys.stderr)
 
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # uvicorn drains on SIGTERM, then re-raises the signal under the handler it found: make
+    # that one a no-op so a drained shutdown exits 0 instead of dying by the signal.
+    signal.signal(signal.SIGTERM, lambda *_: None)
     serve(launched, args.host, args.port, on_ready=ready)
     emitter.emit("serve", "log", message="stopped: drained and released device memory")
     return 0

@@ -117,21 +117,17 @@ def create_app(launched) -> FastAPI:
             return ids
         rid, created, started = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time()), time.perf_counter()
         engine = await slots.get()
-        try:
-            gen = engine.generate(ids, req.max_tokens, req.temperature, req.seed)
-            if not req.stream:
+        gen = engine.generate(ids, req.max_tokens, req.temperature, req.seed)
+        if not req.stream:
+            try:
                 out = await run_in_threadpool(list, gen)
-                _account(len(ids), out, started, "200")
-                body = _body(rid, created, tokenizer.decode(out), out, "length")
-                body["usage"] = {"prompt_tokens": len(ids), "completion_tokens": len(out),
-                                 "total_tokens": len(ids) + len(out)}
-                return body
-        except BaseException:
-            slots.put_nowait(engine)
-            raise
-        else:
-            if not req.stream:
+            finally:
                 slots.put_nowait(engine)
+            _account(len(ids), out, started, "200")
+            body = _body(rid, created, tokenizer.decode(out), out, "length")
+            body["usage"] = {"prompt_tokens": len(ids), "completion_tokens": len(out),
+                             "total_tokens": len(ids) + len(out)}
+            return body
 
         async def events() -> AsyncIterator[str]:
             out: list[int] = []
