@@ -102,7 +102,7 @@ def _path_taken(prepared) -> str:
         return "HIT"
     if prepared.outcome == "eager":
         return "EAGER"
-    return "STALE" if "stale" in prepared.reason.lower() else "MISS"
+    return "STALE" if prepared.miss_kind == "stale" else "MISS"
 
 
 def prepare_programs(programs, options: LaunchOptions, device_kind: str, emitter: Emitter,
