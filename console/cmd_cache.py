@@ -60,6 +60,10 @@ def _action(sub: argparse._SubParsersAction, name: str, func: Callable, help: st
     p = sub.add_parser(name, help=help, description=help[0].upper() + help[1:] + ".")
     p.add_argument("--cache-dir", type=Path, default=None, help="default: DSV4_KERNEL_CACHE_DIR or the user cache dir")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "npu"), help="device whose toolchain is current")
+    p.add_argument("--model", type=Path, default=None, metavar="DIR",
+                   help="judge entries against the live keys of this checkpoint's programs (imports torch)")
+    p.add_argument("--backend", default="auto", choices=("auto", "aoti", "export"), help="with --model: the backend")
+    p.add_argument("--max-seq", type=int, default=1024, help="with --model: the context length serve uses")
     p.set_defaults(func=func)
     return p
 
@@ -74,7 +78,13 @@ def _cache(args: argparse.Namespace) -> kc.KernelCache:
 def _reference(args: argparse.Namespace) -> kc.Reference:
     from runtime.programs import reference
 
-    return reference(device=args.device)
+    ref = reference(device=args.device)
+    if args.model is None:
+        return ref
+    from runtime.model_programs import program_keys
+
+    keys = program_keys(args.model, args.device, args.backend, args.max_seq)
+    return kc.Reference(components=ref.components, keys={**ref.keys, **keys})
 
 
 def _rows(entries: list[kc.Entry], now: float) -> list[list[str]]:

@@ -162,3 +162,15 @@ def build_programs(config: DeepSeekV4Config, plan: PackPlan, max_seq: int) -> Mo
                        emb_spec, *(TensorSpec(n, _DTYPE_NAMES[mtp[n].dtype], tuple(mtp[n].shape)) for n in MTP_INPUT)))
         # the MTP head is the model head over MTP's own hc_head/norm and the shared head.weight
     return ModelPrograms(d, specs, variants, cache_names, weight_names)
+
+
+def program_keys(model_dir, device: str = "cpu", backend: str = "auto", max_seq: int = 1024,
+                 ranks: int = 1) -> dict:
+    """Live cache keys of every program this model needs (what `cache ls --model` judges by)."""
+    from runtime.config import load_config
+    from runtime.programs import default_backend, program_key
+
+    config = load_config(model_dir)
+    backend = default_backend(device) if backend == "auto" else backend
+    programs = build_programs(config, PackPlan(config, ranks), max_seq)
+    return {name: program_key(spec, backend, device) for name, spec in programs.specs.items()}

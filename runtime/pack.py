@@ -22,6 +22,7 @@ the depth. The same stream feeds the sidecar writer and the in-memory packer.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -108,6 +109,7 @@ _LAYER_PREFIX = re.compile(r"^(layers|mtp)\.(\d+)\.")
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
 
+@functools.lru_cache(maxsize=4096)
 def rule_for(relative_name: str) -> Rule:
     for r in RULES:
         if fnmatchcase(relative_name, r.family):
