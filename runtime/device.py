@@ -108,13 +108,14 @@ class _Accelerator(Device):
 
     def upload(self, tensors: dict[str, torch.Tensor], progress: Progress | None = None) -> dict[str, torch.Tensor]:
         total = sum(t.nbytes for t in tensors.values())
-        staging = torch.empty(UPLOAD_CHUNK, dtype=torch.uint8, pin_memory=True)
+        staging = self._staging_buffer()
         out, done = {}, 0
         for name, t in tensors.items():
             dst = torch.empty(t.shape, dtype=t.dtype, device=self.torch_device)
             src, dst_bytes = t.contiguous().reshape(-1).view(torch.uint8), dst.reshape(-1).view(torch.uint8)
-            for start in range(0, src.numel(), UPLOAD_CHUNK):
-                n = min(UPLOAD_CHUNK, src.numel() - start)
+            chunk = staging.numel()
+            for start in range(0, src.numel(), chunk):
+                n = min(chunk, src.numel() - start)
                 staging[:n].copy_(src[start:start + n])
                 dst_bytes[start:start + n].copy_(staging[:n], non_blocking=True)
                 self.synchronize()  # the staging buffer is reused by the next chunk
@@ -124,6 +125,10 @@ class _Accelerator(Device):
             out[name] = dst
             self.allocated += t.nbytes
         return out
+
+    def _staging_buffer(self) -> torch.Tensor:
+        # pinned host memory: the copy engine reads it directly, no bounce through pageable memory
+        return torch.empty(UPLOAD_CHUNK, dtype=torch.uint8, pin_memory=True)
 
     def synchronize(self) -> None:
         self._mod().synchronize(self.index)

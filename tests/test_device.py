@@ -1,0 +1,89 @@
+"""The device interface: cpu memory and caps, and the accelerator upload path driven through a
+stand-in accelerator module (no GPU/NPU here; the same code runs against torch.cuda/torch_npu)."""
+
+import pytest
+import torch
+
+from runtime.device import Device, DeviceError, OutOfMemory, _Accelerator, get_device
+
+
+def test_cpu_memory_and_cap():
+    d = get_device("cpu")
+    m = d.memory()
+    assert m.total > 0 and 0 <= m.free <= m.total and m.used == m.total - m.free
+    capped = get_device("cpu", cap=1 << 20)
+    assert capped.memory().total == 1 << 20
+    t = capped.allocate((64, 1024))  # 256 KiB
+    assert t.shape == (64, 1024) and capped.allocated == 256 * 1024
+    assert capped.memory().free == (1 << 20) - 256 * 1024
+    with pytest.raises(OutOfMemory):
+        capped.allocate((1024, 1024))
+    capped.release()
+    assert capped.allocated == 0
+
+
+def test_cpu_upload_is_zero_copy():
+    d = Device()
+    src = {"a": torch.arange(10, dtype=torch.float32)}
+    seen = []
+    out = d.upload(src, lambda done, total: seen.append((done, total)))
+    assert out["a"].data_ptr() == src["a"].data_ptr() and seen == [(40, 40)]
+
+
+def test_unavailable_accelerators_are_clear_errors():
+    if not torch.cuda.is_available():
+        with pytest.raises(DeviceError, match="no CUDA device"):
+            get_device("cuda")
+    with pytest.raises(DeviceError, match="torch_npu"):
+        get_device("npu")
+    with pytest.raises(DeviceError, match="unknown device"):
+        get_device("tpu")
+    assert get_device("auto").kind in ("cpu", "cuda", "npu")
+
+
+class _FakeModule:
+    """What the accelerator code asks of torch.cuda / torch.npu."""
+
+    def __init__(self):
+        self.synced = 0
+        self.emptied = 0
+
+    def mem_get_info(self, index):
+        return 3 << 30, 8 << 30
+
+    def synchronize(self, index):
+        self.synced += 1
+
+    def empty_cache(self):
+        self.emptied += 1
+
+
+class FakeAccelerator(_Accelerator):
+    kind = "cpu"  # tensors land on the cpu so the copy can be checked byte for byte
+
+    def __init__(self, chunk):
+        super().__init__()
+        self.fake, self.chunk = _FakeModule(), chunk
+
+    def _mod(self):
+        return self.fake
+
+    def _staging_buffer(self):
+        return torch.empty(self.chunk, dtype=torch.uint8)  # pinned memory needs a real device
+
+
+def test_accelerator_upload_chunks_through_staging_with_progress():
+    dev = FakeAccelerator(chunk=1000)
+    src = {"w": torch.randn(100, 37), "q": torch.randint(-127, 127, (5, 999), dtype=torch.int8)}
+    seen = []
+    out = dev.upload(src, lambda done, total: seen.append((done, total)))
+    for k in src:
+        assert torch.equal(out[k], src[k]) and out[k].data_ptr() != src[k].data_ptr()
+    total = sum(t.nbytes for t in src.values())
+    assert seen[-1] == (total, total) and [d for d, _ in seen] == sorted(d for d, _ in seen)
+    assert len(seen) == -(-src["w"].nbytes // 1000) + -(-src["q"].nbytes // 1000)
+    assert dev.fake.synced == len(seen) and dev.allocated == total
+    m = dev.memory()
+    assert (m.total, m.free, m.used) == (8 << 30, 3 << 30, 5 << 30)
+    dev.release()
+    assert dev.fake.emptied == 1 and dev.allocated == 0
