@@ -1,0 +1,78 @@
+"""The running launch as the Registration pane shows it: events in, one row per phase out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from runtime.events import PHASES, Event
+
+PENDING, RUNNING, DONE, FAILED = "pending", "running", "done", "error"
+
+
+@dataclass
+class PhaseState:
+    state: str = PENDING
+    done: float | None = None
+    total: float | None = None
+    seconds: float | None = None
+    path: str = ""
+    started: float | None = None
+
+    @property
+    def fraction(self) -> float:
+        if self.state == DONE:
+            return 1.0
+        if self.done is not None and self.total:
+            return max(0.0, min(1.0, self.done / self.total))
+        return 0.0
+
+
+def path_taken(phase: str, detail: dict[str, Any]) -> str:
+    """The path a finished phase took, in a few words (from its `end` event's detail)."""
+    if "counts" in detail:
+        return " ".join(f"{k} {v}" for k, v in detail["counts"].items() if v)
+    if "path" in detail:
+        return detail["path"] + (f" ({detail['reason']})" if detail.get("reason") else "")
+    if "slots" in detail:
+        return f"{detail['slots']} slots"
+    if "url" in detail:
+        return detail["url"]
+    if phase == "upload" and "zero_copy" in detail:
+        return "zero-copy" if detail["zero_copy"] else "copied"
+    if phase == "validate" and "health" in detail:
+        return detail["health"]
+    return ""
+
+
+@dataclass
+class LaunchState:
+    phases: dict[str, PhaseState] = field(default_factory=lambda: {p: PhaseState() for p in PHASES})
+    url: str = ""
+    error: str = ""
+
+    def apply(self, event: Event) -> None:
+        if event.phase not in self.phases:
+            if event.kind == "error":
+                self.error = event.message or "failed"
+            return
+        p = self.phases[event.phase]
+        if event.kind == "start":
+            p.state, p.started = RUNNING, event.ts
+        elif event.kind == "progress":
+            p.state = RUNNING
+            p.done, p.total = event.done, event.total
+            if event.phase == "programs" and "outcome" in event.detail:
+                p.path = f"{event.detail.get('program', '')} {event.detail['outcome']}"
+        elif event.kind == "end":
+            p.state, p.seconds = DONE, event.seconds
+            p.path = path_taken(event.phase, event.detail)
+            if event.phase == "serve":
+                self.url = event.detail.get("url", "")
+        elif event.kind == "error":
+            p.state, p.seconds, p.path = FAILED, event.seconds, event.message or "error"
+            self.error = event.message or "failed"
+
+    @property
+    def total_seconds(self) -> float:
+        return sum(p.seconds or 0.0 for p in self.phases.values())

@@ -1,0 +1,34 @@
+"""`?`: every key of the console, read from the app's bindings (one source of truth)."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from textual.app import ComposeResult
+from textual.binding import Binding, BindingType
+from textual.containers import Vertical
+from textual.screen import ModalScreen
+from textual.widgets import DataTable, Static
+
+
+class HelpScreen(ModalScreen[None]):
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape,q,question_mark", "dismiss_help", "Close", id="help.close")]
+
+    def __init__(self, bindings: list[Binding], mutating: frozenset[str], readonly: bool) -> None:
+        super().__init__()
+        self.keys, self.mutating, self.readonly = bindings, mutating, readonly
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="help"):
+            mode = " — read-only: actions marked ✎ are refused" if self.readonly else ""
+            yield Static(f"[b]dsv4-console keys[/]{mode}", id="help-title")
+            table = DataTable(id="help-table", cursor_type="none", show_cursor=False)
+            table.add_columns("key", "action", "", "what it does")
+            for b in self.keys:
+                mark = "✎" if b.id in self.mutating else ""
+                table.add_row(b.key_display or b.key, b.id or b.action, mark, b.tooltip or b.description)
+            yield table
+            yield Static("[dim]esc / q / ? to close[/]", id="help-foot")
+
+    def action_dismiss_help(self) -> None:
+        self.dismiss(None)

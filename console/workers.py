@@ -1,0 +1,106 @@
+"""Worker processes: every long action runs as a `dsv4 …` subprocess driven from asyncio.
+
+stdout lines that parse as runtime.events become events; every other line (and stderr) is a
+log line. The last stderr lines are kept so a failure can say why; a worker that exits
+non-zero ends with an `error` event made on the parent's side (exit code, last stderr lines).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+from collections import deque
+from collections.abc import Callable
+
+from runtime.events import Event, EventError, parse
+
+STDERR_TAIL = 20
+STOP_TIMEOUT = 10.0
+
+
+def dsv4(*args: str) -> list[str]:
+    """argv of a `dsv4` subcommand run by this interpreter (no reliance on PATH)."""
+    return [sys.executable, "-m", "console.cli", *args]
+
+
+class Worker:
+    """One subprocess; `run()` streams it to the callbacks until it exits."""
+
+    def __init__(self, name: str, argv: list[str], *, on_event: Callable[[Worker, Event], None],
+                 on_line: Callable[[Worker, str, str], None], detach: bool = False):
+        self.name, self.argv = name, argv
+        self.on_event, self.on_line = on_event, on_line
+        self.detach = detach  # own session: survives the console when the operator leaves it running
+        self.proc: asyncio.subprocess.Process | None = None
+        self.stderr_tail: deque[str] = deque(maxlen=STDERR_TAIL)
+        self.returncode: int | None = None
+        self.stopping = False
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.returncode is None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    async def run(self) -> int:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        try:
+            self.proc = await asyncio.create_subprocess_exec(
+                *self.argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE, env=env, start_new_session=self.detach,
+                limit=1 << 20)
+        except OSError as e:
+            self.returncode = 127
+            self.on_event(self, self.failure(f"cannot start: {e}"))
+            return self.returncode
+        await asyncio.gather(self._pump(self.proc.stdout, "stdout"), self._pump(self.proc.stderr, "stderr"))
+        self.returncode = await self.proc.wait()
+        if self.returncode != 0 and not (self.stopping and self.returncode in (0, -signal.SIGTERM, -signal.SIGKILL)):
+            self.on_event(self, self.failure(f"exit code {self.returncode}"))
+        return self.returncode
+
+    def failure(self, why: str) -> Event:
+        last = self.stderr_tail[-1] if self.stderr_tail else ""
+        return Event(self.name, "error", message=f"{self.name}: {why}" + (f": {last}" if last else ""),
+                     detail={"exit_code": self.returncode, "stderr": list(self.stderr_tail)})
+
+    async def _pump(self, stream: asyncio.StreamReader | None, which: str) -> None:
+        if stream is None:
+            return
+        while True:
+            try:
+                raw = await stream.readline()
+            except ValueError:  # a line over the limit: skip it, keep streaming
+                continue
+            if not raw:
+                return
+            line = raw.decode(errors="replace").rstrip("\r\n")
+            if which == "stdout" and line.startswith("{"):
+                try:
+                    self.on_event(self, parse(line))
+                    continue
+                except EventError:
+                    pass
+            if which == "stderr" and line.strip():
+                self.stderr_tail.append(line)
+            self.on_line(self, which, line)
+
+    async def stop(self, timeout: float = STOP_TIMEOUT) -> int | None:
+        """SIGTERM (the service drains and exits 0), then SIGKILL after `timeout`."""
+        if not self.running or self.proc is None:
+            return self.returncode
+        self.stopping = True
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(self.proc.wait(), timeout)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+            await self.proc.wait()
+        return self.proc.returncode
