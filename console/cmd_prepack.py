@@ -32,6 +32,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--out", type=Path, metavar="PATH", help="sidecar file or directory to write to")
     p.add_argument("--force", action="store_true", help="replace an existing sidecar")
+    p.add_argument("--events", metavar="FILE|-", default=None,
+                   help="also write progress as runtime.events JSON lines (phase prepack)")
     p.set_defaults(func=cmd_prepack)
 
 
@@ -39,10 +41,14 @@ def cmd_prepack(args: argparse.Namespace) -> int:
     from runtime.prepack import PrepackProgress, prepack
 
     t0 = time.monotonic()
+    emit = _event_sink(args.events)
+    emit("start", detail={"model": str(args.model_dir)})
     with byte_progress(f"prepack {args.model_dir.name}") as update:
 
         def progress(p: PrepackProgress) -> None:
             update(p.bytes_done, p.bytes_total, f"layer {p.layer}/{p.layers} {p.group}")
+            emit("progress", done=p.bytes_done, total=p.bytes_total, unit="bytes",
+                 detail={"group": f"layer {p.layer}/{p.layers} {p.group}"})
 
         info = prepack(args.model_dir, ranks=args.ranks, out=args.out, force=args.force,
                        progress=progress)  # fmt: skip
@@ -50,6 +56,8 @@ def cmd_prepack(args: argparse.Namespace) -> int:
     for leftover in info.swept:
         print(f"removed leftover staging file of a crashed writer: {leftover}", file=sys.stderr)
     rate = info.size_bytes / seconds if seconds > 0 else 0.0
+    emit("end", seconds=seconds, detail={"path": str(info.path), "size_bytes": info.size_bytes,
+                                         "stale": bool(info.stale_detail)})
     print(
         f"wrote {info.path}: {format_size(info.size_bytes)}, {info.tensors} tensors in "
         f"{seconds:.1f} s (packing {info.pack_seconds:.1f} s, {format_size(rate)}/s)"
@@ -62,3 +70,13 @@ def cmd_prepack(args: argparse.Namespace) -> int:
         )
         return 1
     return 0
+
+
+def _event_sink(target: str | None):
+    """`emit(kind, **fields)` writing phase-`prepack` events to FILE or stdout; a no-op without."""
+    if not target:
+        return lambda kind, **kw: None
+    from runtime.events import Event, open_sink
+
+    sink = open_sink(target)
+    return lambda kind, **kw: sink(Event("prepack", kind, **kw))

@@ -80,6 +80,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--no-willneed", action="store_true", help="do not send POSIX_FADV_WILLNEED first"
     )
     warm.add_argument("--json", action="store_true", help="print one JSON object")
+    warm.add_argument("--events", metavar="FILE|-", default=None,
+                      help="also write progress as runtime.events JSON lines (phase warm)")
     warm.set_defaults(func=_warm)
 
     evict = sub.add_parser(
@@ -240,10 +242,24 @@ class _Progress:
 
 def _warm(args: argparse.Namespace) -> int:
     path = _existing(args)
+    bar = _Progress(f"warming {path.name}")
+    progress = bar
+    if args.events:
+        from runtime.events import Event, open_sink
+
+        sink = open_sink(args.events)
+        last = [0.0]
+
+        def progress(done: int, total: int, bytes_per_s: float) -> None:
+            bar(done, total, bytes_per_s)
+            if time.monotonic() - last[0] < 0.1 and done < total:
+                return  # a few events a second is plenty for a progress bar
+            last[0] = time.monotonic()
+            sink(Event("warm", "progress", done=done, total=total, unit="bytes",
+                       detail={"file": path.name, "bytes_per_s": round(bytes_per_s)}))
+
     try:
-        result = pagecache.warm(
-            path, _Progress(f"warming {path.name}"), willneed=not args.no_willneed
-        )
+        result = pagecache.warm(path, progress, willneed=not args.no_willneed)
     except OSError as e:
         raise UserError(
             f"{path}: cannot read ({e.strerror}); check the file and its permissions"
