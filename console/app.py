@@ -138,6 +138,9 @@ class Dsv4Console(App):
     # -- snapshots ----------------------------------------------------------------------------
 
     def refresh_now(self) -> None:
+        if getattr(self.collectors, "inline", False):  # fake collectors: no thread, deterministic paints
+            self.apply_snapshot(self.collectors.snapshot())
+            return
         self._collect()
 
     @work(thread=True, exclusive=True, group="collect")

@@ -1,0 +1,72 @@
+"""Fake collectors for the console tests: fixed snapshots, no filesystem, no clock."""
+
+from __future__ import annotations
+
+from console.collectors import (
+    DeviceSnapshot,
+    HostSnapshot,
+    ProgramsSnapshot,
+    RegistrationSnapshot,
+    SidecarsSnapshot,
+    Snapshot,
+)
+
+NOW = 1_800_000_000.0
+
+
+def _entry(program: str, fp: str, state: str, reason: str = "", size: int = 4096, hits: int = 3) -> dict:
+    return {"program": program, "fingerprint": fp * 8, "state": state, "reason": reason, "size_bytes": size,
+            "created": NOW - 7200, "last_used": NOW - 90, "hits": hits, "path": f"/cache/{program}", "busy": False}
+
+
+def _record(seconds: float, outcome: str = "ok", weights: str = "MAP") -> dict:
+    return {"model": "/models/tiny", "outcome": outcome, "phases": {
+        "check": {"seconds": 0.05}, "programs": {"seconds": seconds, "counts": {"HIT": 12},
+                                                  "programs": {"layer.sliding.prefill": "HIT"}},
+        "weights": {"seconds": 0.2, "path": weights}, "upload": {"seconds": 0.01, "zero_copy": True},
+        "kv": {"seconds": 0.01, "slots": 4, "slot_bytes": 1 << 20, "max_seq": 64},
+        "validate": {"seconds": 0.3, "health": "ok"}, "serve": {"seconds": 0.1, "url": "http://127.0.0.1:1234"}}}
+
+
+def snapshot(*, starving: bool = False) -> Snapshot:
+    programs = ProgramsSnapshot("/cache", (
+        _entry("layer.sliding.prefill", "a1", "current"),
+        _entry("layer.sliding.decode", "b2", "stale", "torch 2.12.0 → 2.13.0", size=8192),
+        _entry("head", "c3", "corrupt", "sha256 mismatch", hits=0),
+        _entry("layer.csa.prefill", "d4", "other-layout"),
+    ))
+    sidecars = SidecarsSnapshot("/models/tiny", ({
+        "path": "/models/tiny/dsv4-packed.r1.safetensors", "verdict": "MAP", "reason": "", "detail": "valid and hot",
+        "residency": 0.75, "residency_method": "cachestat", "size_bytes": 8 << 20, "sampled_at": NOW - 1,
+        "next_launch": "MAP"}, {
+        "path": "/models/tiny/dsv4-packed.r2.safetensors", "verdict": "REPACK", "reason": "stale",
+        "detail": "config.json changed", "residency": 0.0, "residency_method": "cachestat", "size_bytes": 8 << 20,
+        "sampled_at": NOW - 1, "next_launch": "REPACK (stale)"}))
+    history = tuple(float(x) for x in (5, 10, 80, 40, 20, 15, 90, 60, 30, 10))
+    host = HostSnapshot(23.5, (20.0, 27.0), (0.5, 0.7, 0.9), 16 << 30, 9 << 30, 4 << 30, 12e6, 3e6,
+                        {"cpu": history, "mem_available": history, "read": history, "write": history})
+    budget = -(1 << 30) if starving else (6 << 30)
+    warning = "residual usage leaves no KV budget (total × 0.9 − used ≤ 0): the launch would fail at kv" if starving else ""
+    device = DeviceSnapshot("cpu", "meminfo", 0.9, ({
+        "name": "cpu (host memory)", "total": 16 << 30, "used": 8 << 30, "free": 8 << 30, "budget": budget,
+        "slots": None if starving else 6144, "warning": warning},), 1 << 20)
+    registration = RegistrationSnapshot(_record(2.5, weights="REPACK"), _record(0.4), {
+        "check": "contract check", "programs": "HIT 1", "weights": "MAP", "upload": "zero-copy (cpu)",
+        "kv": "4 slots", "validate": "decode check", "serve": "HTTP"}, "1 programs from the last launch of this model")
+    return Snapshot(NOW, {"model_dir": "/models/tiny"}, programs, sidecars, host, device, registration)
+
+
+class FakeCollectors:
+    device_kind = "cpu"
+    inline = True  # snapshots applied on the UI thread: deterministic screens
+
+    def __init__(self, snap: Snapshot | None = None):
+        self.snap = snap or snapshot()
+        self.calls = 0
+
+    def reference(self):
+        return None
+
+    def snapshot(self) -> Snapshot:
+        self.calls += 1
+        return self.snap

@@ -1,0 +1,154 @@
+"""dsv4-console without workers: read-only guard, no torch, --once --json, collectors, panes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from console_fakes import FakeCollectors, snapshot
+from textual.widgets import DataTable
+
+from console.app import MUTATING, Dsv4Console
+from console.collectors import Settings, collect_device, default_model_dir, predict
+from console.launch_state import DONE, LaunchState
+from console.screen_confirm import ConfirmScreen
+from runtime.events import PHASES, Event
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def fake_app(**kw) -> Dsv4Console:
+    settings = Settings(Path("/models/tiny"), Path("/cache"), device="cpu", backend="eager", max_seq=64)
+    return Dsv4Console(settings, collectors=kw.pop("collectors", FakeCollectors()), watch=False,
+                       create_default=False, interval=0, **kw)
+
+
+@pytest.mark.asyncio
+async def test_readonly_refuses_every_mutating_action_through_one_guard():
+    app = fake_app(readonly=True)
+    bound = {b.id: b for b in app.BINDINGS if b.action.startswith("mutate(")}
+    assert set(bound) == MUTATING - {"create"}  # every mutating key goes through the guard
+    async with app.run_test() as pilot:
+        await pilot.pause()
+        for binding in bound.values():
+            await pilot.press(binding.key)
+        await app.run_action("mutate('create')")
+        await pilot.pause()
+        assert sorted(app.refused) == sorted(MUTATING)
+        assert app.jobs == {} and app.service is None
+        assert not isinstance(app.screen, ConfirmScreen)  # purge did not even ask
+
+
+@pytest.mark.asyncio
+async def test_purge_lists_count_and_bytes_and_deletes_nothing_on_no():
+    app = fake_app()
+    async with app.run_test() as pilot:
+        await pilot.pause()
+        entries, sidecars = app.purge_selection()
+        assert [e["state"] for e in entries] == ["stale", "corrupt"]
+        assert sidecars == []  # the stale r2 sidecar of the fake does not exist on disk
+        await pilot.press("x")
+        await pilot.pause()
+        assert isinstance(app.screen, ConfirmScreen)
+        assert "2 program entries and 0 sidecars, 12.0 KiB" in app.screen.body
+        await pilot.press("n")
+        await pilot.pause()
+        assert not isinstance(app.screen, ConfirmScreen)
+
+
+@pytest.mark.asyncio
+async def test_panes_render_the_snapshot_and_filter_narrows_rows():
+    app = fake_app()
+    async with app.run_test(size=(180, 50)) as pilot:
+        await pilot.pause()
+        table = app.query_one("#programs-table", DataTable)
+        assert table.row_count == 4
+        await pilot.press("slash")
+        await pilot.press(*"stale")
+        await pilot.pause()
+        assert table.row_count == 1
+        await pilot.press("escape")
+        assert app.needle == "stale"
+
+
+def test_collect_device_warns_when_residual_usage_starves_the_kv_cache():
+    snap = collect_device("cpu", 0.01, slot_bytes=1 << 20)  # 1 % of host memory is below what is in use
+    assert snap.devices[0]["budget"] <= 0
+    assert "the launch would fail at kv" in snap.devices[0]["warning"]
+    ok = collect_device("cpu", 0.95, slot_bytes=1)
+    assert ok.devices[0]["warning"] == "" and ok.devices[0]["slots"] > 0
+
+
+def test_prediction_uses_the_history_and_the_cache_inventory():
+    s = snapshot()
+    settings = Settings(Path("/models/tiny"), Path("/cache"), backend="auto")
+    history = [s.registration.best_warm]
+    pred = predict(settings, history, s.programs, s.sidecars, s.device)
+    assert pred.prediction["programs"] == "HIT 1"
+    assert pred.prediction["weights"] == "MAP"
+    assert pred.best_warm is not None and pred.previous is not None
+    starving = snapshot(starving=True)
+    pred = predict(settings, [], starving.programs, starving.sidecars, starving.device)
+    assert pred.prediction["kv"].startswith("FAIL")
+    assert "program set unknown" in pred.basis
+
+
+def test_launch_state_follows_events_to_serving():
+    state = LaunchState()
+    for phase in PHASES:
+        state.apply(Event(phase, "start"))
+        detail = {"url": "http://127.0.0.1:9"} if phase == "serve" else {"counts": {"HIT": 3}} if phase == "programs" else {}
+        state.apply(Event(phase, "end", seconds=0.5, detail=detail))
+    assert all(p.state == DONE for p in state.phases.values())
+    assert state.url == "http://127.0.0.1:9" and state.phases["programs"].path == "HIT 3"
+
+
+def test_default_model_dir_is_the_runtime_one():
+    from runtime.synth import default_model_dir as runtime_default
+
+    assert default_model_dir() == runtime_default()
+
+
+def test_once_json_prints_every_pane(tmp_path, tiny_ckpt_ro):
+    out = subprocess.run([sys.executable, "-m", "console.app", "--once", "--json", "--model", str(tiny_ckpt_ro),
+                          "--kernel-cache-dir", str(tmp_path / "programs"), "--device", "cpu"],
+                         cwd=REPO, capture_output=True, text=True, timeout=60, check=True)
+    data = json.loads(out.stdout)
+    assert data["v"] == 1
+    assert set(data) >= {"settings", "programs", "sidecars", "host", "device", "registration"}
+    assert data["sidecars"]["sidecars"][0]["next_launch"] == "REPACK (missing)"
+    assert data["programs"]["entries"] == []
+    assert {"cpu_percent", "per_core", "load", "mem_available", "page_cache", "disk_read_bps"} <= set(data["host"])
+    device = data["device"]["devices"][0]
+    assert {"total", "used", "free", "budget", "warning"} <= set(device)
+    assert set(data["registration"]["prediction"]) == set(PHASES)
+
+
+def test_console_never_imports_torch(tmp_path, tiny_ckpt_ro):
+    """Import the app, run it headless with the real collectors, walk every screen: no torch."""
+    script = textwrap.dedent(f"""
+        import asyncio, sys
+        from pathlib import Path
+        from console.app import Dsv4Console
+        from console.collectors import Settings
+
+        async def main():
+            app = Dsv4Console(Settings(Path({str(tiny_ckpt_ro)!r}), Path({str(tmp_path / "programs")!r})),
+                              interval=0.2)
+            async with app.run_test() as pilot:
+                await pilot.pause(0.6)
+                assert app.snapshot is not None
+                await pilot.press("question_mark")
+                await pilot.press("escape")
+                await pilot.press("r")
+                await pilot.pause(0.3)
+        asyncio.run(main())
+        print("torch" in sys.modules)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=90)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "False"
