@@ -382,7 +382,7 @@ class KernelCache:
         """`lookup` without side effects (no hit recorded, nothing quarantined): for `why`."""
         return self._resolve(program, key, record=False)
 
-    def _resolve(self, program: str, key: Key, *, record: bool) -> Hit | Miss:
+    def _resolve(self, program: str, key: Key, *, record: bool, _again: bool = True) -> Hit | Miss:
         check_program_name(program)
         fp = fingerprint(key)
         if not key.storable:
@@ -400,7 +400,10 @@ class KernelCache:
             kind = "untrusted" if isinstance(e, _Untrusted) else "corrupt"
             if not record:
                 return Miss(program, fp, kind, f"{kind}: {e}")
-            self.quarantine(entry, f"{kind}: {e}")
+            if self.quarantine(entry, f"{kind}: {e}", expect=getattr(e, "dir_id", None)) is None:
+                # replaced (or removed) since we read it: judge what is there now, once
+                return self._resolve(program, key, record=record, _again=False) if _again else \
+                    Miss(program, fp, "absent", "entry replaced while reading it")
             return Miss(program, fp, kind, f"{kind}: {e} (entry quarantined)")
         if record:
             self._stamp_hit(entry)
@@ -428,17 +431,35 @@ class KernelCache:
                 yield Manifest.parse((entry / MANIFEST).read_bytes(), program, fp)
 
     def _read_verified(self, entry: Path, program: str, fp: str) -> tuple[Manifest, dict[str, bytes]]:
+        """Manifest and verified contents of one entry, all read through one directory fd: an
+        entry replaced meanwhile (purge + republish) can never mix one writer's manifest with
+        another's artifact. A _Corrupt raised here carries `.dir_id`, the (dev, ino) of the dir
+        actually read, so only that dir is quarantined."""
         self._check_entry_path(entry)
-        manifest = Manifest.parse(self._read_trusted(entry / MANIFEST), program, fp)
-        contents = {}
-        for f in manifest.files:
-            data = self._read_trusted(entry / f.name)
-            if len(data) != f.size:
-                raise _Corrupt(f"{f.name} has {len(data)} bytes, manifest says {f.size}")
-            if sha256_hex(data) != f.sha256:
-                raise _Corrupt(f"{f.name} does not match its sha256")
-            contents[f.name] = data
-        return manifest, contents
+        try:
+            dfd = os.open(entry, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except NotADirectoryError:
+            raise _Corrupt(f"{entry.name} is not a directory") from None
+        st = os.fstat(dfd)
+        try:
+            problem = _ownership_problem(st)
+            if problem:
+                raise _Untrusted(f"{entry.name} is {problem}")
+            manifest = Manifest.parse(self._read_trusted(entry, dfd, MANIFEST), program, fp)
+            contents = {}
+            for f in manifest.files:
+                data = self._read_trusted(entry, dfd, f.name)
+                if len(data) != f.size:
+                    raise _Corrupt(f"{f.name} has {len(data)} bytes, manifest says {f.size}")
+                if sha256_hex(data) != f.sha256:
+                    raise _Corrupt(f"{f.name} does not match its sha256")
+                contents[f.name] = data
+            return manifest, contents
+        except _Corrupt as e:
+            e.dir_id = (st.st_dev, st.st_ino)
+            raise
+        finally:
+            os.close(dfd)
 
     def _check_entry_path(self, path: Path) -> os.stat_result:
         if path.is_symlink():
@@ -451,19 +472,27 @@ class KernelCache:
             raise _Untrusted(f"{path.name} is {problem}")
         return st
 
-    def _read_trusted(self, path: Path) -> bytes:
+    def _read_trusted(self, entry: Path, dfd: int, name: str) -> bytes:
         try:
-            self._check_entry_path(path)
-            with open(path, "rb") as f:
-                return f.read()
+            if stat.S_ISLNK(os.lstat(name, dir_fd=dfd).st_mode):
+                target = (entry / os.readlink(name, dir_fd=dfd)).resolve()
+                if not target.is_relative_to(self.root.resolve()):
+                    raise _Untrusted(f"{name} is a symlink leading outside the cache root ({target})")
+            fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=dfd)
+            try:
+                problem = _ownership_problem(os.fstat(fd))
+                if problem:
+                    raise _Untrusted(f"{name} is {problem}")
+                with open(fd, "rb", closefd=False) as f:
+                    return f.read()
+            finally:
+                os.close(fd)
         except FileNotFoundError:
-            if path.parent.exists():
-                raise _Corrupt(f"{path.name} is missing") from None
-            raise
+            raise _Corrupt(f"{name} is missing") from None
         except IsADirectoryError:
-            raise _Corrupt(f"{path.name} is not a file") from None
+            raise _Corrupt(f"{name} is not a file") from None
         except OSError as e:
-            raise _Corrupt(f"cannot read {path.name}: {e.strerror}") from None
+            raise _Corrupt(f"cannot read {name}: {e.strerror}") from None
 
     def _stamp_hit(self, entry: Path) -> None:
         # One appended byte per hit: size = hit count, mtime = last use. O_APPEND writes of one
@@ -635,8 +664,16 @@ class KernelCache:
 
     # -- quarantine, purge, gc ---------------------------------------------------------------
 
-    def quarantine(self, entry: Path, reason: str) -> Path | None:
-        """Move an entry out of the lookup path, keeping it for inspection; None if it vanished."""
+    def quarantine(self, entry: Path, reason: str, expect: tuple[int, int] | None = None) -> Path | None:
+        """Move an entry out of the lookup path, keeping it for inspection; None if it vanished
+        or, with `expect` (dev, ino), if the dir there now is not the one that was judged."""
+        if expect is not None:
+            try:
+                st = os.stat(entry)
+            except FileNotFoundError:
+                return None
+            if (st.st_dev, st.st_ino) != expect:
+                return None
         qdir = self.root / QUARANTINE
         _ensure_dir(qdir)
         dest = qdir / f"{entry.parent.name}--{entry.name[:16]}--{int(time.time())}--{_rand()}"
@@ -741,7 +778,7 @@ class KernelCache:
                 except _Corrupt as e:
                     kind = "untrusted" if isinstance(e, _Untrusted) else "corrupt"
                     size = _tree_size(entry)
-                    dest = self.quarantine(entry, f"{kind}: {e}")
+                    dest = self.quarantine(entry, f"{kind}: {e}", expect=getattr(e, "dir_id", None))
                     if dest is not None:
                         bad.append(Entry(program, fp, CORRUPT, f"{kind}: {e}", size, 0.0, 0.0, 0, dest))
         return Verification(checked, tuple(bad))
