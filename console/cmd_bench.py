@@ -37,6 +37,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     side.add_argument("--json", action="store_true", help="print the rows as a JSON list")
     side.set_defaults(func=_sidecar)
 
+    start = sub.add_parser(
+        "startup",
+        help="registration to serve-ready: cold vs warm programs vs warm + hot sidecar vs torch.compile",
+        description="Registration to serve-ready (KV sized, validated) in four set-ups, each in a fresh "
+        "process: (a) cold cache, no sidecar; (b) warm programs, no sidecar; (c) warm programs + hot "
+        "sidecar; (d) peer: torch.compile with its own warm Inductor caches, packing. Per-phase "
+        "seconds and ratios against the targets.",
+    )
+    start.add_argument("--preset", choices=("tiny", "small", "medium"), default="small")
+    start.add_argument("--backend", choices=("aoti", "export"), default="aoti")
+    start.add_argument("--json", action="store_true", help="print one JSON object")
+    start.set_defaults(func=_startup)
+
+
+def _startup(args: argparse.Namespace) -> int:
+    from bench.startup_bench import main
+
+    return main(preset=args.preset, backend=args.backend, json_output=args.json)
+
 
 def _cache(args: argparse.Namespace) -> int:
     from bench.cache_bench import main
