@@ -46,6 +46,7 @@ import contextlib
 import errno
 import functools
 import json
+import logging
 import os
 import shutil
 import socket
@@ -81,6 +82,14 @@ PARTIAL = "partial"
 STATES = (CURRENT, OTHER_LAYOUT, STALE, CORRUPT, PARTIAL)
 
 _GROUP_OR_WORLD_WRITE = stat.S_IWGRP | stat.S_IWOTH
+# Errors of the cache's filesystem (full, read-only, not ours to write): the program still
+# runs, unpublished, with one warning.
+_STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+
+# Below this much free space on the cache filesystem a compile is not published.
+MIN_FREE_BYTES = 256 << 20
+
+log = logging.getLogger(__name__)
 
 
 class UntrustedCacheError(UserError):
@@ -524,17 +533,36 @@ class KernelCache:
             return Fetch(first, built=False, miss=None)
         if first.kind == "unknown":
             return Fetch(self._build_private(program, key, build, config_components), True, first)
-        self._ensure_layout(program)
+        try:
+            self._ensure_layout(program)
+        except OSError as e:
+            if e.errno not in _STORAGE_ERRNOS:
+                raise
+            log.warning("program cache %s is not writable (%s): %s runs uncached", self.root, e.strerror, program)
+            return Fetch(self._build_private(program, key, build, config_components), True, first)
         self.sweep_staging(program)
         with self._compile_lock(program, fingerprint(key)):
             again = self.lookup(program, key)
             if isinstance(again, Hit):
                 return Fetch(again, built=False, miss=first)
-            with self._staging(program, fingerprint(key)) as staging:
-                started = time.perf_counter()
-                build(staging)
-                hit = self._seal(staging, program, key, config_components, time.perf_counter() - started)
-                return Fetch(self._install(staging, hit), built=True, miss=first)
+            # A nearly full cache filesystem: build unpublished (torch's archive writer aborts
+            # the whole process on ENOSPC instead of raising, so never let it hit a full disk).
+            free = _free_bytes(self.base / program)
+            if free is not None and free < MIN_FREE_BYTES:
+                log.warning("program cache %s has %d bytes free: %s runs uncached", self.root, free, program)
+                return Fetch(self._build_private(program, key, build, config_components), True, first)
+            try:
+                with self._staging(program, fingerprint(key)) as staging:
+                    started = time.perf_counter()
+                    build(staging)
+                    hit = self._seal(staging, program, key, config_components, time.perf_counter() - started)
+                    return Fetch(self._install(staging, hit), built=True, miss=first)
+            except OSError as e:
+                if e.errno not in _STORAGE_ERRNOS:
+                    raise
+                log.warning("cannot store %s in program cache %s (%s): it runs uncached",
+                            program, self.root, e.strerror)  # fmt: skip
+                return Fetch(self._build_private(program, key, build, config_components), True, first)
 
     def publish(
         self,
@@ -873,6 +901,14 @@ def _ownership_problem(st: os.stat_result) -> str | None:
     if st.st_mode & _GROUP_OR_WORLD_WRITE:
         return f"writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})"
     return None
+
+
+def _free_bytes(path: Path) -> int | None:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
 
 
 def _scandir(path: Path) -> list[os.DirEntry[str]]:
