@@ -559,6 +559,11 @@ def write_sidecar(
                 f"{path}: no space for {format_size(total)} ({e.strerror}); free space or "
                 "write the sidecar elsewhere"
             ) from None
+        if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise UserError(
+                f"{path.parent}: cannot write the sidecar here ({e.strerror}); write it "
+                "elsewhere with --out"
+            ) from None
         raise
 
     stale = ""
