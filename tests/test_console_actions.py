@@ -1,0 +1,152 @@
+"""Every console action against real `dsv4` worker processes on the tiny preset."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from console.app import Dsv4Console
+from console.collectors import Settings, default_model_dir
+from console.launch_state import DONE
+from console.screen_confirm import ConfirmScreen
+from console.screen_quit import QuitScreen
+from console.workers import Worker
+from runtime.events import PHASES
+from runtime.programs import CONFIG_COMPONENTS, toolchain_components
+from store import pagecache, sidecar
+from store.fingerprint import Key
+from store.kernel_cache import KernelCache
+
+pytestmark = pytest.mark.asyncio
+WAIT = 120.0  # an upper bound for a worker on a loaded two-core machine, never a timing assertion
+
+
+async def until(pilot, condition, what: str) -> None:
+    for _ in range(int(WAIT / 0.1)):
+        if condition():
+            return
+        await pilot.pause(0.1)
+    raise AssertionError(f"gave up waiting for {what}")
+
+
+def console(model_dir: Path, cache_dir: Path, **kw) -> Dsv4Console:
+    settings = Settings(model_dir, cache_dir, device="cpu", backend="eager", max_seq=64)
+    return Dsv4Console(settings, watch=False, interval=0.5, stop_timeout=20, **kw)
+
+
+def done(app: Dsv4Console, name: str) -> bool:
+    job = app.jobs.get(name)
+    return job is not None and job.returncode is not None
+
+
+async def test_prepack_then_warm_makes_the_sidecar_map_hot(tiny_ckpt, tmp_path):
+    app = console(tiny_ckpt, tmp_path / "programs")
+    path = sidecar.default_sidecar_path(tiny_ckpt, 1)
+    async with app.run_test() as pilot:
+        await pilot.press("p")
+        await until(pilot, lambda: done(app, "prepack"), "prepack")
+        assert app.jobs["prepack"].returncode == 0 and path.is_file()
+        assert sidecar.inspect(path).action == sidecar.MAP
+        pagecache.evict(path)
+        await pilot.press("w")
+        await until(pilot, lambda: done(app, "warm") and app.jobs["warm"].argv[3] == "compile", "warm")
+        await until(pilot, lambda: done(app, "warm"), "compile")
+        warmed = time.time()
+        app.refresh_now()
+        await until(pilot, lambda: app.snapshot and app.snapshot.ts > warmed, "refresh")
+        row = app.snapshot.sidecars.sidecars[0]
+        assert row["verdict"] == "MAP" and row["next_launch"] == "MAP", row
+        assert row["residency"] >= sidecar.DEFAULT_COLD_THRESHOLD, row
+        assert app.failures == []
+
+
+def _publish(cache: KernelCache, program: str, **changes) -> None:
+    components = {"backend": "export", "device": "cpu", "signature": {"inputs": []}, "layout": {"tp": 1},
+                  "model_dims": {"hidden": 8}, **dict(toolchain_components("cpu")), **changes}
+    cache.publish(program, Key.of(components), {"program.pt2": b"x" * 4096}, config_components=CONFIG_COMPONENTS)
+
+
+async def test_purge_removes_the_stale_entry_only_after_confirming(tiny_ckpt_ro, tmp_path):
+    cache = KernelCache(tmp_path / "programs")
+    _publish(cache, "current_one")
+    _publish(cache, "stale_one", torch="2.0.0")
+    app = console(tiny_ckpt_ro, cache.root, create_default=False)
+    async with app.run_test() as pilot:
+        await until(pilot, lambda: app.snapshot is not None, "first snapshot")
+        assert {e["program"]: e["state"] for e in app.snapshot.programs.entries} == {
+            "current_one": "current", "stale_one": "stale"}
+        await pilot.press("x")
+        await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), "confirm")
+        assert "1 program entries and 0 sidecars" in app.screen.body
+        await pilot.press("n")
+        await pilot.pause(0.3)
+        assert sorted(e.program for e in cache.inventory()) == ["current_one", "stale_one"]
+        await pilot.press("x")
+        await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), "confirm")
+        await pilot.press("y")
+        await until(pilot, lambda: [e.program for e in cache.inventory()] == ["current_one"], "purge")
+
+
+async def test_launch_streams_every_phase_and_stop_ends_the_service(tiny_ckpt_ro, tmp_path):
+    app = console(tiny_ckpt_ro, tmp_path / "programs")
+    async with app.run_test(size=(180, 50)) as pilot:
+        await pilot.press("l")
+        await until(pilot, lambda: (app.launch and app.launch.url) or app.failures, "serving")
+        assert app.failures == []
+        assert [p for p in PHASES if app.launch.phases[p].state != DONE] == []
+        assert app.launch.url.startswith("http://127.0.0.1:")
+        table = app.query_one("#registration-table")
+        assert all("✓" in str(table.get_row_at(i)[0]) for i in range(len(PHASES)))
+        service = app.service
+        await pilot.press("s")
+        await until(pilot, lambda: service.returncode is not None, "stop")
+        assert service.returncode == 0  # drained on SIGTERM
+    from runtime.registration import read_history
+
+    assert read_history()[-1]["outcome"] == "ok"
+
+
+async def test_quit_with_a_running_service_asks_and_can_stop_it(tiny_ckpt_ro, tmp_path):
+    app = console(tiny_ckpt_ro, tmp_path / "programs", create_default=False)
+    async with app.run_test() as pilot:
+        app.service = Worker("launch", [sys.executable, "-c", "import time; time.sleep(600)"],
+                             on_event=app._on_event, on_line=app._on_line)
+        app.run_worker(app.service.run())
+        await until(pilot, lambda: app.service.running, "sleeper")
+        await pilot.press("q")
+        await until(pilot, lambda: isinstance(app.screen, QuitScreen), "quit dialog")
+        await pilot.press("s")
+        await until(pilot, lambda: app.service.returncode is not None, "stopped")
+    assert app.service.returncode != 0 and app.failures == []  # stopped on request: not a failure
+
+
+async def test_a_failing_worker_is_reported_and_the_console_keeps_working(tiny_ckpt, tmp_path):
+    (tiny_ckpt / "config.json").write_text(json.dumps({"not": "a config"}))
+    app = console(tiny_ckpt, tmp_path / "programs")
+    async with app.run_test() as pilot:
+        await pilot.press("p")
+        await until(pilot, lambda: app.failures, "failure")
+        failure = app.failures[0]
+        assert failure.detail["exit_code"] not in (0, None)
+        assert failure.detail["stderr"] and "prepack" in failure.message
+        calls = app.snapshot.ts if app.snapshot else 0
+        await pilot.press("r")
+        await until(pilot, lambda: app.snapshot and app.snapshot.ts > calls, "refresh after failure")
+
+
+async def test_first_run_creates_the_embedded_default_with_progress(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSV4_DEFAULT_PRESET", "tiny")
+    target = default_model_dir()
+    app = Dsv4Console(Settings.make(kernel_cache=tmp_path / "programs", backend="eager"), watch=False, interval=0.5)
+    async with app.run_test() as pilot:
+        await until(pilot, lambda: "create" in app.jobs, "create started")
+        assert "creating the default" in str(app.query_one("#sidecars-job").render())
+        await until(pilot, lambda: done(app, "create"), "create")
+        await asyncio.sleep(0)
+    assert app.jobs["create"].returncode == 0
+    assert (target / sidecar.INDEX_FILE).is_file()
