@@ -147,6 +147,8 @@ class Manifest:
         """Parse and check a manifest read from `<program>/<fp>/`; raise _Corrupt on any flaw."""
         try:
             data = json.loads(raw)
+            if not isinstance(data["program"], str) or not isinstance(data["fingerprint"], str):
+                raise TypeError("program and fingerprint must be strings")
             m = cls(
                 program=data["program"],
                 fingerprint=data["fingerprint"],
