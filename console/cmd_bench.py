@@ -37,6 +37,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     side.add_argument("--json", action="store_true", help="print the rows as a JSON list")
     side.set_defaults(func=_sidecar)
 
+    con = sub.add_parser(
+        "console",
+        help="dsv4-console: first paint and idle CPU at the default interval",
+        description="Start dsv4-console in a pseudo-terminal on a tiny checkpoint: time to first "
+        "paint, then its CPU use while idle (default 30 s at the default 2 s interval).",
+    )
+    con.add_argument("--idle-seconds", type=float, default=30.0, help="idle window (default 30)")
+    con.add_argument("--json", action="store_true", help="print one JSON object")
+    con.set_defaults(func=_console)
+
     start = sub.add_parser(
         "startup",
         help="registration to serve-ready: cold vs warm programs vs warm + hot sidecar vs torch.compile",
@@ -67,3 +77,9 @@ def _sidecar(args: argparse.Namespace) -> int:
     from bench.sidecar_bench import main
 
     return main(preset=args.preset, json_output=args.json)
+
+
+def _console(args: argparse.Namespace) -> int:
+    from bench.console_bench import main
+
+    return main(json_output=args.json, idle_seconds=args.idle_seconds)

@@ -1,0 +1,148 @@
+"""`dsv4 bench console`: first paint of `dsv4-console` and its CPU use while idle.
+
+The console runs as an operator would start it, in a pseudo-terminal (180 × 50), read-only,
+on a tiny synthetic checkpoint in throwaway user dirs. First paint = from spawn until the
+footer's key hints reach the terminal (the whole screen is composed by then). Idle CPU = the
+console process's user + system CPU seconds over `idle_seconds` of wall time at the default
+refresh interval, as a percentage of one core (children included, though an idle console
+has none).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import pty
+import select
+import struct
+import subprocess
+import sys
+import tempfile
+import termios
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+TARGETS = {"first_paint_s": 1.0, "idle_cpu_percent": 3.0}
+MARKER = b"Quit"  # the footer's first hint: painted with the first full screen
+SIZE = (50, 180)
+
+
+def _env(base: Path) -> dict[str, str]:
+    return {**os.environ, "TERM": "xterm-256color", "DSV4_DEFAULT_PRESET": "tiny",
+            "DSV4_DATA_DIR": str(base / "data"), "DSV4_STATE_DIR": str(base / "state"),
+            "DSV4_KERNEL_CACHE_DIR": str(base / "programs")}
+
+
+def measure(idle_seconds: float = 30.0, interval: float = 2.0) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="dsv4-console-bench-") as tmp:
+        base = Path(tmp)
+        env = _env(base)
+        model = base / "model"
+        subprocess.run([sys.executable, "-m", "console.cli", "synth", "--preset", "tiny", str(model)],
+                       env=env, check=True, capture_output=True)
+        master, slave = pty.openpty()
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", SIZE[0], SIZE[1], 0, 0))
+        argv = [sys.executable, "-m", "console.app", "--readonly", "--model", str(model),
+                "--interval", str(interval)]
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True,
+                                start_new_session=True)
+        os.close(slave)
+        try:
+            first_paint = _wait_for(master, MARKER, timeout=30.0)
+            if first_paint is None:
+                raise RuntimeError("dsv4-console did not paint within 30 s")
+            first_paint -= t0
+            stop = threading.Event()
+            drain = threading.Thread(target=_drain, args=(master, stop), daemon=True)
+            drain.start()
+            time.sleep(min(3.0, idle_seconds))  # let the first collection finish before the window
+            ps = psutil.Process(proc.pid)
+            c0, w0 = _cpu(ps), time.perf_counter()
+            time.sleep(idle_seconds)
+            c1, w1 = _cpu(ps), time.perf_counter()
+            rss = ps.memory_info().rss
+            stop.set()
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(5)
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            os.close(master)
+    idle_cpu = 100.0 * (c1 - c0) / (w1 - w0)
+    return {"first_paint_s": round(first_paint, 3), "idle_cpu_percent": round(idle_cpu, 2),
+            "idle_seconds": idle_seconds, "interval_s": interval, "rss_bytes": rss,
+            "load_average": [round(x, 2) for x in os.getloadavg()], "cpu_count": os.cpu_count(),
+            "targets": TARGETS,
+            "met": {"first_paint_s": first_paint <= TARGETS["first_paint_s"],
+                    "idle_cpu_percent": idle_cpu <= TARGETS["idle_cpu_percent"]}}
+
+
+def _cpu(ps: psutil.Process) -> float:
+    t = ps.cpu_times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def _wait_for(fd: int, marker: bytes, timeout: float) -> float | None:
+    seen = b""
+    deadline = time.perf_counter() + timeout
+    while time.perf_counter() < deadline:
+        ready, _, _ = select.select([fd], [], [], 0.05)
+        if ready:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:
+                return None
+            seen = (seen + chunk)[-(1 << 16):]
+            if marker in seen:
+                return time.perf_counter()
+    return None
+
+
+def _drain(fd: int, stop: threading.Event) -> None:
+    """Keep reading the terminal so the console never blocks on a full pty buffer."""
+    while not stop.is_set():
+        ready, _, _ = select.select([fd], [], [], 0.2)
+        if ready:
+            try:
+                os.read(fd, 65536)
+            except OSError:
+                return
+
+
+def _table(r: dict[str, Any]) -> None:
+    from console.output import print_table
+
+    rows = [
+        ("first paint", f"{r['first_paint_s']:.3f} s", f"≤ {TARGETS['first_paint_s']} s",
+         "yes" if r["met"]["first_paint_s"] else "NO"),
+        (f"idle CPU over {r['idle_seconds']:.0f} s (interval {r['interval_s']} s)",
+         f"{r['idle_cpu_percent']:.2f} % of one core", f"≤ {TARGETS['idle_cpu_percent']} %",
+         "yes" if r["met"]["idle_cpu_percent"] else "NO"),
+        ("RSS while idle", f"{r['rss_bytes'] / 2**20:.1f} MiB", "", ""),
+    ]
+    print_table("dsv4-console", ("measure", "value", "target", "met"), rows)
+    print(f"host: {r['cpu_count']} cores, load average {' '.join(map(str, r['load_average']))} "
+          "(another process's load shows up in first paint)")
+
+
+def main(json_output: bool = False, idle_seconds: float = 30.0) -> int:
+    result = measure(idle_seconds)
+    if json_output:
+        print(json.dumps(result, indent=2))
+    else:
+        _table(result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main("--json" in sys.argv))
