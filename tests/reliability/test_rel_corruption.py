@@ -126,9 +126,9 @@ def packed(tiny_ckpt_ro, tmp_path_factory):
     info = prepack(ckpt)
     raw = info.path.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
-    verdict, mapped = sidecar.open_sidecar(info.path, expected_key=sidecar_key(ckpt, 1),
+    _, mapped = sidecar.open_sidecar(info.path, expected_key=sidecar_key(ckpt, 1),
                                            expected_names=pack_plan(ckpt, 1).names(), cold_policy="read")
-    ref = {k: hashlib.sha256(v.contiguous().view(-1).view(__import__("torch").uint8).numpy().tobytes()).hexdigest()
+    ref = {k: _tensor_sha(v)
            for k, v in mapped.tensors.items()}
     mapped.close()
     return ckpt, info.path, raw, n, ref, sidecar_key(ckpt, 1), pack_plan(ckpt, 1).names()
