@@ -106,7 +106,8 @@ class Dsv4Console(App):
 
     def on_mount(self) -> None:
         self._topbar()
-        self.refresh_now()
+        # collect after the first paint: the empty screen shows at once, data follows
+        self.call_after_refresh(self.refresh_now)
         if self.interval > 0:
             self.set_interval(self.interval, self.refresh_now)
         self.call_after_refresh(self._painted)
@@ -152,13 +153,18 @@ class Dsv4Console(App):
             return
         self.call_from_thread(self.apply_snapshot, snap)
 
-    def apply_snapshot(self, snap: Snapshot) -> None:
-        self.snapshot = snap
-        self.query_one(ProgramsPane).show(snap.programs, snap.ts, self.needle)
-        self.query_one(SidecarsPane).show(snap.sidecars, snap.ts, self.needle)
+    def apply_snapshot(self, snap: Snapshot, force: bool = False) -> None:
+        old, self.snapshot = self.snapshot, snap
+        # repaint a pane only when its data changed: idle refreshes stay cheap
+        if force or old is None or old.programs != snap.programs:
+            self.query_one(ProgramsPane).show(snap.programs, snap.ts, self.needle)
+        if force or old is None or _sidecar_rows(old) != _sidecar_rows(snap):
+            self.query_one(SidecarsPane).show(snap.sidecars, snap.ts, self.needle)
         self.query_one(HostPane).show(snap.host)
-        self.query_one(DevicePane).show(snap.device)
-        self._show_registration()
+        if force or old is None or old.device != snap.device:
+            self.query_one(DevicePane).show(snap.device)
+        if force or old is None or old.registration != snap.registration:
+            self._show_registration()
         self._topbar()
         if self.watch_files:
             self._rearm_watch()
@@ -215,7 +221,7 @@ class Dsv4Console(App):
         self.needle = event.value.strip().lower()
         self.query_one(LogPane).filter(self.needle)
         if self.snapshot:
-            self.apply_snapshot(self.snapshot)
+            self.apply_snapshot(self.snapshot, force=True)
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
         event.input.display = False
@@ -454,6 +460,12 @@ class Dsv4Console(App):
             self.log_line("console", self.status)
             self._show_registration()
             self._topbar()
+
+
+def _sidecar_rows(snap: Snapshot) -> list[dict[str, Any]]:
+    """The sidecar rows without their sampling time (which changes on every refresh)."""
+    return [{k: v for k, v in row.items() if k != "sampled_at"} for row in snap.sidecars.sidecars] + [
+        {"error": snap.sidecars.error}]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -373,6 +373,8 @@ class Collectors:
         self.device_kind = resolve_device_kind(settings.device)
         self.host = HostCollector()
         self._reference: kc.Reference | None = None
+        self._history: list[dict[str, Any]] = []
+        self._history_stamp: tuple[int, int] | None = None
 
     def reference(self) -> kc.Reference | None:
         if self._reference is None:
@@ -384,12 +386,21 @@ class Collectors:
         return self._reference
 
     def history(self) -> list[dict[str, Any]]:
-        from runtime.registration import read_history
+        """The launch history, re-read only when the file changed (it only grows)."""
+        from runtime.registration import history_path, read_history
 
         try:
-            return read_history(limit=500)
+            st = history_path().stat()
+            stamp = (st.st_mtime_ns, st.st_size)
         except OSError:
             return []
+        if stamp != self._history_stamp:
+            try:
+                self._history = read_history(limit=500)
+            except OSError:
+                return []
+            self._history_stamp = stamp
+        return self._history
 
     def snapshot(self) -> Snapshot:
         s = self.settings
