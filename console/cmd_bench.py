@@ -60,6 +60,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     start.add_argument("--json", action="store_true", help="print one JSON object")
     start.set_defaults(func=_startup)
 
+    service = sub.add_parser(
+        "service",
+        help="HTTP service: 64 concurrent clients against the tiny model, p50/p99 latency, RSS",
+        description="Serve the tiny synthetic model (eager backend, loopback), send 4 rounds of "
+        "64 concurrent completions and print p50/p99 latency, throughput and server RSS.",
+    )
+    service.add_argument("--json", action="store_true", help="print one JSON object")
+    service.set_defaults(func=_service)
+
 
 def _startup(args: argparse.Namespace) -> int:
     from bench.startup_bench import main
@@ -83,3 +92,9 @@ def _console(args: argparse.Namespace) -> int:
     from bench.console_bench import main
 
     return main(json_output=args.json, idle_seconds=args.idle_seconds)
+
+
+def _service(args: argparse.Namespace) -> int:
+    from bench.service_bench import main
+
+    return main(json_output=args.json)
