@@ -117,6 +117,7 @@ class RegistrationSnapshot:
     best_warm: dict[str, Any] | None = None  # the fastest ok launch with every program HIT and weights MAP
     prediction: dict[str, str] = field(default_factory=dict)  # phase → predicted path
     basis: str = ""  # what the prediction is based on
+    earlier: dict[str, Any] | None = None  # the launch before `previous`
 
 
 @dataclass(frozen=True)
@@ -354,7 +355,8 @@ def predict(settings: Settings, history: list[dict[str, Any]], programs: Program
             pred["kv"] = f"budget {format_size(max(0, d['budget']))}"
     pred["validate"] = "decode check"
     pred["serve"] = "HTTP"
-    return RegistrationSnapshot(previous, best, pred, "; ".join(basis))
+    earlier = mine[-2] if len(mine) > 1 else None
+    return RegistrationSnapshot(previous, best, pred, "; ".join(basis), earlier)
 
 
 def last_slot_bytes(history: list[dict[str, Any]], model_dir: Path, max_seq: int) -> int | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +51,7 @@ class LaunchState:
     phases: dict[str, PhaseState] = field(default_factory=lambda: {p: PhaseState() for p in PHASES})
     url: str = ""
     error: str = ""
+    spawned: float = field(default_factory=time.time)  # the history record of this launch starts later
 
     def apply(self, event: Event) -> None:
         if event.phase not in self.phases:

@@ -19,7 +19,7 @@ class LogPane(Vertical):
         self.needle = ""
 
     def compose(self) -> ComposeResult:
-        yield RichLog(id="log", max_lines=MAX_LINES, wrap=False, markup=True, auto_scroll=True)
+        yield RichLog(id="log", max_lines=MAX_LINES, wrap=True, markup=True, auto_scroll=True)
 
     def on_mount(self) -> None:
         self.border_title = "Log"

@@ -42,12 +42,15 @@ class RegistrationPane(Vertical):
     def show(self, snap: RegistrationSnapshot, launch: LaunchState | None, status: str = "") -> None:
         table = self.query_one(DataTable)
         table.clear()
+        previous = snap.previous
+        if launch and previous and previous.get("started", 0) >= launch.spawned:
+            previous = snap.earlier  # the last record is this launch: compare with the one before
         for phase in PHASES:
             p = launch.phases[phase] if launch else None
             mark = STATE_MARK.get(p.state, " ") if p else " "
             table.add_row(f"{mark} {phase}", fmt.bar(p.fraction if p else 0.0, 10),
                           fmt.secs(p.seconds) if p else "-", (p.path if p else "")[:40],
-                          snap.prediction.get(phase, ""), _past(snap.previous, phase),
+                          snap.prediction.get(phase, ""), _past(previous, phase),
                           _past(snap.best_warm, phase))
         parts = []
         if launch:
@@ -56,8 +59,8 @@ class RegistrationPane(Vertical):
                 parts.append(f"[green]serving {launch.url}[/]")
             if launch.error:
                 parts.append(f"[red]{launch.error}[/]")
-        if snap.previous:
-            parts.append(f"previous {launch_seconds(snap.previous):.2f} s ({snap.previous.get('outcome')})")
+        if previous:
+            parts.append(f"previous {launch_seconds(previous):.2f} s ({previous.get('outcome')})")
         if snap.best_warm:
             parts.append(f"best warm {launch_seconds(snap.best_warm):.2f} s")
         if status:
