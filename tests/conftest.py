@@ -15,6 +15,7 @@ def _isolated_user_dirs(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("DSV4_DATA_DIR", str(base / "data"))
     monkeypatch.setenv("DSV4_STATE_DIR", str(base / "state"))
     monkeypatch.setenv("DSV4_KERNEL_CACHE_DIR", str(base / "programs"))
+    monkeypatch.setenv("DSV4_DEFAULT_PRESET", "tiny")  # an embedded default costs 6 MB, not 0.5 GB
 
 
 @pytest.fixture(scope="session")
