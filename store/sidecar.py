@@ -742,6 +742,18 @@ def _sound_header(fd: int, size: int) -> tuple[Header, Key, float, float]:
         header = read_header(fd, size)
     except OSError as e:
         raise CorruptSidecar(f"read error ({e.strerror})") from None
+    # The writer places every tensor by one rule (`_layout`: by element size, then header
+    # order). Any other placement is corruption that every other check would pass, such as two
+    # same-shape tensors with swapped offsets, which would serve each other's bytes.
+    try:
+        canonical, _ = _layout([TensorPlan(e.name, e.dtype, e.shape) for e in header.entries])
+    except ValueError as e:
+        raise CorruptSidecar(str(e)) from None
+    for e in header.entries:
+        want = canonical[e.name]["data_offsets"]
+        got = [e.begin - header.data_start, e.end - header.data_start]
+        if got != want:
+            raise CorruptSidecar(f"tensor '{e.name}' is at data offsets {got}, the writer puts it at {want}")
     meta = header.metadata
     absent = [k for k in REQUIRED_METADATA if k not in meta]
     if absent:

@@ -241,8 +241,6 @@ def test_checkpoint_files(ckpt_copy, m, which):
         path.write_bytes(raw)
 
 
-@pytest.mark.xfail(strict=True, reason="known gap: the sidecar header's tensor layout is not covered by any "
-                   "digest, so two same-shape tensors with swapped data_offsets MAP (see RELIABILITY.md)")
 def test_sidecar_swapped_offsets_of_same_shape_tensors_are_not_served(packed):
     raw, n = packed[2], packed[3]
     header = json.loads(raw[8 : 8 + n])
