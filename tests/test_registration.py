@@ -140,3 +140,17 @@ def test_bad_contract_fails_in_check(tiny_ckpt):
     (tiny_ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(RegistrationError, match="check: .* breaks the tensor contract"):
         launch(tiny_ckpt, backend="eager")
+
+
+@pytest.mark.slow
+def test_aoti_launch_compiles_then_hits_with_the_same_tokens(cold_export_launch, tiny_ckpt_ro, tmp_path):
+    """AOTInductor end to end: cold (every program compiled and published), then warm (every
+    program a verified HIT); greedy tokens equal the export launch's."""
+    _, export_launch, _ = cold_export_launch
+    cold, events = launch(tiny_ckpt_ro, backend="aoti", cache_dir=tmp_path / "programs")
+    assert _ends(events)["programs"].detail["counts"]["MISS"] == len(cold.programs.specs)
+    cold.close()
+    warm, events = launch(tiny_ckpt_ro, backend="aoti", cache_dir=tmp_path / "programs")
+    assert _ends(events)["programs"].detail["counts"]["HIT"] == len(warm.programs.specs)
+    assert warm.validation_tokens == cold.validation_tokens == export_launch.validation_tokens
+    warm.close()
