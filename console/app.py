@@ -119,7 +119,7 @@ class Dsv4Console(App):
 
     def _needs_default(self) -> bool:
         return (self.settings.model_dir == default_model_dir()
-                and not (self.settings.model_dir / sc.INDEX_FILE).is_file())
+                and not (self.settings.model_dir / sc.INDEX_NAME).is_file())
 
     def _topbar(self) -> None:
         s = self.settings
@@ -274,7 +274,7 @@ class Dsv4Console(App):
         return False
 
     def _model_ready(self) -> bool:
-        if (self.settings.model_dir / sc.INDEX_FILE).is_file():
+        if (self.settings.model_dir / sc.INDEX_NAME).is_file():
             return True
         self.notify(f"no checkpoint at {self.settings.model_dir}", severity="error")
         return False

@@ -116,7 +116,7 @@ def _resolve(target: str, ranks: int | None) -> Path | None:
         raise UserError(f"{path}: several sidecars ({names}); pass --ranks N to pick one")
     if found:
         return found[0]
-    if not (path / sidecar.CONFIG_FILE).exists():
+    if not (path / sidecar.CONFIG_NAME).exists():
         raise UserError(f"{path}: neither a sidecar nor a checkpoint directory (no config.json)")
     return None
 

@@ -47,6 +47,17 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists on this host (EPERM: it exists, not ours)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def staging_writer_pid(name: str) -> int | None:
     """The writer's pid if `name` is a staging file made by `staging_name` on this host."""
     if not is_staging(name):

@@ -20,12 +20,16 @@ from store.errors import UserError
 
 INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"
-# Bytes per element of each safetensors dtype this project meets.
+# Bytes per element of the byte-addressable safetensors dtypes (sub-byte F4/F6 are not used:
+# FP4 experts travel as I8 pairs). Shared by the checkpoint reader and the sidecar format.
 DTYPE_SIZES = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
-    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1, "U16": 2, "U32": 4, "U64": 8,
-}
-# A safetensors header larger than this is hostile or broken, not a checkpoint.
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
+    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4,
+    "I64": 8, "U64": 8, "F64": 8, "C64": 8,
+}  # fmt: skip
+# The safetensors library's own header limit; larger is hostile or broken. A V4-Flash header
+# (~70k tensors) is a few MiB.
 MAX_HEADER_BYTES = 100 << 20
 
 

@@ -57,7 +57,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from store.atomic import STAGING_PREFIX, fsync_dir, is_staging, shared_mode
+from store.atomic import STAGING_PREFIX, fsync_dir, is_staging, pid_alive, shared_mode
 from store.errors import UserError
 from store.fingerprint import UNKNOWN, Change, Key, describe, diff, fingerprint, sha256_hex
 
@@ -320,13 +320,7 @@ def _writer_alive(host: str, pid: int) -> bool | None:
     """True/False for a writer on this host; None when it runs elsewhere (unknowable)."""
     if host != socket.gethostname():
         return None
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return pid_alive(pid)
 
 
 def _staging_writer(name: str) -> tuple[str, int] | None:

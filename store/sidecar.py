@@ -63,6 +63,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from store import atomic, pagecache
+from store.checkpoint import CONFIG_NAME, DTYPE_SIZES, INDEX_NAME, MAX_HEADER_BYTES
 from store.errors import UserError
 from store.fingerprint import Change, Key, diff, fingerprint, sha256_hex
 from store.units import format_size
@@ -73,20 +74,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 FILE_PREFIX = "dsv4-packed"
-CONFIG_FILE = "config.json"
-INDEX_FILE = "model.safetensors.index.json"
-
-# Element sizes of the byte-addressable safetensors dtypes (sub-byte F4/F6 are not used: FP4
-# experts travel as I8 pairs).
-DTYPE_SIZES = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
-    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-    "I32": 4, "U32": 4, "F32": 4,
-    "I64": 8, "U64": 8, "F64": 8, "C64": 8,
-}  # fmt: skip
-
-# The safetensors library's own limit; a V4-Flash header (~70k tensors) is a few MiB.
-MAX_HEADER_BYTES = 100 << 20
 # Header JSON is padded with spaces so data starts on this boundary, and so the final header
 # (with the measured pack seconds) fits in the space reserved before any tensor was written.
 DATA_ALIGN = 64
@@ -140,13 +127,13 @@ def source_key(
     names the very shard that changed. A shard that is gone reads as "<missing>".
     """
     model_dir = Path(model_dir)
-    config = _checkpoint_file(model_dir, CONFIG_FILE)
+    config = _checkpoint_file(model_dir, CONFIG_NAME)
     try:
-        weight_map = json.loads(_checkpoint_file(model_dir, INDEX_FILE))["weight_map"]
+        weight_map = json.loads(_checkpoint_file(model_dir, INDEX_NAME))["weight_map"]
         if not isinstance(weight_map, dict):
             raise TypeError("weight_map is not an object")
     except (ValueError, KeyError, TypeError) as e:
-        raise UserError(f"{model_dir / INDEX_FILE}: not a safetensors index ({e})") from None
+        raise UserError(f"{model_dir / INDEX_NAME}: not a safetensors index ({e})") from None
     components: list[tuple[str, Any]] = [
         ("format", format),
         ("packer_version", packer_version),
@@ -626,7 +613,7 @@ def sweep_temp_files(
         if not stat.S_ISREG(st.st_mode):
             continue
         age = now - st.st_mtime
-        leftover = not _pid_alive(pid) if pid is not None else age >= min_age_s
+        leftover = not atomic.pid_alive(pid) if pid is not None else age >= min_age_s
         if not leftover:
             continue
         if remove:
@@ -640,16 +627,6 @@ def sweep_temp_files(
             log.warning("removed leftover sidecar staging file %s (writer gone)", p)
         found.append(p)
     return sorted(found)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 # ---------------------------------------------------------------------------------------------

@@ -140,7 +140,10 @@ def test_console_never_imports_torch(tmp_path, tiny_ckpt_ro):
             app = Dsv4Console(Settings(Path({str(tiny_ckpt_ro)!r}), Path({str(tmp_path / "programs")!r})),
                               interval=0.2)
             async with app.run_test() as pilot:
-                await pilot.pause(0.6)
+                for _ in range(300):  # the first snapshot is collected after the first paint
+                    if app.snapshot is not None:
+                        break
+                    await pilot.pause(0.1)
                 assert app.snapshot is not None
                 await pilot.press("question_mark")
                 await pilot.press("escape")

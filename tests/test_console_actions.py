@@ -149,4 +149,4 @@ async def test_first_run_creates_the_embedded_default_with_progress(tmp_path, mo
         await until(pilot, lambda: done(app, "create"), "create")
         await asyncio.sleep(0)
     assert app.jobs["create"].returncode == 0
-    assert (target / sidecar.INDEX_FILE).is_file()
+    assert (target / sidecar.INDEX_NAME).is_file()

@@ -47,7 +47,7 @@ def model_dir(tmp_path) -> Path:
     save_file({"embed.weight": torch.ones(4, 8)}, d / SHARDS[0])
     save_file({"head.weight": torch.zeros(4, 8)}, d / SHARDS[1])
     index = {"metadata": {}, "weight_map": {"embed.weight": SHARDS[0], "head.weight": SHARDS[1]}}
-    (d / sidecar.INDEX_FILE).write_text(json.dumps(index))
+    (d / sidecar.INDEX_NAME).write_text(json.dumps(index))
     return d
 
 
