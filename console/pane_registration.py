@@ -32,7 +32,10 @@ def _past(record: dict[str, Any] | None, phase: str) -> str:
 class RegistrationPane(Vertical):
     def compose(self) -> ComposeResult:
         table = DataTable(id="registration-table", cursor_type="none")
-        table.add_columns("phase", "progress", "now", "path", "predicted", "previous", "best warm")
+        # fixed widths: auto-sized columns keep the width of the first (empty) rows they saw
+        for label, width in (("phase", 10), ("progress", 10), ("now", 8), ("path", 18), ("predicted", 22),
+                             ("previous", 9), ("best warm", 9)):
+            table.add_column(label, width=width)
         yield table
         yield Static(id="registration-summary", classes="totals")
 
