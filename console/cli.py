@@ -27,7 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dsv4",
         description="DeepSeek V4 serving host tools: synthetic checkpoints, contract checks, "
-        "program cache, weight sidecars.",
+        "program cache, weight sidecars, registration and serving, benchmarks. "
+        "The operations console is `dsv4-console`.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in GROUPS:
