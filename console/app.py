@@ -22,6 +22,7 @@ from textual import work
 from textual.app import App, ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Grid
+from textual.css.query import NoMatches
 from textual.widgets import Footer, Input, Static
 
 from console import fmt
@@ -134,7 +135,7 @@ class Dsv4Console(App):
         running = [n for n, w in self.jobs.items() if w.running and w is not self.service]
         if running:
             parts.append(f"[yellow]working: {', '.join(running)}[/]")
-        self.query_one("#topbar", Static).update("  │  ".join(parts))
+        self._main("#topbar", Static).update("  │  ".join(parts))
 
     # -- snapshots ----------------------------------------------------------------------------
 
@@ -153,16 +154,25 @@ class Dsv4Console(App):
             return
         self.call_from_thread(self.apply_snapshot, snap)
 
+    def _main(self, selector, expect_type=None):
+        """A widget of the main screen, or a stand-in that ignores calls while it is not there
+        (first run, shutdown): a late snapshot or worker line must never crash the console."""
+        try:
+            screen = self.screen_stack[0]
+            return screen.query_one(selector) if expect_type is None else screen.query_one(selector, expect_type)
+        except (NoMatches, IndexError):
+            return _ABSENT
+
     def apply_snapshot(self, snap: Snapshot, force: bool = False) -> None:
         old, self.snapshot = self.snapshot, snap
         # repaint a pane only when its data changed: idle refreshes stay cheap
         if force or old is None or old.programs != snap.programs:
-            self.query_one(ProgramsPane).show(snap.programs, snap.ts, self.needle)
+            self._main(ProgramsPane).show(snap.programs, snap.ts, self.needle)
         if force or old is None or _sidecar_rows(old) != _sidecar_rows(snap):
-            self.query_one(SidecarsPane).show(snap.sidecars, snap.ts, self.needle)
-        self.query_one(HostPane).show(snap.host)
+            self._main(SidecarsPane).show(snap.sidecars, snap.ts, self.needle)
+        self._main(HostPane).show(snap.host)
         if force or old is None or old.device != snap.device:
-            self.query_one(DevicePane).show(snap.device)
+            self._main(DevicePane).show(snap.device)
         if force or old is None or old.registration != snap.registration:
             self._show_registration()
         self._topbar()
@@ -171,7 +181,7 @@ class Dsv4Console(App):
 
     def _show_registration(self) -> None:
         if self.snapshot:
-            self.query_one(RegistrationPane).show(self.snapshot.registration, self.launch, self.status)
+            self._main(RegistrationPane).show(self.snapshot.registration, self.launch, self.status)
 
     def _watch_paths(self) -> tuple[str, ...]:
         from store.paths import state_dir
@@ -202,7 +212,7 @@ class Dsv4Console(App):
     # -- log ----------------------------------------------------------------------------------
 
     def log_line(self, source: str, text: str) -> None:
-        self.query_one(LogPane).add(source, text)
+        self._main(LogPane).add(source, text)
 
     # -- read-only actions --------------------------------------------------------------------
 
@@ -219,7 +229,7 @@ class Dsv4Console(App):
 
     def on_input_changed(self, event: Input.Changed) -> None:
         self.needle = event.value.strip().lower()
-        self.query_one(LogPane).filter(self.needle)
+        self._main(LogPane).filter(self.needle)
         if self.snapshot:
             self.apply_snapshot(self.snapshot, force=True)
 
@@ -284,7 +294,7 @@ class Dsv4Console(App):
         self.jobs[name] = w
         self.log_line("console", f"{name}: {' '.join(argv[2:])}")
         if label:
-            self.query_one(SidecarsPane).job(label)
+            self._main(SidecarsPane).job(label)
         return w
 
     def _on_line(self, worker: Worker, which: str, line: str) -> None:
@@ -293,7 +303,7 @@ class Dsv4Console(App):
         self.log_line(worker.name, line)
         m = _COMPILE_LINE.match(line)
         if m and worker.name == "warm":
-            self.query_one(SidecarsPane).job(f"compile: {m.group(3)} {m.group(4)}", int(m.group(1)), int(m.group(2)))
+            self._main(SidecarsPane).job(f"compile: {m.group(3)} {m.group(4)}", int(m.group(1)), int(m.group(2)))
 
     def _on_event(self, worker: Worker, event: Event) -> None:
         if event.kind == "error" and event.phase == worker.name:  # the parent's verdict on a dead worker
@@ -318,7 +328,7 @@ class Dsv4Console(App):
             return
         if event.kind == "progress":
             what = event.detail.get("group") or event.detail.get("file") or ""
-            self.query_one(SidecarsPane).job(f"{worker.name}: {fmt.size(event.done)} / {fmt.size(event.total)} {what}",
+            self._main(SidecarsPane).job(f"{worker.name}: {fmt.size(event.done)} / {fmt.size(event.total)} {what}",
                                              event.done, event.total)
         elif event.message:
             self.log_line(worker.name, event.message)
@@ -328,7 +338,7 @@ class Dsv4Console(App):
         code = await worker.run()
         self.log_line("console", f"{worker.name}: exit code {code}")
         if worker is not self.service:
-            self.query_one(SidecarsPane).job("")
+            self._main(SidecarsPane).job("")
         self._topbar()
         self.refresh_now()
         return code
@@ -528,3 +538,13 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+class _Absent:
+    """Swallows any call: stands in for a pane that is not mounted."""
+
+    def __getattr__(self, _name: str):
+        return lambda *args, **kwargs: None
+
+
+_ABSENT = _Absent()
