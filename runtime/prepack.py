@@ -179,14 +179,17 @@ def open_prepacked(
     *,
     cold_policy: str = "auto",
     cold_threshold: float = sidecar.DEFAULT_COLD_THRESHOLD,
+    plan: pack.PackPlan | None = None,
 ) -> tuple[sidecar.Verdict, sidecar.MappedSidecar | None]:
     """Judge and, on MAP, map the sidecar (`store.sidecar.open_sidecar` with the live key and
-    names); on REPACK the caller packs from the checkpoint (`pack.pack_in_memory`)."""
+    names); on REPACK the caller packs from the checkpoint (`pack.pack_in_memory`). A caller
+    that already built the plan (registration) passes it instead of having it built again."""
     model_dir = _checkpoint_dir(model_dir)
+    plan = plan if plan is not None else pack_plan(model_dir, ranks)
     return sidecar.open_sidecar(
         path if path is not None else sidecar.default_sidecar_path(model_dir, ranks),
         expected_key=sidecar_key(model_dir, ranks),
-        expected_names=pack_plan(model_dir, ranks).names(),
+        expected_names=plan.names(),
         cold_policy=cold_policy,
         cold_threshold=cold_threshold,
     )

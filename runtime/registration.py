@@ -134,7 +134,8 @@ def _load_weights(options: LaunchOptions, ckpt, plan, emitter: Emitter) -> tuple
 
     mapped, verdict = None, None
     if options.use_sidecar:
-        verdict, mapped = prepack.open_prepacked(options.model_dir, options.ranks, cold_policy=options.cold_policy)
+        verdict, mapped = prepack.open_prepacked(options.model_dir, options.ranks, cold_policy=options.cold_policy,
+                                                 plan=plan)
         emitter.log("weights", verdict.line() if hasattr(verdict, "line") else str(verdict))
     if mapped is not None:
         return dict(mapped.tensors), {"path": "MAP", "reason": "", "detail": verdict.detail,
