@@ -97,6 +97,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # SIGTERM during registration: stop like Ctrl-C (serve installs uvicorn's own handlers)
     signal.signal(signal.SIGTERM, _interrupt)
     started = time.time()
+    # the runtime registry: every console of this user sees this service, whoever started it
+    import atexit
+
+    from store.services import Announcement
+
+    announced = Announcement(str(options.model_dir), "" if args.events in (None, "-") else str(Path(args.events).resolve()))
+    atexit.register(announced.withdraw)
     try:
         launched = register(options, emitter)
     finally:
@@ -110,6 +117,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         launched.phases["serve"] = {"seconds": round(seconds, 4), "url": url}
         emitter.emit("serve", "end", seconds=seconds, detail={"url": url})
         append_history(options, launched.phases, started, "ok", extra={"url": url})
+        announced.serving(url)
         if args.events != "-":
             print(f"serving {options.model_dir} at {url} (Ctrl-C or SIGTERM to stop)", file=sys.stderr)
 
