@@ -20,60 +20,14 @@ compressor inputs each step: O(max_seq) work that keeps prefill and decode the s
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 
-from runtime.config import CSA, HCA, SLIDING, DeepSeekV4Config
+from runtime.config import CSA, HCA, SLIDING
+from runtime.dims import Dims, cache_shapes  # noqa: F401 - torch-free, shared with the launch plan
 
 NORM_EPS = 1e-6
-
-
-@dataclass(frozen=True)
-class Dims:
-    """Every size and constant the math uses (model dims + the runtime's max_seq)."""
-
-    hidden: int
-    vocab: int
-    heads: int
-    head_dim: int
-    rope_dim: int
-    q_lora: int
-    o_lora: int
-    o_groups: int
-    window: int
-    experts: int
-    topk: int
-    moe_inter: int
-    routed_scale: float
-    swiglu_limit: float
-    norm_topk: bool
-    hc: int
-    sinkhorn_iters: int
-    hc_eps: float
-    index_heads: int
-    index_dim: int
-    index_topk: int
-    rope_theta: float
-    compress_rope_theta: float
-    max_seq: int
-
-    @classmethod
-    def of(cls, c: DeepSeekV4Config, max_seq: int) -> Dims:
-        ratios = [r for r in c.compress_ratios if r]
-        lcm = math.lcm(*ratios) if ratios else 1
-        if max_seq % lcm:
-            raise ValueError(f"max_seq={max_seq} must be a multiple of every compress ratio (lcm {lcm})")
-        return cls(c.hidden_size, c.vocab_size, c.num_attention_heads, c.head_dim, c.qk_rope_head_dim,
-                   c.q_lora_rank, c.o_lora_rank, c.o_groups, c.sliding_window, c.n_routed_experts,
-                   c.num_experts_per_tok, c.moe_intermediate_size, c.routed_scaling_factor,
-                   c.swiglu_limit, c.norm_topk_prob, c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps,
-                   c.index_n_heads, c.index_head_dim, c.index_topk, c.rope_theta,
-                   c.compress_rope_theta, max_seq)
-
-    def to_json(self) -> dict:
-        return asdict(self)
 
 
 # ---- building blocks -----------------------------------------------------------------------
@@ -271,17 +225,6 @@ def moe(d: Dims, w: dict[str, torch.Tensor], hash_routed: bool, h: torch.Tensor,
 
 
 # ---- blocks and programs -------------------------------------------------------------------
-
-def cache_shapes(d: Dims, kind: str) -> dict[str, tuple[int, ...]]:
-    """Per-layer cache rows (name → [max_seq, width]); programs return new rows by name."""
-    shapes = {"kv": (d.max_seq, d.head_dim)}
-    if kind == CSA:
-        shapes.update(ckv=(d.max_seq, 2 * d.head_dim), cgate=(d.max_seq, 2 * d.head_dim),
-                      ikv=(d.max_seq, 2 * d.index_dim), igate=(d.max_seq, 2 * d.index_dim))
-    elif kind == HCA:
-        shapes.update(ckv=(d.max_seq, d.head_dim), cgate=(d.max_seq, d.head_dim))
-    return shapes
-
 
 def block(d: Dims, kind: str, ratio: int, hash_routed: bool, w: dict[str, torch.Tensor],
           x: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
