@@ -1,4 +1,4 @@
-"""`dsv4 cache ls|verify|purge|gc|why`: the program cache as an operator sees it.
+"""`dsv4 cache ls|verify|purge|gc|why`: the kernel cache as an operator sees it.
 
 States are judged against this environment: `runtime.programs.reference()` computes the
 toolchain without importing torch, plus the live keys of the registered programs.
@@ -17,7 +17,7 @@ from console.output import print_json, print_table
 from store import kernel_cache as kc
 from store.errors import UserError
 from store.paths import kernel_cache_dir
-from store.units import format_size, parse_size
+from store.units import format_age, format_size, parse_size
 
 PURGE_SELECTIONS = {
     "stale": lambda e: e.state == kc.STALE,
@@ -30,8 +30,8 @@ PURGE_SELECTIONS = {
 def register(subparsers: argparse._SubParsersAction) -> None:
     group = subparsers.add_parser(
         "cache",
-        help="program cache: ls, verify, purge, gc, why",
-        description="The compiled-program cache: inventory, verification, cleanup, diagnosis.",
+        help="kernel cache (compiled programs): ls, verify, purge, gc, why",
+        description="The kernel cache of compiled programs: inventory, verification, cleanup, diagnosis.",
     )
     sub = group.add_subparsers(dest="cache_command", metavar="ACTION", required=True)
 
@@ -58,7 +58,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _action(sub: argparse._SubParsersAction, name: str, func: Callable, help: str) -> argparse.ArgumentParser:
     p = sub.add_parser(name, help=help, description=help[0].upper() + help[1:] + ".")
-    p.add_argument("--cache-dir", type=Path, default=None, help="default: DSV4_KERNEL_CACHE_DIR or the user cache dir")
+    p.add_argument("--kernel-cache-dir", type=Path, default=None, metavar="DIR",
+                   help="kernel cache root (default: $DSV4_KERNEL_CACHE_DIR or the user cache dir)")
+    # The old name, kept working for scripts; not advertised.
+    p.add_argument("--cache-dir", type=Path, dest="kernel_cache_dir", help=argparse.SUPPRESS)
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "npu"), help="device whose toolchain is current")
     p.add_argument("--model", type=Path, default=None, metavar="DIR",
                    help="judge entries against the live keys of this checkpoint's programs (imports torch)")
@@ -69,10 +72,11 @@ def _action(sub: argparse._SubParsersAction, name: str, func: Callable, help: st
 
 
 def _cache(args: argparse.Namespace) -> kc.KernelCache:
-    root = args.cache_dir or kernel_cache_dir()
-    if root.exists() and not root.is_dir():
-        raise UserError(f"{root} is not a directory; pass a directory with --cache-dir")
-    return kc.KernelCache(root)
+    """The cache the command acts on; one line (exit 1) for a root that is not a kernel cache
+    of ours: a file, unreadable, another user's, or an unmarked non-empty directory."""
+    cache = kc.KernelCache(kernel_cache_dir(args.kernel_cache_dir))
+    cache.check_trust()
+    return cache
 
 
 def _reference(args: argparse.Namespace) -> kc.Reference:
@@ -81,9 +85,9 @@ def _reference(args: argparse.Namespace) -> kc.Reference:
     ref = reference(device=args.device)
     if args.model is None:
         return ref
-    from runtime.model_programs import program_keys
+    from runtime.plan import Settings, program_keys
 
-    keys = program_keys(args.model, args.device, args.backend, args.max_seq)
+    keys = program_keys(args.model, Settings(backend=args.backend, device=args.device, max_seq=args.max_seq))
     return kc.Reference(components=ref.components, keys={**ref.keys, **keys})
 
 
@@ -95,19 +99,11 @@ def _rows(entries: list[kc.Entry], now: float) -> list[list[str]]:
             e.state,
             e.reason,
             format_size(e.size_bytes),
-            _ago(e.last_used, now) if e.hits else "never",
+            f"{format_age(now - e.last_used)} ago" if e.hits else "never",
             str(e.hits),
         ]
         for e in entries
     ]
-
-
-def _ago(t: float, now: float) -> str:
-    seconds = max(0.0, now - t)
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            return f"{seconds / size:.0f}{unit} ago"
-    return f"{seconds:.0f}s ago"
 
 
 def _totals(entries: list[kc.Entry]) -> str:
@@ -120,7 +116,7 @@ def _totals(entries: list[kc.Entry]) -> str:
 def render_ls(entries: list[kc.Entry], root: Path) -> None:
     """The `ls` table and totals (shared with the benchmark, which times it)."""
     columns = ("program", "fingerprint", "state", "reason", "size", "last used", "hits")
-    print_table(f"program cache {root}", columns, _rows(entries, time.time()))
+    print_table(f"kernel cache {root}", columns, _rows(entries, time.time()))
     print(_totals(entries))
 
 
@@ -131,15 +127,11 @@ def _ls(args: argparse.Namespace) -> int:
         print_json([e.to_json() for e in entries])
         return 0
     render_ls(entries, cache.root)
-    problem = cache.trust_problem()
-    if problem:
-        print(f"warning: {problem}", file=sys.stderr)
     return 0
 
 
 def _verify(args: argparse.Namespace) -> int:
     cache = _cache(args)
-    cache.check_trust()
     result = cache.verify()
     if args.json:
         print_json([e.to_json() for e in result.quarantined])

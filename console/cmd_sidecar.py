@@ -9,14 +9,13 @@ and tensor names, exactly as loading would. `dsv4 prepack` writes sidecars.
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import time
 from pathlib import Path
 
 from store import pagecache, sidecar
 from store.errors import UserError
-from store.units import format_size
+from store.units import format_age, format_size
 
 STATUS_HELP = """\
 Judge a sidecar the way loading would: MAP it, or REPACK (missing, stale, cold, corrupt).
@@ -135,11 +134,8 @@ def _status(args: argparse.Namespace) -> int:
     path = _resolve(args.target, args.ranks)
     judged_against = RECORDED
     if path is None:
-        pattern = Path(args.target) / f"{sidecar.FILE_PREFIX}.r*.safetensors"
-        verdict = sidecar.Verdict(
-            sidecar.REPACK, "missing", "no sidecar beside this checkpoint; prepack to create it",
-            str(pattern),
-        )  # fmt: skip
+        pattern = sidecar.glob_pattern(args.target)
+        verdict = sidecar.missing(pattern, "no sidecar beside this checkpoint; prepack to create it")
         directory = Path(args.target)
     else:
         verdict = None
@@ -169,7 +165,7 @@ def _status(args: argparse.Namespace) -> int:
         ("residency", _percent(verdict.residency, verdict.residency_method)),
         ("size", format_size(verdict.size_bytes) if verdict.size_bytes else "-"),
         ("tensors", verdict.tensors or "-"),
-        ("age", _age(data["age_seconds"])),
+        ("age", format_age(data["age_seconds"])),
         ("pack seconds", "-" if verdict.pack_seconds is None else f"{verdict.pack_seconds:.1f}"),
         ("judged against", judged_against),
     ]
@@ -188,10 +184,9 @@ def _judge_live(
     """The loader's verdict (live key and plan names), or None with why it cannot be had."""
     ranks = args.ranks
     if ranks is None:
-        m = re.fullmatch(rf"{re.escape(sidecar.FILE_PREFIX)}\.r(\d+)\.safetensors", path.name)
-        if m is None:
+        ranks = sidecar.ranks_of(path)
+        if ranks is None:
             return None, f"{RECORDED} (pass --ranks to judge it as loading would)"
-        ranks = int(m.group(1))
     from runtime.config import ConfigError
     from runtime.prepack import judge
 
@@ -206,15 +201,6 @@ def _judge_live(
 
 def _percent(fraction: float | None, method: str | None) -> str:
     return "-" if fraction is None else f"{fraction:.1%} ({method})"
-
-
-def _age(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
-        if seconds >= size:
-            return f"{seconds / size:.1f} {unit}"
-    return f"{seconds:.0f} s"
 
 
 class _Progress:

@@ -58,12 +58,29 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def staging_writer_pid(name: str) -> int | None:
-    """The writer's pid if `name` is a staging file made by `staging_name` on this host."""
-    if not is_staging(name):
+_STAGING = re.compile(r"\.tmp-(?P<stem>.+?)\.(?P<host>.+)\.(?P<pid>\d+)\.[0-9a-f]{8}")
+
+
+def staging_writer(name: str) -> tuple[str, int] | None:
+    """(host, pid) of the writer of a staging name `.tmp-<stem>.<host>.<pid>.<rand8>`, or None.
+
+    Stems and host names may both hold dots, so the split is ambiguous; this host's name is
+    tried first, which is all liveness needs (a writer elsewhere cannot be checked anyway).
+    For dot-free stems (the kernel cache's) the host is always exact.
+    """
+    m = _STAGING.fullmatch(name)
+    if m is None:
         return None
-    m = re.search(rf"\.{re.escape(socket.gethostname())}\.(\d+)\.[0-9a-f]{{8}}$", name)
-    return None if m is None else int(m.group(1))
+    local = socket.gethostname()
+    if name.endswith(f".{local}.{m.group('pid')}.{name[-8:]}"):
+        return local, int(m.group("pid"))
+    return m.group("host"), int(m.group("pid"))
+
+
+def staging_writer_pid(name: str) -> int | None:
+    """The writer's pid if `name` is a staging name made on this host."""
+    writer = staging_writer(name)
+    return writer[1] if writer is not None and writer[0] == socket.gethostname() else None
 
 
 def publish(tmp: Path, final: Path, *, replace: bool = True) -> None:

@@ -15,7 +15,11 @@ def _dir(env: str, default: str) -> Path:
     return Path(value).expanduser() if value else Path(default)
 
 
-def kernel_cache_dir() -> Path:
+def kernel_cache_dir(override: Path | str | None = None) -> Path:
+    """The kernel cache root: `override` (a --kernel-cache-dir value), else
+    $DSV4_KERNEL_CACHE_DIR, else the user cache dir. The one resolver of this default."""
+    if override:
+        return Path(override).expanduser()
     return _dir("DSV4_KERNEL_CACHE_DIR", str(Path(platformdirs.user_cache_dir(APP)) / "programs"))
 
 

@@ -21,3 +21,14 @@ def format_size(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def format_age(seconds: float | None) -> str:
+    """'12s', '5m', '3h', '2d' (whole units, rounded); '-' when unknown."""
+    if seconds is None:
+        return "-"
+    seconds = max(0.0, seconds)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit}"
+    return f"{seconds:.0f}s"

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from console.cli import main as cli
-from runtime.programs import CONFIG_COMPONENTS, toolchain_components
+from runtime.program_spec import CONFIG_COMPONENTS
+from runtime.toolchain import toolchain_components
 from store.fingerprint import UNKNOWN, Key, fingerprint
 from store.kernel_cache import (
     CORRUPT,
@@ -85,7 +86,8 @@ def test_round_trip_returns_the_verified_bytes_and_records_the_key(cache):
     assert Key.from_json(manifest["key"]) == key
     assert manifest["files"][0]["size"] == len(PAYLOAD)
     assert manifest["pid"] == os.getpid() and manifest["format"] == 1
-    assert manifest["config_components"] == list(CONFIG_COMPONENTS)
+    # only the configuration components the key has are recorded (the key here has no captures)
+    assert manifest["config_components"] == [c for c in CONFIG_COMPONENTS if c in key.as_dict()]
 
 
 def test_several_fingerprints_of_one_program_coexist(cache):
@@ -296,7 +298,7 @@ def test_world_writable_root_is_refused_with_the_fix(cache):
         cache.lookup("layer", make_key())
     message = str(err.value)
     assert str(cache.root) in message and "chmod go-w" in message and "\n" not in message
-    assert cli(["cache", "verify", "--cache-dir", str(cache.root)]) == 1
+    assert cli(["cache", "verify", "--kernel-cache-dir", str(cache.root)]) == 1
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give the root to another user")
@@ -399,9 +401,9 @@ def test_purge_stale_keeps_current_entries(cache, capsys):
     put(cache, make_key())
     put(cache, make_key(torch="2.12.0"))
     root = str(cache.root)
-    assert cli(["cache", "purge", "--stale", "--dry-run", "--cache-dir", root]) == 0
+    assert cli(["cache", "purge", "--stale", "--dry-run", "--kernel-cache-dir", root]) == 0
     assert len(cache.inventory()) == 2
-    assert cli(["cache", "purge", "--stale", "--yes", "--cache-dir", root]) == 0
+    assert cli(["cache", "purge", "--stale", "--yes", "--kernel-cache-dir", root]) == 0
     assert [e.state for e in cache.inventory(Reference(dict(toolchain_components("cpu"))))] == [CURRENT]
     assert "deleted 1 entries" in capsys.readouterr().out
 
@@ -409,7 +411,7 @@ def test_purge_stale_keeps_current_entries(cache, capsys):
 def test_purge_without_yes_on_a_pipe_refuses_in_one_line(cache, capsys, monkeypatch):
     put(cache, make_key())
     monkeypatch.setattr("sys.stdin.isatty", lambda: False)
-    assert cli(["cache", "purge", "--all", "--cache-dir", str(cache.root)]) == 1
+    assert cli(["cache", "purge", "--all", "--kernel-cache-dir", str(cache.root)]) == 1
     assert "pass --yes" in capsys.readouterr().err
     assert len(cache.inventory()) == 1
 
@@ -417,7 +419,7 @@ def test_purge_without_yes_on_a_pipe_refuses_in_one_line(cache, capsys, monkeypa
 def test_cache_ls_json_lists_states(cache, capsys):
     put(cache, make_key())
     put(cache, make_key(torch="2.12.0"))
-    assert cli(["cache", "ls", "--json", "--cache-dir", str(cache.root)]) == 0
+    assert cli(["cache", "ls", "--json", "--kernel-cache-dir", str(cache.root)]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert sorted(r["state"] for r in rows) == [CURRENT, STALE]
     assert {"program", "fingerprint", "state", "reason", "size_bytes"} <= set(rows[0])
@@ -440,7 +442,7 @@ def test_cache_ls_uses_the_env_cache_dir_and_imports_no_torch(tmp_path):
 
 def test_why_names_what_differs_for_each_entry(cache, capsys):
     put(cache, make_key(torch="2.12.0"))
-    assert cli(["cache", "why", "layer", "--cache-dir", str(cache.root)]) == 1
+    assert cli(["cache", "why", "layer", "--kernel-cache-dir", str(cache.root)]) == 1
     out = capsys.readouterr().out
     assert "no live key" in out and "stale: torch 2.12.0" in out
 
@@ -449,9 +451,9 @@ def test_purge_one_program_and_gc_from_the_cli(cache, capsys):
     put(cache, make_key(), program="keep")
     put(cache, make_key(), program="drop")
     root = str(cache.root)
-    assert cli(["cache", "purge", "--program", "drop", "--yes", "--cache-dir", root]) == 0
+    assert cli(["cache", "purge", "--program", "drop", "--yes", "--kernel-cache-dir", root]) == 0
     assert [e.program for e in cache.inventory()] == ["keep"]
-    assert cli(["cache", "gc", "--max-size", "lots", "--cache-dir", root]) == 1
+    assert cli(["cache", "gc", "--max-size", "lots", "--kernel-cache-dir", root]) == 1
     assert "not a size" in capsys.readouterr().err
-    assert cli(["cache", "gc", "--max-size", "0", "--cache-dir", root]) == 0
+    assert cli(["cache", "gc", "--max-size", "0", "--kernel-cache-dir", root]) == 0
     assert cache.inventory() == []

@@ -99,11 +99,11 @@ def test_full_filesystem_program_cache_runs_uncached_and_keeps_valid_entries(tmp
     import sample_programs
     import torch
 
-    import store.kernel_cache as kc
+    import store.kernel_cache.publish as kc_publish
     from runtime.programs import prepare
     from store.kernel_cache import Hit, KernelCache
 
-    monkeypatch.setattr(kc, "MIN_FREE_BYTES", 16 << 10)  # the threshold scaled to a 256k tmpfs
+    monkeypatch.setattr(kc_publish, "MIN_FREE_BYTES", 16 << 10)  # the threshold scaled to a 256k tmpfs
     full = tmp_path / "full"
     with mounted(full, "-t", "tmpfs", "-o", "size=256k", "tmpfs") as ok:
         cache = KernelCache(full / "programs")
@@ -117,7 +117,7 @@ def test_full_filesystem_program_cache_runs_uncached_and_keeps_valid_entries(tmp
             os.close(fd)
             injection = "tmpfs size=256k, filled"
         else:
-            monkeypatch.setattr(kc, "_free_bytes", lambda _p: 0)
+            monkeypatch.setattr(kc_publish, "free_bytes", lambda _p: 0)
             injection = "injected ENOSPC"
         prepared = prepare(sample_programs.spec("mlp"), cache=cache, backend="export")
         x = sample_programs.inputs()

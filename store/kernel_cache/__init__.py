@@ -1,0 +1,72 @@
+"""The kernel cache: a fingerprinted, verified, concurrent-safe store of compiled programs.
+
+Layout (format version 1)::
+
+    <root>/dsv4-kernel-cache.json             ownership marker (format version inside)
+    <root>/v1/<program>/<fingerprint>/        one entry: artifact file(s) + manifest.json
+    <root>/v1/<program>/.tmp-<fp>.<host>.<pid>.<rand>/   a writer's staging dir (ignored by readers)
+    <root>/v1/<program>/<fingerprint>/.hits   hit stamp: one byte appended per hit
+    <root>/v1/.locks/<program>.<fingerprint>.lock        compile lock (filelock)
+    <root>/quarantine/<program>--<fp>--<time>--<rand>/  entries that failed to read/verify/load
+    <root>/.trash/                            entries being deleted (rename first, delete after)
+
+Modules: `cache` (the interface: lookup/probe, get_or_build, publish, reject), `entry` (the
+manifest, results and the judgement of an entry), `trust` (marker, ownership, permissions),
+`publish` (lock, staging, seal, rename), `inventory` (ls, verify, gc, purge, quarantine).
+
+The manifest records the full key, which of its components describe a *configuration*
+(deployment layout, model dims, signature, backend, device kind: `config_components`), the
+sha256 and size of every artifact file, compile seconds, creation time and producer host/pid.
+
+"Current environment" without a live key: this package never imports torch, so it cannot
+compute keys. Callers hand it a `Reference`: the live keys of the programs they can build now
+(full check), plus the component values they know for every program (typically the toolchain:
+torch version, device capability, compiler, env flags; values equal to UNKNOWN are not
+compared). An entry is `stale` only when a component present both in it and in the
+reference differs and is not a configuration component: such an entry can never HIT again.
+Differences in configuration components (or components only one side has) make it
+`other-layout`. An entry whose program has no live key and whose known components match is
+reported `current` with a reason saying source and layout were not checked: `purge --stale`
+only ever deletes entries that are provably unusable.
+"""
+
+from store.kernel_cache.cache import LOCK_TIMEOUT, KernelCache
+from store.kernel_cache.entry import (
+    CORRUPT,
+    CURRENT,
+    FORMAT_VERSION,
+    HITS,
+    LOCKS,
+    MANIFEST,
+    MAX_MANIFEST_BYTES,
+    MAX_QUARANTINE_NOTE_BYTES,
+    OTHER_LAYOUT,
+    PARTIAL,
+    QUARANTINE,
+    QUARANTINE_NOTE,
+    STALE,
+    STATES,
+    TRASH,
+    VERSION_DIR,
+    ArtifactFile,
+    Entry,
+    Fetch,
+    Hit,
+    Manifest,
+    Miss,
+    Reference,
+    Verification,
+    check_program_name,
+    judge,
+)  # fmt: skip
+from store.kernel_cache.inventory import STAGING_MAX_AGE
+from store.kernel_cache.publish import MIN_FREE_BYTES
+from store.kernel_cache.trust import MARKER, UntrustedCacheError
+
+__all__ = [
+    "CORRUPT", "CURRENT", "FORMAT_VERSION", "HITS", "LOCKS", "LOCK_TIMEOUT", "MANIFEST", "MARKER",
+    "MAX_MANIFEST_BYTES", "MAX_QUARANTINE_NOTE_BYTES", "MIN_FREE_BYTES", "OTHER_LAYOUT",
+    "PARTIAL", "QUARANTINE", "QUARANTINE_NOTE", "STAGING_MAX_AGE", "STALE", "STATES", "TRASH",
+    "VERSION_DIR", "ArtifactFile", "Entry", "Fetch", "Hit", "KernelCache", "Manifest", "Miss",
+    "Reference", "UntrustedCacheError", "Verification", "check_program_name", "judge",
+]  # fmt: skip

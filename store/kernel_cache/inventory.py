@@ -1,0 +1,333 @@
+"""The cache as an operator sees it: ls (inventory), verify, gc, purge, quarantine, trash.
+
+Every deletion renames into `<root>/.trash` first and deletes after, so readers never see a
+half-deleted entry. Only inside a marked root (trust.marker_problem), only paths whose parent
+chain is real directories under the root, and only names the project's own naming produced:
+nothing else is ever moved or deleted. Reads are capped (manifests, quarantine records) and
+never block on a special file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import socket
+import stat
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from store import safeio
+from store.atomic import is_staging, pid_alive, staging_writer
+from store.kernel_cache.entry import (
+    CORRUPT,
+    ENTRY_NAME,
+    HITS,
+    MANIFEST,
+    MAX_MANIFEST_BYTES,
+    MAX_QUARANTINE_NOTE_BYTES,
+    PARTIAL,
+    QUARANTINE,
+    QUARANTINE_NAME,
+    QUARANTINE_NOTE,
+    TRASH,
+    TRASH_NAME,
+    Corrupt,
+    Entry,
+    Manifest,
+    Reference,
+    Untrusted,
+    Verification,
+    judge,
+)  # fmt: skip
+from store.kernel_cache.publish import rand
+from store.kernel_cache.trust import UntrustedCacheError, ensure_dir, inside, marker_problem
+from store.units import format_age
+
+if TYPE_CHECKING:
+    from store.kernel_cache.cache import KernelCache
+
+# A staging dir older than this is abandoned (sooner if its writer on this host is gone).
+STAGING_MAX_AGE = 3600.0
+
+
+def scandir(path: Path) -> list[os.DirEntry[str]]:
+    try:
+        with os.scandir(path) as it:
+            return list(it)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def real_dirs(path: Path) -> Iterator[os.DirEntry[str]]:
+    """Sub-directories of `path` that are directories themselves, never symlinks to one."""
+    for d in scandir(path):
+        if not d.name.startswith(".") and d.is_dir(follow_symlinks=False):
+            yield d
+
+
+def tree_size(path: Path) -> int:
+    total = 0
+    for dirpath, _, names in os.walk(path):
+        for n in names:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, n)).st_size
+    return total
+
+
+def _ours(cache: KernelCache, path: Path) -> bool:
+    """Whether `path` is something this project named, in a real directory under the root."""
+    name = path.name
+    if path.parent == cache.root / QUARANTINE:
+        named = QUARANTINE_NAME.fullmatch(name) is not None
+    elif path.parent.parent == cache.base:
+        named = ENTRY_NAME.fullmatch(name) is not None or staging_writer(name) is not None
+    else:
+        named = False
+    return named and inside(cache.root, path)
+
+
+def _require_marked(cache: KernelCache) -> None:
+    problem = marker_problem(cache.root)
+    if problem:
+        raise UntrustedCacheError(problem)
+
+
+def quarantine(cache: KernelCache, entry: Path, reason: str, expect: tuple[int, int] | None = None) -> Path | None:
+    """Move an entry out of the lookup path, keeping it for inspection; None if it vanished,
+    is not ours to move, or, with `expect` (dev, ino), if the dir there now is not the one
+    that was judged."""
+    if marker_problem(cache.root) or not _ours(cache, entry):
+        return None
+    if expect is not None:
+        try:
+            st = os.lstat(entry)
+        except FileNotFoundError:
+            return None
+        if (st.st_dev, st.st_ino) != expect:
+            return None
+    qdir = cache.root / QUARANTINE
+    ensure_dir(qdir)
+    dest = qdir / f"{entry.parent.name}--{entry.name[:16]}--{int(time.time())}--{rand()}"
+    try:
+        os.rename(entry, dest)
+    except FileNotFoundError:
+        return None
+    note = {"program": entry.parent.name, "fingerprint": entry.name, "reason": reason, "when": time.time()}
+    with contextlib.suppress(OSError):
+        (dest / QUARANTINE_NOTE).write_text(json.dumps(note)[:MAX_QUARANTINE_NOTE_BYTES])
+    return dest
+
+
+def remove(cache: KernelCache, entries: Iterable[Entry]) -> list[Entry]:
+    """Delete entries safely while others read: rename each into the trash, then delete.
+    Busy partial entries (their writer may still be running) and paths not ours are skipped."""
+    _require_marked(cache)
+    trash = cache.root / TRASH
+    removed = []
+    for e in entries:
+        if e.busy or not _ours(cache, e.path):
+            continue
+        ensure_dir(trash)
+        try:
+            os.rename(e.path, trash / f"{e.path.name}.{rand()}")
+        except FileNotFoundError:
+            continue
+        removed.append(e)
+    empty_trash(cache)
+    return removed
+
+
+def empty_trash(cache: KernelCache) -> None:
+    """Delete what our own removals put in the trash; a symlink is unlinked, never followed."""
+    trash = cache.root / TRASH
+    try:
+        if marker_problem(cache.root) or not stat.S_ISDIR(os.lstat(trash).st_mode):
+            return
+    except OSError:
+        return
+    for d in scandir(trash):
+        if TRASH_NAME.fullmatch(d.name) is None:
+            continue
+        if d.is_dir(follow_symlinks=False):
+            shutil.rmtree(d.path, ignore_errors=True)  # rmtree never follows inner symlinks
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(d.path)
+
+
+def sweep_staging(cache: KernelCache, program: str) -> list[Entry]:
+    """Remove the abandoned staging dirs of one program (crashed or long-dead writers)."""
+    stale = []
+    for d in scandir(cache.base / program):
+        if is_staging(d.name):
+            entry = partial_entry(program, Path(d.path))
+            if not entry.busy:
+                stale.append(entry)
+    return remove(cache, stale)
+
+
+def gc(cache: KernelCache, max_size: int, reference: Reference | None = None) -> list[Entry]:
+    """Remove abandoned staging dirs and quarantined entries, then least recently used
+    entries until the cache holds at most `max_size` bytes."""
+    entries = inventory(cache, reference)
+    garbage = [e for e in entries if e.state in (PARTIAL, CORRUPT) and not e.busy]
+    removed = remove(cache, garbage)
+    gone = {e.path for e in garbage}
+    total = sum(e.size_bytes for e in entries if e.path not in gone)
+    evict = []
+    for e in sorted((e for e in entries if e.path not in gone), key=lambda e: e.last_used):
+        if total <= max_size:
+            break
+        if e.busy:
+            continue
+        evict.append(e)
+        total -= e.size_bytes
+    return removed + remove(cache, evict)
+
+
+def programs(cache: KernelCache) -> list[str]:
+    return sorted(d.name for d in real_dirs(cache.base))
+
+
+def entry_dirs(cache: KernelCache, program: str) -> Iterator[tuple[str, Path]]:
+    for d in real_dirs(cache.base / program):
+        yield d.name, Path(d.path)
+
+
+def inventory(cache: KernelCache, reference: Reference | None = None) -> list[Entry]:
+    """Every entry, staging dir and quarantined entry, with its state against `reference`.
+
+    Checks structure (manifest, file presence and sizes) but hashes nothing: `verify` does.
+    """
+    _require_marked(cache)
+    reference = reference or Reference()
+    out: list[Entry] = []
+    for program in programs(cache):
+        for child in sorted(scandir(cache.base / program), key=lambda d: d.name):
+            if is_staging(child.name):
+                out.append(partial_entry(program, Path(child.path)))
+            elif not child.name.startswith("."):
+                out.append(_entry(program, child, reference))
+    out.extend(_quarantined(cache))
+    return out
+
+
+def verify(cache: KernelCache) -> Verification:
+    """Hash every entry; quarantine those that fail."""
+    _require_marked(cache)
+    checked, bad = 0, []
+    for program in programs(cache):
+        for fp, entry in entry_dirs(cache, program):
+            checked += 1
+            try:
+                cache.read_verified(entry, program, fp)
+            except FileNotFoundError:
+                continue
+            except Corrupt as e:
+                kind = "untrusted" if isinstance(e, Untrusted) else "corrupt"
+                size = tree_size(entry)
+                dest = quarantine(cache, entry, f"{kind}: {e}", expect=getattr(e, "dir_id", None))
+                if dest is not None:
+                    bad.append(Entry(program, fp, CORRUPT, f"{kind}: {e}", size, 0.0, 0.0, 0, dest))
+    return Verification(checked, tuple(bad))
+
+
+def _entry(program: str, child: os.DirEntry[str], reference: Reference) -> Entry:
+    # Plain strings and one read per manifest: `ls` over thousands of entries stays fast.
+    path, fp = child.path, child.name
+    hits, last_used = _hit_stats(path)
+    try:
+        if not child.is_dir(follow_symlinks=False):
+            raise Corrupt(f"not a directory ({safeio.kind(child.stat(follow_symlinks=False).st_mode)})"
+                          if not child.is_symlink() else "a symlink, not an entry directory")
+        raw = safeio.read_regular(os.path.join(path, MANIFEST), MAX_MANIFEST_BYTES)
+        manifest = Manifest.parse(raw, program, fp)
+        size = len(raw) + _artifact_sizes(path, manifest)
+    except (OSError, Corrupt) as e:
+        reason = str(e) if isinstance(e, Corrupt) else f"unreadable: {e.strerror or e}"
+        size = tree_size(Path(path)) if child.is_dir(follow_symlinks=False) else 0
+        return Entry(program, fp, CORRUPT, reason, size, 0.0, last_used, hits, Path(path))
+    state, reason = judge(manifest, reference)
+    return Entry(
+        program, fp, state, reason, size, manifest.created, last_used or manifest.created, hits, Path(path)
+    )
+
+
+def _note(path: Path) -> tuple[dict, str]:
+    """A quarantine record and, when it is unreadable or malformed, one line saying so."""
+    try:
+        note = json.loads(safeio.read_regular(path / QUARANTINE_NOTE, MAX_QUARANTINE_NOTE_BYTES))
+    except FileNotFoundError:
+        return {}, ""
+    except OSError as e:
+        return {}, f"record unreadable ({e.strerror})"
+    except (ValueError, RecursionError):
+        return {}, "record is not valid JSON"
+    if not isinstance(note, dict):
+        return {}, "record is not a JSON object"
+    return note, ""
+
+
+def _quarantined(cache: KernelCache) -> list[Entry]:
+    out = []
+    for d in sorted(real_dirs(cache.root / QUARANTINE), key=lambda d: d.name):
+        path = Path(d.path)
+        note, problem = _note(path)
+        try:
+            when = float(note.get("when", 0.0))
+        except (TypeError, ValueError):
+            when, problem = 0.0, problem or "record time is not a number"
+        reason = problem or str(note.get("reason", "unknown reason"))
+        out.append(
+            Entry(
+                str(note.get("program", d.name.split("--")[0])), str(note.get("fingerprint", "")),
+                CORRUPT, f"quarantined: {reason}"[:500], tree_size(path), when, when, 0, path,
+            )
+        )
+    return out
+
+
+def _hit_stats(entry: str) -> tuple[int, float]:
+    try:
+        st = os.stat(os.path.join(entry, HITS))
+    except OSError:
+        return 0, 0.0
+    return st.st_size, st.st_mtime
+
+
+def _artifact_sizes(entry: str, manifest: Manifest) -> int:
+    total = 0
+    for f in manifest.files:
+        try:
+            st = os.lstat(os.path.join(entry, f.name))
+        except FileNotFoundError:
+            raise Corrupt(f"{f.name} is missing") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise Corrupt(f"{f.name} is {safeio.kind(st.st_mode)}, not an artifact file")
+        if st.st_size != f.size:
+            raise Corrupt(f"{f.name} has {st.st_size} bytes, manifest says {f.size}")
+        total += st.st_size
+    return total
+
+
+def partial_entry(program: str, path: Path) -> Entry:
+    try:
+        mtime = os.lstat(path).st_mtime
+    except OSError:
+        mtime = time.time()
+    age = max(0.0, time.time() - mtime)
+    writer = staging_writer(path.name)
+    alive = pid_alive(writer[1]) if writer and writer[0] == socket.gethostname() else None
+    # Young staging dirs may still be filling unless their writer is provably gone; old ones
+    # are abandoned whatever the pid says (pids get reused).
+    busy = age < STAGING_MAX_AGE and alive is not False
+    who = f"pid {writer[1]} on {writer[0]}" if writer else "unknown writer"
+    status = "writer running" if alive else "writer gone" if alive is False else "writer on another host"
+    reason = f"staging dir of {who}, age {format_age(age)} ({status})"
+    fp = path.name[len(".tmp-"):].split(".")[0]
+    return Entry(program, fp, PARTIAL, reason, tree_size(path), mtime, mtime, 0, path, busy=busy)
+

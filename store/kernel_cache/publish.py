@@ -1,0 +1,175 @@
+"""Publication: the compile lock, the per-writer staging dir, sealing, and the one rename.
+
+A writer fills a private staging dir, hashes, chmods and fsyncs it, writes the manifest, and
+renames the whole dir into its slot: the rename is the only commit point, so readers never mix
+one writer's artifact with another's manifest. If the slot exists already another writer won
+and ours is discarded. The `filelock` lock per (program, fingerprint) lets a second process
+wait for the first one's compile and then HIT; correctness never depends on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import shutil
+import socket
+import tempfile
+import time
+from collections.abc import Callable, Collection, Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from store.atomic import STAGING_PREFIX, fsync_dir, shared_mode
+from store.fingerprint import Key, fingerprint, sha256_hex
+from store.kernel_cache.entry import (
+    LOCKS,
+    MANIFEST,
+    ArtifactFile,
+    Hit,
+    Manifest,
+    check_program_name,
+    is_artifact_name,
+)
+from store.kernel_cache.trust import (
+    UntrustedCacheError,
+    dir_mode,
+    ensure_dir,
+    marker_problem,
+    write_marker,
+)
+
+if TYPE_CHECKING:
+    from store.kernel_cache.cache import KernelCache
+
+# Errors of the cache's filesystem (full, read-only, not ours to write): the program still
+# runs, unpublished, with one warning.
+STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+# Below this much free space on the cache filesystem a compile is not published.
+MIN_FREE_BYTES = 256 << 20
+
+
+def rand() -> str:
+    return os.urandom(4).hex()
+
+
+def free_bytes(path: Path) -> int | None:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def ensure_layout(cache: KernelCache, program: str) -> None:
+    """Create root, v1, locks and the program dir as needed; a new (or empty) root is marked
+    before anything else is put in it."""
+    check_program_name(program)
+    problem = marker_problem(cache.root)
+    if problem:
+        raise UntrustedCacheError(problem)
+    cache.root.parent.mkdir(parents=True, exist_ok=True)
+    ensure_dir(cache.root)
+    write_marker(cache.root)
+    for d in (cache.base, cache.base / LOCKS, cache.base / program):
+        ensure_dir(d)
+    cache.check_trust(program)
+
+
+@contextlib.contextmanager
+def compile_lock(cache: KernelCache, program: str, fp: str) -> Iterator[None]:
+    from filelock import FileLock, Timeout
+
+    lock = FileLock(cache.base / LOCKS / f"{program}.{fp}.lock", timeout=cache.lock_timeout, mode=0o644)
+    try:
+        lock.acquire()
+    except (Timeout, OSError):
+        yield  # publication stays correct without the lock; we may merely compile twice
+        return
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+@contextlib.contextmanager
+def staging(cache: KernelCache, program: str, fp: str) -> Iterator[Path]:
+    name = f"{STAGING_PREFIX}{fp[:16]}.{socket.gethostname()}.{os.getpid()}.{rand()}"
+    path = cache.base / program / name
+    path.mkdir(mode=0o700)  # private while filling; opened up by seal
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)  # no-op once renamed into place
+
+
+def _finish_file(cache: KernelCache, path: Path) -> None:
+    if cache.durable:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    os.chmod(path, shared_mode())
+
+
+def seal(cache: KernelCache, staged: Path, program: str, key: Key, config: Collection[str], seconds: float) -> Hit:
+    """Hash, chmod and fsync the staged files and write the manifest; the Hit to return."""
+    contents, files = {}, []
+    for p in sorted(staged.iterdir()):
+        if not p.is_file() or p.is_symlink() or not is_artifact_name(p.name):
+            raise ValueError(f"a build may only write plain artifact files, found {p.name!r}")
+        data = p.read_bytes()
+        contents[p.name] = data
+        files.append(ArtifactFile(p.name, sha256_hex(data), len(data)))
+        _finish_file(cache, p)
+    if not files:
+        raise ValueError(f"build of {program} wrote no artifact file")
+    config = set(config)
+    manifest = Manifest(
+        program=program,
+        fingerprint=fingerprint(key),
+        key=key,
+        config_components=tuple(n for n, _ in key.components if n in config),
+        files=tuple(files),
+        compile_seconds=round(seconds, 3),
+        created=time.time(),
+        host=socket.gethostname(),
+        pid=os.getpid(),
+    )
+    path = staged / MANIFEST
+    path.write_text(json.dumps(manifest.to_json(), indent=1, sort_keys=True))
+    _finish_file(cache, path)
+    os.chmod(staged, dir_mode())
+    if cache.durable:
+        fsync_dir(staged)
+    return Hit(program, manifest.fingerprint, None, manifest, contents)
+
+
+def install(cache: KernelCache, staged: Path, ours: Hit) -> Hit:
+    """Rename the sealed staging dir into its slot; if another writer won, use theirs."""
+    final = cache.base / ours.program / ours.fingerprint
+    try:
+        os.rename(staged, final)
+    except FileNotFoundError:  # our staging dir was swept from under us: stay unpublished
+        return ours
+    except OSError as e:
+        if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+            raise
+        theirs = cache.lookup(ours.program, ours.manifest.key)
+        return theirs if isinstance(theirs, Hit) else ours
+    if cache.durable:
+        fsync_dir(final.parent)
+    return replace(ours, path=final)
+
+
+def build_private(
+    cache: KernelCache, program: str, key: Key, build: Callable[[Path], None], config: Collection[str]
+) -> Hit:
+    """Build into a private temp dir and seal it without publishing (unstorable, or no room)."""
+    with tempfile.TemporaryDirectory(prefix="dsv4-program-") as tmp:
+        started = time.perf_counter()
+        build(Path(tmp))
+        return seal(cache, Path(tmp), program, key, config, time.perf_counter() - started)

@@ -1,0 +1,79 @@
+"""Opening files we only read: regular files only, never blocking, never unbounded.
+
+A FIFO, device, socket or directory where a sidecar, shard, manifest, artifact or history file
+is expected must not hang a command (an `open` of a FIFO blocks until a writer appears; a read
+of a character device may never end) nor read gigabytes. Every such open goes through here:
+the kind is checked before opening, the open is O_NONBLOCK, and the opened fd is checked again
+(the path may have been swapped between the two).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from pathlib import Path
+
+_KINDS = (
+    (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"),
+)  # fmt: skip
+
+
+class NotRegularFile(OSError):
+    """The path is not a regular file; `strerror` names what it is instead."""
+
+
+def kind(mode: int) -> str:
+    """'a FIFO', 'a directory', … for a non-regular st_mode."""
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+def _check(st: os.stat_result, path: str | Path) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        raise NotRegularFile(errno.EINVAL, f"not a regular file ({kind(st.st_mode)})", str(path))
+
+
+def open_regular(path: str | Path, *, dir_fd: int | None = None, flags: int = 0) -> int:
+    """A read-only fd on the regular file at `path`; NotRegularFile (an OSError) otherwise.
+
+    O_NONBLOCK makes the open itself return at once whatever the path turned into; on a
+    regular file it changes nothing for later reads, so the fd is used as is.
+    """
+    _check(os.stat(path, dir_fd=dir_fd), path)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | flags, dir_fd=dir_fd)
+    try:
+        _check(os.fstat(fd), path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+class TooLarge(OSError):
+    """A file over the size its reader allows."""
+
+
+def read_fd(fd: int, cap: int | None = None, what: str = "file") -> bytes:
+    """All bytes of `fd` from its current offset, refusing more than `cap` before reading."""
+    if cap is not None:
+        size = os.fstat(fd).st_size
+        if size > cap:
+            raise TooLarge(errno.EFBIG, f"{what} is {size} bytes, over the {cap}-byte limit")
+    chunks = []
+    total = 0
+    while chunk := os.read(fd, 1 << 16):
+        chunks.append(chunk)
+        total += len(chunk)
+        if cap is not None and total > cap:  # grew while we read
+            raise TooLarge(errno.EFBIG, f"{what} grew past the {cap}-byte limit")
+    return b"".join(chunks)
+
+
+def read_regular(path: str | Path, cap: int | None = None, *, dir_fd: int | None = None) -> bytes:
+    """The bytes of the regular file at `path` (at most `cap`); OSError for anything else."""
+    fd = open_regular(path, dir_fd=dir_fd)
+    try:
+        return read_fd(fd, cap, os.path.basename(str(path)))
+    finally:
+        os.close(fd)
