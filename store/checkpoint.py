@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from store import safeio
 from store.errors import UserError
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -31,6 +32,8 @@ DTYPE_SIZES = {
 # The safetensors library's own header limit; larger is hostile or broken. A V4-Flash header
 # (~70k tensors) is a few MiB.
 MAX_HEADER_BYTES = 100 << 20
+# config.json and the index are small; a bigger file there is not one of them (never read whole).
+MAX_JSON_BYTES = 64 << 20
 
 
 class CheckpointError(UserError):
@@ -84,7 +87,8 @@ def parse_header(path: Path, shard: str | None = None) -> SafetensorsHeader:
     """Read and sanity-check one safetensors header; any flaw is a CheckpointError."""
     shard = shard or path.name
     try:
-        with open(path, "rb") as f:
+        # Regular files only, opened without blocking: a FIFO or device here must not hang us.
+        with open(safeio.open_regular(path), "rb") as f:
             size = os.fstat(f.fileno()).st_size
             head = f.read(8)
             if len(head) < 8:
@@ -122,11 +126,13 @@ def parse_header(path: Path, shard: str | None = None) -> SafetensorsHeader:
 
 
 def _read_json(path: Path, what: str) -> Any:
-    if not path.is_file():
-        raise CheckpointError(f"{path}: missing {what}; is this a DeepSeek V4 checkpoint directory?")
     try:
-        return json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
+        return json.loads(safeio.read_regular(path, MAX_JSON_BYTES))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing {what}; is this a DeepSeek V4 checkpoint directory?") from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read {what} ({e.strerror})") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise CheckpointError(f"{path}: malformed JSON ({e})") from None
 
 
@@ -155,7 +161,7 @@ class Checkpoint:
         tensors: dict[str, TensorInfo] = {}
         for shard in sorted(set(weight_map.values())):
             path = root / shard
-            if "/" in shard or shard.startswith(".") or not path.is_file():
+            if "/" in shard or shard.startswith(".") or not path.exists():
                 raise CheckpointError(f"{path}: shard listed in {INDEX_NAME} is missing")
             header = parse_header(path, shard)
             for name, info in header.tensors.items():
@@ -187,6 +193,7 @@ class Checkpoint:
         handle = self._handles.get(info.shard)
         if handle is None:
             try:
+                os.close(safeio.open_regular(self.root / info.shard))  # never hand it a FIFO
                 handle = safe_open(self.root / info.shard, framework="pt")
             except Exception as e:  # safetensors raises its own error types
                 raise CheckpointError(f"{self.root / info.shard}: cannot open shard ({e})") from None

@@ -16,7 +16,8 @@ from pathlib import Path
 
 _KINDS = (
     (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-    (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symlink"),
+    (stat.S_ISREG, "a file"),
 )  # fmt: skip
 
 
@@ -25,8 +26,8 @@ class NotRegularFile(OSError):
 
 
 def kind(mode: int) -> str:
-    """'a FIFO', 'a directory', … for a non-regular st_mode."""
-    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+    """'a FIFO', 'a directory', 'a file', … for an st_mode."""
+    return next((name for test, name in _KINDS if test(mode)), "of unknown kind")
 
 
 def _check(st: os.stat_result, path: str | Path) -> None:

@@ -70,3 +70,16 @@ def test_check_without_model_creates_embedded_default(tmp_path):
     r = dsv4("check", "--json", env=env)
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "data" / "models" / "tiny-seed0" / "model.safetensors.index.json").is_file()
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_scaling.type"),
+    ({"compress_ratios": [0, 0, 4, 16, 8, 0]}, "compress_ratios"),
+])
+def test_check_refuses_what_the_model_cannot_run_in_one_line(tiny_ckpt, change, field):
+    """A rope scaling kind or a compress ratio with no V4 layer type is refused, never run with
+    different numerics."""
+    cfg = json.loads((tiny_ckpt / "config.json").read_text())
+    (tiny_ckpt / "config.json").write_text(json.dumps({**cfg, **change}))
+    r = dsv4("check", tiny_ckpt)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and f"'{field}'" in r.stderr

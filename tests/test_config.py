@@ -49,6 +49,10 @@ def _bad(**changes):
         ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128]}},
          "quantization_config.weight_block_size"),
         ({"expert_dtype": "int3"}, "expert_dtype"),
+        # values DeepSeek V4 (and transformers' DeepseekV4Config) cannot run as given
+        ({"compress_ratios": [0, 0] + [4, 128] * 19 + [4, 64] + [4] + [0]}, "compress_ratios"),
+        ({"rope_scaling": {"type": "linear", "factor": 4}}, "rope_scaling.type"),
+        ({"rope_scaling": {"type": "yarn", "factor": 16}}, "rope_scaling.original_max_position_embeddings"),
     ],
 )
 def test_bad_config_names_file_and_field(tmp_path, changes, field):

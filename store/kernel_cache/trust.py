@@ -115,7 +115,7 @@ def trust_problem(root: Path, dirs: list[Path]) -> str | None:
     for d in dirs:
         try:
             st = os.stat(d)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # the marker check says what is wrong
             break
         except OSError as e:
             return f"{d}: cannot read ({e.strerror}); check its permissions"

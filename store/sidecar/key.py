@@ -15,18 +15,15 @@ from pathlib import Path
 from typing import Any
 
 from store import safeio
-from store.checkpoint import CONFIG_NAME, INDEX_NAME
+from store.checkpoint import CONFIG_NAME, INDEX_NAME, MAX_JSON_BYTES
 from store.errors import UserError
 from store.fingerprint import Change, Key, fingerprint, sha256_hex
-
-# config.json and the safetensors index are small; anything past this is not one of them.
-MAX_CHECKPOINT_JSON = 64 << 20
 
 
 def _checkpoint_file(model_dir: Path, name: str) -> bytes:
     path = model_dir / name
     try:
-        return safeio.read_regular(path, MAX_CHECKPOINT_JSON)
+        return safeio.read_regular(path, MAX_JSON_BYTES)
     except FileNotFoundError:
         raise UserError(f"{path}: not found; point at a checkpoint directory") from None
     except OSError as e:

@@ -19,6 +19,7 @@ never wrong) and `SidecarInfo.stale_detail` says so.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import math
@@ -30,8 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from store import atomic
-from store.checkpoint import DTYPE_SIZES, MAX_HEADER_BYTES
+from store import atomic, safeio
+from store.checkpoint import CONFIG_NAME, DTYPE_SIZES, INDEX_NAME, MAX_HEADER_BYTES
 from store.errors import UserError
 from store.fingerprint import diff, fingerprint
 from store.sidecar.format import REQUIRED_METADATA, TensorPlan, encode_header, is_int, layout
@@ -163,6 +164,7 @@ def write_sidecar(
         raise ValueError("sidecar metadata must map str to str")
     if fingerprint(key_from_metadata(metadata)) != metadata["source_fingerprint"]:
         raise ValueError("metadata source_fingerprint is not the fingerprint of its source_key")
+    check_target(path, metadata)
     if path.exists() and not force:
         raise UserError(f"{path} already exists; pass --force to replace it")
     if not path.parent.is_dir():
@@ -247,6 +249,35 @@ def write_sidecar(
         swept,
         stale,
     )
+
+
+def _checkpoint_files(metadata: dict[str, str]) -> list[Path]:
+    """The files of the checkpoint a sidecar is packed from: config, index and every shard."""
+    source = Path(metadata.get("source_dir", ""))
+    if not metadata.get("source_dir"):
+        return []
+    shards = [n.removeprefix("shard:") for n, _ in key_from_metadata(metadata).components
+              if n.startswith("shard:")]  # fmt: skip
+    return [source / CONFIG_NAME, source / INDEX_NAME, *(source / s for s in shards)]
+
+
+def check_target(path: Path, metadata: dict[str, str]) -> None:
+    """A sidecar is written only to a regular file or a new path, and never over one of its
+    own checkpoint's files (a --out typo must not replace a shard, nor a device file as root)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        st = None
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        raise UserError(f"{path}: is {safeio.kind(st.st_mode)}; write the sidecar to a regular file or a new path")
+    target = os.path.realpath(path)
+    for own in _checkpoint_files(metadata):
+        same = os.path.realpath(own) == target
+        if st is not None and not same:
+            with contextlib.suppress(OSError):
+                same = os.path.samestat(st, os.stat(own))
+        if same:
+            raise UserError(f"{path}: is the checkpoint's own {own.name}; write the sidecar elsewhere")
 
 
 def _reserve(fd: int, total: int) -> None:
