@@ -179,11 +179,48 @@ def from_dict(raw: Any, source: str = "config.json") -> DeepSeekV4Config:
             if not ok:
                 raise ConfigError(f"{source}: field '{f.name}' must be {kind}, got {type(v).__name__} {v!r}")
             if kind == "float":
-                v = float(v)
+                try:
+                    v = float(v)
+                except OverflowError:
+                    raise ConfigError(f"{source}: field '{f.name}' = {str(v)[:24]}… is too large for a float") from None
         values[f.name] = v
     cfg = DeepSeekV4Config(**values, source=source)
     _check_consistency(cfg)
     return cfg
+
+
+# Allowed ranges, checked before anything allocates or loops on a value: generous around every
+# released V4 config (V4-Flash and V4-Pro fit with room), tight enough that a typo or a hostile
+# file (a negative layer count, a million Sinkhorn iterations) is one line, not a hang.
+RANGES: dict[str, tuple[float, float]] = {
+    "hidden_size": (32, 1 << 16), "num_hidden_layers": (1, 1024), "vocab_size": (258, 1 << 22),
+    "num_attention_heads": (1, 1024), "num_key_value_heads": (1, 1024), "head_dim": (2, 4096),
+    "qk_rope_head_dim": (0, 4096), "q_lora_rank": (1, 1 << 16), "o_lora_rank": (1, 1 << 16),
+    "o_groups": (1, 1024), "sliding_window": (1, 1 << 20), "n_routed_experts": (1, 4096),
+    "n_shared_experts": (0, 64), "num_experts_per_tok": (1, 4096), "moe_intermediate_size": (32, 1 << 17),
+    "routed_scaling_factor": (1e-6, 1e3), "swiglu_limit": (1e-6, 1e6), "num_hash_layers": (0, 1024),
+    "hc_mult": (1, 16), "hc_sinkhorn_iters": (0, 1000), "hc_eps": (1e-30, 1.0),
+    "index_n_heads": (1, 1024), "index_head_dim": (2, 4096), "index_topk": (1, 1 << 20),
+    "num_nextn_predict_layers": (0, 16), "rope_theta": (1.0, 1e12), "compress_rope_theta": (1.0, 1e12),
+    "max_position_embeddings": (1, 1 << 26),
+}  # fmt: skip
+MAX_COMPRESS_RATIO = 1 << 16
+MAX_BLOCK = 1 << 16
+
+
+def _span(lo: float, hi: float) -> str:
+    return f"{lo:g}..{hi:g}" if isinstance(lo, float) or isinstance(hi, float) else f"{lo}..{hi}"
+
+
+def _check_ranges(c: DeepSeekV4Config) -> None:
+    for name, (lo, hi) in RANGES.items():
+        v = getattr(c, name)
+        if not lo <= v <= hi:  # NaN fails both comparisons
+            raise ConfigError(f"{c.source}: field '{name}' = {v!r} is out of range; allowed {_span(lo, hi)}")
+    bad = [r for r in c.compress_ratios if not 0 <= r <= MAX_COMPRESS_RATIO]
+    if bad:
+        raise ConfigError(f"{c.source}: field 'compress_ratios' holds {bad[0]}, out of range; "
+                          f"allowed 0..{MAX_COMPRESS_RATIO} (0 = sliding window)")
 
 
 def _check_consistency(c: DeepSeekV4Config) -> None:
@@ -192,16 +229,10 @@ def _check_consistency(c: DeepSeekV4Config) -> None:
 
     if c.model_type != "deepseek_v4":
         fail("model_type", f"is {c.model_type!r}, expected 'deepseek_v4'")
-    for name in ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads", "head_dim",
-                 "q_lora_rank", "o_lora_rank", "o_groups", "n_routed_experts", "num_experts_per_tok",
-                 "moe_intermediate_size", "hc_mult", "sliding_window"):
-        if getattr(c, name) <= 0:
-            fail(name, f"must be positive, got {getattr(c, name)}")
+    _check_ranges(c)
     if len(c.compress_ratios) != c.num_layers_total:
         fail("compress_ratios", f"has {len(c.compress_ratios)} entries, expected num_hidden_layers + "
              f"num_nextn_predict_layers = {c.num_layers_total}")
-    if any(r < 0 for r in c.compress_ratios):
-        fail("compress_ratios", "holds a negative ratio")
     if (c.num_attention_heads * c.head_dim) % c.o_groups:
         fail("o_groups", f"={c.o_groups} does not divide num_attention_heads·head_dim = "
              f"{c.num_attention_heads * c.head_dim}")
@@ -222,8 +253,9 @@ def _check_consistency(c: DeepSeekV4Config) -> None:
         fail("expert_dtype", f"is {c.expert_dtype!r}, expected 'fp4' or 'fp8'")
     qc = c.quantization_config
     block = qc.get("weight_block_size")
-    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
-        fail("quantization_config.weight_block_size", f"must be two positive integers, got {block!r}")
+    if not (isinstance(block, list) and len(block) == 2
+            and all(isinstance(b, int) and not isinstance(b, bool) and 0 < b <= MAX_BLOCK for b in block)):
+        fail("quantization_config.weight_block_size", f"must be two integers in 1..{MAX_BLOCK}, got {block!r}")
     if qc.get("quant_method") != "fp8":
         fail("quantization_config.quant_method", f"is {qc.get('quant_method')!r}, expected 'fp8'")
     if c.scoring_func != "sqrtsoftplus":
