@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from runtime.programs import DynamicDim, ProgramSpec, TensorSpec, prepare, program_key
+from runtime.program_spec import DynamicDim, ProgramSpec, TensorSpec, program_key
+from runtime.programs import prepare
 from store.fingerprint import Key
 from store.kernel_cache import KernelCache
 
@@ -131,7 +132,8 @@ def _run_phase(name: str, cache_dir: Path, inductor_dir: Path) -> dict[str, Any]
 
 
 def _synthetic_cache(root: Path, n: int) -> KernelCache:
-    from runtime.programs import CONFIG_COMPONENTS, toolchain_components
+    from runtime.program_spec import CONFIG_COMPONENTS
+    from runtime.toolchain import toolchain_components
 
     cache = KernelCache(root, durable=False)  # synthetic: fsync would only time the disk
     toolchain = dict(toolchain_components("cpu"))

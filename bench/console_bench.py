@@ -120,7 +120,7 @@ def _drain(fd: int, stop: threading.Event) -> None:
 
 
 def _table(r: dict[str, Any]) -> None:
-    from console.output import print_table
+    from bench.report import print_table
 
     rows = [
         ("first paint", f"{r['first_paint_s']:.3f} s", f"≤ {TARGETS['first_paint_s']} s",

@@ -429,7 +429,7 @@ def _fmt_ratio(r: float | None) -> str:
 
 
 def main(preset: str = "small", json_output: bool = False) -> int:
-    from console.output import print_json, print_table
+    from bench.report import print_json, print_table
     from store.units import format_size
 
     rows = run(preset, log=lambda m: print(m, file=sys.stderr))

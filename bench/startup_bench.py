@@ -137,7 +137,7 @@ def main(preset: str = "small", backend: str = "aoti", json_output: bool = False
     if json_output:
         print(json.dumps(result, indent=2))
         return 0
-    from console.output import print_table
+    from bench.report import print_table
 
     cold = result["rows"][0]["total"]
     table = []

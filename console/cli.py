@@ -15,6 +15,7 @@ from store.errors import UserError
 # Each module exposes `register(subparsers)`; order is the order of `dsv4 --help`.
 GROUPS = (
     "console.cmd_model",
+    "console.cmd_plan",
     "console.cmd_cache",
     "console.cmd_sidecar",
     "console.cmd_serve",
@@ -24,12 +25,18 @@ GROUPS = (
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from console.app_args import ENVIRONMENT, version
+
     parser = argparse.ArgumentParser(
         prog="dsv4",
         description="DeepSeek V4 serving host tools: synthetic checkpoints, contract checks, "
         "program cache, weight sidecars, registration and serving, benchmarks. "
-        "The operations console is `dsv4-console`.",
+        "The operations console is `dsv4-console`. Tables are tab-separated when stdout is "
+        "not a terminal.",
+        epilog=ENVIRONMENT + "\n\nshell completion: eval \"$(dsv4 completion bash)\" (or zsh, tcsh)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in GROUPS:
         try:
@@ -39,7 +46,19 @@ def build_parser() -> argparse.ArgumentParser:
                 raise
             continue
         module.register(sub)
+    completion = sub.add_parser("completion", help="print a shell completion script (bash, zsh, tcsh)",
+                                description="Print the completion script for SHELL; e.g. "
+                                "`eval \"$(dsv4 completion bash)\"` in ~/.bashrc.")
+    completion.add_argument("shell", choices=("bash", "zsh", "tcsh"))
+    completion.set_defaults(func=lambda args: _completion(parser, args.shell))
     return parser
+
+
+def _completion(parser: argparse.ArgumentParser, shell: str) -> int:
+    import shtab
+
+    print(shtab.complete(parser, shell=shell))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

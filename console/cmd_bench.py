@@ -69,6 +69,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     service.add_argument("--json", action="store_true", help="print one JSON object")
     service.set_defaults(func=_service)
 
+    plan = sub.add_parser(
+        "plan",
+        help="fresh-process `dsv4 plan --json` on the small and the full V4-Flash layout",
+        description="Time `dsv4 plan --json` in a fresh process on header-only checkpoints of the "
+        "small preset and of V4-Flash (sparse shards), against the 0.5 s / 2 s targets.",
+    )
+    plan.add_argument("--runs", type=int, default=5, help="runs per layout (median reported)")
+    plan.add_argument("--json", action="store_true", help="print one JSON object")
+    plan.set_defaults(func=_plan)
+
 
 def _startup(args: argparse.Namespace) -> int:
     from bench.startup_bench import main
@@ -98,3 +108,9 @@ def _service(args: argparse.Namespace) -> int:
     from bench.service_bench import main
 
     return main(json_output=args.json)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from bench.plan_bench import main
+
+    return main(runs=args.runs, as_json=args.json)

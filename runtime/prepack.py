@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from runtime import pack
+from runtime import pack_plan as layout
 from runtime.config import load_config
 from store import sidecar
 from store.checkpoint import Checkpoint
@@ -31,16 +31,16 @@ def sidecar_key(model_dir: Path | str, ranks: int) -> Key:
     # Read through the module so a bumped (or monkeypatched) PACKER_VERSION is seen.
     return sidecar.source_key(
         model_dir,
-        format=pack.PACK_FORMAT,
-        packer_version=pack.PACKER_VERSION,
+        format=layout.PACK_FORMAT,
+        packer_version=layout.PACKER_VERSION,
         ranks=ranks,
-        layout=pack.PACK_LAYOUT,
+        layout=layout.PACK_LAYOUT,
     )
 
 
-def pack_plan(model_dir: Path | str, ranks: int) -> pack.PackPlan:
+def pack_plan(model_dir: Path | str, ranks: int) -> layout.PackPlan:
     """Every packed tensor of `model_dir` for `ranks`, from config.json alone (no weights read)."""
-    return pack.PackPlan(load_config(model_dir), ranks)
+    return layout.PackPlan(load_config(model_dir), ranks)
 
 
 def _checkpoint_dir(model_dir: Path | str) -> Path:
@@ -101,6 +101,8 @@ def prepack(
     writes each slice at its offset and drops it. Refuses to replace an existing file unless
     `force`. Staging files of crashed writers in the target dir are swept (`info.swept`).
     """
+    from runtime.pack import stream  # torch: only packing needs it
+
     model_dir = _checkpoint_dir(model_dir)
     key = sidecar_key(model_dir, ranks)  # BEFORE packing starts
     plan = pack_plan(model_dir, ranks)
@@ -138,7 +140,7 @@ def prepack(
         return sidecar.write_sidecar(
             path,
             tensor_plan,
-            _timed(pack.stream(ckpt, plan, on_layer), spent),
+            _timed(stream(ckpt, plan, on_layer), spent),
             metadata=sidecar.sidecar_metadata(key, model_dir),
             mode_from=shards[0] if shards else None,
             force=force,
@@ -157,15 +159,18 @@ def judge(
     cold_policy: str = "auto",
     cold_threshold: float = sidecar.DEFAULT_COLD_THRESHOLD,
     residency_method: str | None = None,
+    plan: layout.PackPlan | None = None,
 ) -> sidecar.Verdict:
     """The verdict loading would give the sidecar at `path` (default: beside the checkpoint):
     against the live key and the plan's tensor names, so a new packer version or layout, other
-    ranks and a different tensor set are REPACK too, not only a changed checkpoint."""
+    ranks and a different tensor set are REPACK too, not only a changed checkpoint. A caller
+    that already built the pack plan passes it."""
     model_dir = _checkpoint_dir(model_dir)
+    plan = plan if plan is not None else pack_plan(model_dir, ranks)
     return sidecar.inspect(
         path if path is not None else sidecar.default_sidecar_path(model_dir, ranks),
         expected_key=sidecar_key(model_dir, ranks),
-        expected_names=pack_plan(model_dir, ranks).names(),
+        expected_names=plan.names(),
         cold_policy=cold_policy,
         cold_threshold=cold_threshold,
         residency_method=residency_method,
@@ -179,7 +184,7 @@ def open_prepacked(
     *,
     cold_policy: str = "auto",
     cold_threshold: float = sidecar.DEFAULT_COLD_THRESHOLD,
-    plan: pack.PackPlan | None = None,
+    plan: layout.PackPlan | None = None,
 ) -> tuple[sidecar.Verdict, sidecar.MappedSidecar | None]:
     """Judge and, on MAP, map the sidecar (`store.sidecar.open_sidecar` with the live key and
     names); on REPACK the caller packs from the checkpoint (`pack.pack_in_memory`). A caller

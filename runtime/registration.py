@@ -21,7 +21,9 @@ from typing import Any
 
 from runtime.config import load_config
 from runtime.events import Emitter, Event
+from store import history
 from store.errors import UserError
+from store.history import history_path, read_history  # noqa: F401 - re-exported
 from store.units import format_size
 
 
@@ -102,7 +104,7 @@ def _path_taken(prepared) -> str:
         return "HIT"
     if prepared.outcome == "eager":
         return "EAGER"
-    return "STALE" if prepared.miss_kind == "stale" else "MISS"
+    return {"stale": "STALE", "corrupt": "CORRUPT", "untrusted": "UNTRUSTED"}.get(prepared.miss_kind, "MISS")
 
 
 def prepare_programs(programs, options: LaunchOptions, device_kind: str, emitter: Emitter,
@@ -128,36 +130,16 @@ def prepare_programs(programs, options: LaunchOptions, device_kind: str, emitter
     return runners, results
 
 
-def _load_weights(options: LaunchOptions, ckpt, plan, emitter: Emitter) -> tuple[dict, dict[str, Any], Any]:
-    """MAP a valid, hot sidecar; otherwise REPACK from the checkpoint (verdict says why)."""
-    from runtime import pack, prepack
-
-    mapped, verdict = None, None
-    if options.use_sidecar:
-        verdict, mapped = prepack.open_prepacked(options.model_dir, options.ranks, cold_policy=options.cold_policy,
-                                                 plan=plan)
-        emitter.log("weights", verdict.line() if hasattr(verdict, "line") else str(verdict))
-    if mapped is not None:
-        return dict(mapped.tensors), {"path": "MAP", "reason": "", "detail": verdict.detail,
-                                      "residency": verdict.residency}, mapped
-    reason = verdict.reason if verdict is not None else "disabled"
-    detail = verdict.detail if verdict is not None else "--no-sidecar"
-
-    def progress(done: int, total: int, group: str) -> None:
-        emitter.emit("weights", "progress", done=done, total=total, unit="layers", detail={"group": group})
-
-    tensors = pack.pack_in_memory(ckpt, plan, progress)
-    return tensors, {"path": "REPACK", "reason": reason, "detail": detail}, None
-
-
 def _size_kv(launched_device, programs, weights, runners, options: LaunchOptions, detail: dict) -> list:
     from runtime.device import OutOfMemory
-    from runtime.engine import Engine, cache_bytes
+    from runtime.engine import Engine
+    from runtime.model_programs import kv_slot_bytes
+    from runtime.plan import kv_budget
 
     mem = launched_device.memory()
-    per_slot = cache_bytes(programs)
-    budget = int(mem.total * options.memory_utilization) - mem.used
-    want = min(options.max_slots, budget // per_slot) if budget > 0 else 0
+    per_slot = kv_slot_bytes(programs)
+    kv = kv_budget(mem.to_json(), per_slot, options.memory_utilization, options.max_slots)
+    budget, want = kv["budget"], kv["slots"]
 
     def too_small(why: str) -> RegistrationError:
         return RegistrationError(
@@ -208,19 +190,49 @@ def register(options: LaunchOptions, emitter: Emitter) -> Launched:
     return launched
 
 
-def _register(options: LaunchOptions, emitter: Emitter, phases: _Phases) -> Launched:
-    import torch
+@dataclass
+class _Checked:
+    """What the check phase established: the plan and everything the phases below act on."""
 
-    from runtime.device import get_device
-    from runtime.engine import Engine
-    from runtime.model_programs import build_programs
-    from runtime.pack import PackPlan
-    from runtime.tensors import expected_tensors
+    plan: Any
+    config: Any
+    ckpt: Any
+    device: Any
+    pack_plan: Any
+    programs: Any
+
+
+def _register(options: LaunchOptions, emitter: Emitter, phases: _Phases) -> Launched:
     from runtime.tokenizer import ByteTokenizer
-    from runtime.weights import packed_views
+
+    checked = _check(options, phases)
+    runners, loaded = _programs_and_weights(options, emitter, phases, checked)
+    launched = Launched(options, checked.config, checked.programs, None, [], checked.device,
+                        ByteTokenizer(checked.config.vocab_size))
+    launched._closers.append(loaded.close)
+    _upload(launched, loaded, checked, emitter, phases)
+    with phases.run("kv", utilization=options.memory_utilization) as d:
+        launched.engines = _size_kv(checked.device, checked.programs, launched.weights, runners, options, d)
+    _validate(launched, options, phases)
+    return launched
+
+
+def _check(options: LaunchOptions, phases: _Phases) -> _Checked:
+    """The plan of this launch (carried by the check event), the config and tensor contract,
+    the device, and the programs: every phase below acts on this plan."""
+    from runtime.device import get_device
+    from runtime.model_programs import build_programs
+    from runtime.pack_plan import PackPlan
+    from runtime.plan import plan_for_launch
+    from runtime.tensors import expected_tensors
     from store.checkpoint import Checkpoint, check_contract
 
     with phases.run("check", model=str(options.model_dir)) as d:
+        plan = plan_for_launch(options)
+        d["plan"] = plan.to_json()
+        for problem in plan.problems:
+            if problem.startswith("check:"):  # the kv phase reports its own, with the numbers
+                raise RegistrationError(problem)
         config = load_config(options.model_dir)
         ckpt = Checkpoint.open(options.model_dir)
         report = check_contract(ckpt, expected_tensors(config))
@@ -228,35 +240,51 @@ def _register(options: LaunchOptions, emitter: Emitter, phases: _Phases) -> Laun
             raise RegistrationError(f"check: {options.model_dir} breaks the tensor contract "
                                     f"({len(report.missing)} missing, {len(report.extra)} extra, "
                                     f"{len(report.mismatched)} mismatched); run `dsv4 check` for the list")
-        device = get_device(options.device, options.device_memory)
-        plan = PackPlan(config, options.ranks)
-        programs = build_programs(config, plan, options.max_seq)
+        device = get_device(plan.device, options.device_memory)
+        options.backend = plan.backend
+        pack_plan = PackPlan(config, options.ranks)
+        programs = build_programs(config, pack_plan, options.max_seq)
         d.update(tensors=report.checked, device=device.describe(), programs=len(programs.specs),
                  layers=config.summary())
+    return _Checked(plan, config, ckpt, device, pack_plan, programs)
 
-    # programs ∥ weights: independent until upload
+
+def _programs_and_weights(options: LaunchOptions, emitter: Emitter, phases: _Phases, c: _Checked):
+    """Programs (HIT or compile) ∥ weights (MAP or REPACK, as the plan says): independent until
+    upload, so two threads; their events interleave, which is how the overlap shows."""
+    from runtime.weight_loaders import loader_for
+
     def programs_job():
-        with phases.run("programs", total=len(programs.specs), backend=options.backend) as d:
-            runners, results = prepare_programs(programs, options, device.kind, emitter)
+        with phases.run("programs", total=len(c.programs.specs), backend=options.backend) as d:
+            runners, results = prepare_programs(c.programs, options, c.device.kind, emitter)
             counts = {k: sum(r["outcome"] == k for r in results) for k in ("HIT", "MISS", "STALE", "EAGER")}
             d.update(counts=counts, programs={r["program"]: r["outcome"] for r in results})
         return runners
 
     def weights_job():
-        with phases.run("weights", sidecar=options.use_sidecar) as d:
-            tensors, detail, mapped = _load_weights(options, ckpt, plan, emitter)
-            d.update(detail, bytes=sum(t.nbytes for t in tensors.values()))
-        return tensors, mapped
+        loader = loader_for(c.plan, options, c.ckpt, c.pack_plan)
+
+        def progress(done: int, total: int, group: str) -> None:
+            emitter.emit("weights", "progress", done=done, total=total, unit="layers", detail={"group": group})
+
+        with phases.run("weights", sidecar=options.use_sidecar, planned=loader.path) as d:
+            if loader.path == "REPACK" and options.use_sidecar:
+                s = c.plan.sidecar
+                emitter.log("weights", f"sidecar {s.get('path')}: REPACK ({s.get('reason')}): {s.get('detail')}")
+            loaded = loader.load(progress, lambda line: emitter.log("weights", line))
+            d.update(loaded.detail, bytes=sum(t.nbytes for t in loaded.tensors.values()))
+        return loaded
 
     with ThreadPoolExecutor(2, thread_name_prefix="register") as pool:
         fut_programs, fut_weights = pool.submit(programs_job), pool.submit(weights_job)
-        runners = fut_programs.result()
-        host_tensors, mapped = fut_weights.result()
+        return fut_programs.result(), fut_weights.result()
 
-    launched = Launched(options, config, programs, None, [], device, ByteTokenizer(config.vocab_size))
-    if mapped is not None:
-        launched._closers.append(mapped.close)
 
+def _upload(launched: Launched, loaded, c: _Checked, emitter: Emitter, phases: _Phases) -> None:
+    """Main weights, then MTP, onto the device (zero-copy on cpu); the host copy is released."""
+    from runtime.weights import packed_views
+
+    device, host_tensors = c.device, loaded.tensors
     with phases.run("upload", device=device.describe()) as d:
         main = {n: t for n, t in host_tensors.items() if not n.startswith("mtp.")}
         mtp = {n: t for n, t in host_tensors.items() if n.startswith("mtp.")}
@@ -270,24 +298,27 @@ def _register(options: LaunchOptions, emitter: Emitter, phases: _Phases) -> Laun
             offset += sum(t.nbytes for t in tensors.values())
         zero_copy = device.kind == "cpu"
         released = 0 if zero_copy else total
-        del host_tensors, main, mtp
-        if not zero_copy and mapped is not None:
-            mapped.close()  # device copies made: the host mapping is no longer needed
-        launched.weights = packed_views(plan, placed)
+        del main, mtp
+        loaded.tensors = {}
+        if not zero_copy:
+            loaded.close()  # device copies made: the host mapping is no longer needed
+        launched.weights = packed_views(c.pack_plan, placed)
         d.update(bytes=total, zero_copy=zero_copy, host_released_bytes=released)
 
-    with phases.run("kv", utilization=options.memory_utilization) as d:
-        launched.engines = _size_kv(device, programs, launched.weights, runners, options, d)
 
+def _validate(launched: Launched, options: LaunchOptions, phases: _Phases) -> None:
+    """One prefill, N greedy decode steps and an MTP draft: every program runs before serving."""
+    import torch
+
+    config = launched.config
     with phases.run("validate", decode_steps=options.validate_tokens) as d:
-        engine: Engine = launched.engines[0]
+        engine = launched.engines[0]
         prompt = validation_prompt(launched.tokenizer)
         t0 = time.perf_counter()
         tokens = list(engine.generate(prompt, options.validate_tokens))
         seconds = time.perf_counter() - t0
         if len(tokens) != options.validate_tokens or any(not 0 <= t < config.vocab_size for t in tokens):
             raise RegistrationError(f"validate: decode produced {tokens}")
-        # an MTP draft over the prompt, so the MTP programs are exercised before serving
         engine.reset()
         first = engine.forward(torch.tensor(prompt))
         draft = engine.mtp(first.hidden[:-1], torch.tensor(prompt[1:]), 0)
@@ -297,45 +328,20 @@ def _register(options: LaunchOptions, emitter: Emitter, phases: _Phases) -> Laun
         launched.validation_tokens = tokens
         d.update(health="ok", prefill_tokens=len(prompt), tokens=tokens,
                  decode_tokens_per_s=round(len(tokens) / seconds, 2) if seconds else None)
-    return launched
-
-
-def history_path() -> Path:
-    from store.paths import state_dir
-
-    return state_dir() / "launches.jsonl"
 
 
 def append_history(options: LaunchOptions, phases: dict[str, dict[str, Any]], started: float,
                    outcome: str, error: str = "", extra: dict[str, Any] | None = None) -> None:
-    """One JSON line per launch (appended with O_APPEND: concurrent launches never interleave)."""
+    """One JSON line per launch (store.history: O_APPEND, concurrent launches never interleave)."""
     preset = None
     with contextlib.suppress(Exception):
         preset = (json.loads((Path(options.model_dir) / "config.json").read_text()).get("dsv4_synthetic") or {}).get("preset")
-    record = {
+    history.append({
         "v": 1, "started": round(started, 3), "ended": round(time.time(), 3), "host": socket.gethostname(),
         "pid": os.getpid(), "model": str(options.model_dir), "preset": preset, "device": options.device,
         "backend": options.backend, "cache_dir": str(options.kernel_cache_dir or ""),
         "sidecar": options.use_sidecar, "outcome": outcome, "error": error, "phases": phases, **(extra or {}),
-    }
-    path = history_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, (json.dumps(record, default=str) + "\n").encode())
-    finally:
-        os.close(fd)
-
-
-def read_history(limit: int | None = None) -> list[dict[str, Any]]:
-    path = history_path()
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        with contextlib.suppress(ValueError):
-            out.append(json.loads(line))
-    return out[-limit:] if limit else out
+    })
 
 
 __all__ = ["Event", "LaunchOptions", "Launched", "RegistrationError", "append_history", "read_history", "register"]

@@ -29,3 +29,13 @@ def data_dir() -> Path:
 
 def state_dir() -> Path:
     return _dir("DSV4_STATE_DIR", platformdirs.user_state_dir(APP))
+
+
+def default_preset() -> str:
+    """The embedded default's preset: `small` (the demo size), or $DSV4_DEFAULT_PRESET."""
+    return os.environ.get("DSV4_DEFAULT_PRESET", "small")
+
+
+def default_model_dir(preset: str | None = None, seed: int = 0) -> Path:
+    """Where the embedded default checkpoint lives (created on first use by runtime.synth)."""
+    return data_dir() / "models" / f"{preset or default_preset()}-seed{seed}"

@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 
 from console.cli import main as cli
 from runtime import pack
+from runtime import pack_plan as pack_plan_module
 from runtime.prepack import judge, open_prepacked, pack_plan, prepack, sidecar_key
 from store import atomic, pagecache, sidecar
 from store.checkpoint import Checkpoint
@@ -111,8 +112,8 @@ def test_other_ranks_are_stale_naming_ranks(packed, tiny_ckpt_ro):
 
 def test_a_new_packer_version_is_stale_naming_it(packed, tiny_ckpt_ro, monkeypatch):
     path, _ = packed
-    old, new = pack.PACKER_VERSION, str(int(pack.PACKER_VERSION) + 1)
-    monkeypatch.setattr(pack, "PACKER_VERSION", new)
+    old, new = pack_plan_module.PACKER_VERSION, str(int(pack_plan_module.PACKER_VERSION) + 1)
+    monkeypatch.setattr(pack_plan_module, "PACKER_VERSION", new)
     verdict = judge(tiny_ckpt_ro, 1, path)
     assert (verdict.action, verdict.reason) == (REPACK, "stale")
     assert verdict.changes == (f"packer_version {old} → {new}",)
@@ -235,8 +236,8 @@ def test_status_of_a_checkpoint_judges_as_loading_would(tiny_ckpt, capsys, monke
     assert data["verdict"] == MAP or data["reason"] == "cold"
     assert data["judged_against"].startswith("this packer's")
 
-    old = pack.PACKER_VERSION
-    monkeypatch.setattr(pack, "PACKER_VERSION", "999")
+    old = pack_plan_module.PACKER_VERSION
+    monkeypatch.setattr(pack_plan_module, "PACKER_VERSION", "999")
     assert cli(["sidecar", "status", str(tiny_ckpt), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert (data["verdict"], data["reason"]) == (REPACK, "stale")

@@ -14,10 +14,12 @@ import sample_programs as sp
 import torch
 
 from console.cli import main as cli
-from runtime import programs
-from runtime.programs import ARTIFACT, ProgramSpec, prepare, program_key, source_components
+from runtime import program_spec, programs
+from runtime.program_spec import CaptureError, ProgramSpec, build_function, program_key
+from runtime.programs import ARTIFACT, prepare
+from runtime.source_hash import source_components
 from store.fingerprint import UNKNOWN, fingerprint
-from store.kernel_cache import CURRENT, QUARANTINE, KernelCache
+from store.kernel_cache import QUARANTINE, KernelCache
 
 TESTS = Path(__file__).parent
 
@@ -120,16 +122,20 @@ def test_eager_backend_bypasses_the_cache(cache):
     assert cache.inventory() == []
 
 
-def test_why_and_ls_judge_registered_programs_by_their_live_key(cache, monkeypatch, capsys):
-    monkeypatch.setattr(programs, "_REGISTRY", {"mlp": sp.spec()})
-    prepare(sp.spec(), cache=cache, backend="export")
+def test_why_judges_a_model_program_by_its_live_key(cache, tiny_ckpt_ro, monkeypatch, capsys):
+    from runtime.config import load_config
+    from runtime.model_programs import build_programs
+    from runtime.pack_plan import PackPlan
+
+    config = load_config(tiny_ckpt_ro)
+    spec = build_programs(config, PackPlan(config, 1), 64).specs["embed.decode"]
+    prepare(spec, cache=cache, backend="export")
+    args = ["cache", "why", "embed.decode", "--cache-dir", str(cache.root), "--model", str(tiny_ckpt_ro),
+            "--max-seq", "64"]
     # the live key uses the default backend (aoti): the export entry is another configuration
-    assert cli(["cache", "why", "mlp", "--cache-dir", str(cache.root)]) == 1
+    assert cli(args) == 1
     assert "not cached for this configuration: backend export → aoti" in capsys.readouterr().out
-    monkeypatch.setattr(programs, "default_backend", lambda device: "export")
-    assert cli(["cache", "why", "mlp", "--cache-dir", str(cache.root)]) == 0
-    assert "mlp: HIT" in capsys.readouterr().out
-    assert [e.state for e in cache.inventory(programs.reference())] == [CURRENT]
+    assert cli([*args, "--backend", "export"]) == 0
 
 
 CHILD = """
@@ -181,3 +187,67 @@ def test_programs_compile_from_the_signature_with_weights_as_inputs():
     assert dict(exported.state_dict) == {} and dict(exported.constants) == {}
     placeholders = [n.name for n in exported.graph.nodes if n.op == "placeholder"]
     assert len(placeholders) == len(sp.spec().inputs)
+
+
+def scale_by(k: float, shift: float = 0.0):
+    """A factory: the program closes over its arguments only."""
+
+    def scaled(x, w, scale):
+        return (x @ w) * scale * k + shift
+
+    return scaled
+
+
+def leaky(k: float):
+    """A factory whose program closes over a value derived outside its captures."""
+    doubled = [k, k]
+
+    def scaled(x, w, scale):
+        return (x @ w) * scale * doubled[0]
+
+    return scaled
+
+
+def _factory_spec(factory: str, **captures) -> ProgramSpec:
+    return ProgramSpec("scaled", f"test_programs:{factory}", sp.spec().inputs, sp.spec().dims,
+                       captures=captures)
+
+
+def test_programs_from_one_factory_with_different_captures_never_share_an_entry(cache):
+    two, three = _factory_spec("scale_by", k=2.0), _factory_spec("scale_by", k=3.0)
+    assert program_key(two, "export") != program_key(three, "export")
+    assert "captures" in program_spec.CONFIG_COMPONENTS
+    first, second = prepare(two, cache=cache, backend="export"), prepare(three, cache=cache, backend="export")
+    assert first.fingerprint != second.fingerprint and second.outcome == "compiled"
+    x = sp.inputs()
+    assert torch.allclose(second.run(*x), (x[0] @ x[1]) * x[2] * 3.0)
+    assert prepare(two, cache=cache, backend="export").outcome == "hit"
+
+
+def test_a_program_capturing_a_value_outside_its_key_is_refused(cache):
+    with pytest.raises(CaptureError, match="not in its key"):
+        build_function(_factory_spec("leaky", k=2.0))
+    with pytest.raises(CaptureError):
+        prepare(_factory_spec("leaky", k=2.0), cache=cache, backend="export")
+    assert cache.inventory() == []
+    made_elsewhere = ProgramSpec("closure", scale_by(2.0), sp.spec().inputs, sp.spec().dims)
+    with pytest.raises(CaptureError):  # a closure with no captures declared: its 2.0 is in no key
+        build_function(made_elsewhere)
+
+
+def test_a_module_constant_the_program_reads_is_in_its_key(tmp_path):
+    source = "LIMIT = {}\n\ndef f(x):\n    return x.clamp(max=LIMIT)\n"
+    a = _load_module(tmp_path / "ka.py", source.format(1.0))
+    b = _load_module(tmp_path / "kb.py", source.format(2.0))
+    assert [n for n, _ in source_components(a.f)] == ["source:ka.LIMIT", "source:ka.f"]
+    assert _source_hashes(a) != _source_hashes(b)
+
+
+def test_model_program_keys_need_no_torch(tiny_ckpt_ro):
+    code = (
+        "import sys\n"
+        "from runtime.plan import Settings, program_keys\n"
+        f"keys = program_keys({str(tiny_ckpt_ro)!r}, Settings(max_seq=64, backend='export'))\n"
+        "assert keys and 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)[:3]\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=TESTS.parent)

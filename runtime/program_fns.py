@@ -1,0 +1,47 @@
+"""The model's program functions, as factories over JSON captures (torch).
+
+`runtime.model_programs` names these as "runtime.program_fns:<factory>" with the captures as
+data, so the launch plan computes every key without importing this module; each program
+closes over its captures only (checked when it is built), so they are all in its key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from runtime import model
+from runtime.dims import Dims
+
+
+def layer(dims: dict, kind: str, ratio: int, hash_routed: bool, cache_names: list[str],
+          weight_names: list[str]) -> Callable:
+    def layer_program(x, tokens, positions, *rest):
+        nc = len(cache_names)
+        cache = dict(zip(cache_names, rest[:nc], strict=True))
+        w = dict(zip(weight_names, rest[nc:], strict=True))
+        x, rows = model.block(Dims(**dims), kind, ratio, hash_routed, w, x, tokens, positions, cache)
+        return (x, *(rows[n] for n in cache_names))
+
+    return layer_program
+
+
+def embed(dims: dict) -> Callable:
+    def embed_program(tokens, embed_weight):
+        return model.embed(Dims(**dims), {"embed.weight": embed_weight}, tokens)
+
+    return embed_program
+
+
+def head(dims: dict, weight_names: list[str]) -> Callable:
+    def head_program(x, *weights):
+        return model.head(Dims(**dims), dict(zip(weight_names, weights, strict=True)), x)
+
+    return head_program
+
+
+def mtp_input(dims: dict, weight_names: list[str]) -> Callable:
+    def mtp_input_program(next_tokens, h, embed_weight, *weights):
+        w = dict(zip(weight_names, weights, strict=True))
+        return model.mtp_input(Dims(**dims), w, embed_weight[next_tokens], h)
+
+    return mtp_input_program

@@ -1,0 +1,119 @@
+"""Toolchain components of a program key: torch's version (read from its package files, never
+imported), Python, the device's capability, the C++ compiler, and the env flags that change
+generated code. Torch-free on cpu; cuda/npu capability needs the device runtime."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import platform
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from store.fingerprint import UNKNOWN
+
+# CPU flags that change the code Inductor generates (vector ISA selection).
+_CPU_FLAGS = (
+    "sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq",
+    "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8",
+    "asimd", "sve", "sve2",
+)  # fmt: skip
+# Inductor env knobs that only say where caches live or how much to log: not in the key.
+_ENV_IGNORED = re.compile(r"^TORCHINDUCTOR_(CACHE_DIR|FX_GRAPH_CACHE|AUTOGRAD_CACHE|.*LOG.*)$")
+_ENV_RELEVANT = re.compile(r"^(TORCHINDUCTOR_|TORCH_COMPILE_|TORCH_CUDA_ARCH_LIST$|CXXFLAGS$)")
+
+
+def toolchain_components(device: str, backend: str = "aoti") -> list[tuple[str, Any]]:
+    """Versions and capabilities that change compiled code; torch-free except for cuda/npu."""
+    parts: list[tuple[str, Any]] = [
+        ("torch", _torch_version()),
+        ("torch.git", _torch_git_version()),
+        ("python", platform.python_version()),
+        (f"device.{device}", device_capability(device)),
+    ]
+    if backend == "aoti":
+        parts.append(("compiler", compiler_version()))
+    parts.append(("env", relevant_env()))
+    return parts
+
+
+def _torch_version() -> str:
+    return _torch_version_file().get("__version__", UNKNOWN)
+
+
+def _torch_git_version() -> str:
+    return _torch_version_file().get("git_version", UNKNOWN)
+
+
+@functools.cache
+def _torch_version_file() -> dict[str, str]:
+    # torch/version.py read as text (what torch.__version__ comes from): finding the package's
+    # spec does not import it, so `dsv4 cache ls` stays torch-free.
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.origin:
+        return {}
+    try:
+        text = (Path(spec.origin).parent / "version.py").read_text()
+    except OSError:
+        return {}
+    return dict(re.findall(r"^(\w+)\s*(?::[^=]*)?=\s*['\"]([^'\"]*)['\"]", text, re.MULTILINE))
+
+
+def device_capability(device: str) -> Any:
+    """CPU ISA flags / CUDA compute capability / NPU SoC name; UNKNOWN if undeterminable."""
+    if device == "cpu":
+        return {"machine": platform.machine(), "flags": _cpu_flags()}
+    try:
+        import torch
+
+        if device == "cuda":
+            major, minor = torch.cuda.get_device_capability()
+            return f"sm_{major}{minor}"
+        if device == "npu":
+            import torch_npu  # noqa: F401 - registers torch.npu
+
+            return torch.npu.get_soc_version() if hasattr(torch.npu, "get_soc_version") else UNKNOWN
+    except Exception:
+        return UNKNOWN
+    return UNKNOWN
+
+
+@functools.cache
+def _cpu_flags() -> list[str] | str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return UNKNOWN
+    found: set[str] = set()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            found.update(line.split(":", 1)[1].split())
+    return sorted(found.intersection(_CPU_FLAGS))
+
+
+@functools.cache
+def compiler_version() -> str:
+    """First line of `--version` of the C++ compiler Inductor would use (CXX, else g++/clang++)."""
+    cxx = os.environ.get("CXX") or next(
+        (c for c in ("g++", "clang++", "c++") if shutil.which(c)), None
+    )
+    if not cxx:
+        return UNKNOWN
+    try:
+        out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return UNKNOWN
+    first = out.stdout.strip().splitlines()[:1]
+    return first[0] if out.returncode == 0 and first else UNKNOWN
+
+
+def relevant_env() -> dict[str, str]:
+    return {
+        k: v
+        for k, v in sorted(os.environ.items())
+        if _ENV_RELEVANT.match(k) and not _ENV_IGNORED.match(k)
+    }

@@ -1,0 +1,73 @@
+"""Getting the packed weights: one small interface, two implementations, chosen by the plan.
+
+`MapSidecar` maps a valid sidecar (zero-copy views through one fd); `RepackCheckpoint` packs the
+checkpoint in memory, one layer at a time. The launch plan's sidecar verdict picks one; if the
+sidecar changed between the plan and the open (its own verdict is taken again through the fd it
+maps), mapping falls back to repacking and says why — never maps bytes it did not judge.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+Progress = Callable[[int, int, str], None]  # (groups done, groups total, group name)
+Log = Callable[[str], None]
+
+
+@dataclass
+class LoadedWeights:
+    tensors: dict[str, Any]  # packed name → host tensor (views of the mapping, or packed arrays)
+    detail: dict[str, Any]  # path (MAP | REPACK), reason, detail, residency
+    close: Callable[[], None] = field(default=lambda: None)
+
+
+class WeightLoader(Protocol):
+    path: str
+
+    def load(self, progress: Progress, log: Log) -> LoadedWeights: ...
+
+
+@dataclass
+class RepackCheckpoint:
+    ckpt: Any
+    pack_plan: Any
+    reason: str
+    detail: str
+    path: str = "REPACK"
+
+    def load(self, progress: Progress, log: Log) -> LoadedWeights:
+        from runtime.pack import pack_in_memory
+
+        tensors = pack_in_memory(self.ckpt, self.pack_plan, progress)
+        return LoadedWeights(tensors, {"path": "REPACK", "reason": self.reason, "detail": self.detail})
+
+
+@dataclass
+class MapSidecar:
+    model_dir: Any
+    ranks: int
+    pack_plan: Any
+    cold_policy: str
+    ckpt: Any
+    path: str = "MAP"
+
+    def load(self, progress: Progress, log: Log) -> LoadedWeights:
+        from runtime.prepack import open_prepacked
+
+        verdict, mapped = open_prepacked(self.model_dir, self.ranks, cold_policy=self.cold_policy,
+                                         plan=self.pack_plan)
+        log(verdict.line())
+        if mapped is None:  # changed since the plan was made: repack, saying why
+            return RepackCheckpoint(self.ckpt, self.pack_plan, verdict.reason, verdict.detail).load(progress, log)
+        return LoadedWeights(dict(mapped.tensors), {"path": "MAP", "reason": "", "detail": verdict.detail,
+                                                    "residency": verdict.residency}, mapped.close)
+
+
+def loader_for(plan, options, ckpt, pack_plan) -> WeightLoader:
+    """The loader the plan's sidecar verdict calls for."""
+    sidecar = plan.sidecar
+    if sidecar.get("verdict") == "MAP":
+        return MapSidecar(options.model_dir, options.ranks, pack_plan, options.cold_policy, ckpt)
+    return RepackCheckpoint(ckpt, pack_plan, sidecar.get("reason", ""), sidecar.get("detail", ""))
