@@ -242,10 +242,12 @@ def warm(
     willneed: bool = True,
     chunk: int = WARM_CHUNK,
     remember: bool = True,
+    sink: Callable[[int, memoryview], None] | None = None,
 ) -> WarmResult:
     """Read the whole file sequentially in large chunks so it lands in the page cache.
 
     With `remember`, a throughput measured over enough cold bytes is stored for the cold policy.
+    `sink(offset, bytes)` sees every chunk read (the sidecar verifier hashes while warm reads).
     """
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -261,6 +263,8 @@ def warm(
             n = os.preadv(fd, [view[: min(chunk, size - done)]], done)
             if n == 0:  # truncated under us: warm what is there
                 break
+            if sink is not None:
+                sink(done, view[:n])
             done += n
             if progress is not None:
                 elapsed = time.monotonic() - start
