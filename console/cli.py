@@ -25,7 +25,7 @@ GROUPS = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from console.app_args import ENVIRONMENT, version
+    from console.about import ENVIRONMENT, version
 
     parser = argparse.ArgumentParser(
         prog="dsv4",

@@ -22,6 +22,7 @@ from typing import Any
 
 import psutil
 
+from console.collect_services import ServicesSnapshot, collect_services
 from runtime.events import PHASES
 from store import kernel_cache as kc
 from store import sidecar as sc
@@ -129,11 +130,12 @@ class Snapshot:
     host: HostSnapshot
     device: DeviceSnapshot
     registration: RegistrationSnapshot
+    services: ServicesSnapshot = field(default_factory=ServicesSnapshot)
 
     def to_json(self) -> dict[str, Any]:
         return {"v": SCHEMA_VERSION, "ts": self.ts, "settings": self.settings,
                 **{k: dataclasses.asdict(getattr(self, k))
-                   for k in ("programs", "sidecars", "host", "device", "registration")}}
+                   for k in ("programs", "sidecars", "services", "host", "device", "registration")}}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -168,12 +170,12 @@ def collect_sidecars(model_dir: Path, ranks: int = 1) -> SidecarsSnapshot:
         rows = []
         for p in paths:
             v = sc.inspect(p).to_json()
-            rows.append({**v, "sampled_at": now, "next_launch": next_launch(v)})
+            rows.append({**v, "sampled_at": now, "next_launch": next_launch(v), "wanted": p == wanted})
         if wanted not in paths:
             rows.append({"path": str(wanted), "verdict": sc.REPACK, "reason": "missing",
                          "detail": "no sidecar for these ranks; prepack to create it", "residency": None,
                          "residency_method": None, "size_bytes": 0, "sampled_at": now,
-                         "next_launch": "REPACK (missing)"})
+                         "next_launch": "REPACK (missing)", "wanted": True})
         return SidecarsSnapshot(str(model_dir), tuple(rows))
     except Exception as e:
         return SidecarsSnapshot(str(model_dir), error=f"{type(e).__name__}: {e}")
@@ -414,4 +416,5 @@ class Collectors:
         registration = predict(s, history, programs, sidecars, device)
         settings = {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(s).items()}
         settings["device"] = self.device_kind
-        return Snapshot(time.time(), settings, programs, sidecars, self.host(), device, registration)
+        return Snapshot(time.time(), settings, programs, sidecars, self.host(), device, registration,
+                        collect_services())

@@ -34,3 +34,29 @@ def rate(bytes_per_s: float) -> str:
 
 def secs(s: float | None) -> str:
     return "-" if s is None else f"{s:.2f} s"
+
+
+def duration(s: float | None) -> str:
+    """`42s`, `3m05s`, `1h02m`: elapsed times, uptimes and ETAs."""
+    if s is None:
+        return "-"
+    s = max(0, round(s))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def progress(label: str, done: float | None, total: float | None, unit: str, elapsed: float,
+             eta: float | None, basis: str = "", now: str = "") -> str:
+    """The one progress line of every long action (launch phases, compile, prepack, warm):
+    `compile 3/14 · 42s elapsed · ETA 1m10s (history) · now: head.decode`."""
+    parts = [label] if label else []
+    if done is not None and total:
+        parts.append(f"{size(done)} / {size(total)}" if unit == "bytes" else f"{done:.0f}/{total:.0f}")
+    parts.append(f"{duration(elapsed)} elapsed")
+    if eta is not None:
+        parts.append(f"ETA {duration(eta)}" + (f" ({basis})" if basis else ""))
+    line = " · ".join(parts)
+    return f"{line} · now: {now}" if now else line

@@ -48,10 +48,18 @@ def path_taken(phase: str, detail: dict[str, Any]) -> str:
 
 @dataclass
 class LaunchState:
+    """One launch in view: its phases, and the prediction made for it and the earlier launch it
+    is compared with, both frozen when it started (the pane never mixes two launches)."""
+
     phases: dict[str, PhaseState] = field(default_factory=lambda: {p: PhaseState() for p in PHASES})
     url: str = ""
     error: str = ""
     spawned: float = field(default_factory=time.time)  # the history record of this launch starts later
+    prediction: dict[str, str] = field(default_factory=dict)
+    basis: str = ""
+    compared: dict[str, Any] | None = None  # launch-history record of the launch before this one
+    stopped: bool = False
+    now: dict[str, str] = field(default_factory=dict)  # phase → what it is doing now
 
     def apply(self, event: Event) -> None:
         if event.phase not in self.phases:
@@ -66,8 +74,12 @@ class LaunchState:
             p.done, p.total = event.done, event.total
             if event.phase == "programs" and "outcome" in event.detail:
                 p.path = f"{event.detail.get('program', '')} {event.detail['outcome']}"
+            what = event.detail.get("program") or event.detail.get("group") or event.detail.get("part") or ""
+            if what:
+                self.now[event.phase] = f"{what} {event.detail.get('outcome', '')}".strip()
         elif event.kind == "end":
             p.state, p.seconds = DONE, event.seconds
+            self.now.pop(event.phase, None)
             p.path = path_taken(event.phase, event.detail)
             if event.phase == "serve":
                 self.url = event.detail.get("url", "")

@@ -1,4 +1,6 @@
-"""Output helpers shared by every CLI command: JSON for scripts, rich tables for people."""
+"""Output helpers shared by every CLI command: JSON for scripts, rich tables for people, and
+plain tab-separated lines (never wrapped, never truncated) when stdout is not a terminal, so
+`dsv4 cache ls | grep …` and `| cut -f2` work."""
 
 from __future__ import annotations
 
@@ -13,7 +15,17 @@ def print_json(value: Any) -> None:
     sys.stdout.write("\n")
 
 
+def _plain(value: Any) -> str:
+    # a tab or newline inside a cell would split it into two fields or two rows
+    return "" if value is None else str(value).replace("\t", " ").replace("\n", " ")
+
+
 def print_table(title: str | None, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    if not sys.stdout.isatty():
+        sys.stdout.write("\t".join(columns) + "\n")
+        for r in rows:
+            sys.stdout.write("\t".join(_plain(v) for v in r) + "\n")
+        return
     from rich.console import Console
     from rich.table import Table
 

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from textual.app import ComposeResult
-from textual.containers import Vertical
 from textual.widgets import Sparkline, Static
 
 from console import fmt
 from console.collectors import HostSnapshot
+from console.pane import Pane
 
 
-class HostPane(Vertical):
+class HostPane(Pane):
     def compose(self) -> ComposeResult:
         yield Static(id="host-text")
         yield Static("cpu", classes="spark-label")

@@ -1,20 +1,34 @@
-"""Registration pane: each phase's progress, seconds and path; the previous launch and the
-best warm one from the launch history; before a launch, the predicted path of each phase."""
+"""Registration pane: one launch at a time. Before a launch, the predicted path of each phase
+for the next one; during and after a launch, that launch's phases (progress, seconds, path,
+what it does now, ETA) next to the prediction made for it and the launch it is compared with,
+named by its start time and pid."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from textual.app import ComposeResult
-from textual.containers import Vertical
-from textual.widgets import DataTable, Static
+from textual.widgets import Static
 
 from console import fmt
 from console.collectors import RegistrationSnapshot, launch_seconds
+from console.eta import Progress
 from console.launch_state import DONE, FAILED, RUNNING, LaunchState, path_taken
+from console.pane import Pane
+from console.tables import Column, PaneTable
 from runtime.events import PHASES
 
 STATE_MARK = {DONE: "[green]✓[/]", FAILED: "[red]✗[/]", RUNNING: "[yellow]…[/]"}
+COLUMNS = (
+    Column("phase", "phase", 10, essential=True),
+    Column("progress", "progress", 10, essential=True),
+    Column("seconds", "s", 7, essential=True),
+    Column("path", "path", 22),
+    Column("predicted", "predicted", 20),
+    Column("compared", "compared", 14),
+    Column("best", "best warm", 14),
+)
 
 
 def _past(record: dict[str, Any] | None, phase: str) -> str:
@@ -25,49 +39,74 @@ def _past(record: dict[str, Any] | None, phase: str) -> str:
         return "-"
     if "error" in p:
         return f"{fmt.secs(p.get('seconds'))} error"
-    path = path_taken(phase, p)
-    return f"{fmt.secs(p.get('seconds'))} {path}".strip()
+    return f"{fmt.secs(p.get('seconds'))} {path_taken(phase, p)}".strip()
 
 
-class RegistrationPane(Vertical):
+def launch_name(record: dict[str, Any] | None) -> str:
+    """`14:02:33 pid 4242 (ok, 0.90 s)`: which launch a comparison is with."""
+    if not record:
+        return "none"
+    when = time.strftime("%m-%d %H:%M:%S", time.localtime(record.get("started") or 0))
+    return f"{when} pid {record.get('pid', '?')} ({record.get('outcome')}, {launch_seconds(record):.2f} s)"
+
+
+def phase_progress(phase: str, p, expected: float | None, now: str) -> str:
+    """The running phase's progress line (elapsed, ETA from the compared launch, what now)."""
+    elapsed = max(0.0, time.time() - (p.started or time.time()))
+    tracker = Progress(phase, "bytes" if phase == "weights" else "", p.done, p.total, now,
+                       started=time.monotonic() - elapsed)
+    if expected and p.total:
+        tracker.rate = p.total / expected
+    elif expected:  # no done/total for this phase: the ETA is what is left of its recorded time
+        return fmt.progress(phase, None, None, "", elapsed, max(0.0, expected - elapsed), "history", now)
+    return tracker.line()
+
+
+class RegistrationPane(Pane):
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+
     def compose(self) -> ComposeResult:
-        table = DataTable(id="registration-table", cursor_type="none")
-        # fixed widths: auto-sized columns keep the width of the first (empty) rows they saw
-        for label, width in (("phase", 10), ("progress", 10), ("now", 8), ("path", 18), ("predicted", 22),
-                             ("previous", 9), ("best warm", 9)):
-            table.add_column(label, width=width)
-        yield table
+        yield PaneTable("registration", COLUMNS, lambda row: row["cells"], id="registration-table")
         yield Static(id="registration-summary", classes="totals")
 
     def on_mount(self) -> None:
         self.border_title = "Registration"
 
     def show(self, snap: RegistrationSnapshot, launch: LaunchState | None, status: str = "") -> None:
-        table = self.query_one(DataTable)
-        table.clear()
-        previous = snap.previous
-        if launch and previous and previous.get("started", 0) >= launch.spawned:
-            previous = snap.earlier  # the last record is this launch: compare with the one before
+        compared = launch.compared if launch else snap.previous
+        prediction = launch.prediction if launch else snap.prediction
+        rows, running = [], []
         for phase in PHASES:
             p = launch.phases[phase] if launch else None
             mark = STATE_MARK.get(p.state, " ") if p else " "
-            table.add_row(f"{mark} {phase}", fmt.bar(p.fraction if p else 0.0, 10),
-                          fmt.secs(p.seconds) if p else "-", (p.path if p else "")[:40],
-                          snap.prediction.get(phase, ""), _past(previous, phase),
-                          _past(snap.best_warm, phase))
+            seconds = p.seconds if p and p.seconds is not None else (
+                time.time() - p.started if p and p.state == RUNNING and p.started else None)
+            cells = {"phase": f"{mark} {phase}", "progress": fmt.bar(p.fraction if p else 0.0, 4),
+                     "seconds": fmt.secs(seconds), "path": p.path if p else "",
+                     "predicted": prediction.get(phase, ""), "compared": _past(compared, phase),
+                     "best": _past(snap.best_warm, phase)}
+            rows.append({"phase": phase, "cells": cells, "path_taken": p.path if p else "",
+                         "predicted": prediction.get(phase, ""), "compared": _past(compared, phase)})
+            if p and p.state == RUNNING:
+                expected = ((compared or {}).get("phases", {}).get(phase) or {}).get("seconds")
+                running.append(phase_progress(phase, p, expected, launch.now.get(phase, "")))
+        self.query_one(PaneTable).set_rows(rows)
+        self.border_title = "Registration: " + ("this launch" if launch else "next launch (predicted)")
         parts = []
         if launch:
             parts.append(f"this launch {launch.total_seconds:.2f} s")
-            if launch.url:
+            if launch.stopped:
+                parts.append("[yellow]service stopped[/]")
+            elif launch.url:
                 parts.append(f"[green]serving {launch.url}[/]")
             if launch.error:
                 parts.append(f"[red]{launch.error}[/]")
-        if previous:
-            parts.append(f"previous {launch_seconds(previous):.2f} s ({previous.get('outcome')})")
-        if snap.best_warm:
-            parts.append(f"best warm {launch_seconds(snap.best_warm):.2f} s")
-        if status:
+        if status and not (launch and launch.stopped and "stopped" in status):
             parts.append(status)
-        if snap.basis:
-            parts.append(f"[dim]prediction: {snap.basis}[/]")
-        self.query_one("#registration-summary", Static).update("  ".join(parts))
+        lines = ["  ".join(parts)] if parts else []
+        lines += running
+        lines.append(f"[dim]compared: {launch_name(compared)}; best warm: {launch_name(snap.best_warm)}[/]")
+        if snap.basis and not launch:
+            lines.append(f"[dim]prediction: {snap.basis}[/]")
+        self.query_one("#registration-summary", Static).update("\n".join(lines))

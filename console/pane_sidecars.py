@@ -1,22 +1,36 @@
-"""Sidecars pane: verdict, residency and what the next launch does; prepack/warm progress."""
+"""Sidecars pane: verdict, residency (and how old the sample is) and what the next launch
+does; the progress of a running prepack/warm/compile."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from textual.app import ComposeResult
-from textual.containers import Vertical
-from textual.widgets import DataTable, ProgressBar, Static
+from textual.widgets import ProgressBar, Static
 
 from console import fmt
 from console.collectors import SidecarsSnapshot
+from console.pane import Pane
+from console.tables import Column, PaneTable, title
+
+COLUMNS = (
+    Column("name", "sidecar", 26, essential=True),
+    Column("next_launch", "next launch", 20, essential=True),
+    Column("verdict", "verdict", 16),
+    Column("residency", "residency", 10),
+    Column("sampled_at", "sampled", 8),
+    Column("size_bytes", "size", 9),
+)
 
 
-class SidecarsPane(Vertical):
+class SidecarsPane(Pane):
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.now = 0.0
+
     def compose(self) -> ComposeResult:
-        table = DataTable(id="sidecars-table", cursor_type="row")
-        table.add_columns("sidecar", "size", "verdict", "residency", "sampled", "next launch")
-        yield table
+        yield PaneTable("sidecars", COLUMNS, self._cells, id="sidecars-table")
         yield Static(id="sidecars-reason", classes="totals")
         yield Static(id="sidecars-job", classes="job")
         yield ProgressBar(id="sidecars-progress", show_eta=False)
@@ -25,29 +39,31 @@ class SidecarsPane(Vertical):
         self.border_title = "Sidecars"
         self.query_one(ProgressBar).display = False
 
+    def _cells(self, s: dict[str, Any]) -> dict[str, str]:
+        color = "green" if s["verdict"] == "MAP" else "yellow"
+        verdict = s["verdict"] + (f" ({s['reason']})" if s["reason"] else "")
+        return {"name": Path(s["path"]).name, "next_launch": f"[{color}]{s['next_launch']}[/]",
+                "verdict": verdict, "residency": fmt.bar(s["residency"], 4),
+                "sampled_at": fmt.ago(s["sampled_at"], self.now),
+                "size_bytes": fmt.size(s["size_bytes"]) if s["size_bytes"] else "-"}
+
     def show(self, snap: SidecarsSnapshot, now: float, needle: str = "") -> None:
-        table = self.query_one(DataTable)
-        table.clear()
-        reasons = []
-        for s in snap.sidecars:
-            verdict = s["verdict"] + (f" ({s['reason']})" if s["reason"] else "")
-            cells = (Path(s["path"]).name, fmt.size(s["size_bytes"]) if s["size_bytes"] else "-", verdict,
-                     fmt.bar(s["residency"], 10), fmt.ago(s["sampled_at"], now), s["next_launch"])
-            if needle and not any(needle in c.lower() for c in cells):
-                continue
-            color = "green" if s["verdict"] == "MAP" else "yellow"
-            table.add_row(cells[0], cells[1], f"[{color}]{verdict}[/]", *cells[3:])
-            if s.get("detail"):
-                reasons.append(f"{Path(s['path']).name}: {s['detail']}")
-        text = "\n".join(reasons) or ""
+        self.now = now
+        rows = [{**s, "name": Path(s["path"]).name} for s in snap.sidecars]
+        shown, total = self.query_one(PaneTable).set_rows(rows, needle)
+        wanted = next((r for r in rows if r.get("wanted")), None)
+        self.border_title = title("Sidecars", shown, total, needle) + (
+            f" · next launch {wanted['next_launch']}" if wanted else "")
+        reasons = [f"{Path(s['path']).name}: {s['detail']}" for s in snap.sidecars if s.get("detail")]
+        text = "\n".join(reasons)
         if snap.error:
             text = f"[yellow]{snap.model_dir}: {snap.error}[/]"
         self.query_one("#sidecars-reason", Static).update(text)
 
     def job(self, label: str, done: float | None = None, total: float | None = None) -> None:
-        """Show a running prepack/warm (label empty: hide)."""
+        """Show a running prepack/warm/compile (label empty: hide)."""
         bar = self.query_one(ProgressBar)
         self.query_one("#sidecars-job", Static).update(label)
-        bar.display = bool(label)
+        bar.display = bool(label) and bool(total)
         if label:
             bar.update(total=total or None, progress=done or 0)

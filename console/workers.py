@@ -10,15 +10,46 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import sys
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
+from pathlib import Path
 
 from runtime.events import Event, EventError, parse
 
 STDERR_TAIL = 20
 STOP_TIMEOUT = 10.0
+
+
+# `path/to/module.py:123: FutureWarning: text`, as Python's warnings module prints it
+_WARNING = re.compile(r"^(?P<file>\S+?):(?P<line>\d+): (?P<cat>\w*Warning): (?P<msg>.*)$")
+
+
+class LineFilter:
+    """Library warnings from workers, one line each: `FutureWarning: text (module.py:123)`.
+
+    The source line Python echoes under a warning is dropped, and a warning already shown is
+    not shown again (torch repeats the same FutureWarning for every compiled program)."""
+
+    def __init__(self) -> None:
+        self.seen: Counter[tuple[str, str]] = Counter()
+        self._under_warning = False
+
+    def __call__(self, line: str) -> list[str]:
+        m = _WARNING.match(line)
+        if m:
+            key = (m["cat"], m["msg"])
+            self.seen[key] += 1
+            self._under_warning = True
+            if self.seen[key] > 1:
+                return []
+            return [f"{m['cat']}: {m['msg']} ({Path(m['file']).name}:{m['line']})"]
+        if self._under_warning and line.startswith("  "):
+            return []
+        self._under_warning = False
+        return [line]
 
 
 def dsv4(*args: str) -> list[str]:
@@ -38,6 +69,7 @@ class Worker:
         self.stderr_tail: deque[str] = deque(maxlen=STDERR_TAIL)
         self.returncode: int | None = None
         self.stopping = False
+        self._filter = LineFilter()
 
     @property
     def running(self) -> bool:
@@ -88,7 +120,8 @@ class Worker:
                     pass
             if which == "stderr" and line.strip():
                 self.stderr_tail.append(line)
-            self.on_line(self, which, line)
+            for shown in self._filter(line):
+                self.on_line(self, which, shown)
 
     async def stop(self, timeout: float = STOP_TIMEOUT) -> int | None:
         """SIGTERM (the service drains and exits 0), then SIGKILL after `timeout`."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from console.collect_services import ServicesSnapshot
 from console.collectors import (
     DeviceSnapshot,
     HostSnapshot,
@@ -19,8 +20,8 @@ def _entry(program: str, fp: str, state: str, reason: str = "", size: int = 4096
             "created": NOW - 7200, "last_used": NOW - 90, "hits": hits, "path": f"/cache/{program}", "busy": False}
 
 
-def _record(seconds: float, outcome: str = "ok", weights: str = "MAP") -> dict:
-    return {"model": "/models/tiny", "outcome": outcome, "phases": {
+def _record(seconds: float, outcome: str = "ok", weights: str = "MAP", pid: int = 4000) -> dict:
+    return {"model": "/models/tiny", "outcome": outcome, "pid": pid, "started": NOW - 600 + pid % 100, "phases": {
         "check": {"seconds": 0.05}, "programs": {"seconds": seconds, "counts": {"HIT": 12},
                                                   "programs": {"layer.sliding.prefill": "HIT"}},
         "weights": {"seconds": 0.2, "path": weights}, "upload": {"seconds": 0.01, "zero_copy": True},
@@ -38,7 +39,7 @@ def snapshot(*, starving: bool = False) -> Snapshot:
     sidecars = SidecarsSnapshot("/models/tiny", ({
         "path": "/models/tiny/dsv4-packed.r1.safetensors", "verdict": "MAP", "reason": "", "detail": "valid and hot",
         "residency": 0.75, "residency_method": "cachestat", "size_bytes": 8 << 20, "sampled_at": NOW - 1,
-        "next_launch": "MAP"}, {
+        "next_launch": "MAP", "wanted": True}, {
         "path": "/models/tiny/dsv4-packed.r2.safetensors", "verdict": "REPACK", "reason": "stale",
         "detail": "config.json changed", "residency": 0.0, "residency_method": "cachestat", "size_bytes": 8 << 20,
         "sampled_at": NOW - 1, "next_launch": "REPACK (stale)"}))
@@ -50,10 +51,15 @@ def snapshot(*, starving: bool = False) -> Snapshot:
     device = DeviceSnapshot("cpu", "meminfo", 0.9, ({
         "name": "cpu (host memory)", "total": 16 << 30, "used": 8 << 30, "free": 8 << 30, "budget": budget,
         "slots": None if starving else 6144, "warning": warning},), 1 << 20)
-    registration = RegistrationSnapshot(_record(2.5, weights="REPACK"), _record(0.4), {
+    registration = RegistrationSnapshot(_record(2.5, weights="REPACK", pid=4101), _record(0.4, pid=4002), {
         "check": "contract check", "programs": "HIT 1", "weights": "MAP", "upload": "zero-copy (cpu)",
         "kv": "4 slots", "validate": "decode check", "serve": "HTTP"}, "1 programs from the last launch of this model")
-    return Snapshot(NOW, {"model_dir": "/models/tiny"}, programs, sidecars, host, device, registration)
+    services = ServicesSnapshot(({
+        "pid": 4242, "create_time": NOW - 3725, "cmdline": ["python", "-m", "console.cli", "serve", "/models/tiny"],
+        "model": "/models/tiny", "state": "serving", "url": "http://127.0.0.1:8000", "started": NOW - 3720,
+        "log": "/state/services/output/serve-1.log", "events": "/state/services/output/serve-1.events.jsonl",
+        "v": 1, "from_console": True, "health": "ok"},))
+    return Snapshot(NOW, {"model_dir": "/models/tiny"}, programs, sidecars, host, device, registration, services)
 
 
 class FakeCollectors:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -155,3 +156,21 @@ def test_console_never_imports_torch(tmp_path, tiny_ckpt_ro):
     out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=90)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+@pytest.mark.asyncio
+async def test_launching_a_model_that_is_already_served_asks_first(tiny_ckpt_ro):
+    snap = snapshot()
+    row = {**snap.services.services[0], "model": str(tiny_ckpt_ro), "from_console": False}
+    snap = dataclasses.replace(snap, services=dataclasses.replace(snap.services, services=(row,)))
+    settings = Settings(tiny_ckpt_ro, Path("/cache"), device="cpu", backend="eager", max_seq=64)
+    app = Dsv4Console(settings, collectors=FakeCollectors(snap), watch=False, create_default=False, interval=0)
+    async with app.run_test() as pilot:
+        await pilot.pause()
+        await pilot.press("l")
+        await pilot.pause()
+        assert isinstance(app.screen, ConfirmScreen)
+        assert "pid 4242 http://127.0.0.1:8000" in app.screen.body
+        await pilot.press("n")
+        await pilot.pause()
+        assert app.service is None and "launch" not in app.jobs

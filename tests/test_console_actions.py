@@ -3,21 +3,26 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import signal
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from console.app import Dsv4Console
 from console.collectors import Settings, default_model_dir
+from console.detached import Detached
 from console.launch_state import DONE
 from console.screen_confirm import ConfirmScreen
 from console.screen_quit import QuitScreen
-from console.workers import Worker
 from runtime.events import PHASES
-from runtime.programs import CONFIG_COMPONENTS, toolchain_components
+from runtime.program_spec import CONFIG_COMPONENTS
+from runtime.toolchain import toolchain_components
 from store import pagecache, sidecar
 from store.fingerprint import Key
 from store.kernel_cache import KernelCache
@@ -36,7 +41,7 @@ async def until(pilot, condition, what: str) -> None:
 
 def console(model_dir: Path, cache_dir: Path, **kw) -> Dsv4Console:
     settings = Settings(model_dir, cache_dir, device="cpu", backend="eager", max_seq=64)
-    return Dsv4Console(settings, watch=False, interval=0.5, stop_timeout=20, **kw)
+    return Dsv4Console(settings, watch=False, interval=0.5, stop_timeout=20, port=0, **kw)
 
 
 def done(app: Dsv4Console, name: str) -> bool:
@@ -92,7 +97,7 @@ async def test_purge_removes_the_stale_entry_only_after_confirming(tiny_ckpt_ro,
         await until(pilot, lambda: [e.program for e in cache.inventory()] == ["current_one"], "purge")
 
 
-async def test_launch_streams_every_phase_and_stop_ends_the_service(tiny_ckpt_ro, tmp_path):
+async def test_launch_streams_every_phase_survives_the_console_and_a_new_console_stops_it(tiny_ckpt_ro, tmp_path):
     app = console(tiny_ckpt_ro, tmp_path / "programs")
     async with app.run_test(size=(180, 50)) as pilot:
         await pilot.press("l")
@@ -102,27 +107,68 @@ async def test_launch_streams_every_phase_and_stop_ends_the_service(tiny_ckpt_ro
         assert app.launch.url.startswith("http://127.0.0.1:")
         table = app.query_one("#registration-table")
         assert all("✓" in str(table.get_row_at(i)[0]) for i in range(len(PHASES)))
-        service = app.service
-        await pilot.press("s")
-        await until(pilot, lambda: service.returncode is not None, "stop")
-        assert service.returncode == 0  # drained on SIGTERM
+        await pilot.press("q")
+        await until(pilot, lambda: isinstance(app.screen, QuitScreen), "quit dialog")
+        await pilot.press("l")  # leave it running
+    pid, url = app.service.pid, app.launch.url
+    try:
+        assert app.exit_message().startswith(f"dsv4-console: left the service running: pid {pid} {url}")
+        again = console(tiny_ckpt_ro, tmp_path / "programs", create_default=False)
+        async with again.run_test(size=(180, 50)) as pilot:
+            await until(pilot, lambda: again.service is not None, "re-attached")
+            assert again.service.pid == pid
+            rows = again.snapshot.services.services
+            assert [(r["pid"], r["url"], r["health"], r["from_console"]) for r in rows] == [(pid, url, "ok", True)]
+            await pilot.press("s")
+            await until(pilot, lambda: not psutil.pid_exists(pid) or
+                        psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, "stop")
+            await until(pilot, lambda: again.launch.stopped, "stopped shown")
+            assert "service stopped" in str(again.query_one("#registration-summary").render())
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     from runtime.registration import read_history
 
     assert read_history()[-1]["outcome"] == "ok"
 
 
+def _sleeper(app: Dsv4Console, tmp_path: Path) -> Detached:
+    """A detached stand-in for a service: output to a file, own session, like `l` starts one."""
+    return Detached("launch", [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(600)"],
+                    on_event=app._on_event, on_line=app._on_line, log=tmp_path / "svc.log",
+                    events=tmp_path / "svc.events.jsonl")
+
+
 async def test_quit_with_a_running_service_asks_and_can_stop_it(tiny_ckpt_ro, tmp_path):
     app = console(tiny_ckpt_ro, tmp_path / "programs", create_default=False)
     async with app.run_test() as pilot:
-        app.service = Worker("launch", [sys.executable, "-c", "import time; time.sleep(600)"],
-                             on_event=app._on_event, on_line=app._on_line)
+        app.service = _sleeper(app, tmp_path)
         app.run_worker(app.service.run())
         await until(pilot, lambda: app.service.running, "sleeper")
-        await pilot.press("q")
+        await app.run_action("quit")  # ctrl+q and the palette's Quit: the same dialog as q
         await until(pilot, lambda: isinstance(app.screen, QuitScreen), "quit dialog")
         await pilot.press("s")
         await until(pilot, lambda: app.service.returncode is not None, "stopped")
     assert app.service.returncode != 0 and app.failures == []  # stopped on request: not a failure
+
+
+async def test_leave_running_detaches_for_real_and_prints_where_it_is(tiny_ckpt_ro, tmp_path):
+    app = console(tiny_ckpt_ro, tmp_path / "programs", create_default=False)
+    async with app.run_test() as pilot:
+        app.service = _sleeper(app, tmp_path)
+        app.run_worker(app.service.run())
+        await until(pilot, lambda: app.service.running, "sleeper")
+        await pilot.press("q")
+        await until(pilot, lambda: isinstance(app.screen, QuitScreen), "quit dialog")
+        await pilot.press("l")
+    pid = app.service.pid
+    try:
+        await asyncio.sleep(0.5)
+        assert psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        assert (tmp_path / "svc.log").read_text().startswith("up")  # its output went to the file
+        assert f"pid {pid}" in app.exit_message() and str(tmp_path / "svc.log") in app.exit_message()
+    finally:
+        os.kill(pid, signal.SIGKILL)
 
 
 async def test_a_failing_worker_is_reported_and_the_console_keeps_working(tiny_ckpt, tmp_path):

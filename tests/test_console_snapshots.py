@@ -1,16 +1,15 @@
-"""SVG snapshots of the console's main and help screens over fake collectors
+"""SVG snapshots of the console over fake collectors at the sizes operators use
 (pytest-textual-snapshot; regenerate with `pytest --snapshot-update` after a deliberate change)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from console_fakes import FakeCollectors, snapshot
 
 from console.app import Dsv4Console
 from console.collectors import Settings
-
-SIZE = (180, 48)
 
 
 def _app(**kw) -> Dsv4Console:
@@ -19,13 +18,27 @@ def _app(**kw) -> Dsv4Console:
                        create_default=False, interval=0, **kw)
 
 
-def test_main_screen(snap_compare):
-    assert snap_compare(_app(), terminal_size=SIZE)
+@pytest.mark.parametrize("size", [(200, 50), (100, 30), (80, 24)], ids=["200x50", "100x30", "80x24"])
+def test_main_screen(snap_compare, size):
+    assert snap_compare(_app(), terminal_size=size)
+
+
+def test_compact_layout_expands_the_focused_pane(snap_compare):
+    # tab to Services: in the compact layout the focused pane takes the room, others keep a line
+    assert snap_compare(_app(), press=["tab"], terminal_size=(80, 24))
 
 
 def test_main_screen_readonly_with_a_starving_kv_budget(snap_compare):
-    assert snap_compare(_app(readonly=True, snap=snapshot(starving=True)), terminal_size=SIZE)
+    assert snap_compare(_app(readonly=True, snap=snapshot(starving=True)), terminal_size=(200, 50))
 
 
 def test_help_screen(snap_compare):
-    assert snap_compare(_app(), press=["question_mark"], terminal_size=SIZE)
+    assert snap_compare(_app(), press=["question_mark"], terminal_size=(100, 30))
+
+
+def test_detail_of_a_program_entry(snap_compare):
+    assert snap_compare(_app(), press=["enter"], terminal_size=(100, 30))
+
+
+def test_filter_names_n_of_m_in_every_pane(snap_compare):
+    assert snap_compare(_app(), press=["slash", *"stale", "enter"], terminal_size=(200, 50))

@@ -1,0 +1,215 @@
+"""The console's long cache actions (first-run create, prepack, warm, purge): `dsv4 …` worker
+processes whose progress (done/total, elapsed, ETA, what now) shows in the Sidecars pane, with
+a notification when each ends. A mixin of `console.app.Dsv4Console`."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+from textual import work
+
+from console import fmt
+from console.collectors import default_preset
+from console.eta import Progress, program_seconds
+from console.pane_sidecars import SidecarsPane
+from console.screen_confirm import ConfirmScreen
+from console.workers import Worker, dsv4
+from runtime.events import Event
+from store import pagecache
+from store import sidecar as sc
+
+PURGE_PROGRAM_STATES = ("stale", "corrupt")
+PURGE_SIDECAR_REASONS = ("stale", "corrupt", "names")
+# `dsv4 compile` reports each program on stderr as `[3/14] head.decode: MISS (17.20 s)`
+_COMPILE_LINE = re.compile(r"^\[(\d+)/(\d+)\] (\S+): (\S+)")
+
+
+class JobActions:
+    jobs: dict[str, Any]
+    progress: dict[str, Progress]
+
+    def _busy(self, name: str) -> bool:
+        job = self.jobs.get(name)
+        if job and job.running:
+            self.notify(f"{name} is already running (pid {job.pid})", severity="warning")
+            return True
+        return False
+
+    def _model_ready(self) -> bool:
+        if (self.settings.model_dir / sc.INDEX_NAME).is_file():
+            return True
+        self.notify(f"no checkpoint at {self.settings.model_dir}", severity="error")
+        return False
+
+    def _start(self, name: str, argv: list[str], progress: Progress | None = None) -> Worker:
+        w = Worker(name, argv, on_event=self._on_event, on_line=self._on_line)
+        self.jobs[name] = w
+        self.log_line("console", f"{name}: {' '.join(argv[2:])}")
+        if progress is not None:
+            self.progress[name] = progress
+            self.show_job(name)
+        return w
+
+    def show_job(self, name: str) -> None:
+        p = self.progress.get(name)
+        pane = self._main(SidecarsPane)
+        if p is None:
+            pane.job("")
+        else:
+            pane.job(p.line(), p.done, p.total)
+
+    def tick_jobs(self) -> None:
+        """Once a second while something runs: elapsed and ETA move even between events."""
+        for name, job in self.jobs.items():
+            if job.running and name in self.progress:
+                self.show_job(name)
+
+    def _job_line(self, worker: Worker, line: str) -> None:
+        m = _COMPILE_LINE.match(line)
+        p = self.progress.get(worker.name)
+        if m and p is not None:
+            order = self._program_order()
+            done, total, program = int(m.group(1)), int(m.group(2)), m.group(3)
+            nxt = order[done] if len(order) == total and done < total else ""
+            p.update(done, total, now=f"compiling {nxt}" if nxt else "", item=program)
+            self.show_job(worker.name)
+
+    def _job_event(self, worker: Worker, event: Event) -> None:
+        p = self.progress.get(worker.name)
+        if event.kind == "progress" and p is not None:
+            p.update(event.done, event.total, now=event.detail.get("group") or event.detail.get("file") or "")
+            self.show_job(worker.name)
+        elif event.message:
+            self.log_line(worker.name, event.message)
+
+    def _program_order(self) -> list[str]:
+        """The programs in the order the last launch of this model prepared them."""
+        prev = self.snapshot.registration.previous if self.snapshot else None
+        return list((prev or {}).get("phases", {}).get("programs", {}).get("programs") or {})
+
+    async def _finish(self, worker: Worker, what: str = "") -> int:
+        self._topbar()
+        code = await worker.run()
+        self.log_line("console", f"{worker.name}: exit code {code}")
+        p = self.progress.pop(worker.name, None)
+        if worker is not self.service:
+            self._main(SidecarsPane).job("")
+            if code == 0:
+                took = fmt.duration(time.monotonic() - p.started) if p else ""
+                self.notify(f"{what or worker.name} done{' in ' + took if took else ''}", title="done")
+        self._topbar()
+        self.refresh_now()
+        return code
+
+    def _do_create(self) -> None:
+        if self._busy("create"):
+            return
+        self.log_line("console", f"creating the embedded default checkpoint ({default_preset()}) at "
+                                 f"{self.settings.model_dir}")
+        w = self._start("create", dsv4("check"), Progress(f"creating the default {default_preset()} "
+                                                          "checkpoint (first run)"))
+        self.run_worker(self._finish(w, "default checkpoint"), group="jobs")
+
+    def _pack_rate(self) -> float | None:
+        """Bytes per second packed by earlier prepacks (recorded in each sidecar's metadata)."""
+        rows = self.snapshot.sidecars.sidecars if self.snapshot else ()
+        rates = [r["size_bytes"] / r["pack_seconds"] for r in rows if r.get("pack_seconds") and r.get("size_bytes")]
+        return max(rates) if rates else None
+
+    def _do_prepack(self) -> None:
+        if self._busy("prepack") or not self._model_ready():
+            return
+        argv = dsv4("prepack", str(self.settings.model_dir), "--ranks", str(self.settings.ranks),
+                    "--events", "-")
+        existing = sc.default_sidecar_path(self.settings.model_dir, self.settings.ranks)
+
+        def go(extra: list[str]) -> None:
+            w = self._start("prepack", [*argv, *extra], Progress("prepack", "bytes", rate=self._pack_rate()))
+            self.run_worker(self._finish(w, "prepack"), group="jobs")
+
+        if not existing.exists():
+            go([])
+            return
+        self.push_screen(ConfirmScreen("Replace the sidecar?",
+                                       f"{existing} ({fmt.size(existing.stat().st_size)}) exists; prepack "
+                                       "writes a new one and replaces it in one rename."),
+                         lambda yes: go(["--force"]) if yes else None)
+
+    def _do_warm(self) -> None:
+        if self._busy("warm") or not self._model_ready():
+            return
+        self.run_worker(self._warm(), group="jobs")
+
+    async def _warm(self) -> None:
+        s = self.settings
+        path = sc.default_sidecar_path(s.model_dir, s.ranks)
+        if path.is_file():
+            known = pagecache.read_throughput()
+            argv = dsv4("sidecar", "warm", str(path), "--events", "-")
+            p = Progress(f"warm {path.name}", "bytes", rate=known.bytes_per_s if known.measured else None)
+            if await self._finish(self._start("warm", argv, p), "warm (read)") != 0:
+                return
+        else:
+            self.log_line("console", f"warm: no sidecar at {path}; prepack first (p). Compiling programs only")
+        argv = dsv4("compile", str(s.model_dir), "--kernel-cache-dir", str(s.kernel_cache_dir),
+                    "--device", s.device, "--backend", s.backend, "--max-seq", str(s.max_seq))
+        entries = self.snapshot.programs.entries if self.snapshot else ()
+        p = Progress("compile", "programs", items=program_seconds(entries))
+        await self._finish(self._start("warm", argv, p), "warm (compile)")
+
+    def purge_selection(self) -> tuple[list[dict], list[dict]]:
+        """What purge would delete, from the current snapshot: (program entries, sidecars)."""
+        if not self.snapshot:
+            return [], []
+        entries = [e for e in self.snapshot.programs.entries
+                   if e["state"] in PURGE_PROGRAM_STATES and not e.get("busy")]
+        sidecars = [s for s in self.snapshot.sidecars.sidecars
+                    if s["verdict"] == sc.REPACK and s["reason"] in PURGE_SIDECAR_REASONS and Path(s["path"]).is_file()]
+        return entries, sidecars
+
+    def _do_purge(self) -> None:
+        entries, sidecars = self.purge_selection()
+        if not entries and not sidecars:
+            self.notify("nothing to purge: no stale or corrupt entries, no stale sidecars")
+            return
+        nbytes = sum(e["size_bytes"] for e in entries) + sum(s["size_bytes"] for s in sidecars)
+        lines = [f"{len(entries)} program entries and {len(sidecars)} sidecars, {fmt.size(nbytes)}:"]
+        lines += [f"  {e['path']}  {e['state']}: {e.get('reason') or '-'}  {fmt.size(e['size_bytes'])}"
+                  for e in entries[:12]]
+        lines += [f"  {s['path']}  {s['reason']}: {s.get('detail') or '-'}  {fmt.size(s['size_bytes'])}"
+                  for s in sidecars]
+        if len(entries) > 12:
+            lines.append(f"  … and {len(entries) - 12} more entries")
+
+        def confirmed(yes: bool | None) -> None:
+            if yes:
+                self._purge(entries, sidecars)
+            else:
+                self.log_line("console", "purge: cancelled, nothing deleted")
+
+        self.push_screen(ConfirmScreen("Delete these?", "\n".join(lines)), confirmed)
+
+    @work(thread=True, group="purge")
+    def _purge(self, entries: list[dict], sidecars: list[dict]) -> None:
+        from store import kernel_cache as kc
+
+        cache = kc.KernelCache(self.settings.kernel_cache_dir)
+        chosen = {(e["program"], e["fingerprint"]) for e in entries}
+        reference = self.collectors.reference() if hasattr(self.collectors, "reference") else None
+        # delete exactly what was confirmed, if it is still there (and still not current)
+        now = [e for e in cache.inventory(reference)
+               if (e.program, e.fingerprint) in chosen and e.state in PURGE_PROGRAM_STATES and not e.busy]
+        removed = cache.remove(now)
+        gone = 0
+        for s in sidecars:
+            with contextlib.suppress(FileNotFoundError):
+                Path(s["path"]).unlink()
+                gone += 1
+        message = f"purge: deleted {len(removed)} program entries and {gone} sidecars"
+        self.call_from_thread(self.log_line, "console", message)
+        self.call_from_thread(self.notify, message, title="done")
+        self.call_from_thread(self.refresh_now)

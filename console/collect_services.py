@@ -1,0 +1,46 @@
+"""Services: every `dsv4 serve` of this user on this host (from the registry in
+`store.services`), with a health probe of each URL. Plain Python, no torch, off the UI thread."""
+
+from __future__ import annotations
+
+import http.client
+import urllib.parse
+from dataclasses import dataclass
+from typing import Any
+
+from store import services
+
+HEALTH_TIMEOUT = 0.5  # loopback answers in milliseconds; a wedged service must not stall a refresh
+
+
+@dataclass(frozen=True)
+class ServicesSnapshot:
+    services: tuple[dict[str, Any], ...] = ()  # Service.to_json() + health + from_console
+    error: str = ""
+
+
+def health(url: str, timeout: float = HEALTH_TIMEOUT) -> str:
+    """`ok`, `HTTP <status>` or `no answer` from GET <url>/health."""
+    parts = urllib.parse.urlsplit(url)
+    if not parts.hostname:
+        return "-"
+    conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=timeout)
+    try:
+        conn.request("GET", "/health")
+        status = conn.getresponse().status
+        return "ok" if status == 200 else f"HTTP {status}"
+    except (OSError, http.client.HTTPException):
+        return "no answer"
+    finally:
+        conn.close()
+
+
+def collect_services() -> ServicesSnapshot:
+    try:
+        rows = []
+        for s in services.running():
+            rows.append({**s.to_json(), "from_console": s.from_console,
+                         "health": health(s.url) if s.url else s.state})
+        return ServicesSnapshot(tuple(rows))
+    except Exception as e:  # a collector never takes the console down
+        return ServicesSnapshot(error=f"{type(e).__name__}: {e}")

@@ -1,0 +1,101 @@
+"""How long a long action will take: done/total, elapsed, and an ETA from recorded history
+(compile seconds per program from the cache manifests; pack and read throughput from earlier
+runs), falling back to the rate measured so far."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from console import fmt
+
+MAX_MANIFEST_BYTES = 1 << 20  # a manifest is a few KiB; larger is corrupt (never read whole)
+HIT_SECONDS = 0.1  # a verified load of a cached program, when nothing better is recorded
+TRUST_MEASURED_AFTER = 0.1  # share of the work after which the measured rate beats history
+
+
+def _compile_seconds(entry_dir: Path) -> float | None:
+    try:
+        fd = os.open(entry_dir / "manifest.json", os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_MANIFEST_BYTES:
+            return None
+        value = json.loads(os.read(fd, MAX_MANIFEST_BYTES)).get("compile_seconds")
+        return float(value) if isinstance(value, int | float) and value >= 0 else None
+    except (OSError, ValueError, AttributeError):
+        return None
+    finally:
+        os.close(fd)
+
+
+def program_seconds(entries: Iterable[Mapping[str, Any]]) -> dict[str, float]:
+    """Expected seconds per program at the next prepare: a HIT where the cache holds a current
+    entry, else the compile seconds recorded in the newest manifest of that program."""
+    newest: dict[str, Mapping[str, Any]] = {}
+    current = set()
+    for e in entries:
+        if e["state"] == "current":
+            current.add(e["program"])
+        if e["program"] not in newest or e.get("created", 0) > newest[e["program"]].get("created", 0):
+            newest[e["program"]] = e
+    out = {}
+    for program, e in newest.items():
+        seconds = None if program in current else _compile_seconds(Path(e["path"]))
+        out[program] = HIT_SECONDS if program in current else seconds
+    return {p: s for p, s in out.items() if s is not None}
+
+
+@dataclass
+class Progress:
+    """One long action as it runs; `line()` renders it through `fmt.progress`."""
+
+    label: str
+    unit: str = ""
+    done: float | None = None
+    total: float | None = None
+    now: str = ""
+    started: float = field(default_factory=time.monotonic)
+    rate: float | None = None  # units per second from earlier runs (pack/read throughput)
+    items: dict[str, float] = field(default_factory=dict)  # expected seconds per item (programs)
+    finished: set[str] = field(default_factory=set)
+
+    def update(self, done: float | None = None, total: float | None = None, now: str = "",
+               item: str = "") -> None:
+        self.done = done if done is not None else self.done
+        self.total = total if total is not None else self.total
+        if item:
+            self.finished.add(item)
+        self.now = now
+
+    def eta(self, t: float | None = None) -> tuple[float | None, str]:
+        """(seconds left, basis) or (None, "") while nothing can say."""
+        elapsed = (t or time.monotonic()) - self.started
+        if not self.total or self.done is None:
+            return None, ""
+        left = max(0.0, self.total - self.done)
+        share = self.done / self.total
+        if self.items:  # per-item history (programs): what is left, item by item
+            known = [s for p, s in self.items.items() if p not in self.finished]
+            if known:
+                unknown = max(0, int(left) - len(known))
+                mean = sum(self.items.values()) / len(self.items)
+                return sum(known[: int(left)]) + unknown * mean, "history"
+        if self.rate and share < TRUST_MEASURED_AFTER:
+            return left / self.rate, "history"
+        if self.done > 0 and elapsed > 0:
+            return left * elapsed / self.done, "measured"
+        return None, ""
+
+    def line(self, t: float | None = None) -> str:
+        t = t or time.monotonic()
+        eta, basis = self.eta(t)
+        return fmt.progress(self.label, self.done, self.total, self.unit, t - self.started, eta, basis, self.now)
