@@ -143,6 +143,11 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _purge(args: argparse.Namespace) -> int:
+    if args.model is not None and args.selection in ("stale", "corrupt") and not args.program:
+        # delete only what the plan of this checkpoint calls stale or corrupt
+        from console.cmd_plan import run_purge
+
+        return run_purge(args, "program")
     cache = _cache(args)
     needs_reference = args.selection == "stale"
     entries = cache.inventory(_reference(args) if needs_reference else None)

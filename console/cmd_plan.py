@@ -61,3 +61,54 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for problem in plan.problems:
         print(f"problem: {problem}")
     return 1 if plan.problems else 0
+
+
+def add_purge_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dry-run", action="store_true", help="list what would be deleted, and why")
+    p.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+
+
+def register_sidecar_purge(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("purge", help="delete the sidecar if the plan calls it stale or corrupt",
+                       description="Delete the checkpoint's sidecar only when the plan of the next launch "
+                       "calls it stale, corrupt or of another tensor set; a sidecar that would MAP, is "
+                       "only cold, or whose checkpoint cannot be read is never deleted.")
+    p.add_argument("model", nargs="?", type=Path, help="checkpoint dir (default: the embedded default)")
+    p.add_argument("--ranks", type=int, default=1)
+    p.add_argument("--json", action="store_true", help="print what was (or would be) deleted as JSON")
+    add_purge_arguments(p)
+    p.set_defaults(func=lambda args: run_purge(args, "sidecar"))
+
+
+def run_purge(args: argparse.Namespace, kind: str) -> int:
+    """Delete the `kind` targets (program | sidecar) the plan of args.model calls stale or corrupt."""
+    import sys
+
+    from runtime import purge
+    from runtime.plan import Settings, make_plan
+    from store.errors import UserError
+    from store.paths import default_model_dir
+
+    settings = Settings(ranks=getattr(args, "ranks", None) or 1, max_seq=getattr(args, "max_seq", 1024),
+                        backend=getattr(args, "backend", "auto"), device=getattr(args, "device", "auto"),
+                        kernel_cache_dir=getattr(args, "cache_dir", None) or getattr(args, "kernel_cache_dir", None))
+    plan = make_plan(args.model or default_model_dir(), settings)
+    chosen = [t for t in purge.targets(plan) if t.kind == kind]
+    if getattr(args, "json", False) and (args.dry_run or not chosen):
+        print_json([t.to_json() for t in chosen])
+        return 0
+    for t in chosen:
+        print(f"{'would delete' if args.dry_run else 'delete'} {t.line()} ({format_size(t.size_bytes)})")
+    if args.dry_run or not chosen:
+        print(f"{len(chosen)} the plan calls stale or corrupt ({format_size(sum(t.size_bytes for t in chosen))})"
+              + (" (dry run)" if args.dry_run else ""))
+        return 0
+    if not args.yes:
+        if not sys.stdin.isatty():
+            raise UserError(f"delete {len(chosen)} files the plan calls stale or corrupt? pass --yes "
+                            "to confirm (stdin is not a terminal)")
+        if input(f"delete {len(chosen)} files? [y/N] ").strip().lower() not in ("y", "yes"):
+            raise UserError("nothing deleted")
+    done = purge.purge(plan, chosen)
+    print(f"deleted {len(done)} ({format_size(sum(t.size_bytes for t in done))})")
+    return 0

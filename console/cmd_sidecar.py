@@ -1,4 +1,4 @@
-"""`dsv4 sidecar status|warm|evict`: the prepacked weight sidecar as an operator sees it.
+"""`dsv4 sidecar status|warm|verify|evict`: the prepacked weight sidecar as an operator sees it.
 
 Verdicts come from `store.sidecar.inspect`, which reads headers, never tensors. `status` of a
 sidecar FILE stays torch-free (judged against the settings it records); `status` of a
@@ -9,12 +9,14 @@ and tensor names, exactly as loading would. `dsv4 prepack` writes sidecars.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
 
-from store import pagecache, sidecar
+from store import pagecache, safeio, sidecar
 from store.errors import UserError
+from store.sidecar import checksum
 from store.units import format_age, format_size
 
 STATUS_HELP = """\
@@ -39,7 +41,7 @@ Leftover staging files of crashed writers beside the sidecar are listed, not rem
 def register(subparsers: argparse._SubParsersAction) -> None:
     group = subparsers.add_parser(
         "sidecar",
-        help="prepacked weight sidecars: status, warm, evict",
+        help="prepacked weight sidecars: status, warm, evict, purge",
         description="Prepacked weight sidecars: verdict and page-cache residency, warm, evict.",
     )
     sub = group.add_subparsers(dest="sidecar_command", metavar="ACTION", required=True)
@@ -71,17 +73,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     warm = sub.add_parser(
         "warm",
         help="read a sidecar into the page cache (and measure this host's read throughput)",
-        description="Read the sidecar sequentially so it is hot for the next launch. A read of "
+        description="Read the sidecar sequentially so it is hot for the next launch, checking "
+        "every data chunk against its checksum as it goes (exit 1 on a bad chunk). A read of "
         "enough cold bytes records this host's read throughput, which the auto cold policy uses.",
     )
     _target(warm)
     warm.add_argument(
         "--no-willneed", action="store_true", help="do not send POSIX_FADV_WILLNEED first"
     )
+    warm.add_argument("--no-verify", action="store_true",
+                      help="do not check the data chunks' checksums while reading")
     warm.add_argument("--json", action="store_true", help="print one JSON object")
     warm.add_argument("--events", metavar="FILE|-", default=None,
                       help="also write progress as runtime.events JSON lines (phase warm)")
     warm.set_defaults(func=_warm)
+
+    verify = sub.add_parser(
+        "verify",
+        help="check every data chunk against its recorded checksum; name the tensors of a bad one",
+        description="Read the whole sidecar and check each data chunk's xxh3 checksum (recorded "
+        "by prepack). Exit 0 when all match, 1 naming the tensors of every bad chunk.",
+    )
+    _target(verify)
+    verify.add_argument("--json", action="store_true", help="print one JSON object")
+    verify.set_defaults(func=_verify)
 
     evict = sub.add_parser(
         "evict",
@@ -91,6 +106,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _target(evict)
     evict.add_argument("--json", action="store_true", help="print one JSON object")
     evict.set_defaults(func=_evict)
+
+    from console.cmd_plan import register_sidecar_purge  # the plan decides what is stale
+
+    register_sidecar_purge(sub)
 
 
 def _target(parser: argparse.ArgumentParser) -> None:
@@ -139,8 +158,11 @@ def _status(args: argparse.Namespace) -> int:
         directory = Path(args.target)
     else:
         verdict = None
-        if Path(args.target).expanduser().is_dir():
-            verdict, judged_against = _judge_live(Path(args.target).expanduser(), path, args)
+        target = Path(args.target).expanduser()
+        # a sidecar file inside a checkpoint dir is judged as the launch from that dir would judge it
+        model_dir = target if target.is_dir() else path.parent
+        if (model_dir / sidecar.CONFIG_NAME).is_file():
+            verdict, judged_against = _judge_live(model_dir, path, args)
         if verdict is None:
             verdict = sidecar.inspect(
                 path, cold_threshold=args.cold_threshold, cold_policy=args.cold_policy
@@ -245,17 +267,21 @@ def _warm(args: argparse.Namespace) -> int:
                        detail={"file": path.name, "bytes_per_s": round(bytes_per_s)}))
 
     try:
-        result = pagecache.warm(path, progress, willneed=not args.no_willneed)
+        check = None if args.no_verify else _verifier(path)
+        sink = check.feed if check is not None and not check.problem else None
+        result = pagecache.warm(path, progress, willneed=not args.no_willneed, sink=sink)
     except OSError as e:
         raise UserError(
             f"{path}: cannot read ({e.strerror}); check the file and its permissions"
         ) from None
     recorded = result.cold_bytes_per_s
+    verified = None if check is None else check.result()
     if args.json:
         from console.output import print_json
 
-        print_json({**result.to_json(), "recorded_bytes_per_s": recorded})
-        return 0
+        extra = {} if verified is None else {"verify": verified.to_json()}
+        print_json({**result.to_json(), "recorded_bytes_per_s": recorded, **extra})
+        return 0 if verified is None or verified.ok else 1
     print(
         f"warmed {path}: {format_size(result.bytes_read)} in {result.seconds:.1f} s "
         f"({format_size(result.bytes_per_s)}/s); resident "
@@ -268,7 +294,45 @@ def _warm(args: argparse.Namespace) -> int:
             f"read throughput not recorded: only {format_size(result.cold_bytes)} were cold "
             f"(a measurement needs ≥ {format_size(pagecache.MIN_MEASURED_BYTES)} cold)"
         )
-    return 0
+    if verified is not None:
+        print(("verified: " if verified.ok else "NOT verified: ") + verified.detail)
+    return 0 if verified is None or verified.ok else 1
+
+
+def _verifier(path: Path) -> checksum.Verifier:
+    """The chunk checker of a sidecar; one line (UserError) when its header is not sound."""
+    fd = safeio.open_regular(path)
+    try:
+        return checksum.verifier(fd)
+    except sidecar.CorruptSidecar as e:
+        raise UserError(f"{path}: corrupt ({e}); repack it with `dsv4 prepack --force`") from None
+    finally:
+        os.close(fd)
+
+
+def _verify(args: argparse.Namespace) -> int:
+    path = _existing(args)
+    bar = _Progress(f"verifying {path.name}")
+    start = time.monotonic()
+    try:
+        result = checksum.verify_file(path, lambda done, total: bar(done, total, done / max(
+            time.monotonic() - start, 1e-9)))
+    except OSError as e:
+        raise UserError(f"{path}: cannot read ({e.strerror}); check the file") from None
+    except sidecar.CorruptSidecar as e:
+        raise UserError(f"{path}: corrupt ({e}); repack it with `dsv4 prepack --force`") from None
+    seconds = time.monotonic() - start
+    if args.json:
+        from console.output import print_json
+
+        print_json({"path": str(path), "seconds": seconds, **result.to_json()})
+    elif result.ok:
+        print(f"verified {path}: {result.detail} in {seconds:.2f} s")
+    else:
+        print(f"{path}: NOT verified: {result.detail}")
+        for i, tensors in result.bad[:20]:
+            print(f"  chunk {i} (bytes {i * result.chunk_bytes}…): {', '.join(tensors) or '-'}")
+    return 0 if result.ok else 1
 
 
 def _evict(args: argparse.Namespace) -> int:

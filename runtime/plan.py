@@ -63,6 +63,7 @@ class Plan:
     predicted: dict[str, float | None] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)  # one line each; a launch would fail on them
     seconds: float = 0.0  # how long making the plan took
+    keys: dict[str, Any] = field(default_factory=dict, repr=False)  # program → live Key (not in JSON)
 
     def states(self) -> dict[str, str]:
         return {p.program: p.state for p in self.programs}
@@ -166,7 +167,7 @@ def _program_states(programs, plan: Plan) -> list[ProgramPlan]:
         return [ProgramPlan(n, UNTRUSTED, None, str(e)) for n in programs.specs]
     out = []
     for name, spec in programs.specs.items():
-        key = program_key(spec, plan.backend, plan.device)
+        key = plan.keys[name] = program_key(spec, plan.backend, plan.device)
         try:
             found = cache.probe(name, key)
         except (UserError, OSError) as e:

@@ -243,8 +243,40 @@ def test_status_of_a_checkpoint_judges_as_loading_would(tiny_ckpt, capsys, monke
     assert (data["verdict"], data["reason"]) == (REPACK, "stale")
     assert data["changes"] == [f"packer_version {old} → 999"]
 
-    # A sidecar FILE is still judged on its own (torch-free), against its recorded settings.
+    # A sidecar FILE in a checkpoint dir is judged as a launch from that dir would judge it.
     path = sidecar.default_sidecar_path(tiny_ckpt, 1)
     assert cli(["sidecar", "status", str(path), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["reason"] in ("", "cold") and data["judged_against"].startswith("settings")
+    assert (data["verdict"], data["reason"]) == (REPACK, "stale")
+    assert data["judged_against"].startswith("this packer's")
+
+
+def test_a_renamed_checkpoint_keeps_its_sidecar_and_nothing_purges_it(tiny_ckpt, capsys):
+    prepack(tiny_ckpt)
+    moved = tiny_ckpt.parent / "moved"
+    tiny_ckpt.rename(moved)
+    path = sidecar.default_sidecar_path(moved, 1)
+    for target in (moved, path):
+        assert cli(["sidecar", "status", str(target), "--json", "--cold-policy", "read"]) == 0
+        data = json.loads(capsys.readouterr().out)
+        assert data["verdict"] == MAP, data["detail"]
+    assert cli(["sidecar", "purge", str(moved), "--yes"]) == 0
+    assert "0 the plan calls stale or corrupt" in capsys.readouterr().out and path.is_file()
+    # a sidecar whose checkpoint cannot be read is not stale: it is never purged either
+    (moved / "config.json").unlink()
+    elsewhere = moved.parent / "elsewhere"
+    elsewhere.mkdir()
+    os.replace(path, elsewhere / path.name)
+    assert cli(["sidecar", "status", str(elsewhere / path.name), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["reason"] == "source"
+
+
+def test_sidecar_purge_deletes_a_stale_sidecar_and_says_why(tiny_ckpt, capsys):
+    prepack(tiny_ckpt)
+    path = sidecar.default_sidecar_path(tiny_ckpt, 1)
+    config = json.loads((tiny_ckpt / "config.json").read_text())
+    (tiny_ckpt / "config.json").write_text(json.dumps({**config, "edited": True}))
+    assert cli(["sidecar", "purge", str(tiny_ckpt), "--dry-run"]) == 0
+    assert "stale: changed: config_sha256" in capsys.readouterr().out and path.is_file()
+    assert cli(["sidecar", "purge", str(tiny_ckpt), "--yes"]) == 0
+    assert not path.exists()

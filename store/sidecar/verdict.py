@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,14 +20,14 @@ from typing import Any
 from store import pagecache, safeio
 from store.errors import UserError
 from store.fingerprint import Key, diff, fingerprint
-from store.sidecar.format import CorruptSidecar, Header, sound_header
+from store.sidecar.format import CorruptSidecar, Header, TensorPlan, sound_header
 from store.sidecar.key import change_text, recompute_key
 from store.units import format_size
 
 log = logging.getLogger("store.sidecar")
 
 MAP, REPACK = "MAP", "REPACK"
-REASONS = ("missing", "stale", "cold", "corrupt", "names")
+REASONS = ("missing", "stale", "cold", "corrupt", "names", "source")
 COLD_POLICIES = ("reject", "read", "auto")
 DEFAULT_COLD_THRESHOLD = 0.9
 
@@ -36,7 +37,7 @@ class Verdict:
     """MAP the sidecar, or REPACK from the checkpoint — and why, in data and in one sentence."""
 
     action: str  # MAP | REPACK
-    reason: str  # "" for MAP; missing | stale | cold | corrupt | names
+    reason: str  # "" for MAP; missing | stale | cold | corrupt | names | shapes
     detail: str
     path: str
     residency: float | None = None
@@ -98,12 +99,26 @@ def _names_detail(absent: set[str], extra: set[str]) -> str:
     return "tensor names differ from the plan: " + "; ".join(parts)
 
 
+def _shape_detail(header: Header, plan: dict[str, TensorPlan]) -> str:
+    """'' when every tensor the plan names has the planned dtype and shape; else the first few."""
+    bad = [
+        f"{e.name} is {e.dtype}{list(e.shape)}, the plan says {p.dtype}{list(p.shape)}"
+        for e in header.entries
+        if (p := plan.get(e.name)) is not None and (e.dtype, e.shape) != (p.dtype, p.shape)
+    ]
+    if not bad:
+        return ""
+    more = f"; … ({len(bad) - 2} more)" if len(bad) > 2 else ""
+    return "tensors differ from the plan: " + "; ".join(bad[:2]) + more
+
+
 def judge(
     fd: int,
     path: Path,
     *,
     expected_key: Key | None,
-    expected_names: set[str] | None,
+    expected_names: Collection[str] | None,
+    expected_plan: Iterable[TensorPlan] | None = None,
     cold_threshold: float,
     cold_policy: str,
     residency_method: str | None,
@@ -129,15 +144,22 @@ def judge(
         try:
             expected_key = recompute_key(stored, header.metadata, path)
         except UserError as e:
-            return repack(path, "stale", f"source checkpoint unreadable: {e}", **facts), header
+            # the checkpoint is unreadable: that says nothing about this file, so not "stale"
+            return repack(path, "source", f"source checkpoint unreadable: {e}", **facts), header
     if fingerprint(expected_key) != header.metadata["source_fingerprint"]:
         changes = tuple(change_text(c) for c in diff(stored, expected_key))
         detail = "changed: " + "; ".join(changes)
         return repack(path, "stale", detail, changes=changes, **facts), header
+    plan = {p.name: p for p in expected_plan} if expected_plan is not None else None
+    if expected_names is None and plan is not None:
+        expected_names = set(plan)
     if expected_names is not None:
         absent, extra = set(expected_names) - header.names, header.names - set(expected_names)
         if absent or extra:
             return repack(path, "names", _names_detail(absent, extra), **facts), header
+    differ = _shape_detail(header, plan) if plan is not None else ""
+    if differ:
+        return repack(path, "shapes", differ, **facts), header
     return residency_verdict(path, res, cold_threshold, cold_policy, facts), header
 
 
@@ -210,7 +232,8 @@ def inspect(
     path: Path | str,
     *,
     expected_key: Key | None = None,
-    expected_names: set[str] | None = None,
+    expected_names: Collection[str] | None = None,
+    expected_plan: Iterable[TensorPlan] | None = None,
     cold_threshold: float = DEFAULT_COLD_THRESHOLD,
     cold_policy: str = "auto",
     residency_method: str | None = None,
@@ -219,6 +242,8 @@ def inspect(
     this is a query; the loading path (`open_sidecar`) is what logs decisions.
 
     `expected_key=None` judges staleness against the checkpoint the sidecar records.
+    `expected_plan` (the planned TensorPlans) also checks every tensor's dtype and shape and
+    implies `expected_names` when that is not given.
     """
     check_args(cold_threshold, cold_policy)
     path = Path(path)
@@ -228,6 +253,7 @@ def inspect(
     try:
         verdict, _ = judge(
             opened, path, expected_key=expected_key, expected_names=expected_names,
+            expected_plan=expected_plan,
             cold_threshold=cold_threshold, cold_policy=cold_policy,
             residency_method=residency_method,
         )  # fmt: skip
