@@ -43,6 +43,11 @@ def pack_plan(model_dir: Path | str, ranks: int) -> layout.PackPlan:
     return layout.PackPlan(load_config(model_dir), ranks)
 
 
+def sidecar_plan(plan: layout.PackPlan) -> list[sidecar.TensorPlan]:
+    """The pack plan as the sidecar sees it: each tensor's name, dtype and shape."""
+    return [sidecar.TensorPlan(t.name, t.dtype, t.shape) for t in plan.tensors.values()]
+
+
 def _checkpoint_dir(model_dir: Path | str) -> Path:
     path = Path(model_dir).expanduser()
     if not path.is_dir():
@@ -117,7 +122,7 @@ def prepack(
         raise UserError(f"{path} already exists; pass --force to replace it")
     ckpt = Checkpoint.open(model_dir)
     shards = ckpt.shard_paths()
-    tensor_plan = [sidecar.TensorPlan(t.name, t.dtype, t.shape) for t in plan.tensors.values()]
+    tensor_plan = sidecar_plan(plan)
 
     start = time.monotonic()
     spent = [0.0]
@@ -170,7 +175,7 @@ def judge(
     return sidecar.inspect(
         path if path is not None else sidecar.default_sidecar_path(model_dir, ranks),
         expected_key=sidecar_key(model_dir, ranks),
-        expected_names=plan.names(),
+        expected_plan=sidecar_plan(plan),
         cold_policy=cold_policy,
         cold_threshold=cold_threshold,
         residency_method=residency_method,
@@ -194,7 +199,7 @@ def open_prepacked(
     return sidecar.open_sidecar(
         path if path is not None else sidecar.default_sidecar_path(model_dir, ranks),
         expected_key=sidecar_key(model_dir, ranks),
-        expected_names=plan.names(),
+        expected_plan=sidecar_plan(plan),
         cold_policy=cold_policy,
         cold_threshold=cold_threshold,
     )
