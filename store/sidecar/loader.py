@@ -17,12 +17,13 @@ import logging
 import mmap
 import os
 import warnings
+from collections.abc import Collection, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from store.checkpoint import DTYPE_SIZES
 from store.fingerprint import Key
-from store.sidecar.format import Header
+from store.sidecar.format import Header, TensorPlan
 from store.sidecar.verdict import (
     DEFAULT_COLD_THRESHOLD,
     MAP,
@@ -85,7 +86,8 @@ def open_sidecar(
     path: Path | str,
     *,
     expected_key: Key | None = None,
-    expected_names: set[str] | None = None,
+    expected_names: Collection[str] | None = None,
+    expected_plan: Iterable[TensorPlan] | None = None,
     cold_threshold: float = DEFAULT_COLD_THRESHOLD,
     cold_policy: str = "auto",
     residency_method: str | None = None,
@@ -105,6 +107,7 @@ def open_sidecar(
     try:
         verdict, header = judge(
             fd, path, expected_key=expected_key, expected_names=expected_names,
+            expected_plan=expected_plan,
             cold_threshold=cold_threshold, cold_policy=cold_policy,
             residency_method=residency_method,
         )  # fmt: skip

@@ -35,6 +35,7 @@ from store import atomic, safeio
 from store.checkpoint import CONFIG_NAME, DTYPE_SIZES, INDEX_NAME, MAX_HEADER_BYTES
 from store.errors import UserError
 from store.fingerprint import diff, fingerprint
+from store.sidecar import checksum
 from store.sidecar.format import REQUIRED_METADATA, TensorPlan, encode_header, is_int, layout
 from store.sidecar.key import change_text, key_from_metadata, recompute_key
 from store.units import format_size
@@ -178,10 +179,11 @@ def write_sidecar(
     meta.setdefault("created", f"{time.time():.3f}")
     keep_pack_seconds = "pack_seconds" in meta
     meta.setdefault("pack_seconds", "0")
+    data_bytes = sum(p.nbytes for p in plan)
+    meta.update(checksum.placeholder(data_bytes))  # same length as the final digests
     header = encode_header(entries, meta, None)
     if len(header) - 8 > MAX_HEADER_BYTES:
         raise ValueError(f"plan header of {len(header)} bytes exceeds {MAX_HEADER_BYTES}")
-    data_bytes = sum(p.nbytes for p in plan)
     total = len(header) + data_bytes
 
     from store.sidecar.loader import torch_dtypes
@@ -189,7 +191,7 @@ def write_sidecar(
     dtypes = torch_dtypes()
     start = time.monotonic()
     try:
-        with atomic.staged_file(path, mode, replace=force) as (_tmp, f):
+        with atomic.staged_file(path, mode, replace=force) as (tmp, f):
             fd = f.fileno()
             _reserve(fd, total)
             _pwrite_all(fd, header, 0)
@@ -211,7 +213,8 @@ def write_sidecar(
             seconds = pack_seconds() if pack_seconds is not None else time.monotonic() - start
             if not keep_pack_seconds:
                 meta["pack_seconds"] = f"{seconds:.6f}"
-                _pwrite_all(fd, encode_header(entries, meta, len(header) - 8), 0)
+            meta.update(_checksums(tmp, f, data_start, data_bytes))
+            _pwrite_all(fd, encode_header(entries, meta, len(header) - 8), 0)
     except FileExistsError:
         raise UserError(f"{path} appeared while writing; pass --force to replace it") from None
     except OSError as e:
@@ -249,6 +252,17 @@ def write_sidecar(
         swept,
         stale,
     )
+
+
+def _checksums(tmp: Path, f: Any, data_start: int, data_bytes: int) -> dict[str, str]:
+    """Per-chunk checksums of the data as written, read back through a second fd (the
+    staging file is open write-only); mostly from the page cache the writes just filled."""
+    f.flush()
+    rfd = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return checksum.compute(rfd, data_start, data_bytes)
+    finally:
+        os.close(rfd)
 
 
 def _checkpoint_files(metadata: dict[str, str]) -> list[Path]:
