@@ -27,7 +27,7 @@ from store.units import format_size
 log = logging.getLogger("store.sidecar")
 
 MAP, REPACK = "MAP", "REPACK"
-REASONS = ("missing", "stale", "cold", "corrupt", "names", "source")
+REASONS = ("missing", "stale", "cold", "corrupt", "names", "shapes", "source")
 COLD_POLICIES = ("reject", "read", "auto")
 DEFAULT_COLD_THRESHOLD = 0.9
 
@@ -37,7 +37,7 @@ class Verdict:
     """MAP the sidecar, or REPACK from the checkpoint — and why, in data and in one sentence."""
 
     action: str  # MAP | REPACK
-    reason: str  # "" for MAP; missing | stale | cold | corrupt | names | shapes
+    reason: str  # "" for MAP; missing | stale | cold | corrupt | names | shapes | source
     detail: str
     path: str
     residency: float | None = None
