@@ -56,7 +56,7 @@ _PRESET_DIMS: dict[str, dict[str, Any]] = {
         "num_attention_heads": 4, "head_dim": 64, "qk_rope_head_dim": 16, "q_lora_rank": 128,
         "o_lora_rank": 64, "o_groups": 2, "sliding_window": 16, "n_routed_experts": 8,
         "num_experts_per_tok": 2, "moe_intermediate_size": 128, "num_hash_layers": 2,
-        "index_n_heads": 4, "index_head_dim": 32, "index_topk": 8,
+        "index_n_heads": 16, "index_head_dim": 32, "index_topk": 8,
         "max_position_embeddings": 4096, "compress_ratios": [0, 0, 4, 16, 4, 0],
         "block": 32,
     },
