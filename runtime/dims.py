@@ -37,6 +37,11 @@ class Dims:
     rope_theta: float
     compress_rope_theta: float
     max_seq: int
+    # YaRN of the compressed layers' RoPE (rope_factor 1.0: none); sliding layers never scale
+    rope_factor: float = 1.0
+    rope_original_max: int = 0
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
 
     @classmethod
     def of(cls, c: DeepSeekV4Config, max_seq: int) -> Dims:
@@ -44,12 +49,17 @@ class Dims:
         lcm = math.lcm(*ratios) if ratios else 1
         if max_seq % lcm:
             raise ValueError(f"max_seq={max_seq} must be a multiple of every compress ratio (lcm {lcm})")
+        rs = c.rope_scaling or {}
+        yarn = ()
+        if rs.get("type", rs.get("rope_type")) == "yarn":  # config.py refuses any other kind
+            yarn = (float(rs["factor"]), int(rs["original_max_position_embeddings"]),
+                    float(rs.get("beta_fast") or 32), float(rs.get("beta_slow") or 1))
         return cls(c.hidden_size, c.vocab_size, c.num_attention_heads, c.head_dim, c.qk_rope_head_dim,
                    c.q_lora_rank, c.o_lora_rank, c.o_groups, c.sliding_window, c.n_routed_experts,
                    c.num_experts_per_tok, c.moe_intermediate_size, c.routed_scaling_factor,
                    c.swiglu_limit, c.norm_topk_prob, c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps,
                    c.index_n_heads, c.index_head_dim, c.index_topk, c.rope_theta,
-                   c.compress_rope_theta, max_seq)
+                   c.compress_rope_theta, max_seq, *yarn)
 
     def to_json(self) -> dict:
         return asdict(self)
