@@ -34,7 +34,7 @@ def cache_bytes(programs: ModelPrograms) -> int:
 @dataclass
 class Step:
     logits: torch.Tensor  # [T, V]
-    hidden: torch.Tensor  # [T, D]: pre-norm hidden (the MTP layer's input)
+    hidden: torch.Tensor  # [T, hc, D]: the last hc residual stream, before the head (MTP's input)
 
 
 class Engine:
@@ -99,12 +99,12 @@ class Engine:
         for group in self.p.variants:
             if group.startswith("layers."):
                 x = self._layer(group, mode, x, tokens, positions)
-        logits, hidden = self._head(mode, x, self.w["top"])
+        logits, _ = self._head(mode, x, self.w["top"])
         self.length += t
-        return Step(logits, hidden)
+        return Step(logits, x)
 
     def mtp(self, hidden: torch.Tensor, next_tokens: torch.Tensor, start: int) -> torch.Tensor:
-        """Draft logits from the MTP layer: hidden of positions start.., with their next tokens."""
+        """Draft logits from the MTP layer: hc streams of positions start.., with their next tokens."""
         t = next_tokens.shape[0]
         mode = DECODE if t == 1 else PREFILL
         positions = torch.arange(start, start + t, device=self.device)
