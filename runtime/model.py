@@ -1,10 +1,26 @@
 """DeepSeek V4 forward pass: one set of block functions, two weight views.
 
-The numerics follow the V4 block structure (DSV4_CHECKPOINT.md) as a *structural reference*:
-no official outputs exist to compare with, so they are not claimed to match DeepSeek's
-kernels. What is claimed, and tested: the packed path equals the unpacked reference path
-(float weights dequantised straight from the checkpoint) within int8 rounding; compiled
-programs equal eager; decoding after a prefill equals one longer prefill.
+The numerics follow DeepSeek V4's conventions and are proven against an independent
+implementation: on the same float32 weights, prefill and cached decode logits and every
+layer's residual stream equal Hugging Face transformers' `DeepseekV4ForCausalLM` to float
+rounding (tests/test_parity.py). The conventions that matter, each one a place where a
+plausible reading of the architecture computes a different model:
+
+- RoPE rotates adjacent pairs (2i, 2i+1) of the trailing `rope_dim` channels. Sliding-window
+  layers use `rope_theta` unscaled; compressed (CSA/HCA) layers and their indexer use
+  `compress_rope_theta` with the config's YaRN (no attention-factor rescaling of cos/sin).
+- The query gets a per-head RMS normalisation (no weight) after `wq_b`.
+- The single KV head, after RoPE, is both key and value; the attention output's rope part is
+  rotated back (inverse rotation at the query position) before the grouped output projection.
+- Compressed entries get RoPE at their window's first position. CSA's overlapping compressor
+  pools the current window through the second half of the projected channels and the previous
+  window through the first half (the indexer's compressor too). The indexer's queries and keys
+  are rotated like the attention's.
+- Hyper-connections: pre weights are sigmoid + hc_eps; the combine matrix is a row softmax +
+  hc_eps, then Sinkhorn normalisation starting with the columns, and mixes the residual
+  streams transposed (stream k receives Σ_j comb[j, k] · x_j).
+- MTP (no transformers counterpart): e_proj(enorm(embed(next token))) + h_proj(hnorm(x)) per
+  residual stream, where x is the main model's last hc residual stream, before its head.
 
 Weights reach the block functions as a flat dict keyed by packed family names relative to
 their group ("attn.wq_a.qweight", "ffn.experts.w1.qscale", "attn_norm.weight"). The packed
@@ -52,21 +68,50 @@ def _matrix(w: dict[str, torch.Tensor], name: str) -> tuple[torch.Tensor, torch.
     return w[name + ".weight"].float(), None
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, rope_dim: int, theta: float) -> torch.Tensor:
-    """Rotary embedding on the last `rope_dim` dims; x [S, D] or [S, H, D], positions [S]."""
-    half = rope_dim // 2
-    inv = 1.0 / (theta ** (torch.arange(half, dtype=torch.float32) / half))
-    ang = positions.float()[:, None] * inv[None, :]  # [S, half]
+def rope_inv_freq(d: Dims, compressed: bool) -> torch.Tensor:
+    """Inverse frequencies [rope_dim / 2]: plain `rope_theta` on sliding layers; on compressed
+    layers `compress_rope_theta`, with YaRN's ramp between extrapolated and interpolated
+    frequencies when the config asks for it (cos/sin are not rescaled: V4 uses no mscale)."""
+    dim = d.rope_dim
+    base = d.compress_rope_theta if compressed else d.rope_theta
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    inv = 1.0 / pos_freqs
+    if not compressed or d.rope_factor == 1.0:
+        return inv
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(d.rope_original_max / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(d.rope_beta_fast)), 0)
+    high = min(math.ceil(correction_dim(d.rope_beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (high frequencies), 0: interpolate (low frequencies)
+    return (1.0 / (d.rope_factor * pos_freqs)) * (1 - keep) + inv * keep
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate adjacent pairs (2i, 2i+1) of the trailing 2·len(inv_freq) channels by
+    position·inv_freq[i] (the inverse rotation with `inverse`); x [S, D] or [S, H, D]."""
+    half = inv_freq.shape[0]
+    ang = positions.float()[:, None] * inv_freq[None, :]  # [S, half]
     ang = ang.reshape(ang.shape[0], *([1] * (x.dim() - 2)), half)  # broadcast over heads
     cos, sin = ang.cos(), ang.sin()
-    keep, r = x[..., : x.shape[-1] - rope_dim], x[..., x.shape[-1] - rope_dim:]
-    r1, r2 = r[..., :half], r[..., half:]
-    return torch.cat((keep, r1 * cos - r2 * sin, r1 * sin + r2 * cos), dim=-1)
+    if inverse:
+        sin = -sin
+    keep, r = x[..., : x.shape[-1] - 2 * half], x[..., x.shape[-1] - 2 * half:]
+    r = r.reshape(*r.shape[:-1], half, 2)
+    r0, r1 = r[..., 0], r[..., 1]
+    rotated = torch.stack((r0 * cos - r1 * sin, r0 * sin + r1 * cos), dim=-1).flatten(-2)
+    return torch.cat((keep, rotated), dim=-1)
 
 
 def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    m = torch.exp(logits - logits.amax(dim=(-2, -1), keepdim=True))
-    for _ in range(iters):
+    """Row softmax + eps, then alternate column and row normalisation (columns first)."""
+    m = torch.softmax(logits, dim=-1) + eps
+    m = m / (m.sum(-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
         m = m / (m.sum(-1, keepdim=True) + eps)
         m = m / (m.sum(-2, keepdim=True) + eps)
     return m
@@ -78,7 +123,7 @@ def hc_pre(d: Dims, w: dict[str, torch.Tensor], which: str, x: torch.Tensor):
     mix = rms_norm(x.reshape(t, d.hc * d.hidden)) @ w[f"hc_{which}_fn"].float()  # [T, (2+hc)·hc]
     scale, base = w[f"hc_{which}_scale"].float(), w[f"hc_{which}_base"].float()
     hc = d.hc
-    pre = torch.sigmoid(mix[:, :hc] * scale[0] + base[:hc])
+    pre = torch.sigmoid(mix[:, :hc] * scale[0] + base[:hc]) + d.hc_eps
     post = 2.0 * torch.sigmoid(mix[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])
     comb = (mix[:, 2 * hc:] * scale[2] + base[2 * hc:]).reshape(t, hc, hc)
     comb = sinkhorn(comb, d.sinkhorn_iters, d.hc_eps)
@@ -87,13 +132,14 @@ def hc_pre(d: Dims, w: dict[str, torch.Tensor], which: str, x: torch.Tensor):
 
 
 def hc_post(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    return torch.bmm(comb, x) + post[:, :, None] * y[:, None, :]
+    """New streams: comb^T · X + post ⊗ y (stream k receives Σ_j comb[j, k] · x_j)."""
+    return torch.bmm(comb.transpose(1, 2), x) + post[:, :, None] * y[:, None, :]
 
 
 def hc_head(d: Dims, w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     t = x.shape[0]
     mix = rms_norm(x.reshape(t, d.hc * d.hidden)) @ w["hc_head_fn"].float()
-    weights = torch.sigmoid(mix * w["hc_head_scale"].float()[0] + w["hc_head_base"].float())
+    weights = torch.sigmoid(mix * w["hc_head_scale"].float()[0] + w["hc_head_base"].float()) + d.hc_eps
     return (weights[:, :, None] * x).sum(1)
 
 
@@ -104,9 +150,10 @@ def _scatter_rows(cache: torch.Tensor, positions: torch.Tensor, rows: torch.Tens
 
 
 def compress(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, ratio: int, overlap: bool) -> torch.Tensor:
-    """Gated pooling of `ratio` tokens per entry; CSA also pools the previous block (overlap).
+    """Gated pooling of `ratio` tokens per entry; CSA also pools the previous window (overlap).
 
-    kv, gate: [S, width]; ape: [ratio, width] → entries [S/ratio, width or width/2]."""
+    kv, gate: [S, width]; ape: [ratio, width] → entries [S/ratio, width or width/2]. With
+    overlap, entry b pools window b through channels [dim:] and window b-1 through [:dim]."""
     s, width = kv.shape
     nb = s // ratio
     kv = kv.float().reshape(nb, ratio, width)
@@ -114,28 +161,28 @@ def compress(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, ratio: int
     if not overlap:
         return (torch.softmax(g, dim=1) * kv).sum(1)
     dim = width // 2
-    # entry b pools block b (first half of channels) and block b-1 (second half)
-    prev_kv = torch.cat((torch.zeros_like(kv[:1, :, dim:]), kv[:-1, :, dim:]), 0)
-    prev_g = torch.cat((torch.full_like(g[:1, :, dim:], -1e30), g[:-1, :, dim:]), 0)
-    both_kv = torch.cat((prev_kv, kv[:, :, :dim]), 1)
-    both_g = torch.cat((prev_g, g[:, :, :dim]), 1)
+    prev_kv = torch.cat((torch.zeros_like(kv[:1, :, :dim]), kv[:-1, :, :dim]), 0)
+    prev_g = torch.cat((torch.full_like(g[:1, :, :dim], float("-inf")), g[:-1, :, :dim]), 0)
+    both_kv = torch.cat((prev_kv, kv[:, :, dim:]), 1)
+    both_g = torch.cat((prev_g, g[:, :, dim:]), 1)
     return (torch.softmax(both_g, dim=1) * both_kv).sum(1)
 
 
 def attention(d: Dims, w: dict[str, torch.Tensor], kind: str, ratio: int, h: torch.Tensor,
               positions: torch.Tensor, cache: dict[str, torch.Tensor]):
     t, s = h.shape[0], d.max_seq
+    inv_freq = rope_inv_freq(d, compressed=kind != SLIDING)
     qa = rms_norm(linear(w, "attn.wq_a", h), w["attn.q_norm.weight"])
-    q = linear(w, "attn.wq_b", qa).reshape(t, d.heads, d.head_dim)
-    q = rope(q, positions, d.rope_dim, d.rope_theta)
-    kv_new = rms_norm(linear(w, "attn.wkv", h), w["attn.kv_norm.weight"])  # [T, hd]
+    q = rms_norm(linear(w, "attn.wq_b", qa).reshape(t, d.heads, d.head_dim))  # per-head norm
+    q = rope(q, positions, inv_freq)
+    # the single KV head, rotated, is both key and value; cache rows hold it rotated
+    kv_new = rope(rms_norm(linear(w, "attn.wkv", h), w["attn.kv_norm.weight"]), positions, inv_freq)
     rows = {"kv": kv_new}
     all_pos = torch.arange(s, dtype=positions.dtype)
     kv = _scatter_rows(cache["kv"], positions, kv_new).float()
-    k = rope(kv, all_pos, d.rope_dim, d.rope_theta)
     scale = 1.0 / math.sqrt(d.head_dim)
     visible = (all_pos[None, :] <= positions[:, None]) & (all_pos[None, :] > positions[:, None] - d.window)
-    logits = torch.einsum("thd,sd->ths", q, k) * scale
+    logits = torch.einsum("thd,sd->ths", q, kv) * scale
     logits = logits.masked_fill(~visible[:, None, :], float("-inf"))
     parts_logits, parts_values = [logits], [("ths,sd->thd", kv)]
     if kind in (CSA, HCA):
@@ -144,11 +191,12 @@ def attention(d: Dims, w: dict[str, torch.Tensor], kind: str, ratio: int, h: tor
         rows.update(ckv=ckv_new, cgate=cgate_new)
         ckv = _scatter_rows(cache["ckv"], positions, ckv_new)
         cgate = _scatter_rows(cache["cgate"], positions, cgate_new)
+        nb = s // ratio
+        block_start = torch.arange(nb, dtype=positions.dtype) * ratio
         entries = rms_norm(compress(ckv, cgate, w["attn.compressor.ape"], ratio, overlap),
                            w["attn.compressor.norm.weight"])  # [NB, hd]
-        nb = s // ratio
-        block_end = (torch.arange(nb, dtype=positions.dtype) + 1) * ratio - 1
-        c_visible = block_end[None, :] <= positions[:, None]  # [T, NB]
+        entries = rope(entries, block_start, inv_freq)  # at each window's first position
+        c_visible = (block_start + ratio - 1)[None, :] <= positions[:, None]  # [T, NB]
         if kind == CSA:
             ikv_new = linear(w, "attn.indexer.compressor.wkv", h)
             igate_new = linear(w, "attn.indexer.compressor.wgate", h)
@@ -157,9 +205,12 @@ def attention(d: Dims, w: dict[str, torch.Tensor], kind: str, ratio: int, h: tor
             igate = _scatter_rows(cache["igate"], positions, igate_new)
             ikeys = rms_norm(compress(ikv, igate, w["attn.indexer.compressor.ape"], ratio, True),
                              w["attn.indexer.compressor.norm.weight"])  # [NB, id]
+            ikeys = rope(ikeys, block_start, inv_freq)
             iq = linear(w, "attn.indexer.wq_b", qa).reshape(t, d.index_heads, d.index_dim)
-            iw = linear(w, "attn.indexer.weights_proj", h)  # [T, iH]
-            score = (torch.relu(torch.einsum("thd,bd->thb", iq, ikeys)) * iw[:, :, None]).sum(1)
+            iq = rope(iq, positions, inv_freq)
+            iw = linear(w, "attn.indexer.weights_proj", h) * d.index_heads ** -0.5  # [T, iH]
+            score = torch.relu(torch.einsum("thd,bd->thb", iq, ikeys)) * d.index_dim ** -0.5
+            score = (score * iw[:, :, None]).sum(1)
             score = score.masked_fill(~c_visible, float("-inf"))
             top = torch.topk(score, min(d.index_topk, nb), dim=-1).indices  # [T, K]
             selected = entries[top]  # [T, K, hd]
@@ -181,6 +232,7 @@ def attention(d: Dims, w: dict[str, torch.Tensor], kind: str, ratio: int, h: tor
         width = part_logits.shape[-1]
         out = out + torch.einsum(equation, probs[..., start:start + width], values)
         start += width
+    out = rope(out, positions, inv_freq, inverse=True)  # values carried their keys' rotation
     # grouped low-rank output: each of o_groups head groups has its own wo_a slice
     k_in = d.heads * d.head_dim // d.o_groups
     wa, sa = _matrix(w, "attn.wo_a")
@@ -213,7 +265,7 @@ def moe(d: Dims, w: dict[str, torch.Tensor], hash_routed: bool, h: torch.Tensor,
         idx = torch.topk(scores + w["ffn.gate.bias"].float(), d.topk, dim=-1).indices
     weights = torch.gather(scores, 1, idx)
     if d.norm_topk:
-        weights = weights / weights.sum(-1, keepdim=True)
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
     weights = weights * d.routed_scale
     dense = torch.zeros_like(scores).scatter(1, idx, weights)  # [T, E]
     # dense over experts: simple and static-shaped, right for these model sizes
@@ -244,16 +296,16 @@ def embed(d: Dims, w: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Te
 
 
 def head(d: Dims, w: dict[str, torch.Tensor], x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """hc residual → (logits [T, V], pre-norm hidden [T, D] that the MTP layer consumes)."""
+    """hc residual → (logits [T, V], the collapsed pre-norm hidden [T, D])."""
     h = hc_head(d, w, x)
     return linear(w, "head", rms_norm(h, w["norm.weight"])), h
 
 
 def mtp_input(d: Dims, w: dict[str, torch.Tensor], emb: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """MTP: e_proj(enorm(embed(next token))) + h_proj(hnorm(h)), spread to hc copies."""
-    x = linear(w, "e_proj", rms_norm(emb.float(), w["enorm.weight"])) + \
-        linear(w, "h_proj", rms_norm(h, w["hnorm.weight"]))
-    return x[:, None, :].expand(x.shape[0], d.hc, d.hidden).contiguous()
+    """MTP input streams: e_proj(enorm(embed(next token))) + h_proj(hnorm(h)) per stream, where
+    h [T, hc, D] is the main model's last hc residual stream (before its head)."""
+    e = linear(w, "e_proj", rms_norm(emb.float(), w["enorm.weight"]))  # [T, D]
+    return e[:, None, :] + linear(w, "h_proj", rms_norm(h.float(), w["hnorm.weight"]))
 
 
 KINDS = (SLIDING, CSA, HCA)
