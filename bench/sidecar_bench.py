@@ -43,6 +43,8 @@ TARGETS = {
     "probe_vs_fincore": 10.0,
     "rss_layers": 3.0,  # prepack peak RSS <= 3 x largest packed layer + 0.5 GiB
     "rss_slack": 0.5 * GIB,
+    "verify_vs_cat": 2.0,  # verifying every chunk of a hot sidecar vs `cat` from the page cache
+    "warm_verify": 1.3,  # warm with verify vs warm without
 }
 
 
@@ -312,6 +314,7 @@ def run(preset: str = "small", log: Callable[[str], None] = print) -> list[Row]:
 
         cat_s, _ = _best(lambda: _cat(sidecar_path), RUNS)
         measure("cat FILE > /dev/null (page cache; ceiling)", cat_s, f"best of {RUNS}, incl. spawn")
+        rows += _verify_rows(sidecar_path, cat_s, measure)
 
         log("cold paths …")
         for policy in ("reject", "read", "auto"):
@@ -364,6 +367,43 @@ def run(preset: str = "small", log: Callable[[str], None] = print) -> list[Row]:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return rows
+
+
+def _verify_rows(path: Path, cat_s: float, measure: Callable[..., float]) -> list[Row]:
+    """Checking the data: verify of the hot sidecar vs cat, and warm with vs without verify."""
+    from store import pagecache
+    from store.sidecar import checksum
+
+    def verify() -> None:
+        result = checksum.verify_file(path)
+        if not result.ok:
+            raise RuntimeError(f"fresh sidecar does not verify: {result.detail}")
+
+    def warm(with_verify: bool) -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            check = checksum.verifier(fd) if with_verify else None
+        finally:
+            os.close(fd)
+        pagecache.warm(path, remember=False, sink=check.feed if check else None, chunk=checksum.READ_BYTES)
+        if check is not None and not check.result().ok:
+            raise RuntimeError("fresh sidecar does not verify while warming")
+
+    verify_s, _ = _best(verify, RUNS)
+    measure("verify every data chunk (hot, in-process)", verify_s,
+            f"best of {RUNS}; xxh3-64 per {checksum.CHUNK_BYTES >> 20} MiB chunk, "
+            f"pread {checksum.READ_BYTES >> 20} MiB")
+    warm_s, _ = _best(lambda: warm(False), RUNS)
+    measure("warm (hot, in-process, no verify)", warm_s, f"best of {RUNS}; same read size")
+    warmv_s, _ = _best(lambda: warm(True), RUNS)
+    measure("warm + verify (hot, in-process)", warmv_s, f"best of {RUNS}")
+    t = TARGETS
+    return [
+        Row("target", f"verify of a hot sidecar within {t['verify_vs_cat']:g}x of cat",
+            measured=f"{verify_s / cat_s:.2f}x cat", met=verify_s <= t["verify_vs_cat"] * cat_s),
+        Row("target", f"warm with verify within {t['warm_verify']:g}x of warm without",
+            measured=f"{warmv_s / warm_s:.2f}x", met=warmv_s <= t["warm_verify"] * warm_s),
+    ]  # fmt: skip
 
 
 def _targets(pack_s, map_s, cat_s, probes, rss, layer_group, layer_bytes) -> list[Row]:

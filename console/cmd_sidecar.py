@@ -1,4 +1,5 @@
-"""`dsv4 sidecar status|warm|verify|evict`: the prepacked weight sidecar as an operator sees it.
+"""`dsv4 sidecar status`: the prepacked weight sidecar as an operator sees it (warm, verify and
+evict are console/cmd_sidecar_read.py; purge acts on the plan: console/cmd_plan.py).
 
 Verdicts come from `store.sidecar.inspect`, which reads headers, never tensors. `status` of a
 sidecar FILE stays torch-free (judged against the settings it records); `status` of a
@@ -9,14 +10,12 @@ and tensor names, exactly as loading would. `dsv4 prepack` writes sidecars.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
-import time
 from pathlib import Path
 
-from store import pagecache, safeio, sidecar
+from console import cmd_sidecar_read as read
+from console.cmd_sidecar_read import percent
+from store import sidecar
 from store.errors import UserError
-from store.sidecar import checksum
 from store.units import format_age, format_size
 
 STATUS_HELP = """\
@@ -41,7 +40,7 @@ Leftover staging files of crashed writers beside the sidecar are listed, not rem
 def register(subparsers: argparse._SubParsersAction) -> None:
     group = subparsers.add_parser(
         "sidecar",
-        help="prepacked weight sidecars: status, warm, evict, purge",
+        help="prepacked weight sidecars: status, warm, verify, evict, purge",
         description="Prepacked weight sidecars: verdict and page-cache residency, warm, evict.",
     )
     sub = group.add_subparsers(dest="sidecar_command", metavar="ACTION", required=True)
@@ -86,7 +85,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     warm.add_argument("--json", action="store_true", help="print one JSON object")
     warm.add_argument("--events", metavar="FILE|-", default=None,
                       help="also write progress as runtime.events JSON lines (phase warm)")
-    warm.set_defaults(func=_warm)
+    warm.set_defaults(func=lambda args: read.warm(args, _existing(args)))
 
     verify = sub.add_parser(
         "verify",
@@ -96,7 +95,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     _target(verify)
     verify.add_argument("--json", action="store_true", help="print one JSON object")
-    verify.set_defaults(func=_verify)
+    verify.set_defaults(func=lambda args: read.verify(args, _existing(args)))
 
     evict = sub.add_parser(
         "evict",
@@ -105,7 +104,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     _target(evict)
     evict.add_argument("--json", action="store_true", help="print one JSON object")
-    evict.set_defaults(func=_evict)
+    evict.set_defaults(func=lambda args: read.evict(args, _existing(args)))
 
     from console.cmd_plan import register_sidecar_purge  # the plan decides what is stale
 
@@ -184,7 +183,7 @@ def _status(args: argparse.Namespace) -> int:
     rows = [
         ("verdict", verdict.action + (f" ({verdict.reason})" if verdict.reason else "")),
         ("detail", verdict.detail),
-        ("residency", _percent(verdict.residency, verdict.residency_method)),
+        ("residency", percent(verdict.residency, verdict.residency_method)),
         ("size", format_size(verdict.size_bytes) if verdict.size_bytes else "-"),
         ("tensors", verdict.tensors or "-"),
         ("age", format_age(data["age_seconds"])),
@@ -219,132 +218,3 @@ def _judge_live(
     except ConfigError as e:
         return None, f"{RECORDED} (cannot plan this checkpoint: {e})"
     return verdict, f"{LIVE} (ranks {ranks})"
-
-
-def _percent(fraction: float | None, method: str | None) -> str:
-    return "-" if fraction is None else f"{fraction:.1%} ({method})"
-
-
-class _Progress:
-    """A single self-rewriting stderr line, at most a few times a second, only on a terminal."""
-
-    def __init__(self, label: str) -> None:
-        self.label = label
-        self.enabled = sys.stderr.isatty()
-        self.last = 0.0
-
-    def __call__(self, done: int, total: int, bytes_per_s: float) -> None:
-        now = time.monotonic()
-        if not self.enabled or (now - self.last < 0.25 and done < total):
-            return
-        self.last = now
-        pct = done / total if total else 1.0
-        sys.stderr.write(
-            f"\r{self.label}: {format_size(done)} / {format_size(total)} ({pct:.0%}) "
-            f"at {format_size(bytes_per_s)}/s   "
-        )
-        if done >= total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
-
-
-def _warm(args: argparse.Namespace) -> int:
-    path = _existing(args)
-    bar = _Progress(f"warming {path.name}")
-    progress = bar
-    if args.events:
-        from runtime.events import Event, open_sink
-
-        sink = open_sink(args.events)
-        last = [0.0]
-
-        def progress(done: int, total: int, bytes_per_s: float) -> None:
-            bar(done, total, bytes_per_s)
-            if time.monotonic() - last[0] < 0.1 and done < total:
-                return  # a few events a second is plenty for a progress bar
-            last[0] = time.monotonic()
-            sink(Event("warm", "progress", done=done, total=total, unit="bytes",
-                       detail={"file": path.name, "bytes_per_s": round(bytes_per_s)}))
-
-    try:
-        check = None if args.no_verify else _verifier(path)
-        sink = check.feed if check is not None and not check.problem else None
-        result = pagecache.warm(path, progress, willneed=not args.no_willneed, sink=sink)
-    except OSError as e:
-        raise UserError(
-            f"{path}: cannot read ({e.strerror}); check the file and its permissions"
-        ) from None
-    recorded = result.cold_bytes_per_s
-    verified = None if check is None else check.result()
-    if args.json:
-        from console.output import print_json
-
-        extra = {} if verified is None else {"verify": verified.to_json()}
-        print_json({**result.to_json(), "recorded_bytes_per_s": recorded, **extra})
-        return 0 if verified is None or verified.ok else 1
-    print(
-        f"warmed {path}: {format_size(result.bytes_read)} in {result.seconds:.1f} s "
-        f"({format_size(result.bytes_per_s)}/s); resident "
-        f"{_percent(result.after.fraction, result.after.method)}"
-    )
-    if recorded is not None:
-        print(f"recorded this host's read throughput: {format_size(recorded)}/s")
-    else:
-        print(
-            f"read throughput not recorded: only {format_size(result.cold_bytes)} were cold "
-            f"(a measurement needs ≥ {format_size(pagecache.MIN_MEASURED_BYTES)} cold)"
-        )
-    if verified is not None:
-        print(("verified: " if verified.ok else "NOT verified: ") + verified.detail)
-    return 0 if verified is None or verified.ok else 1
-
-
-def _verifier(path: Path) -> checksum.Verifier:
-    """The chunk checker of a sidecar; one line (UserError) when its header is not sound."""
-    fd = safeio.open_regular(path)
-    try:
-        return checksum.verifier(fd)
-    except sidecar.CorruptSidecar as e:
-        raise UserError(f"{path}: corrupt ({e}); repack it with `dsv4 prepack --force`") from None
-    finally:
-        os.close(fd)
-
-
-def _verify(args: argparse.Namespace) -> int:
-    path = _existing(args)
-    bar = _Progress(f"verifying {path.name}")
-    start = time.monotonic()
-    try:
-        result = checksum.verify_file(path, lambda done, total: bar(done, total, done / max(
-            time.monotonic() - start, 1e-9)))
-    except OSError as e:
-        raise UserError(f"{path}: cannot read ({e.strerror}); check the file") from None
-    except sidecar.CorruptSidecar as e:
-        raise UserError(f"{path}: corrupt ({e}); repack it with `dsv4 prepack --force`") from None
-    seconds = time.monotonic() - start
-    if args.json:
-        from console.output import print_json
-
-        print_json({"path": str(path), "seconds": seconds, **result.to_json()})
-    elif result.ok:
-        print(f"verified {path}: {result.detail} in {seconds:.2f} s")
-    else:
-        print(f"{path}: NOT verified: {result.detail}")
-        for i, tensors in result.bad[:20]:
-            print(f"  chunk {i} (bytes {i * result.chunk_bytes}…): {', '.join(tensors) or '-'}")
-    return 0 if result.ok else 1
-
-
-def _evict(args: argparse.Namespace) -> int:
-    path = _existing(args)
-    try:
-        after = pagecache.evict(path)
-    except OSError as e:
-        raise UserError(f"{path}: cannot evict ({e.strerror}); check the file") from None
-    if args.json:
-        from console.output import print_json
-
-        print_json({"path": str(path), "residency": after.fraction, **after.to_json()})
-        return 0
-    print(f"evicted {path}: resident {_percent(after.fraction, after.method)}")
-    return 0

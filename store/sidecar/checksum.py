@@ -25,7 +25,7 @@ CHUNK_BYTES = 4 << 20
 SCHEME_KEY = "data_checksum"
 DIGESTS_KEY = "data_xxh3_64"
 _HEX = 16
-READ_BYTES = 16 << 20
+READ_BYTES = 4 << 20  # fits the caches better than 16 MiB: measured faster for warm and hash alike
 
 
 def chunk_count(data_bytes: int, chunk: int = CHUNK_BYTES) -> int:
