@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from console.output import print_json, print_table
+from store.errors import UserError
 from store.units import parse_size
 
 
@@ -33,7 +34,8 @@ def _common(p: argparse.ArgumentParser) -> None:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="register the model (programs, weights, KV) and serve HTTP",
                        description="Register the model phase by phase (check → programs ∥ weights → upload → "
-                       "kv → validate → serve) and serve /health, /v1/completions and /metrics until SIGTERM.")
+                       "kv → validate → serve) and serve /health, /metrics and the OpenAI API (/v1/models, "
+                       "/v1/completions, /v1/chat/completions) until SIGTERM or SIGINT, which drain.")
     _common(p)
     p.add_argument("--memory-utilization", type=float, default=0.9,
                    help="fraction of device memory the service may use (KV budget = total × this − used)")
@@ -47,6 +49,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ranks", type=int, default=1, help="expert-parallel ranks of the packed layout")
     p.add_argument("--max-slots", type=int, default=4, help="at most this many concurrent sequences")
     p.add_argument("--validate-tokens", type=int, default=8, help="greedy decode steps in the validate phase")
+    p.add_argument("--max-body", type=_size, default=None,
+                   help="largest request body accepted, larger is 413 (default 4M)")
+    p.add_argument("--queue-timeout", type=float, default=None,
+                   help="seconds a request waits for a free slot before 503 + Retry-After (default 30)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("compile", help="prepare every program through the cache without launching",
@@ -57,14 +63,33 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_compile)
 
 
+def _in_range(flag: str, value: float | None, lo: float, hi: float, what: str = "") -> None:
+    """One line for a flag outside lo..hi (NaN and inf included), before anything starts."""
+    if value is not None and not (lo <= value <= hi):  # NaN fails both comparisons
+        raise UserError(f"{flag} {value} is out of range; allowed {what or f'{lo}..{hi}'}")
+
+
+def _check_serve_args(args: argparse.Namespace) -> None:
+    _in_range("--port", args.port, 0, 65535, "0..65535 (0: any free port)")
+    _in_range("--memory-utilization", args.memory_utilization, 1e-3, 1.0, "above 0 up to 1")
+    _in_range("--max-slots", args.max_slots, 1, 4096)
+    _in_range("--ranks", args.ranks, 1, 4096)
+    _in_range("--validate-tokens", args.validate_tokens, 1, 4096)
+    _in_range("--queue-timeout", args.queue_timeout, 0.001, 86400, "above 0 up to 86400 seconds")
+    _in_range("--max-body", args.max_body, 1024, 1 << 40, "1K..1T")
+    _in_range("--device-memory", args.device_memory, 1, 1 << 60, "at least 1 byte")
+    if args.events not in (None, "-"):
+        parent = Path(args.events).parent
+        if not parent.is_dir():
+            raise UserError(f"--events {args.events}: directory {parent} does not exist; create it or "
+                            f"choose another path")
+
+
 def _options(args: argparse.Namespace):
     from console.cmd_model import resolve_model_dir
     from runtime.registration import LaunchOptions
 
-    if args.max_seq < 16:
-        from store.errors import UserError
-
-        raise UserError("--max-seq must be at least 16")
+    _in_range("--max-seq", args.max_seq, 16, 1 << 24)
     return LaunchOptions(
         model_dir=resolve_model_dir(args.model_dir), kernel_cache_dir=args.kernel_cache_dir,
         backend=args.backend, device=args.device, max_seq=args.max_seq,
@@ -84,17 +109,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from console.live import PhaseDisplay
     from runtime.events import Emitter, open_sink
     from runtime.registration import append_history, register
-    from runtime.service import serve
+    from runtime.service import DEFAULT_MAX_BODY, DEFAULT_QUEUE_TIMEOUT, Limits, bind, serve
 
+    _check_serve_args(args)
     options = _options(args)
     sinks = []
     if args.events:
-        sinks.append(open_sink(args.events))
+        try:
+            sinks.append(open_sink(args.events))
+        except OSError as e:
+            raise UserError(f"--events {args.events}: cannot open ({e.strerror}); choose another path") from None
+    # the port first: one in use is one line now, not after every registration phase
+    sock = bind(args.host, args.port)
     display = PhaseDisplay() if args.events != "-" and sys.stderr.isatty() else None
     if display:
         sinks.append(display.sink)
     emitter = Emitter(*sinks)
-    # SIGTERM during registration: stop like Ctrl-C (serve installs uvicorn's own handlers)
+    # SIGTERM stops like Ctrl-C: during registration, and re-raised by uvicorn after its drain
     signal.signal(signal.SIGTERM, _interrupt)
     started = time.time()
     # the runtime registry: every console of this user sees this service, whoever started it
@@ -106,10 +137,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     atexit.register(announced.withdraw)
     try:
         launched = register(options, emitter)
+    except BaseException:
+        sock.close()
+        raise
     finally:
         if display:
             display.stop()
-    emitter.emit("serve", "start", detail={"host": args.host, "port": args.port})
+    emitter.emit("serve", "start", detail={"host": args.host, "port": sock.getsockname()[1]})
     t0 = time.perf_counter()
 
     def ready(url: str) -> None:
@@ -121,10 +155,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if args.events != "-":
             print(f"serving {options.model_dir} at {url} (Ctrl-C or SIGTERM to stop)", file=sys.stderr)
 
-    # uvicorn drains on SIGTERM, then re-raises the signal under the handler it found: make
-    # that one a no-op so a drained shutdown exits 0 instead of dying by the signal.
-    signal.signal(signal.SIGTERM, lambda *_: None)
-    serve(launched, args.host, args.port, on_ready=ready)
+    limits = Limits(max_body_bytes=args.max_body or DEFAULT_MAX_BODY,
+                    queue_timeout=args.queue_timeout or DEFAULT_QUEUE_TIMEOUT)
+    try:
+        serve(launched, sock, limits, on_ready=ready)
+    except KeyboardInterrupt:
+        # uvicorn drains on SIGTERM/SIGINT, then re-raises the signal under the handler it
+        # found (KeyboardInterrupt for both): once serving, that is a clean, drained stop
+        if "serve" not in launched.phases:
+            raise
     emitter.emit("serve", "log", message="stopped: drained and released device memory")
     return 0
 

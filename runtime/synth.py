@@ -20,7 +20,9 @@ import torch
 from safetensors.torch import save as st_save
 
 from runtime.config import DeepSeekV4Config, from_dict
+from runtime.synth_tokenizer import train_tokenizer_json
 from runtime.tensors import BF16, F32, FP4, FP8, I64, Param, params_by_group, stored_tensors
+from runtime.tokenizer import TOKENIZER_NAME
 from store.atomic import fsync_dir, staged_file, write_bytes_atomic
 from store.checkpoint import CONFIG_NAME, INDEX_NAME
 from store.errors import UserError
@@ -159,7 +161,7 @@ def _prepare_out_dir(out: Path, force: bool) -> None:
         if not force:
             raise UserError(f"{out}: directory is not empty; pass --force to overwrite the checkpoint in it")
         # Drop the index first: a half-replaced directory must never look like a checkpoint.
-        for name in (INDEX_NAME, CONFIG_NAME):
+        for name in (INDEX_NAME, CONFIG_NAME, TOKENIZER_NAME):
             with contextlib.suppress(FileNotFoundError):
                 (out / name).unlink()
         for f in out.glob("model-*-of-*.safetensors"):
@@ -190,6 +192,8 @@ def synthesize(preset: str, out_dir: str | Path, *, seed: int = 0, shards: int |
         weight_map.update({n: name for n in tensors})
         del tensors
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    # a real checkpoint's tokenizer path: tokenizer.json, trained here on the shipped corpus
+    write_bytes_atomic(out / TOKENIZER_NAME, train_tokenizer_json(c.vocab_size).encode(), mode=0o644)
     write_bytes_atomic(out / CONFIG_NAME, (json.dumps(cfg_dict, indent=2) + "\n").encode(), mode=0o644)
     write_bytes_atomic(out / INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode(), mode=0o644)
     fsync_dir(out)

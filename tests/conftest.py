@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -57,3 +61,39 @@ def cold_export_launch(tiny_ckpt_ro, tmp_path_factory):
     launched, events = launch(tiny_ckpt_ro, cache_dir=cache_dir)
     launched.close()
     return cache_dir, launched, events
+
+
+def start_server(model_dir, tmp_path, *extra, env=None):
+    """A real `dsv4 serve` process on a free loopback port; (process, url, events file) once it
+    serves. The caller stops it."""
+    from runtime.events import parse
+
+    events, log = tmp_path / "events.jsonl", tmp_path / "stderr.log"
+    with open(log, "w") as err:  # a file, not a pipe: nobody reads a long-lived server's stderr
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "console.cli", "serve", str(model_dir), "--device", "cpu", "--port", "0",
+             "--max-seq", str(MAX_SEQ), "--events", str(events), *extra],
+            stdout=subprocess.DEVNULL, stderr=err, text=True, env={**os.environ, **(env or {})})
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited {proc.returncode}: {log.read_text()}")
+        if events.exists():
+            for line in events.read_text().splitlines():
+                e = parse(line)
+                if e.phase == "serve" and e.kind == "end":
+                    return proc, e.detail["url"], events
+        time.sleep(0.1)
+    proc.kill()
+    raise AssertionError("server did not become ready")
+
+
+@pytest.fixture(scope="session")
+def tiny_server(cold_export_launch, tiny_ckpt_ro, tmp_path_factory):
+    """One `dsv4 serve` of the tiny checkpoint (export programs, warm cache) shared by the
+    service and OpenAI-client tests: (url, events file, the cold in-process launch)."""
+    proc, url, events = start_server(tiny_ckpt_ro, tmp_path_factory.mktemp("srv"), "--backend", "export",
+                                      "--kernel-cache-dir", str(cold_export_launch[0]))
+    yield url, events, cold_export_launch[1]
+    proc.terminate()
+    proc.wait(timeout=60)

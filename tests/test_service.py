@@ -1,48 +1,20 @@
 """The HTTP service over a real socket: a `dsv4 serve` process, its endpoints, its shutdown."""
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
 import pytest
-from conftest import MAX_SEQ
+from conftest import MAX_SEQ, start_server
 
 from runtime.events import parse
 
 
-def start_server(model_dir, tmp_path, *extra):
-    events = tmp_path / "events.jsonl"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "console.cli", "serve", str(model_dir), "--device", "cpu", "--port", "0",
-         "--max-seq", str(MAX_SEQ), "--events", str(events), *extra],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ})
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited {proc.returncode}: {proc.stderr.read()}")
-        if events.exists():
-            for line in events.read_text().splitlines():
-                e = parse(line)
-                if e.phase == "serve" and e.kind == "end":
-                    return proc, e.detail["url"], events
-        time.sleep(0.1)
-    proc.kill()
-    raise AssertionError("server did not become ready")
-
-
-@pytest.fixture(scope="module")
-def server(cold_export_launch, tiny_ckpt_ro, tmp_path_factory):
-    cache_dir = cold_export_launch[0]
-    proc, url, events = start_server(tiny_ckpt_ro, tmp_path_factory.mktemp("srv"), "--backend", "export",
-                                      "--kernel-cache-dir", str(cache_dir))
-    yield url, events, cold_export_launch[1]
-    proc.terminate()
-    proc.wait(timeout=60)
+@pytest.fixture
+def server(tiny_server):
+    return tiny_server
 
 
 def test_serves_on_loopback_after_a_cache_hit_launch(server):
@@ -59,7 +31,7 @@ def test_completion_from_token_ids_is_deterministic_and_matches_registration(ser
     from runtime.registration import validation_prompt
 
     prompt = validation_prompt(cold.tokenizer)
-    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0}
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
     a = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
     b = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
     assert a["choices"][0]["token_ids"] == b["choices"][0]["token_ids"] == cold.validation_tokens
@@ -67,16 +39,22 @@ def test_completion_from_token_ids_is_deterministic_and_matches_registration(ser
     assert a["object"] == "text_completion" and a["choices"][0]["finish_reason"] == "length"
 
 
-def test_text_prompt_through_byte_tokenizer(server):
-    url, _, _ = server
+def test_text_prompt_through_the_checkpoint_tokenizer(server, tiny_ckpt_ro):
+    from runtime.tokenizer import ByteTokenizer, load_tokenizer
+
+    url, _, cold = server
+    health = httpx.get(f"{url}/health").json()
+    tokenizer = (load_tokenizer(tiny_ckpt_ro, cold.config.vocab_size)[0] if health["tokenizer"] == "tokenizer.json"
+                 else ByteTokenizer(cold.config.vocab_size))
     r = httpx.post(f"{url}/v1/completions", json={"prompt": "héllo", "max_tokens": 3}, timeout=120)
     assert r.status_code == 200
-    assert r.json()["usage"]["prompt_tokens"] == len("héllo".encode())
+    assert r.json()["usage"]["prompt_tokens"] == len(tokenizer.encode("héllo"))
 
 
 def test_streaming_sse(server):
     url, _, _ = server
-    with httpx.stream("POST", f"{url}/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4, "stream": True},
+    with httpx.stream("POST", f"{url}/v1/completions",
+                      json={"prompt": [5, 6, 7], "max_tokens": 4, "stream": True, "ignore_eos": True},
                       timeout=120) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         data = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
@@ -84,7 +62,8 @@ def test_streaming_sse(server):
     chunks = [json.loads(d) for d in data[:-1]]
     tokens = [t for c in chunks for t in c["choices"][0]["token_ids"]]
     assert len(tokens) == 4 and chunks[-1]["choices"][0]["finish_reason"] == "length"
-    whole = httpx.post(f"{url}/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4}, timeout=120).json()
+    whole = httpx.post(f"{url}/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True},
+                       timeout=120).json()
     assert whole["choices"][0]["token_ids"] == tokens
 
 
@@ -140,7 +119,7 @@ def test_metrics(server):
     assert 'dsv4_registration_phase_seconds{phase="programs"}' in text
     assert 'dsv4_program_cache_programs{outcome="HIT"}' in text
     assert 'dsv4_sidecar_verdict{path="REPACK",reason="missing"} 1.0' in text
-    assert 'dsv4_requests_total{status="200"}' in text
+    assert 'dsv4_requests_total{endpoint="/v1/completions",status="200"}' in text
     assert "dsv4_request_seconds_bucket" in text and 'dsv4_tokens_total{kind="completion"}' in text
 
 

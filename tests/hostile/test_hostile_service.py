@@ -2,8 +2,8 @@
 trickled bodies, fuzzed values, clients that leave mid-request or while queued, a full queue,
 a port already taken, out-of-range flags and config values, SIGINT mid-request.
 
-One server (eager, tiny, ONE slot, 2 s queue time, 64 KiB bodies) serves the module; the last
-test stops it with SIGINT.
+One server (eager, tiny, ONE slot, 1 s queue time, 64 KiB bodies, 256-token context) serves
+the module; the last test stops it with SIGINT.
 """
 
 from __future__ import annotations
@@ -29,15 +29,16 @@ from hypothesis import strategies as st
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "reliability"))
 from relcounts import record
 
-QUEUE_TIMEOUT, MAX_BODY = 2, 64 << 10
-LONG = 48  # tokens of a request meant to hold the slot (max_seq is 64)
+QUEUE_TIMEOUT, MAX_BODY = 1, 64 << 10
+MAX_SEQ = 256
+LONG = 240  # tokens of a request meant to hold the slot for far longer than the queue time
 SENT: dict[str, int] = {}  # requests sent per endpoint by the fuzz tests, checked against /metrics
 
 
 @pytest.fixture(scope="module")
 def server(tiny_ckpt_ro, tmp_path_factory):
     proc, url, events = start_server(tiny_ckpt_ro, tmp_path_factory.mktemp("hostile"), "--backend", "eager",
-                                     "--max-slots", "1", "--queue-timeout", str(QUEUE_TIMEOUT),
+                                     "--max-slots", "1", "--queue-timeout", str(QUEUE_TIMEOUT), "--max-seq", str(MAX_SEQ),
                                      "--max-body", "64K", "--validate-tokens", "1")
     yield proc, url, events
     if proc.poll() is None:
@@ -261,7 +262,7 @@ def test_client_leaving_a_stream_frees_the_slot_within_one_decode_step(server, t
     assert after - before < LONG / 2
     ok = httpx.post(f"{url}/v1/completions", json={"prompt": [4], "max_tokens": 1}, timeout=60)
     assert ok.status_code == 200
-    record(tmp_path_factory, "hostile: client leaves a stream", injection="close after 3 chunks of 48",
+    record(tmp_path_factory, "hostile: client leaves a stream", injection=f"close after 3 chunks of {LONG}",
            trials=1, recovered=1, note=f"{int(after - before)} tokens generated in all, {int(after - at_close)} "
                                        f"after the close; the slot served the next request")
 

@@ -1,0 +1,198 @@
+"""Request bodies of the OpenAI surface: parsed, validated, and every fault a 4xx naming the field.
+
+Torch-free and HTTP-free: `parse_completion` / `parse_chat` take the raw body bytes and return
+a validated request or raise ApiError. The service runs them off the event loop.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    ValidationError,
+)
+
+MAX_TOKENS_LIMIT = 1 << 20
+MAX_STOPS, MAX_STOP_CHARS = 16, 256
+MAX_MESSAGES = 4096
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed takes
+TEMPERATURE_MAX = 2.0  # OpenAI's range
+
+# Parameters clients send that this server does not implement: accepted only at their no-op
+# value, otherwise a 400 naming them (silently ignoring `n: 4` or `top_p: 0.1` would lie).
+NOOP_VALUES: dict[str, tuple[Any, ...]] = {
+    "n": (1, None), "best_of": (1, None), "top_p": (1, None), "presence_penalty": (0, None),
+    "frequency_penalty": (0, None), "logprobs": (None, False), "top_logprobs": (None, 0),
+    "echo": (False, None), "suffix": (None, ""), "logit_bias": (None, {}), "tools": (None, []),
+    "tool_choice": (None, "none"), "functions": (None, []),
+}  # fmt: skip
+
+
+class ApiError(Exception):
+    """An HTTP error in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 kind: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+        self.code = code or str(status)
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def _unicode(s: str) -> str:
+    """JSON may carry lone surrogates ("\\ud800"); they are no text and cannot be encoded."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("must be valid Unicode (it holds a lone surrogate)") from None
+    return s
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
+StopText = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+
+
+def _stop_list(v: Any) -> Any:
+    return [v] if isinstance(v, str) else v
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: StrictBool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: Text | None = None
+    max_tokens: Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS_LIMIT)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=TEMPERATURE_MAX, allow_inf_nan=False)] | None = None
+    seed: Annotated[StrictInt, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])] | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    stop: Annotated[list[StopText], Field(max_length=MAX_STOPS), BeforeValidator(_stop_list)] | None = None
+    ignore_eos: StrictBool = False  # vLLM's extension: keep going past the end-of-sequence token
+    user: Text | None = None
+
+
+class CompletionRequest(_Common):
+    prompt: Any = None  # a string or a list of token ids: checked by hand for a clear message
+
+
+def _content(v: Any) -> Any:
+    """OpenAI content: a string, null, or a list of {"type": "text", "text": …} parts."""
+    if v is None or isinstance(v, str):
+        return v or ""
+    if isinstance(v, list):
+        texts = []
+        for i, part in enumerate(v):
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise ValueError(f"part {i} must be {{\"type\": \"text\", \"text\": string}} "
+                                 f"(only text content is served)")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise ValueError("must be a string or a list of text parts")
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant"]
+    content: Annotated[Text, BeforeValidator(_content)] = ""
+
+
+class ChatRequest(_Common):
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    max_completion_tokens: Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS_LIMIT)] | None = None
+
+
+def _where(loc: tuple) -> str:
+    return ".".join(str(p) for p in loc if p != "body") or "body"
+
+
+def _message(err: dict) -> str:
+    msg = err.get("msg", "invalid value")
+    return msg.removeprefix("Value error, ")
+
+
+def _load_object(body: bytes) -> dict[str, Any]:
+    try:
+        raw = json.loads(body)
+    except (ValueError, RecursionError) as e:  # bad UTF-8, bad JSON, 4300+ digit ints, deep nesting
+        raise ApiError(400, f"body: not valid JSON ({str(e)[:120]})") from None
+    if not isinstance(raw, dict):
+        raise ApiError(400, f"body: expected a JSON object, got {type(raw).__name__}")
+    for name, ok in NOOP_VALUES.items():
+        if name in raw and not any(_same(raw[name], v) for v in ok):
+            raise ApiError(400, f"{name}: not supported by this server (only {ok[0]!r})", param=name)
+    return raw
+
+
+def _same(a: Any, b: Any) -> bool:
+    if b is None or isinstance(b, bool):
+        return a is b
+    if isinstance(b, int):
+        return isinstance(a, int | float) and not isinstance(a, bool) and a == b
+    return type(a) is type(b) and a == b
+
+
+def _validate(model: type[BaseModel], raw: dict[str, Any]):
+    try:
+        return model.model_validate(raw)
+    except ValidationError as e:
+        first = e.errors(include_url=False, include_input=False)[0]
+        where = _where(first.get("loc", ()))
+        raise ApiError(400, f"{where}: {_message(first)}", param=where) from None
+    except RecursionError:
+        raise ApiError(400, "body: nested too deeply") from None
+
+
+def parse_completion(body: bytes) -> CompletionRequest:
+    req = _validate(CompletionRequest, _load_object(body))
+    p = req.prompt
+    if isinstance(p, str):
+        _check_text(p, "prompt")
+    elif isinstance(p, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in p):
+        if any(i < 0 for i in p):
+            raise ApiError(400, "prompt: token ids must not be negative", param="prompt")
+    elif isinstance(p, list) and p and all(isinstance(x, str | list) for x in p):
+        raise ApiError(400, "prompt: batches of prompts are not served; send one prompt per request", param="prompt")
+    else:
+        raise ApiError(400, "prompt: must be a string or a list of token ids", param="prompt")
+    if not p:
+        raise ApiError(400, "prompt: must not be empty", param="prompt")
+    return req
+
+
+def _check_text(s: str, where: str) -> None:
+    try:
+        _unicode(s)
+    except ValueError as e:
+        raise ApiError(400, f"{where}: {e}", param=where) from None
+
+
+def parse_chat(body: bytes) -> ChatRequest:
+    req = _validate(ChatRequest, _load_object(body))
+    if req.messages[-1].role == "assistant":
+        raise ApiError(400, "messages: the last message must be the user's (or a system prompt); continuing "
+                            "an assistant message is not served", param="messages")
+    return req
+
+
+def limit_tokens(req: _Common) -> int | None:
+    """The requested completion length: max_tokens, else max_completion_tokens, else None."""
+    if req.max_tokens is not None:
+        return req.max_tokens
+    return getattr(req, "max_completion_tokens", None)

@@ -1,0 +1,215 @@
+"""The routes: /health, /metrics, /v1/models, /v1/completions and /v1/chat/completions.
+
+A generation request is read (capped), parsed and tokenized in a worker thread, submitted to
+the scheduler, and answered whole or as SSE; its client leaving cancels its job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
+from prometheus_client import generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from runtime import chat_template
+from runtime.scheduler import Cancelled, QueueTimeout, Sampling, Scheduler
+from runtime.service.api import ApiError, limit_tokens, parse_chat, parse_completion
+from runtime.service.http import (
+    CLIENT_GONE,
+    ClientGone,
+    CountStatuses,
+    SafeJSONResponse,
+    error_response,
+    read_body,
+    until_disconnect,
+)
+from runtime.service.metrics import Metrics
+from runtime.service.responses import ChatShape, CompletionShape, TextRun, sse
+
+DEFAULT_MAX_BODY = 4 << 20  # 4 MiB: ~1M tokens of text; far past any context served here
+DEFAULT_QUEUE_TIMEOUT = 30.0
+COMPLETION_DEFAULT_TOKENS = 16  # OpenAI's default for /v1/completions
+GENERATION_FAILED = "generation failed; the server log has the details"
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_body_bytes: int = DEFAULT_MAX_BODY
+    queue_timeout: float = DEFAULT_QUEUE_TIMEOUT
+
+
+def create_app(launched, limits: Limits = Limits(), scheduler: Scheduler | None = None) -> FastAPI:
+    """An app serving `launched` (runtime.registration.Launched) through `scheduler` (by
+    default one sequence per KV slot of launched.engines)."""
+    app = FastAPI(title="dsv4", version="1", default_response_class=SafeJSONResponse)
+    scheduler = scheduler or Scheduler(launched.engines, limits.queue_timeout)
+    app.state.scheduler = scheduler
+    metrics = Metrics(launched, scheduler)
+    scheduler.on_token = metrics.generated.inc
+    app.add_middleware(CountStatuses, count=metrics.count_response)
+    tokenizer, vocab = launched.tokenizer, launched.config.vocab_size
+    model_dir = launched.options.model_dir
+    model_id = model_dir.name
+    created = int(time.time())
+    max_seq = launched.programs.dims.max_seq
+    eos = getattr(tokenizer, "eos_id", 1)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_request: Request, exc: ApiError) -> SafeJSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(ClientGone)
+    async def _gone(_request: Request, _exc: ClientGone) -> Response:
+        return Response(status_code=CLIENT_GONE)  # nobody reads it: it is for the metrics
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_request: Request, exc: StarletteHTTPException) -> SafeJSONResponse:
+        return error_response(ApiError(exc.status_code, str(exc.detail), code=str(exc.status_code)))
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "model": str(model_dir), "id": model_id, "slots": scheduler.slots,
+                "free_slots": scheduler.free_slots, "queued": scheduler.queued, "max_seq": max_seq,
+                "tokenizer": getattr(tokenizer, "kind", "bytes")}
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> PlainTextResponse:
+        return PlainTextResponse(generate_latest(metrics.registry).decode(), media_type=CONTENT_TYPE_LATEST)
+
+    def model_card() -> dict[str, Any]:
+        return {"id": model_id, "object": "model", "created": created, "owned_by": "dsv4",
+                "root": str(model_dir), "max_model_len": max_seq}
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name not in (model_id, str(model_dir)):
+            raise ApiError(404, f"model {name!r} does not exist; this server serves {model_id!r}",
+                           param="model", code="model_not_found")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model}")
+    async def model(model: str) -> dict[str, Any]:
+        check_model(model)
+        return model_card()
+
+    # ---- request → prompt ids and a completion length (in a worker thread) ----
+
+    def fit(ids: list[int], req, field: str, default_tokens: int | None) -> int:
+        """The completion length, or a 400 naming the field when the prompt does not fit."""
+        if len(ids) >= max_seq:
+            raise ApiError(400, f"{field}: the prompt is {len(ids)} tokens; max_model_len is {max_seq}", param=field)
+        room, wanted = max_seq - len(ids), limit_tokens(req)
+        if wanted is None:
+            return min(room, default_tokens) if default_tokens else room
+        if wanted > room:
+            raise ApiError(400, f"max_tokens: {wanted} past a prompt of {len(ids)} tokens exceeds "
+                                f"max_model_len {max_seq} (at most {room} fit)", param="max_tokens")
+        return wanted
+
+    def completion_prompt(body: bytes):
+        req = parse_completion(body)
+        check_model(req.model)
+        ids = tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
+        if not ids:
+            raise ApiError(400, "prompt: encodes to no tokens", param="prompt")
+        if max(ids) >= vocab:
+            raise ApiError(400, f"prompt: token ids must be below the vocabulary size {vocab}", param="prompt")
+        return req, ids, fit(ids, req, "prompt", COMPLETION_DEFAULT_TOKENS)
+
+    def chat_prompt(body: bytes):
+        req = parse_chat(body)
+        check_model(req.model)
+        parts = chat_template.render([(m.role, m.content) for m in req.messages])
+        ids = chat_template.encode(tokenizer, parts)
+        return req, ids, fit(ids, req, "messages", None)
+
+    # ---- one generation request ----
+
+    async def start(request: Request, ids: list[int], sampling: Sampling):
+        """Submit and wait for a slot: the running job and the watcher that cancels it when
+        the client leaves (while queued, too)."""
+        job = scheduler.submit(ids, sampling)
+        watcher = asyncio.ensure_future(until_disconnect(request))
+        watcher.add_done_callback(lambda w: None if w.cancelled() else job.cancel())
+        try:
+            await job.started()
+        except QueueTimeout as e:
+            raise ApiError(503, f"every slot is busy ({e}); retry later", kind="server_busy",
+                           code="queue_timeout", headers={"Retry-After": str(e.retry_after)}) from None
+        except Cancelled:
+            raise ClientGone from None
+        finally:
+            if job.state != "running":
+                watcher.cancel()
+        metrics.queue_wait.observe(job.started_at - job.queued_at)
+        return job, watcher
+
+    async def generate(request: Request, parse: Callable, shape) -> Any:
+        started = time.perf_counter()
+        body = await read_body(request, limits.max_body_bytes)
+        req, ids, max_tokens = await run_in_threadpool(parse, body)
+        sampling = Sampling(max_tokens=max_tokens, temperature=req.temperature or 0.0, seed=req.seed or 0,
+                            stop_ids=frozenset() if req.ignore_eos else frozenset({eos}))
+        job, watcher = await start(request, ids, sampling)
+        run = TextRun(job, tokenizer, req.stop)
+        rid = f"{shape.prefix}-{uuid.uuid4().hex[:24]}"
+
+        def done() -> None:
+            job.cancel()
+            watcher.cancel()
+            metrics.account(run, time.perf_counter() - started)
+
+        if not req.stream:
+            try:
+                text = "".join([t async for _, t in run.pieces()])
+            finally:
+                done()
+            if run.finish == "cancelled":
+                raise ClientGone
+            if run.finish == "error":
+                raise ApiError(500, GENERATION_FAILED, kind="server_error")
+            return shape.whole(rid, text, run)
+
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                for chunk in shape.first(rid):
+                    yield sse(chunk)
+                async for tokens, text in run.pieces():
+                    if chunk := shape.delta(rid, text, tokens):
+                        yield sse(chunk)
+                if run.finish == "error":  # headers are sent: the error travels as an event
+                    yield sse(ApiError(500, GENERATION_FAILED, kind="server_error").body())
+                else:
+                    yield sse(shape.last(rid, run.finish))
+                    if include_usage:
+                        yield sse(shape.usage(rid, run.usage()))
+                yield "data: [DONE]\n\n"
+            finally:
+                done()
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    completion_shape, chat_shape = CompletionShape(model_id), ChatShape(model_id)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, completion_prompt, completion_shape)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await generate(request, chat_prompt, chat_shape)
+
+    return app

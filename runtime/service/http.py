@@ -1,0 +1,93 @@
+"""HTTP plumbing under the routes: safe JSON, status counting, capped bodies, disconnects."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from runtime.service.api import ApiError
+
+CLIENT_GONE = 499  # nginx's "client closed request": counted, never seen by the client
+ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/models/{model}", "/v1/completions",
+             "/v1/chat/completions")
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer: the job is cancelled, the status is 499."""
+
+
+class SafeJSONResponse(JSONResponse):
+    """ASCII-escaped JSON: a message quoting client text (a lone surrogate included) always
+    encodes, and NaN never leaves as invalid JSON."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode()
+
+
+def error_response(e: ApiError) -> SafeJSONResponse:
+    return SafeJSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+class CountStatuses:
+    """ASGI middleware: every response counted by endpoint and status, 500s of our bugs too."""
+
+    def __init__(self, app, count: Callable[[str, int], None]):
+        self.app, self.count = app, count
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status: list[int] = []
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                status.append(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            self.count(endpoint_of(scope), status[0] if status else 500)
+
+
+def endpoint_of(scope: dict) -> str:
+    """The route template of a request (a bounded set of label values), or "other"."""
+    path = getattr(scope.get("route"), "path", None)
+    return path if path in ENDPOINTS else "other"
+
+
+def _too_large(message: str) -> ApiError:
+    # closing the connection stops the rest of the body at the socket: kept open, it would be
+    # read (and thrown away) to the last byte
+    return ApiError(413, message, code="request_too_large", headers={"Connection": "close"})
+
+
+async def read_body(request: Request, cap: int) -> bytes:
+    """The request body, refused (413) past `cap` bytes: by Content-Length before reading, or
+    as soon as a chunked body grows past it."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            size = int(declared)
+        except ValueError:
+            raise ApiError(400, "content-length: not an integer") from None
+        if size > cap:
+            raise _too_large(f"body: {size} bytes is over this server's limit of {cap} bytes")
+    chunks, total = [], 0
+    async for chunk in request.stream():
+        total += len(chunk)
+        if total > cap:
+            raise _too_large(f"body: over this server's limit of {cap} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def until_disconnect(request: Request) -> None:
+    """Returns when the client has gone (the body is read by now, so the next ASGI message
+    uvicorn delivers is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,65 @@
+"""Serving an app on a socket taken before registration, until SIGTERM/SIGINT drains it."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+from runtime.service.app import Limits, create_app
+from store.errors import UserError
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port, not yet listening: `dsv4 serve` takes the port before
+    registration, so a port in use is one line at once, not after every phase (and clients
+    are refused, not left hanging, until the service listens)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        infos = socket.getaddrinfo(host, port, family, socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise UserError(f"cannot listen on {host}:{port} ({e.strerror}); check --host") from None
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(infos[0][4])
+    except OSError as e:
+        sock.close()
+        raise UserError(f"cannot listen on {host}:{port} ({e.strerror}); choose another --port") from None
+    return sock
+
+
+def url_of(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if sock.family == socket.AF_INET6 else f"http://{host}:{port}"
+
+
+def serve(launched, sock: socket.socket, limits: Limits | None = None, on_ready=None) -> None:
+    """Serve on `sock` (from `bind`) until SIGTERM/SIGINT: uvicorn stops accepting, drains
+    in-flight requests, then every job is stopped and device memory released.
+    `on_ready(url)` is called once the server accepts requests."""
+    import uvicorn
+
+    url = url_of(sock)
+    try:
+        sock.listen(2048)
+    except OSError as e:  # another process took the port between bind and listen
+        sock.close()
+        launched.close()
+        raise UserError(f"cannot listen on {url} ({e.strerror}); choose another --port") from None
+    app = create_app(launched, limits or Limits())
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=30))
+
+    def announce() -> None:
+        while not server.started and not server.should_exit:
+            time.sleep(0.01)
+        if server.started and on_ready:
+            on_ready(url)
+
+    threading.Thread(target=announce, daemon=True, name="serve-ready").start()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+        app.state.scheduler.close()  # no worker touches an engine after this
+        launched.close()
