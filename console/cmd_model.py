@@ -64,15 +64,17 @@ def resolve_model_dir(model_dir: Path | None) -> Path:
 def cmd_check(args: argparse.Namespace) -> int:
     from runtime.config import load_config
     from runtime.tensors import expected_tensors
+    from runtime.tokenizer import load_tokenizer
     from store.checkpoint import Checkpoint, check_contract
 
     root = resolve_model_dir(args.model_dir)
+    config = load_config(root)  # first: out-of-range values stop here, before anything loops on them
     ckpt = Checkpoint.open(root)
-    config = load_config(root)
     report = check_contract(ckpt, expected_tensors(config))
+    tokenizer, warning = load_tokenizer(root, config.vocab_size)
     summary = {**config.summary(), "tensors": len(ckpt.tensors),
                "bytes_by_dtype": ckpt.bytes_by_dtype(),
-               "total_bytes": sum(ckpt.bytes_by_dtype().values())}
+               "total_bytes": sum(ckpt.bytes_by_dtype().values()), "tokenizer": tokenizer.kind}
     if args.json:
         print_json({"path": str(root), **report.to_json(), "summary": summary})
         return 0 if report.ok else 1
@@ -90,6 +92,7 @@ def cmd_check(args: argparse.Namespace) -> int:
           f"{len(config.hash_layers)} hash-routed) + {config.num_nextn_predict_layers} MTP; "
           f"{config.n_routed_experts} experts, top-{config.num_experts_per_tok}")
     print("  " + ", ".join(f"{k} {format_size(v)}" for k, v in summary["bytes_by_dtype"].items()))
+    print(f"  tokenizer: {warning or tokenizer.kind}")
     if report.ok:
         print(f"contract OK: {report.checked} tensors match")
         return 0
