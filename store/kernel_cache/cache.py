@@ -128,6 +128,10 @@ class KernelCache:
         reason = f"{what}: {describe(list(build or changes))} (closest entry {closest.fingerprint[:12]})"
         return Miss(program, fp, kind, reason, changes)
 
+    def manifests(self, program: str) -> Iterator[Manifest]:
+        """Every readable manifest of `program` (unverified: for history, never for loading)."""
+        return self._manifests(program)
+
     def _manifests(self, program: str) -> Iterator[Manifest]:
         for fp, entry in inv.entry_dirs(self, program):
             with contextlib.suppress(OSError, Corrupt):

@@ -72,6 +72,7 @@ class Manifest:
     host: str
     pid: int
     format: int = FORMAT_VERSION
+    compile_peak_rss: int = 0  # bytes: the compiling process's peak RSS (what a pool plans memory by)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -85,6 +86,7 @@ class Manifest:
             "created": self.created,
             "host": self.host,
             "pid": self.pid,
+            "compile_peak_rss": self.compile_peak_rss,
         }
 
     @classmethod
@@ -108,6 +110,7 @@ class Manifest:
                 host=str(data["host"]),
                 pid=int(data["pid"]),
                 format=int(data["format"]),
+                compile_peak_rss=int(data.get("compile_peak_rss", 0)),
             )
         except (ValueError, KeyError, TypeError, RecursionError) as e:
             raise Corrupt(f"malformed manifest ({type(e).__name__}: {e})") from None

@@ -13,6 +13,7 @@ import contextlib
 import errno
 import json
 import os
+import resource
 import shutil
 import socket
 import tempfile
@@ -138,6 +139,7 @@ def seal(cache: KernelCache, staged: Path, program: str, key: Key, config: Colle
         created=time.time(),
         host=socket.gethostname(),
         pid=os.getpid(),
+        compile_peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
     )
     path = staged / MANIFEST
     path.write_text(json.dumps(manifest.to_json(), indent=1, sort_keys=True))
