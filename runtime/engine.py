@@ -93,6 +93,9 @@ class Engine:
         if self.length + t > self.p.dims.max_seq:
             raise ValueError(f"sequence of {self.length + t} tokens exceeds max_seq={self.p.dims.max_seq}")
         mode = DECODE if t == 1 else PREFILL
+        swap_point = getattr(self.runners, "swap_point", None)
+        if swap_point is not None:  # compiled programs published meanwhile swap in between steps
+            swap_point()
         tokens = tokens.to(self.device, torch.int64)
         positions = torch.arange(self.length, self.length + t, device=self.device)
         x = self._embed(mode, tokens)
