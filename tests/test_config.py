@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from runtime.config import CSA, HCA, SLIDING, ConfigError, from_dict, load_config
+from runtime.config import CSA, HCA, RANGES, SLIDING, ConfigError, from_dict, load_config
 from runtime.synth import PRESETS, V4_FLASH, preset_config_dict
 
 
@@ -75,3 +75,22 @@ def test_malformed_and_missing_config(tmp_path):
     (tmp_path / "config.json").write_text("{nope")
     with pytest.raises(ConfigError, match="malformed JSON"):
         load_config(tmp_path)
+
+
+@pytest.mark.parametrize("name", sorted(RANGES))
+def test_every_range_admits_the_released_config_and_names_itself_when_left(name):
+    lo, hi = RANGES[name]
+    released = getattr(from_dict(V4_FLASH), name)
+    assert lo <= released <= hi
+    beyond = (lo / 2, hi * 2, float("nan")) if isinstance(released, float) else (lo - 1, hi + 1)
+    for value in beyond:
+        raw = dict(V4_FLASH, **{name: value})
+        with pytest.raises(ConfigError, match=rf"'{name}' = .* is out of range; allowed "):
+            from_dict(raw)
+
+
+def test_huge_numbers_are_one_line_not_an_overflow():
+    with pytest.raises(ConfigError, match="'rope_theta' .* too large for a float"):
+        from_dict(dict(V4_FLASH, rope_theta=10**400))
+    with pytest.raises(ConfigError, match="'compress_ratios' holds -1, out of range"):
+        from_dict(dict(V4_FLASH, compress_ratios=[0] * 43 + [-1]))
