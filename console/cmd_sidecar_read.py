@@ -65,8 +65,8 @@ def warm(args: argparse.Namespace, path: Path) -> int:
 
     try:
         check = None if args.no_verify else _verifier(path)
-        sink = check.feed if check is not None and not check.problem else None
-        result = pagecache.warm(path, progress, willneed=not args.no_willneed, sink=sink,
+        verify_sink = check.feed if check is not None and not check.problem else None
+        result = pagecache.warm(path, progress, willneed=not args.no_willneed, sink=verify_sink,
                                 chunk=checksum.READ_BYTES)
     except OSError as e:
         raise UserError(
