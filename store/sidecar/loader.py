@@ -1,7 +1,9 @@
 """The loader: judge and map a sidecar through one file descriptor, as zero-copy torch views.
 
 Everything goes through one fd (fstat, header, validation, residency, mmap), so a concurrent
-`os.replace` of the path can never mix two files in one load. The mapping is MAP_SHARED +
+`os.replace` of the path can never mix two files in one load. That fd stays open while mapped,
+holding a read lease (store.sidecar.watch): `MappedSidecar.changed()` says when a writer
+wants the file, before it changes a byte; the service stops, then `release()`s. The mapping is MAP_SHARED +
 PROT_READ: page-cache pages are shared, never copied on write, and the views are truly
 read-only — writing through one kills the process with SIGSEGV, so consumers copy
 (`.clone()`, `.to(device)`) before any in-place op. Writers always publish by rename;
@@ -33,6 +35,7 @@ from store.sidecar.verdict import (
     open_checked,
     repack,
 )
+from store.sidecar.watch import Watch
 
 if TYPE_CHECKING:
     import torch
@@ -58,12 +61,29 @@ class MappedSidecar:
     """Zero-copy, read-only tensor views over one MAP_SHARED/PROT_READ mapping of a sidecar."""
 
     def __init__(self, path: Path, verdict: Verdict, metadata: dict[str, str], mm: mmap.mmap,
-                 tensors: dict[str, torch.Tensor]) -> None:  # fmt: skip
+                 tensors: dict[str, torch.Tensor], watch: Watch) -> None:  # fmt: skip
         self.path = path
         self.verdict = verdict
         self.metadata = metadata
         self.tensors = tensors
         self._mm: mmap.mmap | None = mm
+        self._watch: Watch | None = watch
+
+    @property
+    def watched_by(self) -> str:
+        """How a change is noticed: "lease" (before it happens) or "fstat" (right after)."""
+        return self._watch.mechanism if self._watch else "closed"
+
+    def changed(self) -> str | None:
+        """Why the mapped bytes are no longer the validated ones (or are about to stop being:
+        a writer is waiting on our lease), or None. Poll it: per request and every ~0.5 s."""
+        return self._watch.changed() if self._watch else None
+
+    def release(self) -> None:
+        """Let a writer waiting on our lease proceed. Call only once nothing reads the
+        tensors any more (stop serving first): afterwards the mapping may SIGBUS."""
+        if self._watch is not None:
+            self._watch.release()
 
     def close(self) -> None:
         """Drop our views and unmap. Views the caller still holds keep the mapping alive
@@ -74,6 +94,10 @@ class MappedSidecar:
             # Views still held elsewhere keep the mapping; it goes when the last one does.
             with contextlib.suppress(BufferError):
                 mm.close()
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            watch.release()
+            os.close(watch.fd)
 
     def __enter__(self) -> MappedSidecar:
         return self
@@ -104,6 +128,9 @@ def open_sidecar(
         log.warning("%s", opened.line())
         return opened, None
     fd = opened
+    # The lease is taken before the first byte is judged: a writer from here on is noticed.
+    watch = Watch(fd, path)
+    keep = False
     try:
         verdict, header = judge(
             fd, path, expected_key=expected_key, expected_names=expected_names,
@@ -120,13 +147,23 @@ def open_sidecar(
             verdict = repack(path, "corrupt", f"cannot map ({e})", size_bytes=verdict.size_bytes)
             log.warning("%s", verdict.line())
             return verdict, None
+        reason = watch.changed()
+        if reason:  # changed between the open and the map: what we judged is not what is there
+            mm.close()
+            verdict = repack(path, "corrupt", f"changed while loading: {reason}",
+                             size_bytes=verdict.size_bytes)  # fmt: skip
+            log.warning("%s", verdict.line())
+            return verdict, None
+        keep = True
     finally:
-        os.close(fd)  # the mapping holds the inode; the path may be replaced from here on
+        if not keep:  # the fd stays open with a mapping: it holds the lease and the identity
+            watch.release()
+            os.close(fd)
     if verdict.cold_read and hasattr(mmap, "MADV_WILLNEED"):
         mm.madvise(mmap.MADV_WILLNEED)  # start the read now rather than fault by fault
     tensors = _views(mm, header)
     log.info("%s", verdict.line())
-    return verdict, MappedSidecar(path, verdict, dict(header.metadata), mm, tensors)
+    return verdict, MappedSidecar(path, verdict, dict(header.metadata), mm, tensors, watch)
 
 
 def _views(mm: mmap.mmap, header: Header) -> dict[str, torch.Tensor]:
