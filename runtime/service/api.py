@@ -32,7 +32,7 @@ NOOP_VALUES: dict[str, tuple[Any, ...]] = {
     "n": (1, None), "best_of": (1, None), "top_p": (1, None), "presence_penalty": (0, None),
     "frequency_penalty": (0, None), "logprobs": (None, False), "top_logprobs": (None, 0),
     "echo": (False, None), "suffix": (None, ""), "logit_bias": (None, {}), "tools": (None, []),
-    "tool_choice": (None, "none"), "functions": (None, []),
+    "tool_choice": (None, "none"), "functions": (None, []), "response_format": (None, {"type": "text"}),
 }  # fmt: skip
 
 
@@ -136,7 +136,8 @@ def _load_object(body: bytes) -> dict[str, Any]:
         raise ApiError(400, f"body: expected a JSON object, got {type(raw).__name__}")
     for name, ok in NOOP_VALUES.items():
         if name in raw and not any(_same(raw[name], v) for v in ok):
-            raise ApiError(400, f"{name}: not supported by this server (only {ok[0]!r})", param=name)
+            allowed = " or ".join([repr(v) for v in ok if v is not None] + ["absent"])
+            raise ApiError(400, f"{name}: not supported by this server (only {allowed})", param=name)
     return raw
 
 
