@@ -19,6 +19,7 @@ import logging
 import mmap
 import os
 import warnings
+import weakref
 from collections.abc import Collection, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -68,6 +69,9 @@ class MappedSidecar:
         self.tensors = tensors
         self._mm: mmap.mmap | None = mm
         self._watch: Watch | None = watch
+        # Collected without close(): still give the lease and the fd back (no stale lease
+        # would stall a later writer of this file in this process for lease-break-time).
+        self._finalizer = weakref.finalize(self, _let_go, watch)
 
     @property
     def watched_by(self) -> str:
@@ -94,16 +98,20 @@ class MappedSidecar:
             # Views still held elsewhere keep the mapping; it goes when the last one does.
             with contextlib.suppress(BufferError):
                 mm.close()
-        watch, self._watch = self._watch, None
-        if watch is not None:
-            watch.release()
-            os.close(watch.fd)
+        self._watch = None
+        self._finalizer()
 
     def __enter__(self) -> MappedSidecar:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _let_go(watch: Watch) -> None:
+    watch.release()
+    with contextlib.suppress(OSError):
+        os.close(watch.fd)
 
 
 def open_sidecar(

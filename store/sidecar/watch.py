@@ -48,8 +48,12 @@ def _on_sigio(signum: int, frame: object) -> None:
         _previous(signum, frame)
 
 
-def _install_handler() -> bool:
-    """A SIGIO handler (needed before taking a lease: SIGIO's default action kills us)."""
+def install_sigio_handler() -> bool:
+    """Install the lease-break handler; True when SIGIO is handled (or ignored) from now on.
+
+    A lease needs it (SIGIO's default action kills the process) and Python installs signal
+    handlers only from the main thread: a service that maps its sidecar in a worker thread
+    calls this from the main thread first, else it gets the fstat watch only."""
     global _previous
     with _handler_lock:
         current = signal.getsignal(signal.SIGIO)
@@ -72,7 +76,7 @@ class Watch:
         self.lease = False
         self.mechanism = "fstat"
         self.reason = ""  # set once a change is seen; never cleared
-        if lease and _install_handler():
+        if lease and install_sigio_handler():
             try:
                 fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
                 self.lease, self.mechanism = True, "lease"

@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch
@@ -103,3 +102,20 @@ def test_a_path_replaced_by_rename_keeps_serving_the_validated_bytes(mapped_pair
     os.replace(tmp, path)  # what prepack --force does: the mapped inode is untouched
     assert mapped.changed() is None
     assert torch.equal(mapped.tensors["w"], torch.full((1024,), 1.0))
+
+
+def test_a_mapping_dropped_without_close_gives_its_lease_back(mapped_pair):
+    import gc
+
+    mapped, (path, _) = mapped_pair
+    key = sidecar.Key.from_json(json.loads(mapped.metadata["source_key"]))
+    _, again = sidecar.open_sidecar(path, expected_key=key)
+    assert again is not None
+    leased = again.watched_by == "lease"
+    del again
+    gc.collect()
+    mapped.close()
+    # with a lease still held, a non-blocking open for writing fails with EAGAIN
+    fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+    os.close(fd)
+    assert leased or pytest.skip("no read lease on this filesystem")
