@@ -1,6 +1,13 @@
 """The packed layout as data, without torch: `RULES`, and the `PackPlan` of every packed name,
 dtype and shape a config implies. The launch plan, the program keys and the sidecar contract
-are computed from it in processes that never import torch; `runtime.pack` applies it."""
+are computed from it in processes that never import torch; `runtime.pack` applies it.
+
+Quantised weights keep the checkpoint's numbers exactly (QUANT): `<family>.qweight` [.., in, out]
+holds FP8 weights as stored (F8_E4M3) and FP4 weights as int8 codes 2·e2m1 (every e2m1 value
+doubled is an integer in -12..12), `<family>.qscale` [.., in/block_in, out/block_out] the
+checkpoint's E8M0 block scales as bytes (U8; for FP4 one below the stored exponent, halving the
+scale the doubled codes need). The programs dequantise inside: W = q · 2^(qscale - 127) per block.
+"""
 
 
 from __future__ import annotations
@@ -13,12 +20,13 @@ from fnmatch import fnmatchcase
 from runtime.config import DeepSeekV4Config
 from runtime.tensors import BF16, F32, I64, Param, params_by_group
 
-PACKER_VERSION = "1"
+PACKER_VERSION = "2"
 PACK_FORMAT = "dsv4-packed"
-PACK_LAYOUT = {"int8": "per-output-row", "matmul": "in,out", "experts": "rank-major",
+PACK_LAYOUT = {"quant": "fp8 as stored, fp4 as int8 2*e2m1; e8m0 block scales", "matmul": "in,out",
+               "experts": "rank-major",
                "groups": ["all", "csa", "hca", "hash", "bias"]}
 
-Q8, T, KEEP, I32 = "q8", "transpose", "keep", "int32"
+QUANT, T, KEEP, I32 = "quant", "transpose", "keep", "int32"
 ALL, KIND, HASH, BIAS, EXPERTS = "all", "kind", "hash", "bias", "experts"
 
 
@@ -46,20 +54,20 @@ RULES: tuple[Rule, ...] = (
     Rule("hc_ffn_fn", T, ALL),
     Rule("hc_ffn_base", KEEP, ALL),
     Rule("hc_ffn_scale", KEEP, ALL),
-    Rule("attn.wq_a.weight", Q8, ALL),
+    Rule("attn.wq_a.weight", QUANT, ALL),
     Rule("attn.q_norm.weight", KEEP, ALL),
-    Rule("attn.wq_b.weight", Q8, ALL),
-    Rule("attn.wkv.weight", Q8, ALL),
+    Rule("attn.wq_b.weight", QUANT, ALL),
+    Rule("attn.wkv.weight", QUANT, ALL),
     Rule("attn.kv_norm.weight", KEEP, ALL),
-    Rule("attn.wo_a.weight", Q8, ALL),
-    Rule("attn.wo_b.weight", Q8, ALL),
+    Rule("attn.wo_a.weight", QUANT, ALL),
+    Rule("attn.wo_b.weight", QUANT, ALL),
     Rule("attn.attn_sink", KEEP, ALL),
     # compressed layers: stacked per kind (CSA and HCA shapes differ)
     Rule("attn.compressor.wkv.weight", T, KIND),
     Rule("attn.compressor.wgate.weight", T, KIND),
     Rule("attn.compressor.ape", KEEP, KIND),
     Rule("attn.compressor.norm.weight", KEEP, KIND),
-    Rule("attn.indexer.wq_b.weight", Q8, KIND),
+    Rule("attn.indexer.wq_b.weight", QUANT, KIND),
     Rule("attn.indexer.weights_proj.weight", T, KIND),
     Rule("attn.indexer.compressor.wkv.weight", T, KIND),
     Rule("attn.indexer.compressor.wgate.weight", T, KIND),
@@ -69,17 +77,17 @@ RULES: tuple[Rule, ...] = (
     Rule("ffn.gate.weight", T, ALL),
     Rule("ffn.gate.tid2eid", I32, HASH),
     Rule("ffn.gate.bias", KEEP, BIAS),
-    Rule("ffn.shared_experts.w1.weight", Q8, ALL),
-    Rule("ffn.shared_experts.w2.weight", Q8, ALL),
-    Rule("ffn.shared_experts.w3.weight", Q8, ALL),
-    Rule("ffn.experts.*.w1.weight", Q8, EXPERTS),
-    Rule("ffn.experts.*.w2.weight", Q8, EXPERTS),
-    Rule("ffn.experts.*.w3.weight", Q8, EXPERTS),
+    Rule("ffn.shared_experts.w1.weight", QUANT, ALL),
+    Rule("ffn.shared_experts.w2.weight", QUANT, ALL),
+    Rule("ffn.shared_experts.w3.weight", QUANT, ALL),
+    Rule("ffn.experts.*.w1.weight", QUANT, EXPERTS),
+    Rule("ffn.experts.*.w2.weight", QUANT, EXPERTS),
+    Rule("ffn.experts.*.w3.weight", QUANT, EXPERTS),
     # MTP only
     Rule("enorm.weight", KEEP, ALL),
     Rule("hnorm.weight", KEEP, ALL),
-    Rule("e_proj.weight", Q8, ALL),
-    Rule("h_proj.weight", Q8, ALL),
+    Rule("e_proj.weight", QUANT, ALL),
+    Rule("h_proj.weight", QUANT, ALL),
 )
 
 _ST_DTYPE = {BF16: "BF16", F32: "F32", I64: "I64"}
@@ -114,7 +122,7 @@ class PackedTensor:
 class Slot:
     """Where one checkpoint parameter lands: packed tensor name(s) and the leading index."""
 
-    names: tuple[str, ...]  # (qweight, qscale) for Q8, else one name
+    names: tuple[str, ...]  # (qweight, qscale) for QUANT, else one name
     index: tuple[int, ...]
     rule: Rule
     prefix: str = ""  # the group ("layers", "layers.csa", "mtp.bias", …); "" at top level
@@ -134,7 +142,7 @@ def _relative(name: str) -> tuple[str, str, int]:
 
 def _packed_shapes(rule: Rule, p: Param, lead: tuple[int, ...]) -> list[tuple[str, str, tuple[int, ...]]]:
     """(part, dtype, shape) of what one parameter contributes, with `lead` stacking dims."""
-    if rule.transform == Q8:
+    if rule.transform == QUANT:
         out, inp = p.shape
         return [("qweight", "I8", (*lead, inp, out)), ("qscale", "F32", (*lead, out))]
     if rule.transform == T:
@@ -170,27 +178,35 @@ class PackPlan:
         members: dict[tuple[str, str], list[int]] = {}  # (group prefix, family) → layers
         params: dict[tuple[str, str], Param] = {}
         experts_per_rank = c.n_routed_experts // self.ranks
+        # (scope, layer, family) → what every expert of that family shares: V4-Flash has 33k
+        # expert tensors of 129 families, and the launch plan builds this table in every process
+        shared: dict[tuple[str, int, str], tuple[Rule, str, tuple[str, ...], int]] = {}
         for _, plist in self.groups:
             for p in plist:
                 scope, rel, layer = _relative(p.name)
-                rule = rule_for(_EXPERT.sub(".experts.*.", rel) if scope else rel)
-                if not scope:
-                    self._add(rule, p, p.name.removesuffix(".weight") if rule.transform == Q8 else p.name, ())
-                    continue
-                prefix = self._group_name(scope, rule, layer)
-                fam = _base(rule.family) if rule.transform == Q8 else rule.family.replace(".*", "")
-                key = (prefix, fam)
-                layers = members.setdefault(key, [])
-                if layer not in layers:
-                    layers.append(layer)
-                params.setdefault(key, p)
-                slot_layer = layers.index(layer)
-                if rule.group == EXPERTS:
-                    e = int(_EXPERT.search(rel).group(1))
+                expert = _EXPERT.search(rel) if scope else None
+                family = rel if expert is None else f"{rel[:expert.start()]}.experts.*.{rel[expert.end():]}"
+                known = shared.get((scope, layer, family))
+                if known is None:
+                    rule = rule_for(family)
+                    if not scope:
+                        self._add(rule, p, p.name.removesuffix(".weight") if rule.transform == QUANT else p.name, ())
+                        continue
+                    prefix = self._group_name(scope, rule, layer)
+                    fam = _base(rule.family) if rule.transform == QUANT else rule.family.replace(".*", "")
+                    layers = members.setdefault((prefix, fam), [])
+                    if layer not in layers:
+                        layers.append(layer)
+                    params.setdefault((prefix, fam), p)
+                    known = shared[(scope, layer, family)] = (
+                        rule, prefix, self._names(rule, f"{prefix}.{fam}"), layers.index(layer))
+                rule, prefix, names, slot_layer = known
+                if expert is not None:
+                    e = int(expert.group(1))
                     index = (e // experts_per_rank, slot_layer, e % experts_per_rank)
                 else:
                     index = (slot_layer,)
-                self.slots[p.name] = Slot(self._names(rule, f"{prefix}.{fam}"), index, rule, prefix)
+                self.slots[p.name] = Slot(names, index, rule, prefix)
         for (prefix, fam), layers in members.items():
             p = params[(prefix, fam)]
             rule = self.slots[p.name].rule
@@ -201,7 +217,7 @@ class PackPlan:
             self._add(rule, p, f"{prefix}.{fam}", lead, register_slot=False)
 
     def _names(self, rule: Rule, base: str) -> tuple[str, ...]:
-        return (f"{base}.qweight", f"{base}.qscale") if rule.transform == Q8 else (base,)
+        return (f"{base}.qweight", f"{base}.qscale") if rule.transform == QUANT else (base,)
 
     def _add(self, rule: Rule, p: Param, base: str, lead: tuple[int, ...], register_slot: bool = True) -> None:
         for part, dtype, shape in _packed_shapes(rule, p, lead):
