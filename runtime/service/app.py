@@ -75,11 +75,19 @@ def create_app(launched, limits: Limits = Limits(), scheduler: Scheduler | None 
     async def _http(_request: Request, exc: StarletteHTTPException) -> SafeJSONResponse:
         return error_response(ApiError(exc.status_code, str(exc.detail), code=str(exc.status_code)))
 
+    def failure() -> str | None:
+        """Why the service must not generate (set on `launched.failure` by whatever watches its
+        weights, e.g. a mapped sidecar that changed): it then fails closed, 503 with the reason."""
+        return getattr(launched, "failure", None)
+
     @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": str(model_dir), "id": model_id, "slots": scheduler.slots,
+    async def health() -> Any:
+        body = {"status": "ok", "model": str(model_dir), "id": model_id, "slots": scheduler.slots,
                 "free_slots": scheduler.free_slots, "queued": scheduler.queued, "max_seq": max_seq,
                 "tokenizer": getattr(tokenizer, "kind", "bytes")}
+        if reason := failure():
+            return SafeJSONResponse({**body, "status": "failed", "reason": reason}, status_code=503)
+        return body
 
     @app.get("/metrics")
     async def metrics_endpoint() -> PlainTextResponse:
@@ -156,6 +164,9 @@ def create_app(launched, limits: Limits = Limits(), scheduler: Scheduler | None 
         return job, watcher
 
     async def generate(request: Request, parse: Callable, shape) -> Any:
+        if reason := failure():
+            raise ApiError(503, f"service unavailable: {reason}", kind="service_unavailable",
+                           code="service_unavailable")
         started = time.perf_counter()
         body = await read_body(request, limits.max_body_bytes)
         req, ids, max_tokens = await run_in_threadpool(parse, body)
