@@ -24,8 +24,9 @@ plausible reading of the architecture computes a different model:
 
 Weights reach the block functions as a flat dict keyed by packed family names relative to
 their group ("attn.wq_a.qweight", "ffn.experts.w1.qscale", "attn_norm.weight"). The packed
-view holds int8 [in, out] + fp32 per-row scales; the reference view holds float [in, out]
-under "<family>.weight". `linear` serves both.
+view holds the checkpoint's quantised numbers [in, out] (FP8 as stored, FP4 as doubled int8
+codes) with one E8M0 scale byte per block, dequantised here; the reference view holds float
+[in, out] under "<family>.weight". `weight` serves both, so both compute the same model.
 
 Caches are fixed-size per layer ([max_seq, …] rows indexed by position), so every program
 has static shapes except the token count T. A program returns the new cache rows; the caller
@@ -53,19 +54,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tenso
     return y if weight is None else y * weight.float()
 
 
+def weight(w: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """A matmul weight [.., in, out] as float32: a packed one dequantised per block from the
+    checkpoint's numbers (qweight · 2^(qscale - 127), qscale one E8M0 byte per block), or a float
+    one as is. Block sizes follow from the shapes: the packer stores whole blocks only."""
+    q = w.get(name + ".qweight")
+    if q is None:
+        return w[name + ".weight"].float()
+    e = w[name + ".qscale"]
+    *lead, i, o = q.shape
+    gi, go = e.shape[-2], e.shape[-1]
+    scale = torch.exp2(e.float() - 127.0).reshape(*lead, gi, 1, go, 1)
+    return (q.float().reshape(*lead, gi, i // gi, go, o // go) * scale).reshape(*lead, i, o)
+
+
 def linear(w: dict[str, torch.Tensor], name: str, x: torch.Tensor) -> torch.Tensor:
-    """x @ W for a packed (int8 + per-row scale) or a float weight, both stored [in, out]."""
-    q = w.get(name + ".qweight")
-    if q is not None:
-        return (x @ q.float()) * w[name + ".qscale"].float()
-    return x @ w[name + ".weight"].float()
-
-
-def _matrix(w: dict[str, torch.Tensor], name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    q = w.get(name + ".qweight")
-    if q is not None:
-        return q.float(), w[name + ".qscale"].float()
-    return w[name + ".weight"].float(), None
+    """x @ W for a packed or a float weight, both stored [in, out]."""
+    return x @ weight(w, name)
 
 
 def rope_inv_freq(d: Dims, compressed: bool) -> torch.Tensor:
@@ -235,10 +240,8 @@ def attention(d: Dims, w: dict[str, torch.Tensor], kind: str, ratio: int, h: tor
     out = rope(out, positions, inv_freq, inverse=True)  # values carried their keys' rotation
     # grouped low-rank output: each of o_groups head groups has its own wo_a slice
     k_in = d.heads * d.head_dim // d.o_groups
-    wa, sa = _matrix(w, "attn.wo_a")
-    o = torch.einsum("tgk,kgo->tgo", out.reshape(t, d.o_groups, k_in), wa.reshape(k_in, d.o_groups, d.o_lora))
-    if sa is not None:
-        o = o * sa.reshape(d.o_groups, d.o_lora)
+    wa = weight(w, "attn.wo_a").reshape(k_in, d.o_groups, d.o_lora)
+    o = torch.einsum("tgk,kgo->tgo", out.reshape(t, d.o_groups, k_in), wa)
     return linear(w, "attn.wo_b", o.reshape(t, d.o_groups * d.o_lora)), rows
 
 
@@ -252,9 +255,8 @@ def _swiglu(d: Dims, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def _experts_linear(w: dict[str, torch.Tensor], name: str, x: torch.Tensor) -> torch.Tensor:
     """All experts at once: x [T, in] or [E, T, in] → [E, T, out]."""
-    m, s = _matrix(w, name)  # [E, in, out], [E, out]
-    y = torch.einsum("ti,eio->eto", x, m) if x.dim() == 2 else torch.einsum("eti,eio->eto", x, m)
-    return y if s is None else y * s[:, None, :]
+    m = weight(w, name)  # [E, in, out]
+    return torch.einsum("ti,eio->eto", x, m) if x.dim() == 2 else torch.einsum("eti,eio->eto", x, m)
 
 
 def moe(d: Dims, w: dict[str, torch.Tensor], hash_routed: bool, h: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

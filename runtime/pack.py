@@ -5,9 +5,11 @@ group the family is stacked in. It is also the sidecar's tensor-name contract: `
 every packed name, dtype and shape from it and the config, before any weight is read.
 
 Layout (PACK_LAYOUT, recorded in the sidecar key):
-- FP8 / FP4 weights are dequantised with their E8M0 scales and requantised to int8 with one
-  fp32 scale per output row (W8A8-style): `<family>.qweight` [.., in, out] (matmul layout:
-  x @ W) and `<family>.qscale` [.., out].
+- FP8 / FP4 weights keep the checkpoint's numbers exactly: `<family>.qweight` [.., in, out]
+  (matmul layout: x @ W) holds FP8 as stored and FP4 as int8 codes 2·e2m1, `<family>.qscale`
+  [.., in/block, out/block] the E8M0 block scales as bytes (FP4's one lower: the codes are
+  doubled). The programs dequantise per block; nothing is requantised, so the packed model is
+  the checkpoint's model (tests: packed logits equal the float reference to float rounding).
 - bf16/fp32 matrices used as matmuls are transposed to [in, out]; norms and vectors are kept.
 - Per-layer tensors are stacked on a leading axis per group: `layers.*` (all main layers),
   `layers.csa.*` / `layers.hca.*` (compressed layers of that kind), `layers.hash.*` (tid2eid,
@@ -34,7 +36,7 @@ from runtime.pack_plan import (  # noqa: F401 - the layout's names, re-exported 
     PACK_FORMAT,
     PACK_LAYOUT,
     PACKER_VERSION,
-    Q8,
+    QUANT,
     RULES,
     PackedTensor,
     PackPlan,
@@ -45,7 +47,7 @@ from runtime.pack_plan import (  # noqa: F401 - the layout's names, re-exported 
 )
 from runtime.tensors import FP4, FP8, Param
 from store.checkpoint import Checkpoint
-from store.quant import dequant_fp4, dequant_fp8_block
+from store.quant import dequant_fp4, dequant_fp8_block, fp4_doubled_int8
 
 # ---- transforms ----------------------------------------------------------------------------
 
@@ -59,16 +61,22 @@ def dequantize(ckpt: Checkpoint, config: DeepSeekV4Config, p: Param) -> torch.Te
     return w.float()
 
 
-def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float [out, in] → (int8 [in, out], fp32 scale [out]) with w ≈ (q * scale).T."""
-    scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
-    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-    return q.t().contiguous(), scale.to(torch.float32)
+def pack_quant(ckpt: Checkpoint, p: Param) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block-quantised parameter as (qweight [in, out], qscale [in/block, out/block] E8M0 bytes),
+    the checkpoint's numbers unchanged: FP8 bytes as stored, FP4 as int8 codes 2·e2m1."""
+    scale = ckpt.read(p.scale_name).view(torch.uint8)
+    if p.fmt == FP8:
+        return ckpt.read(p.name).t().contiguous(), scale.t().contiguous()
+    if p.fmt == FP4:
+        # doubled codes, halved scale (E8M0 exponent - 1); a 2^-127 block is 0 in float32 anyway
+        halved = (scale.clamp(min=1) - 1).to(torch.uint8)
+        return fp4_doubled_int8(ckpt.read(p.name)).t().contiguous(), halved.t().contiguous()
+    raise ValueError(f"{p.name}: {p.fmt} is not a block-quantised format")
 
 
 def pack_param(ckpt: Checkpoint, config: DeepSeekV4Config, p: Param, rule: Rule) -> tuple[torch.Tensor, ...]:
-    if rule.transform == Q8:
-        return quantize_rows(dequantize(ckpt, config, p))
+    if rule.transform == QUANT:
+        return pack_quant(ckpt, p)
     w = ckpt.read(p.name)
     if rule.transform == T:
         return (w.t().contiguous(),)
@@ -94,7 +102,7 @@ def stream(ckpt: Checkpoint, plan: PackPlan, progress: LayerProgress | None = No
 
 
 _TORCH = {"I8": torch.int8, "F32": torch.float32, "BF16": torch.bfloat16, "I32": torch.int32,
-          "I64": torch.int64}
+          "I64": torch.int64, "U8": torch.uint8, "F8_E4M3": torch.float8_e4m3fn}
 
 
 def pack_in_memory(ckpt: Checkpoint, plan: PackPlan, progress: LayerProgress | None = None) -> dict[str, torch.Tensor]:

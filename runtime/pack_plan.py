@@ -17,8 +17,8 @@ import re
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
-from runtime.config import DeepSeekV4Config
-from runtime.tensors import BF16, F32, I64, Param, params_by_group
+from runtime.config import ConfigError, DeepSeekV4Config
+from runtime.tensors import BF16, F32, FP4, FP8, I64, Param, params_by_group
 
 PACKER_VERSION = "2"
 PACK_FORMAT = "dsv4-packed"
@@ -140,11 +140,27 @@ def _relative(name: str) -> tuple[str, str, int]:
     return m.group(1), name[m.end():], int(m.group(2))
 
 
-def _packed_shapes(rule: Rule, p: Param, lead: tuple[int, ...]) -> list[tuple[str, str, tuple[int, ...]]]:
+def quant_blocks(config: DeepSeekV4Config, p: Param) -> tuple[int, int]:
+    """(inputs, outputs) sharing one E8M0 scale of a quantised parameter: FP8 blocks, FP4 groups."""
+    if p.fmt == FP8:
+        b_out, b_in = config.fp8_block
+        return b_in, b_out
+    if p.fmt == FP4:
+        return config.fp4_group, 1
+    raise ValueError(f"{p.name}: {p.fmt} is not a block-quantised format")
+
+
+def _packed_shapes(config: DeepSeekV4Config, rule: Rule, p: Param,
+                   lead: tuple[int, ...]) -> list[tuple[str, str, tuple[int, ...]]]:
     """(part, dtype, shape) of what one parameter contributes, with `lead` stacking dims."""
     if rule.transform == QUANT:
         out, inp = p.shape
-        return [("qweight", "I8", (*lead, inp, out)), ("qscale", "F32", (*lead, out))]
+        b_in, b_out = quant_blocks(config, p)
+        if inp % b_in or out % b_out:
+            raise ConfigError(f"{config.source}: {p.name} [{out}, {inp}] is not whole blocks of "
+                              f"{b_out}x{b_in}; the packed layout keeps one scale per block")
+        weight = "F8_E4M3" if p.fmt == FP8 else "I8"
+        return [("qweight", weight, (*lead, inp, out)), ("qscale", "U8", (*lead, inp // b_in, out // b_out))]
     if rule.transform == T:
         out, inp = p.shape
         return [("", _ST_DTYPE[p.fmt], (*lead, inp, out))]
@@ -220,7 +236,7 @@ class PackPlan:
         return (f"{base}.qweight", f"{base}.qscale") if rule.transform == QUANT else (base,)
 
     def _add(self, rule: Rule, p: Param, base: str, lead: tuple[int, ...], register_slot: bool = True) -> None:
-        for part, dtype, shape in _packed_shapes(rule, p, lead):
+        for part, dtype, shape in _packed_shapes(self.config, rule, p, lead):
             name = f"{base}.{part}" if part else base
             self.tensors[name] = PackedTensor(name, dtype, shape, rule, part)
         if register_slot:

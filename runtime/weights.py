@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runtime.pack import EXPERTS, I32, KEEP, Q8, PackPlan, T, dequantize, quantize_rows
+from runtime.pack import EXPERTS, I32, KEEP, QUANT, PackPlan, T, dequantize
 from runtime.tensors import Param
 from store.checkpoint import Checkpoint
 
@@ -58,16 +58,12 @@ def packed_views(plan: PackPlan, tensors: dict[str, torch.Tensor]) -> ModelWeigh
     return out
 
 
-def _reference_tensor(ckpt: Checkpoint, plan: PackPlan, p: Param, int8_rounded: bool) -> tuple[str, torch.Tensor]:
+def _reference_tensor(ckpt: Checkpoint, plan: PackPlan, p: Param) -> tuple[str, torch.Tensor]:
     slot = plan.slots[p.name]
     rule = slot.rule
-    if rule.transform == Q8:
+    if rule.transform == QUANT:
         key = slot.relative(slot.names[0]).removesuffix(".qweight") + ".weight"
-        w = dequantize(ckpt, plan.config, p)
-        if int8_rounded:
-            q, scale = quantize_rows(w)
-            return key, q.float() * scale[None, :]
-        return key, w.t()
+        return key, dequantize(ckpt, plan.config, p).t()
     key = slot.relative(slot.names[0])
     raw = ckpt.read(p.name)
     if rule.transform == T:
@@ -78,18 +74,16 @@ def _reference_tensor(ckpt: Checkpoint, plan: PackPlan, p: Param, int8_rounded: 
     return key, raw.float()
 
 
-def reference_views(ckpt: Checkpoint, plan: PackPlan, int8_rounded: bool = False) -> ModelWeights:
-    """Float weights straight from the checkpoint: no stacking, no packed layout.
-
-    With `int8_rounded`, FP8/FP4 weights take the same per-row int8 rounding packing applies
-    (as float values), so the packed path must match this view to float rounding: that
-    isolates layout bugs from quantisation error."""
+def reference_views(ckpt: Checkpoint, plan: PackPlan) -> ModelWeights:
+    """Float weights straight from the checkpoint (FP8/FP4 dequantised with their block scales):
+    no stacking, no packed layout. The packed path keeps the same numbers, so it must match
+    this view to float rounding; any layout or packing bug shows as a difference."""
     out = ModelWeights()
     for group, params in plan.groups:
         w: dict[str, torch.Tensor] = {}
         experts: dict[str, list[torch.Tensor]] = {}
         for p in params:
-            key, value = _reference_tensor(ckpt, plan, p, int8_rounded)
+            key, value = _reference_tensor(ckpt, plan, p)
             if plan.slots[p.name].rule.group == EXPERTS:
                 experts.setdefault(key, []).append(value)  # params come in expert order
             else:

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from runtime.config import load_config
-from runtime.pack import RULES, PackPlan, dequantize, pack_in_memory, quantize_rows, rule_for
+from runtime.model import weight
+from runtime.pack import RULES, PackPlan, dequantize, pack_in_memory, rule_for
 from runtime.tensors import all_params
 from store.checkpoint import Checkpoint
 
@@ -27,7 +28,8 @@ def test_every_checkpoint_parameter_has_exactly_one_rule(packed):
 def test_plan_matches_packed_tensors(packed):
     _, _, plan, tensors = packed
     assert set(tensors) == plan.names()
-    dt = {"I8": torch.int8, "F32": torch.float32, "BF16": torch.bfloat16, "I32": torch.int32}
+    dt = {"I8": torch.int8, "F32": torch.float32, "BF16": torch.bfloat16, "I32": torch.int32,
+          "U8": torch.uint8, "F8_E4M3": torch.float8_e4m3fn}
     for name, t in plan.tensors.items():
         assert tuple(tensors[name].shape) == t.shape and tensors[name].dtype == dt[t.dtype], name
 
@@ -36,22 +38,23 @@ def _unpacked(tensors, slot):
     return [tensors[n][slot.index] for n in slot.names]
 
 
-@pytest.mark.parametrize("name", [
-    "layers.2.attn.wq_a.weight",          # FP8, all layers
-    "mtp.0.e_proj.weight",                # FP8, MTP
-    "layers.4.attn.indexer.wq_b.weight",  # FP8, CSA group
-    "layers.1.ffn.experts.6.w2.weight",   # FP4, rank-major experts
-    "mtp.0.ffn.experts.3.w1.weight",      # FP4, MTP experts
+@pytest.mark.parametrize(("name", "qdtype", "block"), [
+    ("layers.2.attn.wq_a.weight", torch.float8_e4m3fn, (32, 32)),   # FP8, all layers
+    ("mtp.0.e_proj.weight", torch.float8_e4m3fn, (32, 32)),         # FP8, MTP
+    ("layers.4.attn.indexer.wq_b.weight", torch.float8_e4m3fn, (32, 32)),  # FP8, CSA group
+    ("layers.1.ffn.experts.6.w2.weight", torch.int8, (32, 1)),       # FP4, rank-major experts
+    ("mtp.0.ffn.experts.3.w1.weight", torch.int8, (32, 1)),          # FP4, MTP experts
 ])
-def test_int8_rows_times_scale_match_dequantised_weight(packed, name):
+def test_packed_blocks_are_the_checkpoint_weight_exactly(packed, name, qdtype, block):
+    """No requantisation: the packed codes with their E8M0 block scales dequantise to exactly
+    the checkpoint's float weight (FP8 bytes as stored; FP4 codes doubled, scale halved)."""
     ck, config, plan, tensors = packed
     p = next(p for p in all_params(config) if p.name == name)
-    slot = plan.slots[name]
-    q, scale = _unpacked(tensors, slot)
-    ref = dequantize(ck, config, p)
-    back = (q.float() * scale[None, :]).t()
-    # per-row int8: error at most half a step of that row's scale
-    assert ((back - ref).abs() <= scale[:, None] * 0.5 + 1e-7).all()
+    q, scale = _unpacked(tensors, plan.slots[name])
+    assert q.dtype == qdtype and scale.dtype == torch.uint8
+    assert scale.shape == (q.shape[0] // block[0], q.shape[1] // block[1])
+    back = weight({"m.qweight": q, "m.qscale": scale}, "m").t()
+    assert torch.equal(back, dequantize(ck, config, p))
 
 
 def test_expert_slot_is_rank_major(packed):
@@ -83,9 +86,16 @@ def test_packing_is_deterministic(packed, tiny_ckpt_ro):
         assert torch.equal(tensors[n].view(torch.uint8), again[n].view(torch.uint8)), n
 
 
-def test_quantize_rows_zero_row_is_safe():
-    q, s = quantize_rows(torch.zeros(3, 4))
-    assert q.shape == (4, 3) and torch.isfinite(s).all() and (q == 0).all()
+def test_weights_not_in_whole_blocks_are_refused_at_plan_time():
+    """One scale per block needs whole blocks; a config that breaks that is one clear error
+    from the (torch-free) plan, before anything is read or written."""
+    from runtime.config import ConfigError, from_dict
+    from runtime.synth import preset_config_dict
+
+    raw = preset_config_dict("tiny")
+    raw["quantization_config"]["weight_block_size"] = [48, 48]
+    with pytest.raises(ConfigError, match="not whole blocks of 48x48"):
+        PackPlan(from_dict(raw))
 
 
 def test_unknown_family_has_no_rule():
