@@ -4,10 +4,8 @@ a notification when each ends. A mixin of `console.app.Dsv4Console`."""
 
 from __future__ import annotations
 
-import contextlib
 import re
 import time
-from pathlib import Path
 from typing import Any
 
 from textual import work
@@ -22,8 +20,6 @@ from runtime.events import Event
 from store import pagecache
 from store import sidecar as sc
 
-PURGE_PROGRAM_STATES = ("stale", "corrupt")
-PURGE_SIDECAR_REASONS = ("stale", "corrupt", "names")
 # `dsv4 compile` reports each program on stderr as `[3/14] head.decode: MISS (17.20 s)`
 _COMPILE_LINE = re.compile(r"^\[(\d+)/(\d+)\] (\S+): (\S+)")
 
@@ -157,59 +153,54 @@ class JobActions:
             self.log_line("console", f"warm: no sidecar at {path}; prepack first (p). Compiling programs only")
         argv = dsv4("compile", str(s.model_dir), "--kernel-cache-dir", str(s.kernel_cache_dir),
                     "--device", s.device, "--backend", s.backend, "--max-seq", str(s.max_seq))
-        entries = self.snapshot.programs.entries if self.snapshot else ()
-        p = Progress("compile", "programs", items=program_seconds(entries))
+        planned = self.snapshot.programs.entries if self.snapshot else ()
+        p = Progress("compile", "programs", items=program_seconds(planned))
         await self._finish(self._start("warm", argv, p), "warm (compile)")
 
-    def purge_selection(self) -> tuple[list[dict], list[dict]]:
-        """What purge would delete, from the current snapshot: (program entries, sidecars)."""
-        if not self.snapshot:
-            return [], []
-        entries = [e for e in self.snapshot.programs.entries
-                   if e["state"] in PURGE_PROGRAM_STATES and not e.get("busy")]
-        sidecars = [s for s in self.snapshot.sidecars.sidecars
-                    if s["verdict"] == sc.REPACK and s["reason"] in PURGE_SIDECAR_REASONS and Path(s["path"]).is_file()]
-        return entries, sidecars
-
     def _do_purge(self) -> None:
-        entries, sidecars = self.purge_selection()
-        if not entries and not sidecars:
-            self.notify("nothing to purge: no stale or corrupt entries, no stale sidecars")
+        self._purge_ask()
+
+    @work(thread=True, group="purge")
+    def _purge_ask(self) -> None:
+        """A fresh plan of this checkpoint, and what it calls stale or corrupt: each file and why."""
+        from runtime import purge
+
+        plan, _ = self.collectors.plan()
+        chosen = purge.targets(plan) if plan is not None else []
+        self.call_from_thread(self._purge_confirm, plan, chosen)
+
+    def _purge_confirm(self, plan, chosen: list) -> None:
+        if not chosen:
+            self.notify("nothing to purge: the plan calls no program entry or sidecar stale or corrupt")
             return
-        nbytes = sum(e["size_bytes"] for e in entries) + sum(s["size_bytes"] for s in sidecars)
-        lines = [f"{len(entries)} program entries and {len(sidecars)} sidecars, {fmt.size(nbytes)}:"]
-        lines += [f"  {e['path']}  {e['state']}: {e.get('reason') or '-'}  {fmt.size(e['size_bytes'])}"
-                  for e in entries[:12]]
-        lines += [f"  {s['path']}  {s['reason']}: {s.get('detail') or '-'}  {fmt.size(s['size_bytes'])}"
-                  for s in sidecars]
-        if len(entries) > 12:
-            lines.append(f"  … and {len(entries) - 12} more entries")
+        nbytes = sum(t.size_bytes for t in chosen)
+        programs = sum(t.kind == "program" for t in chosen)
+        lines = [f"{programs} program entries and {len(chosen) - programs} sidecars, {fmt.size(nbytes)}, "
+                 "that the plan of this checkpoint calls stale or corrupt:"]
+        lines += [f"  {t.path}\n    {t.reason} ({fmt.size(t.size_bytes)})" for t in chosen[:20]]
+        if len(chosen) > 20:
+            lines.append(f"  … and {len(chosen) - 20} more")
 
         def confirmed(yes: bool | None) -> None:
             if yes:
-                self._purge(entries, sidecars)
+                self._purge(plan, chosen)
             else:
                 self.log_line("console", "purge: cancelled, nothing deleted")
 
         self.push_screen(ConfirmScreen("Delete these?", "\n".join(lines)), confirmed)
 
     @work(thread=True, group="purge")
-    def _purge(self, entries: list[dict], sidecars: list[dict]) -> None:
-        from store import kernel_cache as kc
+    def _purge(self, plan, chosen: list) -> None:
+        from runtime import purge
 
-        cache = kc.KernelCache(self.settings.kernel_cache_dir)
-        chosen = {(e["program"], e["fingerprint"]) for e in entries}
-        reference = self.collectors.reference() if hasattr(self.collectors, "reference") else None
-        # delete exactly what was confirmed, if it is still there (and still not current)
-        now = [e for e in cache.inventory(reference)
-               if (e.program, e.fingerprint) in chosen and e.state in PURGE_PROGRAM_STATES and not e.busy]
-        removed = cache.remove(now)
-        gone = 0
-        for s in sidecars:
-            with contextlib.suppress(FileNotFoundError):
-                Path(s["path"]).unlink()
-                gone += 1
-        message = f"purge: deleted {len(removed)} program entries and {gone} sidecars"
+        try:  # deletes only what a fresh look at the plan still calls stale or corrupt
+            done = purge.purge(plan, chosen)
+        except Exception as e:
+            self.call_from_thread(self.notify, f"purge: {e}", title="failed", severity="error")
+            return
+        for t in done:
+            self.call_from_thread(self.log_line, "console", f"purge: deleted {t.line()}")
+        message = f"purge: deleted {len(done)} of {len(chosen)} ({fmt.size(sum(t.size_bytes for t in done))})"
         self.call_from_thread(self.log_line, "console", message)
         self.call_from_thread(self.notify, message, title="done")
         self.call_from_thread(self.refresh_now)

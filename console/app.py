@@ -217,7 +217,7 @@ class Dsv4Console(JobActions, ServiceActions, App):
         if spawned and compared and compared.get("started", 0) >= spawned:
             compared = reg.earlier  # re-attached: the last record is this launch's own
         state = LaunchState(prediction=dict(reg.prediction) if reg else {}, basis=reg.basis if reg else "",
-                            compared=compared)
+                            compared=compared, predicted=dict(reg.predicted) if reg else {})
         if spawned:
             state.spawned = spawned
         return state

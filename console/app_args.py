@@ -73,6 +73,10 @@ def run(argv: list[str] | None, app_class) -> int:
     if args.once:
         once(settings)
         return 0
+    from console.collectors import RESIDENCY_SHARE
+    from store import pagecache
+
+    pagecache.schedule(RESIDENCY_SHARE)  # this process refreshes forever: bound the mincore fallback
     app = app_class(settings, readonly=args.readonly, interval=args.interval, host=args.host, port=args.port)
     app.run()
     message = app.exit_message()

@@ -37,21 +37,19 @@ def _compile_seconds(entry_dir: Path) -> float | None:
         os.close(fd)
 
 
-def program_seconds(entries: Iterable[Mapping[str, Any]]) -> dict[str, float]:
-    """Expected seconds per program at the next prepare: a HIT where the cache holds a current
-    entry, else the compile seconds recorded in the newest manifest of that program."""
-    newest: dict[str, Mapping[str, Any]] = {}
-    current = set()
-    for e in entries:
-        if e["state"] == "current":
-            current.add(e["program"])
-        if e["program"] not in newest or e.get("created", 0) > newest[e["program"]].get("created", 0):
-            newest[e["program"]] = e
+def program_seconds(programs: Iterable[Mapping[str, Any]]) -> dict[str, float]:
+    """Expected seconds per program at the next prepare, from the plan: a HIT loads; a program
+    whose entry the plan names (corrupt, or stale in place) took the compile seconds its
+    manifest records; others are unknown (the caller falls back to the measured rate)."""
     out = {}
-    for program, e in newest.items():
-        seconds = None if program in current else _compile_seconds(Path(e["path"]))
-        out[program] = HIT_SECONDS if program in current else seconds
-    return {p: s for p, s in out.items() if s is not None}
+    for p in programs:
+        if p["state"] in ("HIT", "EAGER"):
+            out[p["program"]] = HIT_SECONDS
+        elif p.get("entry"):
+            seconds = _compile_seconds(Path(p["entry"]))
+            if seconds is not None:
+                out[p["program"]] = seconds
+    return out
 
 
 @dataclass

@@ -56,6 +56,7 @@ class LaunchState:
     error: str = ""
     spawned: float = field(default_factory=time.time)  # the history record of this launch starts later
     prediction: dict[str, str] = field(default_factory=dict)
+    predicted: dict[str, float | None] = field(default_factory=dict)  # seconds per phase (the plan's)
     basis: str = ""
     compared: dict[str, Any] | None = None  # launch-history record of the launch before this one
     stopped: bool = False

@@ -7,30 +7,26 @@ from typing import Any
 from textual.app import ComposeResult
 from textual.widgets import Static
 
-from console import fmt
 from console.collectors import ProgramsSnapshot
 from console.pane import Pane
 from console.tables import Column, PaneTable, title
 
-STATE_STYLE = {"current": "green", "other-layout": "cyan", "stale": "yellow", "corrupt": "red", "partial": "magenta"}
+STATE_STYLE = {"HIT": "green", "MISS": "cyan", "STALE": "yellow", "CORRUPT": "red", "UNTRUSTED": "red",
+               "EAGER": "dim"}
 COLUMNS = (
-    Column("program", "program", 22, essential=True),
-    Column("state", "state", 14, essential=True),
+    Column("program", "program", 26, essential=True),
+    Column("state", "next launch", 11, essential=True),
     Column("fingerprint", "fp", 12),
-    Column("size_bytes", "size", 9),
-    Column("last_used", "last used", 9),
-    Column("hits", "hits", 5),
-    Column("reason", "why", 30),
+    Column("reason", "why", 40),
 )
 
 
 class ProgramsPane(Pane):
-    def __init__(self, **kw: Any) -> None:
-        super().__init__(**kw)
-        self.now = 0.0
+    """The plan's programs: what the next launch does with each (HIT loads, MISS/STALE/CORRUPT
+    compiles) and why; Enter shows the full key's fingerprint, the entry and its manifest."""
 
     def compose(self) -> ComposeResult:
-        yield PaneTable("programs", COLUMNS, self._cells, sort_key="program", id="programs-table")
+        yield PaneTable("programs", COLUMNS, self._cells, id="programs-table")
         yield Static(id="programs-totals", classes="totals")
 
     def on_mount(self) -> None:
@@ -39,17 +35,13 @@ class ProgramsPane(Pane):
     def _cells(self, e: dict[str, Any]) -> dict[str, str]:
         style = STATE_STYLE.get(e["state"], "")
         return {"program": e["program"], "state": f"[{style}]{e['state']}[/]" if style else e["state"],
-                "fingerprint": e["fingerprint"][:12], "size_bytes": fmt.size(e["size_bytes"]),
-                "last_used": fmt.ago(e["last_used"], self.now) if e["hits"] else "never", "hits": str(e["hits"]),
-                "reason": e.get("reason") or ""}
+                "fingerprint": (e.get("fingerprint") or "")[:12], "reason": e.get("reason") or ""}
 
     def show(self, snap: ProgramsSnapshot, now: float, needle: str = "") -> None:
-        self.now = now
         shown, total = self.query_one(PaneTable).set_rows(snap.entries, needle)
-        self.border_title = title("Programs", shown, total, needle, "entries")
-        t = snap.totals()
-        states = ", ".join(f"{n} {s}" for s, n in t["by_state"].items())
-        text = f"{fmt.size(t['size_bytes'])}" + (f" ({states})" if states else "") + f"  [dim]{snap.root}[/]"
+        self.border_title = title("Programs", shown, total, needle)
+        states = ", ".join(f"{n} {s}" for s, n in snap.totals()["by_state"].items())
+        text = (states or "no programs") + f"  [dim]{snap.root}[/]"
         if snap.error:
             text += f"\n[red]{snap.error}[/]"
         elif snap.warning:

@@ -25,9 +25,9 @@ COLUMNS = (
     Column("progress", "progress", 10, essential=True),
     Column("seconds", "s", 7, essential=True),
     Column("path", "path", 22),
-    Column("predicted", "predicted", 20),
-    Column("compared", "compared", 14),
-    Column("best", "best warm", 14),
+    Column("predicted", "predicted (plan)", 30),
+    Column("compared", "compared", 16),
+    Column("best", "best warm", 16),
 )
 
 
@@ -76,20 +76,24 @@ class RegistrationPane(Pane):
     def show(self, snap: RegistrationSnapshot, launch: LaunchState | None, status: str = "") -> None:
         compared = launch.compared if launch else snap.previous
         prediction = launch.prediction if launch else snap.prediction
+        seconds_ahead = launch.predicted if launch else snap.predicted
         rows, running = [], []
         for phase in PHASES:
             p = launch.phases[phase] if launch else None
             mark = STATE_MARK.get(p.state, " ") if p else " "
             seconds = p.seconds if p and p.seconds is not None else (
                 time.time() - p.started if p and p.state == RUNNING and p.started else None)
+            ahead = seconds_ahead.get(phase)
+            predicted = (f"{fmt.secs(ahead)} " if ahead is not None else "") + prediction.get(phase, "")
             cells = {"phase": f"{mark} {phase}", "progress": fmt.bar(p.fraction if p else 0.0, 4),
                      "seconds": fmt.secs(seconds), "path": p.path if p else "",
-                     "predicted": prediction.get(phase, ""), "compared": _past(compared, phase),
+                     "predicted": predicted, "compared": _past(compared, phase),
                      "best": _past(snap.best_warm, phase)}
             rows.append({"phase": phase, "cells": cells, "path_taken": p.path if p else "",
                          "predicted": prediction.get(phase, ""), "compared": _past(compared, phase)})
-            if p and p.state == RUNNING:
-                expected = ((compared or {}).get("phases", {}).get(phase) or {}).get("seconds")
+            if p and p.state == RUNNING:  # ETA: the plan's seconds, else the compared launch's
+                expected = ahead if ahead is not None else (
+                    ((compared or {}).get("phases", {}).get(phase) or {}).get("seconds"))
                 running.append(phase_progress(phase, p, expected, launch.now.get(phase, "")))
         self.query_one(PaneTable).set_rows(rows)
         self.border_title = "Registration: " + ("this launch" if launch else "next launch (predicted)")

@@ -18,7 +18,9 @@ MAX_MANIFEST_BYTES = 1 << 20
 
 def _manifest(row: dict[str, Any]) -> str:
     """A program entry's manifest (the full key), bounded: never a multi-GB read."""
-    path = Path(row.get("path", "")) / "manifest.json"
+    if not row.get("entry"):
+        return ""
+    path = Path(row["entry"]) / "manifest.json"
     try:
         if not path.is_file() or path.stat().st_size > MAX_MANIFEST_BYTES:
             return ""

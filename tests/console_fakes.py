@@ -15,9 +15,9 @@ from console.collectors import (
 NOW = 1_800_000_000.0
 
 
-def _entry(program: str, fp: str, state: str, reason: str = "", size: int = 4096, hits: int = 3) -> dict:
-    return {"program": program, "fingerprint": fp * 8, "state": state, "reason": reason, "size_bytes": size,
-            "created": NOW - 7200, "last_used": NOW - 90, "hits": hits, "path": f"/cache/{program}", "busy": False}
+def _program(program: str, fp: str, state: str, reason: str = "", entry: bool = True) -> dict:
+    return {"program": program, "fingerprint": fp * 32, "state": state, "reason": reason,
+            "entry": f"/cache/v1/{program}/{fp * 32}" if entry else None}
 
 
 def _record(seconds: float, outcome: str = "ok", weights: str = "MAP", pid: int = 4000) -> dict:
@@ -31,18 +31,18 @@ def _record(seconds: float, outcome: str = "ok", weights: str = "MAP", pid: int 
 
 def snapshot(*, starving: bool = False) -> Snapshot:
     programs = ProgramsSnapshot("/cache", (
-        _entry("layer.sliding.prefill", "a1", "current"),
-        _entry("layer.sliding.decode", "b2", "stale", "torch 2.12.0 → 2.13.0", size=8192),
-        _entry("head", "c3", "corrupt", "sha256 mismatch", hits=0),
-        _entry("layer.csa.prefill", "d4", "other-layout"),
+        _program("layer.sliding.prefill", "a1", "HIT"),
+        _program("layer.sliding.decode", "b2", "STALE", "torch 2.12.0 → 2.13.0", entry=False),
+        _program("head", "c3", "CORRUPT", "program.pt2: sha256 mismatch"),
+        _program("layer.csa.prefill", "d4", "MISS", "not cached", entry=False),
     ))
     sidecars = SidecarsSnapshot("/models/tiny", ({
         "path": "/models/tiny/dsv4-packed.r1.safetensors", "verdict": "MAP", "reason": "", "detail": "valid and hot",
         "residency": 0.75, "residency_method": "cachestat", "size_bytes": 8 << 20, "sampled_at": NOW - 1,
         "next_launch": "MAP", "wanted": True}, {
-        "path": "/models/tiny/dsv4-packed.r2.safetensors", "verdict": "REPACK", "reason": "stale",
-        "detail": "config.json changed", "residency": 0.0, "residency_method": "cachestat", "size_bytes": 8 << 20,
-        "sampled_at": NOW - 1, "next_launch": "REPACK (stale)"}))
+        "path": "/models/tiny/dsv4-packed.r2.safetensors", "verdict": "-", "reason": "", "detail": "",
+        "residency": None, "size_bytes": 8 << 20, "sampled_at": None, "wanted": False,
+        "next_launch": "not used (ranks 2)"}))
     history = tuple(float(x) for x in (5, 10, 80, 40, 20, 15, 90, 60, 30, 10))
     host = HostSnapshot(23.5, (20.0, 27.0), (0.5, 0.7, 0.9), 16 << 30, 9 << 30, 4 << 30, 12e6, 3e6,
                         {"cpu": history, "mem_available": history, "read": history, "write": history})
@@ -52,14 +52,19 @@ def snapshot(*, starving: bool = False) -> Snapshot:
         "name": "cpu (host memory)", "total": 16 << 30, "used": 8 << 30, "free": 8 << 30, "budget": budget,
         "slots": None if starving else 6144, "warning": warning},), 1 << 20)
     registration = RegistrationSnapshot(_record(2.5, weights="REPACK", pid=4101), _record(0.4, pid=4002), {
-        "check": "contract check", "programs": "HIT 1", "weights": "MAP", "upload": "zero-copy (cpu)",
-        "kv": "4 slots", "validate": "decode check", "serve": "HTTP"}, "1 programs from the last launch of this model")
+        "check": "contract check", "programs": "HIT 1 MISS 1 STALE 1 CORRUPT 1", "weights": "MAP",
+        "upload": "zero-copy (cpu)", "kv": "4 slots of 1.0 MiB", "validate": "decode check", "serve": "HTTP"},
+        "the plan of the next launch (runtime.plan)", None,
+        {"check": 0.05, "programs": 0.4, "weights": 0.2, "upload": 0.01, "kv": 0.01, "validate": 0.3})
     services = ServicesSnapshot(({
         "pid": 4242, "create_time": NOW - 3725, "cmdline": ["python", "-m", "console.cli", "serve", "/models/tiny"],
         "model": "/models/tiny", "state": "serving", "url": "http://127.0.0.1:8000", "started": NOW - 3720,
         "log": "/state/services/output/serve-1.log", "events": "/state/services/output/serve-1.events.jsonl",
         "v": 1, "from_console": True, "health": "ok"},))
-    return Snapshot(NOW, {"model_dir": "/models/tiny"}, programs, sidecars, host, device, registration, services)
+    plan = {"model": "/models/tiny", "programs": list(programs.entries), "sidecar": sidecars.sidecars[0],
+            "kv": {"slots": 4, "slot_bytes": 1 << 20}, "predicted": registration.predicted, "problems": []}
+    return Snapshot(NOW, {"model_dir": "/models/tiny"}, programs, sidecars, host, device, registration, services,
+                    plan)
 
 
 class FakeCollectors:
@@ -70,8 +75,8 @@ class FakeCollectors:
         self.snap = snap or snapshot()
         self.calls = 0
 
-    def reference(self):
-        return None
+    def history(self) -> list:
+        return []
 
     def snapshot(self) -> Snapshot:
         self.calls += 1

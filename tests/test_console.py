@@ -45,23 +45,6 @@ async def test_readonly_refuses_every_mutating_action_through_one_guard():
 
 
 @pytest.mark.asyncio
-async def test_purge_lists_count_and_bytes_and_deletes_nothing_on_no():
-    app = fake_app()
-    async with app.run_test() as pilot:
-        await pilot.pause()
-        entries, sidecars = app.purge_selection()
-        assert [e["state"] for e in entries] == ["stale", "corrupt"]
-        assert sidecars == []  # the stale r2 sidecar of the fake does not exist on disk
-        await pilot.press("x")
-        await pilot.pause()
-        assert isinstance(app.screen, ConfirmScreen)
-        assert "2 program entries and 0 sidecars, 12.0 KiB" in app.screen.body
-        await pilot.press("n")
-        await pilot.pause()
-        assert not isinstance(app.screen, ConfirmScreen)
-
-
-@pytest.mark.asyncio
 async def test_panes_render_the_snapshot_and_filter_narrows_rows():
     app = fake_app()
     async with app.run_test(size=(180, 50)) as pilot:
@@ -84,18 +67,19 @@ def test_collect_device_warns_when_residual_usage_starves_the_kv_cache():
     assert ok.devices[0]["warning"] == "" and ok.devices[0]["slots"] > 0
 
 
-def test_prediction_uses_the_history_and_the_cache_inventory():
+def test_prediction_renders_the_plan_and_names_the_launches_it_compares_with():
     s = snapshot()
     settings = Settings(Path("/models/tiny"), Path("/cache"), backend="auto")
-    history = [s.registration.best_warm]
-    pred = predict(settings, history, s.programs, s.sidecars, s.device)
-    assert pred.prediction["programs"] == "HIT 1"
+    history = [s.registration.previous, s.registration.best_warm]
+    pred = predict(settings, history, s.plan, s.device)
+    assert pred.prediction["programs"] == "HIT 1 MISS 1 STALE 1 CORRUPT 1"
     assert pred.prediction["weights"] == "MAP"
-    assert pred.best_warm is not None and pred.previous is not None
-    starving = snapshot(starving=True)
-    pred = predict(settings, [], starving.programs, starving.sidecars, starving.device)
-    assert pred.prediction["kv"].startswith("FAIL")
-    assert "program set unknown" in pred.basis
+    assert pred.prediction["kv"] == "4 slots of 1.0 MiB"
+    assert pred.predicted == s.plan["predicted"]
+    assert pred.best_warm is not None and pred.previous is history[-1]
+    starving = {**s.plan, "kv": {"problem": "not even one KV slot fits"}, "problems": ["check: config.json: bad"]}
+    pred = predict(settings, [], starving, s.device)
+    assert pred.prediction["kv"].startswith("FAIL") and pred.prediction["check"] == "FAIL: config.json: bad"
 
 
 def test_launch_state_follows_events_to_serving():
@@ -119,10 +103,12 @@ def test_once_json_prints_every_pane(tmp_path, tiny_ckpt_ro):
                           "--kernel-cache-dir", str(tmp_path / "programs"), "--device", "cpu"],
                          cwd=REPO, capture_output=True, text=True, timeout=60, check=True)
     data = json.loads(out.stdout)
-    assert data["v"] == 1
-    assert set(data) >= {"settings", "programs", "sidecars", "host", "device", "registration"}
+    assert data["v"] == 2
+    assert set(data) >= {"settings", "plan", "programs", "sidecars", "services", "host", "device", "registration"}
     assert data["sidecars"]["sidecars"][0]["next_launch"] == "REPACK (missing)"
-    assert data["programs"]["entries"] == []
+    assert data["plan"]["sidecar"]["reason"] == "missing"
+    assert {p["state"] for p in data["plan"]["programs"]} == {"MISS"}  # an empty cache
+    assert data["programs"]["entries"] == data["plan"]["programs"]  # the pane renders the plan
     assert {"cpu_percent", "per_core", "load", "mem_available", "page_cache", "disk_read_bps"} <= set(data["host"])
     device = data["device"]["devices"][0]
     assert {"total", "used", "free", "budget", "warning"} <= set(device)

@@ -21,8 +21,6 @@ from console.launch_state import DONE
 from console.screen_confirm import ConfirmScreen
 from console.screen_quit import QuitScreen
 from runtime.events import PHASES
-from runtime.program_spec import CONFIG_COMPONENTS
-from runtime.toolchain import toolchain_components
 from store import pagecache, sidecar
 from store.fingerprint import Key
 from store.kernel_cache import KernelCache
@@ -59,7 +57,9 @@ async def test_prepack_then_warm_makes_the_sidecar_map_hot(tiny_ckpt, tmp_path):
         assert sidecar.inspect(path).action == sidecar.MAP
         pagecache.evict(path)
         await pilot.press("w")
-        await until(pilot, lambda: done(app, "warm") and app.jobs["warm"].argv[3] == "compile", "warm")
+        await until(pilot, lambda: (done(app, "warm") and app.jobs["warm"].argv[3] == "compile") or app.failures,
+                    "warm")
+        assert app.failures == []
         await until(pilot, lambda: done(app, "warm"), "compile")
         warmed = time.time()
         app.refresh_now()
@@ -70,31 +70,36 @@ async def test_prepack_then_warm_makes_the_sidecar_map_hot(tiny_ckpt, tmp_path):
         assert app.failures == []
 
 
-def _publish(cache: KernelCache, program: str, **changes) -> None:
-    components = {"backend": "export", "device": "cpu", "signature": {"inputs": []}, "layout": {"tp": 1},
-                  "model_dims": {"hidden": 8}, **dict(toolchain_components("cpu")), **changes}
-    cache.publish(program, Key.of(components), {"program.pt2": b"x" * 4096}, config_components=CONFIG_COMPONENTS)
+async def test_purge_deletes_only_what_the_plan_calls_stale_or_corrupt_after_listing_each(tiny_ckpt_ro, tmp_path):
+    from runtime.plan import Settings as PlanSettings
+    from runtime.plan import program_keys
 
-
-async def test_purge_removes_the_stale_entry_only_after_confirming(tiny_ckpt_ro, tmp_path):
     cache = KernelCache(tmp_path / "programs")
-    _publish(cache, "current_one")
-    _publish(cache, "stale_one", torch="2.0.0")
-    app = console(tiny_ckpt_ro, cache.root, create_default=False)
+    keys = program_keys(tiny_ckpt_ro, PlanSettings(backend="export", device="cpu", max_seq=64))
+    hit, stale, corrupt = list(keys)[:3]
+    cache.publish(hit, keys[hit], {"program.pt2": b"h" * 4096})
+    foreign = Key.of([(n, "2.99.0" if n == "torch" else v) for n, v in keys[stale].components])
+    cache.publish(stale, foreign, {"program.pt2": b"s" * 4096})  # built by another toolchain
+    cache.publish(corrupt, keys[corrupt], {"program.pt2": b"c" * 4096})
+    manifest = next(e.path for e in cache.inventory() if e.program == corrupt) / "manifest.json"
+    manifest.write_text("{not json")
+    settings = Settings(tiny_ckpt_ro, cache.root, device="cpu", backend="export", max_seq=64)
+    app = Dsv4Console(settings, watch=False, interval=0.5, port=0, create_default=False)
     async with app.run_test() as pilot:
         await until(pilot, lambda: app.snapshot is not None, "first snapshot")
-        assert {e["program"]: e["state"] for e in app.snapshot.programs.entries} == {
-            "current_one": "current", "stale_one": "stale"}
+        states = {p["program"]: p["state"] for p in app.snapshot.plan["programs"]}
+        assert (states[hit], states[stale], states[corrupt]) == ("HIT", "STALE", "CORRUPT")
         await pilot.press("x")
         await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), "confirm")
-        assert "1 program entries and 0 sidecars" in app.screen.body
+        assert "2 program entries and 0 sidecars" in app.screen.body
+        assert "torch 2.99.0" in app.screen.body and "manifest" in app.screen.body  # each file says why
         await pilot.press("n")
         await pilot.pause(0.3)
-        assert sorted(e.program for e in cache.inventory()) == ["current_one", "stale_one"]
+        assert len(cache.inventory()) == 3
         await pilot.press("x")
         await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), "confirm")
         await pilot.press("y")
-        await until(pilot, lambda: [e.program for e in cache.inventory()] == ["current_one"], "purge")
+        await until(pilot, lambda: [e.program for e in cache.inventory()] == [hit], "purge")
 
 
 async def test_launch_streams_every_phase_survives_the_console_and_a_new_console_stops_it(tiny_ckpt_ro, tmp_path):

@@ -97,6 +97,8 @@ async def test_sorting_enter_for_details_and_the_filter_count_in_each_title():
     async with app.run_test(size=(200, 50)) as pilot:
         await pilot.pause()
         table = app.query_one("#programs-table", PaneTable)
+        assert [r["state"] for r in table.rows_shown] == ["HIT", "STALE", "CORRUPT", "MISS"]  # the plan's order
+        await pilot.press("o")
         assert [r["program"] for r in table.rows_shown] == sorted(r["program"] for r in table.rows_shown)
         await pilot.press("o")  # next column: state
         assert [r["state"] for r in table.rows_shown] == sorted(r["state"] for r in table.rows_shown)
@@ -105,13 +107,13 @@ async def test_sorting_enter_for_details_and_the_filter_count_in_each_title():
         await pilot.press("enter")
         await pilot.pause()
         assert isinstance(app.screen, DetailScreen)
-        assert f"[b]path[/]  {table.rows_shown[0]['path']}" in app.screen.text
+        assert f"[b]fingerprint[/]  {table.rows_shown[0]['fingerprint']}" in app.screen.text  # in full
         await pilot.press("escape")
         await pilot.press("slash", *"stale", "enter")
         await pilot.pause()
         titles = {p: str(app.query_one(f"#{p}").border_title) for p in ("programs", "sidecars", "services")}
         assert titles["programs"].startswith("Programs 1 of 4")
-        assert titles["sidecars"].startswith("Sidecars 1 of 2")
+        assert titles["sidecars"].startswith("Sidecars 0 of 2")
         assert titles["services"].startswith("Services 0 of 1")
 
 

@@ -126,3 +126,17 @@ def test_read_throughput_defaults_when_unknown_or_unreadable(tmp_path):
     pagecache.remember_read_throughput(1.5e9, 1 << 30)
     assert pagecache.read_throughput().bytes_per_s == 1.5e9
     assert target.stat().st_mode & 0o777 != 0o600
+
+
+def test_scheduled_mincore_reuses_a_sample_until_its_cost_share_has_passed(tmp_path):
+    path = _file(tmp_path)
+    now = [1000.0]
+    pagecache.schedule(0.02, clock=lambda: now[0])
+    try:
+        first = pagecache.residency_path(path, method="mincore")
+        assert pagecache.residency_path(path, method="mincore") is first  # within cost / 2 %
+        now[0] += 3600  # far beyond cost / share
+        assert pagecache.residency_path(path, method="mincore") is not first
+    finally:
+        pagecache.schedule(None)
+    assert pagecache.residency_path(path, method="mincore") is not pagecache.residency_path(path, method="mincore")

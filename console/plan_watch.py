@@ -1,0 +1,83 @@
+"""The plan of the next launch (runtime.plan, torch-free) as the console keeps it: recomputed
+only when one of its inputs changed (the checkpoint dir, the program cache tree, the launch
+history) or when it is older than MAX_AGE (page-cache residency moves on its own), so an idle
+refresh costs a few stat calls, not a plan."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+MAX_AGE = 30.0  # seconds: residency (hot/cold) changes without any file changing
+MAX_STATS = 20_000  # a cache tree larger than this is stamped by its directories only
+
+
+def _entries(path: Path) -> list[tuple[str, int, int]]:
+    out = []
+    with contextlib.suppress(OSError), os.scandir(path) as it:
+        for e in it:
+            with contextlib.suppress(OSError):
+                st = e.stat(follow_symlinks=False)
+                out.append((e.name, st.st_size, st.st_mtime_ns))
+    return sorted(out)
+
+
+def _tree(root: Path, depth: int, budget: list[int]) -> tuple:
+    """(name, size, mtime) of every entry `depth` levels down (program/fingerprint/file)."""
+    rows = _entries(root)
+    budget[0] -= len(rows)
+    if depth <= 1 or budget[0] <= 0:
+        return tuple(rows)
+    return tuple((name, size, mtime, _tree(root / name, depth - 1, budget)) for name, size, mtime in rows
+                 if (root / name).is_dir() and not (root / name).is_symlink()) + tuple(rows)
+
+
+def stamp(model_dir: Path, cache_dir: Path, history: Path) -> tuple:
+    """What the plan depends on, cheaply: changes whenever a plan input changes."""
+    hist = None
+    with contextlib.suppress(OSError):
+        st = history.stat()
+        hist = (st.st_size, st.st_mtime_ns)
+    return (tuple(_entries(model_dir)), _tree(cache_dir, 4, [MAX_STATS]), hist)
+
+
+class PlanWatch:
+    """`get()` → (the Plan, its JSON form), recomputed only when needed."""
+
+    def __init__(self, model_dir: Path, settings: Any, cache_dir: Path, clock=time.monotonic):
+        self.model_dir, self.settings, self.cache_dir = model_dir, settings, cache_dir
+        self.clock = clock
+        self.plan: Any = None
+        self.json: dict[str, Any] | None = None
+        self._stamp: tuple | None = None
+        self._made = 0.0
+        self.computed = 0  # how many plans were made (the bench and tests read it)
+
+    def get(self, history: list[dict[str, Any]] | None = None) -> tuple[Any, dict[str, Any]]:
+        from store.history import history_path
+
+        now_stamp = stamp(self.model_dir, self.cache_dir, history_path())
+        if self.json is None or now_stamp != self._stamp or self.clock() - self._made > MAX_AGE:
+            self._make(history)
+            self._stamp = now_stamp
+        return self.plan, self.json or {}
+
+    def invalidate(self) -> None:
+        """Recompute at the next `get()` (residency moved across what the verdict depends on)."""
+        self.json = None
+
+    def _make(self, history: list[dict[str, Any]] | None) -> None:
+        from runtime.plan import make_plan
+
+        self._made = self.clock()
+        self.computed += 1
+        try:
+            self.plan = make_plan(self.model_dir, self.settings, history=history)
+            self.json = self.plan.to_json()
+        except Exception as e:  # make_plan says what is wrong in its parts; this is our own bug
+            self.plan = None
+            self.json = {"model": str(self.model_dir), "programs": [], "sidecar": {}, "kv": {}, "predicted": {},
+                         "problems": [f"plan failed: {type(e).__name__}: {e}"]}
