@@ -10,7 +10,6 @@ never block on a special file.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import socket
@@ -24,15 +23,10 @@ from store import safeio
 from store.atomic import is_staging, pid_alive, staging_writer
 from store.kernel_cache.entry import (
     CORRUPT,
-    ENTRY_NAME,
     HITS,
     MANIFEST,
     MAX_MANIFEST_BYTES,
-    MAX_QUARANTINE_NOTE_BYTES,
     PARTIAL,
-    QUARANTINE,
-    QUARANTINE_NAME,
-    QUARANTINE_NOTE,
     TRASH,
     TRASH_NAME,
     Corrupt,
@@ -44,7 +38,16 @@ from store.kernel_cache.entry import (
     judge,
 )  # fmt: skip
 from store.kernel_cache.publish import rand
-from store.kernel_cache.trust import UntrustedCacheError, ensure_dir, inside, marker_problem
+from store.kernel_cache.quarantine import quarantine, quarantined
+from store.kernel_cache.trust import (
+    ensure_dir,
+    marker_problem,
+    ours,
+    real_dirs,
+    require_marked,
+    scandir,
+    tree_size,
+)  # fmt: skip
 from store.units import format_age
 
 if TYPE_CHECKING:
@@ -54,82 +57,14 @@ if TYPE_CHECKING:
 STAGING_MAX_AGE = 3600.0
 
 
-def scandir(path: Path) -> list[os.DirEntry[str]]:
-    try:
-        with os.scandir(path) as it:
-            return list(it)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-
-
-def real_dirs(path: Path) -> Iterator[os.DirEntry[str]]:
-    """Sub-directories of `path` that are directories themselves, never symlinks to one."""
-    for d in scandir(path):
-        if not d.name.startswith(".") and d.is_dir(follow_symlinks=False):
-            yield d
-
-
-def tree_size(path: Path) -> int:
-    total = 0
-    for dirpath, _, names in os.walk(path):
-        for n in names:
-            with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(dirpath, n)).st_size
-    return total
-
-
-def _ours(cache: KernelCache, path: Path) -> bool:
-    """Whether `path` is something this project named, in a real directory under the root."""
-    name = path.name
-    if path.parent == cache.root / QUARANTINE:
-        named = QUARANTINE_NAME.fullmatch(name) is not None
-    elif path.parent.parent == cache.base:
-        named = ENTRY_NAME.fullmatch(name) is not None or staging_writer(name) is not None
-    else:
-        named = False
-    return named and inside(cache.root, path)
-
-
-def _require_marked(cache: KernelCache) -> None:
-    problem = marker_problem(cache.root)
-    if problem:
-        raise UntrustedCacheError(problem)
-
-
-def quarantine(cache: KernelCache, entry: Path, reason: str, expect: tuple[int, int] | None = None) -> Path | None:
-    """Move an entry out of the lookup path, keeping it for inspection; None if it vanished,
-    is not ours to move, or, with `expect` (dev, ino), if the dir there now is not the one
-    that was judged."""
-    if marker_problem(cache.root) or not _ours(cache, entry):
-        return None
-    if expect is not None:
-        try:
-            st = os.lstat(entry)
-        except FileNotFoundError:
-            return None
-        if (st.st_dev, st.st_ino) != expect:
-            return None
-    qdir = cache.root / QUARANTINE
-    ensure_dir(qdir)
-    dest = qdir / f"{entry.parent.name}--{entry.name[:16]}--{int(time.time())}--{rand()}"
-    try:
-        os.rename(entry, dest)
-    except FileNotFoundError:
-        return None
-    note = {"program": entry.parent.name, "fingerprint": entry.name, "reason": reason, "when": time.time()}
-    with contextlib.suppress(OSError):
-        (dest / QUARANTINE_NOTE).write_text(json.dumps(note)[:MAX_QUARANTINE_NOTE_BYTES])
-    return dest
-
-
 def remove(cache: KernelCache, entries: Iterable[Entry]) -> list[Entry]:
     """Delete entries safely while others read: rename each into the trash, then delete.
     Busy partial entries (their writer may still be running) and paths not ours are skipped."""
-    _require_marked(cache)
+    require_marked(cache)
     trash = cache.root / TRASH
     removed = []
     for e in entries:
-        if e.busy or not _ours(cache, e.path):
+        if e.busy or not ours(cache, e.path):
             continue
         ensure_dir(trash)
         try:
@@ -203,7 +138,7 @@ def inventory(cache: KernelCache, reference: Reference | None = None) -> list[En
 
     Checks structure (manifest, file presence and sizes) but hashes nothing: `verify` does.
     """
-    _require_marked(cache)
+    require_marked(cache)
     reference = reference or Reference()
     out: list[Entry] = []
     for program in programs(cache):
@@ -212,13 +147,13 @@ def inventory(cache: KernelCache, reference: Reference | None = None) -> list[En
                 out.append(partial_entry(program, Path(child.path)))
             elif not child.name.startswith("."):
                 out.append(_entry(program, child, reference))
-    out.extend(_quarantined(cache))
+    out.extend(quarantined(cache))
     return out
 
 
 def verify(cache: KernelCache) -> Verification:
     """Hash every entry; quarantine those that fail."""
-    _require_marked(cache)
+    require_marked(cache)
     checked, bad = 0, []
     for program in programs(cache):
         for fp, entry in entry_dirs(cache, program):
@@ -255,40 +190,6 @@ def _entry(program: str, child: os.DirEntry[str], reference: Reference) -> Entry
     return Entry(
         program, fp, state, reason, size, manifest.created, last_used or manifest.created, hits, Path(path)
     )
-
-
-def _note(path: Path) -> tuple[dict, str]:
-    """A quarantine record and, when it is unreadable or malformed, one line saying so."""
-    try:
-        note = json.loads(safeio.read_regular(path / QUARANTINE_NOTE, MAX_QUARANTINE_NOTE_BYTES))
-    except FileNotFoundError:
-        return {}, ""
-    except OSError as e:
-        return {}, f"record unreadable ({e.strerror})"
-    except (ValueError, RecursionError):
-        return {}, "record is not valid JSON"
-    if not isinstance(note, dict):
-        return {}, "record is not a JSON object"
-    return note, ""
-
-
-def _quarantined(cache: KernelCache) -> list[Entry]:
-    out = []
-    for d in sorted(real_dirs(cache.root / QUARANTINE), key=lambda d: d.name):
-        path = Path(d.path)
-        note, problem = _note(path)
-        try:
-            when = float(note.get("when", 0.0))
-        except (TypeError, ValueError):
-            when, problem = 0.0, problem or "record time is not a number"
-        reason = problem or str(note.get("reason", "unknown reason"))
-        out.append(
-            Entry(
-                str(note.get("program", d.name.split("--")[0])), str(note.get("fingerprint", "")),
-                CORRUPT, f"quarantined: {reason}"[:500], tree_size(path), when, when, 0, path,
-            )
-        )
-    return out
 
 
 def _hit_stats(entry: str) -> tuple[int, float]:

@@ -13,16 +13,28 @@ component) and carry a name the project's own naming produced (entry.ENTRY_NAME,
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import stat
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from store import safeio
-from store.atomic import is_staging, shared_mode, write_bytes_atomic
+from store.atomic import is_staging, shared_mode, staging_writer, write_bytes_atomic
 from store.errors import UserError
-from store.kernel_cache.entry import FORMAT_VERSION, Untrusted
+from store.kernel_cache.entry import (
+    ENTRY_NAME,
+    FORMAT_VERSION,
+    QUARANTINE,
+    QUARANTINE_NAME,
+    Untrusted,
+)
+
+if TYPE_CHECKING:
+    from store.kernel_cache.cache import KernelCache
 
 MARKER = "dsv4-kernel-cache.json"
 MAX_MARKER_BYTES = 4096
@@ -170,3 +182,45 @@ def open_trusted(root: Path, entry: Path, dfd: int, name: str) -> int:
         os.close(fd)
         raise Untrusted(f"{name} is {problem}")
     return fd
+
+
+def scandir(path: Path) -> list[os.DirEntry[str]]:
+    try:
+        with os.scandir(path) as it:
+            return list(it)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def real_dirs(path: Path) -> Iterator[os.DirEntry[str]]:
+    """Sub-directories of `path` that are directories themselves, never symlinks to one."""
+    for d in scandir(path):
+        if not d.name.startswith(".") and d.is_dir(follow_symlinks=False):
+            yield d
+
+
+def tree_size(path: Path) -> int:
+    total = 0
+    for dirpath, _, names in os.walk(path):
+        for n in names:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, n)).st_size
+    return total
+
+
+def ours(cache: KernelCache, path: Path) -> bool:
+    """Whether `path` is something this project named, in a real directory under the root."""
+    name = path.name
+    if path.parent == cache.root / QUARANTINE:
+        named = QUARANTINE_NAME.fullmatch(name) is not None
+    elif path.parent.parent == cache.base:
+        named = ENTRY_NAME.fullmatch(name) is not None or staging_writer(name) is not None
+    else:
+        named = False
+    return named and inside(cache.root, path)
+
+
+def require_marked(cache: KernelCache) -> None:
+    problem = marker_problem(cache.root)
+    if problem:
+        raise UntrustedCacheError(problem)

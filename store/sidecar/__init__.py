@@ -6,9 +6,11 @@ runtime/pack.py; this package only knows plans, bytes and keys:
 - `name`    the file name (`dsv4-packed.r<ranks>.safetensors`), built, globbed and parsed once
 - `key`     the source key (what it was packed from) and the metadata that records it
 - `format`  header parsing, soundness and the one canonical data layout
-- `writer`  the streaming writer and the sweep of crashed writers' staging files
+- `writer`  the streaming writer (`checksum`: per-chunk checksums of the data it wrote)
+- `files`   where a sidecar may be written; the sweep of crashed writers' staging files
 - `verdict` MAP or REPACK and why, with the cold policy (`inspect`: no torch)
 - `loader`  judge + map through one fd, zero-copy read-only torch views (`open_sidecar`)
+- `watch`   the read lease / fd identity that says when a mapped sidecar changes
 
     verdict, mapped = open_sidecar(path, expected_key=key, expected_names=names)
     if mapped: use mapped.tensors; mapped.close() when done
@@ -19,6 +21,7 @@ Only `loader` imports torch, inside functions; the console calls `inspect` witho
 
 from store.checkpoint import CONFIG_NAME, DTYPE_SIZES, INDEX_NAME
 from store.fingerprint import Key, fingerprint
+from store.sidecar.files import STALE_TEMP_SECONDS, check_target, sweep_temp_files
 from store.sidecar.format import (
     DATA_ALIGN,
     REQUIRED_METADATA,
@@ -48,13 +51,13 @@ from store.sidecar.verdict import (
     inspect,
     missing,
 )
-from store.sidecar.writer import STALE_TEMP_SECONDS, SidecarInfo, sweep_temp_files, write_sidecar
+from store.sidecar.writer import SidecarInfo, write_sidecar
 
 __all__ = [
     "COLD_POLICIES", "CONFIG_NAME", "DATA_ALIGN", "DEFAULT_COLD_THRESHOLD", "DTYPE_SIZES",
     "FILE_PREFIX", "INDEX_NAME", "MAP", "REASONS", "REPACK", "REQUIRED_METADATA",
     "STALE_TEMP_SECONDS", "CorruptSidecar", "Header", "Key", "MappedSidecar", "SidecarInfo",
-    "TensorEntry", "TensorPlan", "Verdict", "default_sidecar_path", "file_name", "find_sidecars",
+    "TensorEntry", "TensorPlan", "Verdict", "check_target", "default_sidecar_path", "file_name", "find_sidecars",
     "fingerprint", "glob_pattern", "inspect", "key_from_metadata", "missing", "open_sidecar",
     "ranks_of", "read_header", "sidecar_metadata", "source_key", "sweep_temp_files",
     "write_sidecar",

@@ -1,0 +1,89 @@
+"""Quarantine: entries that failed to read, verify or load, kept for inspection.
+
+`<root>/quarantine/<program>--<fp16>--<time>--<rand>/` with a small `quarantine.json` record.
+A record that is missing, unreadable, malformed or oversized is one line in the listing and
+never empties it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from store import safeio
+from store.kernel_cache.entry import (
+    CORRUPT,
+    MAX_QUARANTINE_NOTE_BYTES,
+    QUARANTINE,
+    QUARANTINE_NOTE,
+    Entry,
+)  # fmt: skip
+from store.kernel_cache.publish import rand
+from store.kernel_cache.trust import ensure_dir, marker_problem, ours, real_dirs, tree_size
+
+if TYPE_CHECKING:
+    from store.kernel_cache.cache import KernelCache
+
+
+def quarantine(cache: KernelCache, entry: Path, reason: str, expect: tuple[int, int] | None = None) -> Path | None:
+    """Move an entry out of the lookup path, keeping it for inspection; None if it vanished,
+    is not ours to move, or, with `expect` (dev, ino), if the dir there now is not the one
+    that was judged."""
+    if marker_problem(cache.root) or not ours(cache, entry):
+        return None
+    if expect is not None:
+        try:
+            st = os.lstat(entry)
+        except FileNotFoundError:
+            return None
+        if (st.st_dev, st.st_ino) != expect:
+            return None
+    qdir = cache.root / QUARANTINE
+    ensure_dir(qdir)
+    dest = qdir / f"{entry.parent.name}--{entry.name[:16]}--{int(time.time())}--{rand()}"
+    try:
+        os.rename(entry, dest)
+    except FileNotFoundError:
+        return None
+    note = {"program": entry.parent.name, "fingerprint": entry.name, "reason": reason, "when": time.time()}
+    with contextlib.suppress(OSError):
+        (dest / QUARANTINE_NOTE).write_text(json.dumps(note)[:MAX_QUARANTINE_NOTE_BYTES])
+    return dest
+
+
+def _note(path: Path) -> tuple[dict, str]:
+    """A quarantine record and, when it is unreadable or malformed, one line saying so."""
+    try:
+        note = json.loads(safeio.read_regular(path / QUARANTINE_NOTE, MAX_QUARANTINE_NOTE_BYTES))
+    except FileNotFoundError:
+        return {}, ""
+    except OSError as e:
+        return {}, f"record unreadable ({e.strerror})"
+    except (ValueError, RecursionError):
+        return {}, "record is not valid JSON"
+    if not isinstance(note, dict):
+        return {}, "record is not a JSON object"
+    return note, ""
+
+
+def quarantined(cache: KernelCache) -> list[Entry]:
+    out = []
+    for d in sorted(real_dirs(cache.root / QUARANTINE), key=lambda d: d.name):
+        path = Path(d.path)
+        note, problem = _note(path)
+        try:
+            when = float(note.get("when", 0.0))
+        except (TypeError, ValueError):
+            when, problem = 0.0, problem or "record time is not a number"
+        reason = problem or str(note.get("reason", "unknown reason"))
+        out.append(
+            Entry(
+                str(note.get("program", d.name.split("--")[0])), str(note.get("fingerprint", "")),
+                CORRUPT, f"quarantined: {reason}"[:500], tree_size(path), when, when, 0, path,
+            )
+        )
+    return out
