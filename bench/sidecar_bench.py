@@ -222,7 +222,7 @@ def run(preset: str = "small", log: Callable[[str], None] = print) -> list[Row]:
     from runtime import pack
     from runtime.prepack import open_prepacked, pack_plan
     from runtime.synth import ensure_default_model
-    from store import pagecache
+    from store import pagecache, sidecar
     from store.checkpoint import Checkpoint
     from store.units import format_size
 
@@ -235,7 +235,7 @@ def run(preset: str = "small", log: Callable[[str], None] = print) -> list[Row]:
     load_start = os.getloadavg()[0]
     tmp = Path(tempfile.mkdtemp(prefix="dsv4-bench-sidecar-"))
     try:
-        sidecar_path = tmp / "packed.r1.safetensors"
+        sidecar_path = tmp / sidecar.file_name(1)  # the one place the name is built
 
         log("prepack (subprocess) …")
         base = _run_measured([sys.executable, "-c", "import runtime.prepack"])

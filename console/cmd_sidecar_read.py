@@ -74,6 +74,11 @@ def warm(args: argparse.Namespace, path: Path) -> int:
         ) from None
     recorded = result.cold_bytes_per_s
     verified = None if check is None else check.result()
+    if args.events:  # the console shows "verified" and when from this event
+        sink(Event("warm", "end", seconds=result.seconds, done=result.bytes_read, unit="bytes",
+                   message=None if verified is None else verified.detail,
+                   detail={"file": path.name, "verified": None if verified is None else verified.ok,
+                           "verified_at": None if verified is None else time.time()}))  # fmt: skip
     if args.json:
         from console.output import print_json
 

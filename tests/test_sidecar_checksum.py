@@ -129,3 +129,12 @@ def test_a_header_whose_shapes_differ_from_the_plan_is_repack_naming_the_tensor(
     assert mapped is None and got.reason == "shapes" and "tail is BF16[7]" in got.detail
     ok = sidecar.inspect(path, expected_key=key, expected_plan=plan(tensors()))
     assert ok.action == sidecar.MAP
+
+
+def test_warm_events_end_with_the_verification(model_dir, tmp_path):
+    path = write(model_dir)
+    events = tmp_path / "events.jsonl"
+    assert cli(["sidecar", "warm", str(path), "--events", str(events)]) == 0
+    end = [json.loads(line) for line in events.read_text().splitlines()][-1]
+    assert end["kind"] == "end" and end["detail"]["verified"] is True and end["detail"]["verified_at"]
+    assert "chunks verified" in end["message"]
