@@ -17,8 +17,7 @@ from console.pane_sidecars import SidecarsPane
 from console.screen_confirm import ConfirmScreen
 from console.workers import Worker, dsv4
 from runtime.events import Event
-from store import pagecache
-from store import sidecar as sc
+from store.checkpoint import INDEX_NAME
 
 # `dsv4 compile` reports each program on stderr as `[3/14] head.decode: MISS (17.20 s)`
 _COMPILE_LINE = re.compile(r"^\[(\d+)/(\d+)\] (\S+): (\S+)")
@@ -36,7 +35,7 @@ class JobActions:
         return False
 
     def _model_ready(self) -> bool:
-        if (self.settings.model_dir / sc.INDEX_NAME).is_file():
+        if (self.settings.model_dir / INDEX_NAME).is_file():
             return True
         self.notify(f"no checkpoint at {self.settings.model_dir}", severity="error")
         return False
@@ -121,6 +120,8 @@ class JobActions:
             return
         argv = dsv4("prepack", str(self.settings.model_dir), "--ranks", str(self.settings.ranks),
                     "--events", "-")
+        from store import sidecar as sc  # lazily: keeps the console's first paint fast
+
         existing = sc.default_sidecar_path(self.settings.model_dir, self.settings.ranks)
 
         def go(extra: list[str]) -> None:
@@ -141,6 +142,9 @@ class JobActions:
         self.run_worker(self._warm(), group="jobs")
 
     async def _warm(self) -> None:
+        from store import pagecache
+        from store import sidecar as sc
+
         s = self.settings
         path = sc.default_sidecar_path(s.model_dir, s.ranks)
         if path.is_file():

@@ -39,7 +39,7 @@ from console.screen_help import HelpScreen
 from console.screen_history import HistoryScreen
 from console.tables import PaneTable
 from runtime.events import Event
-from store import sidecar as sc
+from store.checkpoint import INDEX_NAME
 
 MUTATING = frozenset({"prepack", "purge", "warm", "launch", "stop", "create"})
 MIN_SIZE = (80, 24)  # below this: one line saying so, not a broken layout
@@ -143,7 +143,7 @@ class Dsv4Console(JobActions, ServiceActions, App):
 
     def _needs_default(self) -> bool:
         return (self.settings.model_dir == default_model_dir()
-                and not (self.settings.model_dir / sc.INDEX_NAME).is_file())
+                and not (self.settings.model_dir / INDEX_NAME).is_file())
 
     def _topbar(self) -> None:
         s = self.settings

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import http.client
-import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +19,9 @@ class ServicesSnapshot:
 
 def health(url: str, timeout: float = HEALTH_TIMEOUT) -> str:
     """`ok`, `HTTP <status>` or `no answer` from GET <url>/health."""
+    import http.client  # lazily: not on the first paint's path
+    import urllib.parse
+
     parts = urllib.parse.urlsplit(url)
     if not parts.hostname:
         return "-"

@@ -26,7 +26,6 @@ from console.collect_host import (
 from console.collect_services import ServicesSnapshot, collect_services
 from console.plan_watch import PlanWatch
 from runtime.events import PHASES
-from store import sidecar as sc
 from store.paths import default_model_dir, default_preset, kernel_cache_dir  # noqa: F401
 from store.units import format_size
 
@@ -121,7 +120,7 @@ def programs_of(plan: dict[str, Any], root: Path) -> ProgramsSnapshot:
 
 def next_launch(verdict: dict[str, Any]) -> str:
     """What the next launch does with its sidecar, in words (from the plan's verdict)."""
-    if verdict.get("verdict") == sc.MAP:
+    if verdict.get("verdict") == "MAP":
         return "MAP (cold: reads uncached bytes)" if verdict.get("cold_read") else "MAP"
     return f"REPACK ({verdict.get('reason') or '?'})"
 
@@ -136,6 +135,8 @@ def sidecars_of(plan: dict[str, Any], model_dir: Path, now: float) -> SidecarsSn
                 "size_bytes": 0}  # a plan over a broken checkpoint says less: the pane still has every key
     rows = [{**defaults, **judged, "sampled_at": judged.get("sampled_at") or now,
              "next_launch": next_launch(judged), "wanted": True}]
+    from store import sidecar as sc  # lazily, in the collect thread: not on the first paint's path
+
     try:
         others = [p for p in sc.find_sidecars(model_dir) if str(p) != judged.get("path")]
     except OSError:
