@@ -457,3 +457,20 @@ def test_purge_one_program_and_gc_from_the_cli(cache, capsys):
     assert "not a size" in capsys.readouterr().err
     assert cli(["cache", "gc", "--max-size", "0", "--kernel-cache-dir", root]) == 0
     assert cache.inventory() == []
+
+
+def test_probe_without_verify_checks_structure_and_reads_no_artifact(cache):
+    key = make_key()
+    put(cache, key)
+    quick = cache.probe("layer", key, verify=False)
+    assert isinstance(quick, Hit) and quick.contents == {} and quick.path == entry_dir(cache, key)
+    art = entry_dir(cache, key) / ART
+    data = bytearray(art.read_bytes())
+    data[0] ^= 0xFF
+    art.write_bytes(bytes(data))  # same size: only hashing sees it
+    assert cache.probe("layer", key, verify=False).hit
+    assert cache.probe("layer", key).kind == "corrupt"
+    art.write_bytes(bytes(data) + b"x")  # a size the manifest does not record
+    miss = cache.probe("layer", key, verify=False)
+    assert isinstance(miss, Miss) and "manifest says" in miss.reason
+    assert isinstance(cache.probe("layer", make_key(backend="aoti"), verify=False), Miss)

@@ -12,7 +12,8 @@ Layout (format version 1)::
 
 Modules: `cache` (the interface: lookup/probe, get_or_build, publish, reject), `entry` (the
 manifest, results and the judgement of an entry), `trust` (marker, ownership, permissions),
-`publish` (lock, staging, seal, rename), `inventory` (ls, verify, gc, purge, trash) and
+`publish` (lock, staging, seal, rename), `read` (verified or structural reads of an entry),
+`inventory` (ls, verify, gc, purge, trash) and
 `quarantine` (moving entries aside, and reading their records).
 
 The manifest records the full key, which of its components describe a *configuration*

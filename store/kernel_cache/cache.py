@@ -19,9 +19,10 @@ from pathlib import Path
 
 from store import safeio
 from store.atomic import shared_mode
-from store.fingerprint import Key, describe, diff, fingerprint, sha256_hex
+from store.fingerprint import Key, describe, diff, fingerprint
 from store.kernel_cache import inventory as inv
 from store.kernel_cache import publish as pub
+from store.kernel_cache import read
 from store.kernel_cache.entry import (
     HITS,
     MANIFEST,
@@ -42,9 +43,6 @@ from store.kernel_cache.entry import (
 )  # fmt: skip
 from store.kernel_cache.trust import (
     UntrustedCacheError,
-    check_entry_path,
-    open_trusted,
-    ownership_problem,
     trust_problem,
 )  # fmt: skip
 
@@ -81,9 +79,15 @@ class KernelCache:
         """HIT with verified bytes, or MISS with its reason. Corrupt entries are quarantined."""
         return self._resolve(program, key, record=True)
 
-    def probe(self, program: str, key: Key) -> Hit | Miss:
-        """`lookup` without side effects (no hit recorded, nothing quarantined): for plans."""
-        return self._resolve(program, key, record=False)
+    def probe(self, program: str, key: Key, *, verify: bool = True) -> Hit | Miss:
+        """`lookup` without side effects (no hit recorded, nothing quarantined): for plans.
+
+        verify=False checks structure only (trust, manifest, every artifact's presence, kind
+        and size) and reads no artifact: a HIT then has empty contents and a same-size
+        corruption is not seen. Cheap enough for a plan; loading always does the full check."""
+        if verify:
+            return self._resolve(program, key, record=False)
+        return read.structure(self, program, key)
 
     def _resolve(self, program: str, key: Key, *, record: bool, _again: bool = True) -> Hit | Miss:
         check_program_name(program)
@@ -138,55 +142,10 @@ class KernelCache:
                 yield Manifest.parse(safeio.read_regular(entry / MANIFEST, MAX_MANIFEST_BYTES), program, fp)
 
     def read_verified(self, entry: Path, program: str, fp: str) -> tuple[Manifest, dict[str, bytes]]:
-        """Manifest and verified contents of one entry, all read through one directory fd: an
-        entry replaced meanwhile (purge + republish) can never mix one writer's manifest with
-        another's artifact. A Corrupt raised here carries `.dir_id`, the (dev, ino) of the dir
-        actually read, so only that dir is quarantined. Sizes are checked before hashing."""
-        check_entry_path(self.root, entry)
-        try:
-            dfd = os.open(entry, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        except NotADirectoryError:
-            raise Corrupt(f"{entry.name} is not a directory") from None
-        st = os.fstat(dfd)
-        try:
-            problem = ownership_problem(st)
-            if problem:
-                raise Untrusted(f"{entry.name} is {problem}")
-            manifest = Manifest.parse(self._read(entry, dfd, MANIFEST, MAX_MANIFEST_BYTES), program, fp)
-            contents = {}
-            for f in manifest.files:
-                data = self._read(entry, dfd, f.name, f.size)
-                if len(data) != f.size:
-                    raise Corrupt(f"{f.name} has {len(data)} bytes, manifest says {f.size}")
-                if sha256_hex(data) != f.sha256:
-                    raise Corrupt(f"{f.name} does not match its sha256")
-                contents[f.name] = data
-            return manifest, contents
-        except Corrupt as e:
-            e.dir_id = (st.st_dev, st.st_ino)
-            raise
-        finally:
-            os.close(dfd)
+        return read.verified(self, entry, program, fp)
 
     def _read(self, entry: Path, dfd: int, name: str, cap: int) -> bytes:
-        """A file of the entry, never more than `cap` bytes (the manifest's size, or its cap)."""
-        try:
-            fd = open_trusted(self.root, entry, dfd, name)
-            try:
-                size = os.fstat(fd).st_size
-                if size > cap and name == MANIFEST:
-                    raise Corrupt(f"{name} is {size} bytes, over the {cap}-byte limit")
-                if size > cap:  # checked before a byte is hashed
-                    raise Corrupt(f"{name} has {size} bytes, manifest says {cap}")
-                return safeio.read_fd(fd, cap, name)
-            finally:
-                os.close(fd)
-        except FileNotFoundError:
-            raise Corrupt(f"{name} is missing") from None
-        except safeio.NotRegularFile as e:
-            raise Corrupt(f"{name} is {e.strerror}") from None
-        except OSError as e:
-            raise Corrupt(f"cannot read {name}: {e.strerror}") from None
+        return read.capped(self.root, entry, dfd, name, cap)
 
     def _stamp_hit(self, entry: Path) -> None:
         # One appended byte per hit: size = hit count, mtime = last use. O_APPEND writes of one

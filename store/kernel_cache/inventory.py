@@ -181,7 +181,7 @@ def _entry(program: str, child: os.DirEntry[str], reference: Reference) -> Entry
                           if not child.is_symlink() else "a symlink, not an entry directory")
         raw = safeio.read_regular(os.path.join(path, MANIFEST), MAX_MANIFEST_BYTES)
         manifest = Manifest.parse(raw, program, fp)
-        size = len(raw) + _artifact_sizes(path, manifest)
+        size = len(raw) + artifact_sizes(path, manifest)
     except (OSError, Corrupt) as e:
         reason = str(e) if isinstance(e, Corrupt) else f"unreadable: {e.strerror or e}"
         size = tree_size(Path(path)) if child.is_dir(follow_symlinks=False) else 0
@@ -200,7 +200,7 @@ def _hit_stats(entry: str) -> tuple[int, float]:
     return st.st_size, st.st_mtime
 
 
-def _artifact_sizes(entry: str, manifest: Manifest) -> int:
+def artifact_sizes(entry: str, manifest: Manifest) -> int:
     total = 0
     for f in manifest.files:
         try:
