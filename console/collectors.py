@@ -52,7 +52,7 @@ class Settings:
 
     @classmethod
     def make(cls, model_dir: Path | None = None, kernel_cache: Path | None = None, **kw: Any) -> Settings:
-        return cls(model_dir or default_model_dir(), kernel_cache or kernel_cache_dir(), **kw)
+        return cls(model_dir or default_model_dir(), kernel_cache_dir(kernel_cache), **kw)
 
     def for_plan(self):
         from runtime.plan import Settings as PlanSettings

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from store.units import format_size
+from store.units import format_age, format_size
 
 
 def bar(fraction: float | None, width: int = 12) -> str:
@@ -15,13 +15,7 @@ def bar(fraction: float | None, width: int = 12) -> str:
 
 
 def ago(then: float | None, now: float) -> str:
-    if not then:
-        return "never"
-    seconds = max(0.0, now - then)
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            return f"{seconds / size:.0f}{unit} ago"
-    return f"{seconds:.0f}s ago"
+    return f"{format_age(now - then)} ago" if then else "never"
 
 
 def size(n: float | None) -> str:
