@@ -44,7 +44,7 @@ def program_targets(plan, cache_dir: Path | None = None) -> list[Target]:
 
     if not plan.keys:
         return []
-    cache = KernelCache(cache_dir or plan.settings.kernel_cache_dir or kernel_cache_dir())
+    cache = KernelCache(kernel_cache_dir(cache_dir or plan.settings.kernel_cache_dir))
     if not cache.root.is_dir():
         return []
     entries = cache.inventory(reference(plan.device, plan.keys))
@@ -84,7 +84,7 @@ def purge(plan, chosen: list[Target]) -> list[Target]:
     done = []
     programs = [t for t in chosen if t.kind == "program"]
     if programs:
-        cache = KernelCache(plan.settings.kernel_cache_dir or kernel_cache_dir())
+        cache = KernelCache(kernel_cache_dir(plan.settings.kernel_cache_dir))
         wanted = {t.path for t in programs}
         from runtime.programs import reference
 
