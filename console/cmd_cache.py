@@ -30,7 +30,7 @@ PURGE_SELECTIONS = {
 def register(subparsers: argparse._SubParsersAction) -> None:
     group = subparsers.add_parser(
         "cache",
-        help="kernel cache (compiled programs): ls, verify, purge, gc, why",
+        help="kernel cache (compiled programs): ls, verify, purge, gc, why, adopt",
         description="The kernel cache of compiled programs: inventory, verification, cleanup, diagnosis.",
     )
     sub = group.add_subparsers(dest="cache_command", metavar="ACTION", required=True)
@@ -51,6 +51,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     gc = _action(sub, "gc", _gc, "evict least recently used entries down to a size")
     gc.add_argument("--max-size", required=True, metavar="SIZE", help="e.g. 10G, 512M")
+
+    _action(sub, "adopt", _adopt, "mark a kernel cache made by an older dsv4 (no marker yet) as one")
 
     why = _action(sub, "why", _why, "would PROGRAM hit now; if not, what differs")
     why.add_argument("program", metavar="PROGRAM")
@@ -127,6 +129,15 @@ def _ls(args: argparse.Namespace) -> int:
         print_json([e.to_json() for e in entries])
         return 0
     render_ls(entries, cache.root)
+    return 0
+
+
+def _adopt(args: argparse.Namespace) -> int:
+    from store.kernel_cache.trust import adopt
+
+    root = kernel_cache_dir(args.kernel_cache_dir)
+    adopt(root)
+    print(f"{root}: a kernel cache ({kc.MARKER} written)")
     return 0
 
 

@@ -96,7 +96,8 @@ def marker_problem(root: Path) -> str | None:
                 return None
             if MARKER not in names:
                 return (f"{root}: not a kernel cache (no {MARKER}) and not empty; refusing to use "
-                        f"it. Point {FLAG_HINT} at an empty or new directory")
+                        f"it. Point {FLAG_HINT} at an empty or new directory (a cache made by an "
+                        f"older dsv4: `dsv4 cache adopt --kernel-cache-dir {root}`)")
         except OSError as e:
             return f"{root / MARKER}: unreadable marker ({e.strerror}); remove the directory or use another"
     if raw is None:
@@ -224,3 +225,47 @@ def require_marked(cache: KernelCache) -> None:
     problem = marker_problem(cache.root)
     if problem:
         raise UntrustedCacheError(problem)
+
+
+def adopt(root: Path) -> None:
+    """Mark a root made by an older dsv4 (before the marker existed) as ours, only if it and
+    everything in it is owned by us and named as dsv4 names things; UntrustedCacheError if not."""
+    from store.kernel_cache.entry import LOCKS, TRASH, VERSION_DIR, check_program_name
+
+    def refuse(why: str) -> None:
+        raise UntrustedCacheError(f"{root}: not adopted: {why}")
+
+    try:
+        st = os.stat(root)
+    except OSError as e:
+        raise UntrustedCacheError(f"{root}: cannot read ({e.strerror})") from None
+    if not stat.S_ISDIR(st.st_mode):
+        refuse(f"it is {safeio.kind(st.st_mode)}")
+    if (root / MARKER).exists():
+        return
+    if problem := ownership_problem(st):
+        refuse(f"it is {problem}")
+    allowed = {VERSION_DIR: None, QUARANTINE: QUARANTINE_NAME, TRASH: None}
+    for d in scandir(root):
+        if is_staging(d.name):
+            continue
+        if d.name not in allowed or not d.is_dir(follow_symlinks=False):
+            refuse(f"{d.name!r} is not something dsv4 puts in a kernel cache")
+        if problem := ownership_problem(d.stat(follow_symlinks=False)):
+            refuse(f"{d.name} is {problem}")
+    for q in scandir(root / QUARANTINE):
+        if QUARANTINE_NAME.fullmatch(q.name) is None:
+            refuse(f"{QUARANTINE}/{q.name} is not a quarantined entry")
+    for d in scandir(root / VERSION_DIR):
+        if d.name == LOCKS:
+            continue
+        try:
+            check_program_name(d.name)
+        except ValueError:
+            refuse(f"{VERSION_DIR}/{d.name} is not a program dir")
+        if not d.is_dir(follow_symlinks=False):
+            refuse(f"{VERSION_DIR}/{d.name} is not a directory")
+        for child in scandir(Path(d.path)):
+            if ENTRY_NAME.fullmatch(child.name) is None and not is_staging(child.name):
+                refuse(f"{VERSION_DIR}/{d.name}/{child.name} is not an entry")
+    write_marker(root)

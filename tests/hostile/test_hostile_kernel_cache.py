@@ -202,3 +202,23 @@ def test_a_root_owned_by_another_user_is_one_line(tmp_path, capsys):
     assert cli(["cache", "ls", "--kernel-cache-dir", str(cache.root)]) == 1
     err = capsys.readouterr().err
     assert one_line(err) and "owned by uid 65534" in err
+
+
+def test_a_cache_made_before_the_marker_is_adopted_only_when_all_of_it_is_ours(tmp_path, capsys):
+    cache = cached(tmp_path / "programs")
+    cache.quarantine(entry(cache), "test")
+    cache.publish("prog", KEY, {ART: b"again"})
+    (cache.root / MARKER).unlink()  # as an older dsv4 left it
+    assert cli(["cache", "ls", "--kernel-cache-dir", str(cache.root)]) == 1
+    assert "dsv4 cache adopt" in capsys.readouterr().err
+    assert cli(["cache", "adopt", "--kernel-cache-dir", str(cache.root)]) == 0
+    assert isinstance(cache.lookup("prog", KEY), Hit)
+
+
+def test_adopt_refuses_a_directory_holding_anything_dsv4_does_not_make(tmp_path, capsys):
+    d = foreign_dir(tmp_path)  # quarantine/holiday is not a quarantined entry's name
+    before = tree(d)
+    assert cli(["cache", "adopt", "--kernel-cache-dir", str(d)]) == 1
+    err = capsys.readouterr().err
+    assert one_line(err) and "not adopted" in err
+    assert tree(d) == before and not (d / MARKER).exists()
