@@ -20,7 +20,7 @@ import mmap
 import os
 import warnings
 import weakref
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -36,7 +36,7 @@ from store.sidecar.verdict import (
     open_checked,
     repack,
 )
-from store.sidecar.watch import Watch
+from store.sidecar.watch import Watch, poll_in_background
 
 if TYPE_CHECKING:
     import torch
@@ -82,6 +82,12 @@ class MappedSidecar:
         """Why the mapped bytes are no longer the validated ones (or are about to stop being:
         a writer is waiting on our lease), or None. Poll it: per request and every ~0.5 s."""
         return self._watch.changed() if self._watch else None
+
+    def notify(self, on_change: Callable[[str], None], interval: float = 0.5) -> Callable[[], None]:
+        """Call `on_change(reason)` once from a background thread when `changed()` says
+        something (the service: stop admitting, 503 with the reason, record it, release, exit).
+        Returns a function that stops watching."""
+        return poll_in_background(self.changed, on_change, interval)
 
     def release(self) -> None:
         """Let a writer waiting on our lease proceed. Call only once nothing reads the

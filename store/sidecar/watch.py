@@ -29,6 +29,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger("store.sidecar")
@@ -124,3 +125,20 @@ class Watch:
             self.lease = False
         _broken.discard(self.fd)
         _live.discard(self)
+
+
+def poll_in_background(changed: Callable[[], str | None], on_change: Callable[[str], None],
+                       interval: float = 0.5) -> Callable[[], None]:
+    """Call `on_change(reason)` once, from a daemon thread, when `changed()` first says something
+    (checked every `interval` s, so an idle service learns too). Returns a function that stops it."""
+    stop = threading.Event()
+
+    def run() -> None:
+        while not stop.wait(interval):
+            reason = changed()
+            if reason:
+                on_change(reason)
+                return
+
+    threading.Thread(target=run, name="sidecar-watch", daemon=True).start()
+    return stop.set

@@ -119,3 +119,23 @@ def test_a_mapping_dropped_without_close_gives_its_lease_back(mapped_pair):
     fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
     os.close(fd)
     assert leased or pytest.skip("no read lease on this filesystem")
+
+
+def test_notify_tells_an_idle_reader_from_a_background_thread(mapped_pair):
+    import threading
+
+    mapped, (path, other) = mapped_pair
+    if mapped.watched_by != "lease":
+        pytest.skip("no read lease on this filesystem")
+    told: list[str] = []
+    seen = threading.Event()
+    stop = mapped.notify(lambda reason: (told.append(reason), seen.set()), interval=0.05)
+    cp = subprocess.Popen(["cp", str(other), str(path)])
+    try:
+        assert seen.wait(30) and "lease broken" in told[0]
+        mapped.release()
+        assert cp.wait(timeout=30) == 0
+    finally:
+        stop()
+        if cp.poll() is None:
+            cp.kill()
