@@ -216,8 +216,10 @@ class Dsv4Console(JobActions, ServiceActions, App):
         compared = reg.previous if reg else None
         if spawned and compared and compared.get("started", 0) >= spawned:
             compared = reg.earlier  # re-attached: the last record is this launch's own
+        plan = (self.snapshot.plan if self.snapshot else None) or {}
         state = LaunchState(prediction=dict(reg.prediction) if reg else {}, basis=reg.basis if reg else "",
-                            compared=compared, predicted=dict(reg.predicted) if reg else {})
+                            compared=compared, predicted=dict(reg.predicted) if reg else {},
+                            order=[p["program"] for p in plan.get("programs", ())])
         if spawned:
             state.spawned = spawned
         return state

@@ -61,6 +61,7 @@ class LaunchState:
     compared: dict[str, Any] | None = None  # launch-history record of the launch before this one
     stopped: bool = False
     now: dict[str, str] = field(default_factory=dict)  # phase → what it is doing now
+    order: list[str] = field(default_factory=list)  # programs in the order the launch prepares them (the plan's)
 
     def apply(self, event: Event) -> None:
         if event.phase not in self.phases:
@@ -75,9 +76,12 @@ class LaunchState:
             p.done, p.total = event.done, event.total
             if event.phase == "programs" and "outcome" in event.detail:
                 p.path = f"{event.detail.get('program', '')} {event.detail['outcome']}"
-            what = event.detail.get("program") or event.detail.get("group") or event.detail.get("part") or ""
+            what = event.detail.get("group") or event.detail.get("part") or ""
+            if event.phase == "programs" and event.done is not None and len(self.order) == event.total:
+                done = int(event.done)  # progress comes as each program ends: the next one is running
+                what = f"preparing {self.order[done]}" if done < len(self.order) else ""
             if what:
-                self.now[event.phase] = f"{what} {event.detail.get('outcome', '')}".strip()
+                self.now[event.phase] = what
         elif event.kind == "end":
             p.state, p.seconds = DONE, event.seconds
             self.now.pop(event.phase, None)

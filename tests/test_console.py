@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -160,3 +161,17 @@ async def test_launching_a_model_that_is_already_served_asks_first(tiny_ckpt_ro)
         await pilot.press("n")
         await pilot.pause()
         assert app.service is None and "launch" not in app.jobs
+
+
+def test_a_running_launch_says_which_program_it_prepares_now_and_how_long_is_left():
+    from console.pane_registration import phase_progress
+
+    order = [f"program.{i}" for i in range(20)]
+    state = LaunchState(order=order, predicted={"programs": 40.0})
+    state.apply(Event("programs", "start", ts=time.time() - 10))
+    state.apply(Event("programs", "progress", done=1, total=20, detail={"program": order[0], "outcome": "MISS"}))
+    assert state.now["programs"] == "preparing program.1"
+    line = phase_progress("programs", state.phases["programs"], 40.0, state.now["programs"])
+    # 1 of 20 done: the plan's 40 s still says more than 10 s of measuring (19 left at 0.5/s)
+    assert line.startswith("programs · 1/20 · 10s elapsed · ETA 38s (history)")
+    assert line.endswith("now: preparing program.1")
