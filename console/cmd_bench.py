@@ -39,9 +39,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     con = sub.add_parser(
         "console",
-        help="dsv4-console: first paint and idle CPU at the default interval",
+        help="dsv4-console: first paint, idle CPU, residency refresh of a 300 GiB sidecar on mincore",
         description="Start dsv4-console in a pseudo-terminal on a tiny checkpoint: time to first "
-        "paint, then its CPU use while idle (default 30 s at the default 2 s interval).",
+        "paint, then its CPU use while idle (default 30 s at the default 2 s interval); then the "
+        "residency refresh of a 300 GiB sparse sidecar on the mincore fallback (kernels before "
+        "6.5): one sample, and the console's schedule over 300 refreshes (target <= 2 %% of a core).",
     )
     con.add_argument("--idle-seconds", type=float, default=30.0, help="idle window (default 30)")
     con.add_argument("--json", action="store_true", help="print one JSON object")

@@ -10,6 +10,14 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import DataTable, Static
 
+# keys that are not the console's own bindings (the table's, Textual's)
+EXTRA = (
+    ("enter", "details", "the selected row in full (path, fingerprint, manifest, why)"),
+    ("tab", "next pane", "move focus; in a small terminal the focused pane expands"),
+    ("ctrl+p", "palette", "every action by name"),
+    ("ctrl+q", "quit", "the same as q"),
+)
+
 
 class HelpScreen(ModalScreen[None]):
     BINDINGS: ClassVar[list[BindingType]] = [Binding("escape,q,question_mark", "dismiss_help", "Close", id="help.close")]
@@ -27,6 +35,8 @@ class HelpScreen(ModalScreen[None]):
             for b in self.keys:
                 mark = "✎" if b.id in self.mutating else ""
                 table.add_row(b.key_display or b.key, b.id or b.action, mark, b.tooltip or b.description)
+            for key, action, what in EXTRA:
+                table.add_row(key, action, "", what)
             yield table
             yield Static("[dim]esc / q / ? to close[/]", id="help-foot")
 

@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -201,3 +202,34 @@ async def test_first_run_creates_the_embedded_default_with_progress(tmp_path, mo
         await asyncio.sleep(0)
     assert app.jobs["create"].returncode == 0
     assert (target / sidecar.INDEX_NAME).is_file()
+
+
+async def test_a_service_started_from_a_shell_is_seen_and_stopped_after_asking(tiny_ckpt_ro, tmp_path):
+    from store import services
+
+    shell = subprocess.Popen([sys.executable, "-m", "console.cli", "serve", str(tiny_ckpt_ro), "--port", "0",
+                              "--backend", "eager", "--device", "cpu", "--max-seq", "64",
+                              "--kernel-cache-dir", str(tmp_path / "programs")],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(int(WAIT / 0.2)):
+            if any(s.url for s in services.running()) or shell.poll() is not None:
+                break
+            await asyncio.sleep(0.2)
+        [found] = services.running()
+        assert found.pid == shell.pid and found.url.startswith("http://127.0.0.1:")
+        app = console(tiny_ckpt_ro, tmp_path / "programs", create_default=False)
+        async with app.run_test(size=(180, 50)) as pilot:
+            await until(pilot, lambda: app.snapshot is not None and app.snapshot.services.services, "services")
+            [row] = app.snapshot.services.services
+            assert (row["pid"], row["url"], row["health"], row["from_console"]) == (shell.pid, found.url, "ok", False)
+            assert app.service is None  # seen, not adopted: it is not this console's
+            await pilot.press("s")
+            await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), "stop question")
+            assert f"pid {shell.pid}" in app.screen.body and "a shell" in app.screen.body
+            await pilot.press("y")
+            await until(pilot, lambda: shell.poll() is not None, "stopped")
+        assert shell.returncode == 0  # SIGTERM: drained and exited cleanly
+    finally:
+        if shell.poll() is None:
+            shell.kill()
