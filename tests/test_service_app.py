@@ -73,3 +73,28 @@ def test_a_service_whose_weights_changed_fails_closed_with_the_reason(tmp_path):
     del launched.failure
     (completion,) = _calls(launched, ("POST", "/v1/completions", {"prompt": [1, 2], "max_tokens": 1}))
     assert completion.status_code == 200
+
+
+class BrokenEngine:
+    """Two tokens, then a failure inside a decode step (a bug of ours, not the client's)."""
+
+    def generate(self, prompt, max_tokens, temperature=0.0, seed=0):
+        yield 300
+        yield 301
+        raise RuntimeError("decode step failed")
+
+
+def test_a_generation_that_fails_mid_stream_ends_the_stream_with_an_error_event(tmp_path):
+    launched = _launched(tmp_path, slots=1)
+    launched.engines = [BrokenEngine()]
+    stream, whole, metrics = _calls(launched,
+                                    ("POST", "/v1/completions", {"prompt": [1], "max_tokens": 8, "stream": True}),
+                                    ("POST", "/v1/completions", {"prompt": [1], "max_tokens": 8}),
+                                    ("GET", "/metrics", None))
+    assert stream.status_code == 200 and stream.text.rstrip().endswith("data: [DONE]")
+    events = _sse(stream.text)
+    assert [t for e in events[:-1] for t in e["choices"][0]["token_ids"]] == [300, 301]
+    assert events[-1]["error"]["type"] == "server_error"  # said, not a silently cut stream
+    assert whole.status_code == 500 and whole.json()["error"]["type"] == "server_error"
+    assert 'dsv4_generations_total{reason="error"} 2.0' in metrics.text
+    assert 'dsv4_requests_total{endpoint="/v1/completions",status="500"} 1.0' in metrics.text

@@ -9,6 +9,7 @@ import pytest
 
 from runtime.config import load_config
 from runtime.scheduler import Cancelled, QueueTimeout, Sampling, Scheduler
+from runtime.service.responses import StopMatcher
 from runtime.synth_tokenizer import train_tokenizer_json
 from runtime.tokenizer import (
     BOS_TOKEN,
@@ -17,7 +18,6 @@ from runtime.tokenizer import (
     ByteTokenizer,
     HFTokenizer,
     IncrementalDecoder,
-    StopMatcher,
     TokenizerError,
     load_tokenizer,
 )

@@ -4,11 +4,45 @@ OpenAI shapes of completions and chat completions, whole or as SSE chunks."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from runtime.tokenizer import IncrementalDecoder, StopMatcher
+from runtime.tokenizer import IncrementalDecoder
+
+
+class StopMatcher:
+    """Finds the first of `stops` in generated text; holds back a tail that may start one."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self._hold = max((len(s) for s in self.stops), default=1) - 1
+        self._re = re.compile("|".join(re.escape(s) for s in self.stops)) if self.stops else None
+        self.text = ""  # everything seen
+        self.sent = 0  # chars of `text` already released
+
+    def feed(self, new: str) -> tuple[str, bool]:
+        """(text safe to release now, whether a stop string was reached)."""
+        start = max(0, len(self.text) - self._hold)
+        self.text += new
+        if self._re is not None:
+            m = self._re.search(self.text, start)
+            if m:
+                out = self.text[self.sent:m.start()]
+                self.sent = m.start()
+                self.text = self.text[:m.start()]
+                return out, True
+        upto = len(self.text) - self._hold if self._re is not None else len(self.text)
+        out = self.text[self.sent:upto] if upto > self.sent else ""
+        self.sent = max(self.sent, upto)
+        return out, False
+
+    def flush(self) -> str:
+        """The held-back tail, once generation ended without a stop."""
+        out = self.text[self.sent:]
+        self.sent = len(self.text)
+        return out
 
 
 class TextRun:
