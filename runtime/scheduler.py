@@ -92,7 +92,7 @@ class Job:
             yield item
 
     def _emit(self, item: object) -> None:
-        """From the worker thread: hand a token (or the end) to the event loop."""
+        """From the worker thread: hand a token to the event loop."""
         try:
             self._loop.call_soon_threadsafe(self._tokens.put_nowait, item)
         except RuntimeError:  # the loop is gone (shutdown): nobody is reading
