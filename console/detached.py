@@ -87,7 +87,8 @@ class Detached:
             self.returncode = self.proc.wait()
         else:
             self.returncode = 0  # not our child: its exit status is not ours to read
-        if self.returncode != 0 and not (self.stopping and self.returncode in (-signal.SIGTERM, -signal.SIGKILL)):
+        if self.returncode != 0 and not self.stopping:  # stopped on request (a registration interrupted by
+            # SIGTERM exits 130): not a failure
             self.on_event(self, self.failure(f"exit code {self.returncode}"))
         return self.returncode
 

@@ -9,6 +9,8 @@ from typing import Any
 from runtime.events import PHASES, Event
 
 PENDING, RUNNING, DONE, FAILED = "pending", "running", "done", "error"
+# a program's log events (`programs` phase) say `queued`, `compiling`, then one of these
+FINISHED = frozenset({"published", "hit", "loaded", "done", "failed", "eager"})
 
 
 @dataclass
@@ -62,6 +64,8 @@ class LaunchState:
     stopped: bool = False
     now: dict[str, str] = field(default_factory=dict)  # phase → what it is doing now
     order: list[str] = field(default_factory=list)  # programs in the order the launch prepares them (the plan's)
+    programs: dict[str, str] = field(default_factory=dict)  # program → its last state from log events
+    expected: dict[str, float] = field(default_factory=dict)  # program → expected compile seconds
 
     def apply(self, event: Event) -> None:
         if event.phase not in self.phases:
@@ -71,6 +75,10 @@ class LaunchState:
         p = self.phases[event.phase]
         if event.kind == "start":
             p.state, p.started = RUNNING, event.ts
+            if isinstance(event.detail.get("total"), int | float):
+                p.total = event.detail["total"]
+        elif event.kind == "log" and "program" in event.detail and "state" in event.detail:
+            self._program(p, event.detail)
         elif event.kind == "progress":
             p.state = RUNNING
             p.done, p.total = event.done, event.total
@@ -91,6 +99,18 @@ class LaunchState:
         elif event.kind == "error":
             p.state, p.seconds, p.path = FAILED, event.seconds, event.message or "error"
             self.error = event.message or "failed"
+
+    def _program(self, p: PhaseState, d: dict[str, Any]) -> None:
+        """A compile pool reports each program as it goes: done/total and what compiles now."""
+        name = str(d["program"])
+        self.programs[name] = str(d["state"])
+        if isinstance(d.get("expected_s"), int | float):
+            self.expected[name] = float(d["expected_s"])
+        if p.state != DONE:
+            p.state = RUNNING
+            p.done = max(p.done or 0, sum(s in FINISHED for s in self.programs.values()))
+        compiling = [n for n, s in self.programs.items() if s == "compiling"]
+        self.now["programs"] = f"compiling {', '.join(compiling)}" if compiling else ""
 
     @property
     def total_seconds(self) -> float:

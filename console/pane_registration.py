@@ -14,7 +14,7 @@ from textual.widgets import Static
 from console import fmt
 from console.collectors import RegistrationSnapshot, launch_seconds
 from console.eta import Progress
-from console.launch_state import DONE, FAILED, RUNNING, LaunchState, path_taken
+from console.launch_state import DONE, FAILED, FINISHED, RUNNING, LaunchState, path_taken
 from console.pane import Pane
 from console.tables import Column, PaneTable
 from runtime.events import PHASES
@@ -50,11 +50,13 @@ def launch_name(record: dict[str, Any] | None) -> str:
     return f"{when} pid {record.get('pid', '?')} ({record.get('outcome')}, {launch_seconds(record):.2f} s)"
 
 
-def phase_progress(phase: str, p, expected: float | None, now: str) -> str:
-    """The running phase's progress line (elapsed, ETA from the compared launch, what now)."""
+def phase_progress(phase: str, p, expected: float | None, now: str, items: dict[str, float] | None = None,
+                   finished: set[str] | None = None) -> str:
+    """The running phase's progress line (elapsed, ETA from the plan or the compared launch or
+    per-program expectations, what it does now)."""
     elapsed = max(0.0, time.time() - (p.started or time.time()))
     tracker = Progress(phase, "bytes" if phase == "weights" else "", p.done, p.total, now,
-                       started=time.monotonic() - elapsed)
+                       started=time.monotonic() - elapsed, items=dict(items or {}), finished=set(finished or ()))
     if expected and p.total:
         tracker.rate = p.total / expected
     elif expected:  # no done/total for this phase: the ETA is what is left of its recorded time
@@ -94,12 +96,16 @@ class RegistrationPane(Pane):
             if p and p.state == RUNNING:  # ETA: the plan's seconds, else the compared launch's
                 expected = ahead if ahead is not None else (
                     ((compared or {}).get("phases", {}).get(phase) or {}).get("seconds"))
-                running.append(phase_progress(phase, p, expected, launch.now.get(phase, "")))
+                items = launch.expected if phase == "programs" else None
+                done = {n for n, st in launch.programs.items() if st in FINISHED}
+                running.append(phase_progress(phase, p, expected, launch.now.get(phase, ""), items, done))
         self.query_one(PaneTable).set_rows(rows)
         self.border_title = "Registration: " + ("this launch" if launch else "next launch (predicted)")
         parts = []
         if launch:
-            parts.append(f"this launch {launch.total_seconds:.2f} s")
+            running_now = any(ph.state == RUNNING for ph in launch.phases.values())
+            parts.append(f"this launch {fmt.duration(time.time() - launch.spawned)} elapsed" if running_now
+                         else f"this launch {launch.total_seconds:.2f} s")
             if launch.stopped:
                 parts.append("[yellow]service stopped[/]")
             elif launch.url:

@@ -38,7 +38,8 @@ class ServicesPane(Pane):
 
     def _cells(self, s: dict[str, Any]) -> dict[str, str]:
         color = "green" if s["health"] == "ok" else "yellow"
-        return {"pid": str(s["pid"]), "url": s["url"] or s["state"], "health": f"[{color}]{s['health']}[/]",
+        health = "-" if s["health"] == s["state"] else s["health"]  # registering: nothing to ask yet
+        return {"pid": str(s["pid"]), "url": s["url"] or s["state"], "health": f"[{color}]{health}[/]",
                 "create_time": fmt.duration(self.now - s["create_time"]), "model": Path(s["model"]).name,
                 "origin": "console" if s["from_console"] else "shell"}
 

@@ -92,7 +92,7 @@ class Worker:
             return self.returncode
         await asyncio.gather(self._pump(self.proc.stdout, "stdout"), self._pump(self.proc.stderr, "stderr"))
         self.returncode = await self.proc.wait()
-        if self.returncode != 0 and not (self.stopping and self.returncode in (0, -signal.SIGTERM, -signal.SIGKILL)):
+        if self.returncode != 0 and not self.stopping:  # stopped on request: any exit is the expected one
             self.on_event(self, self.failure(f"exit code {self.returncode}"))
         return self.returncode
 

@@ -175,3 +175,15 @@ def test_a_running_launch_says_which_program_it_prepares_now_and_how_long_is_lef
     # 1 of 20 done: the plan's 40 s still says more than 10 s of measuring (19 left at 0.5/s)
     assert line.startswith("programs · 1/20 · 10s elapsed · ETA 38s (history)")
     assert line.endswith("now: preparing program.1")
+
+
+def test_compile_pool_log_events_give_done_total_and_what_compiles_now():
+    state = LaunchState()
+    state.apply(Event("programs", "start", detail={"total": 3}))
+    for name, st in (("a", "queued"), ("b", "queued"), ("c", "queued"), ("a", "compiling"), ("b", "compiling")):
+        state.apply(Event("programs", "log", message=f"{name}: {st}",
+                          detail={"program": name, "state": st, "expected_s": 10.0}))
+    assert state.now["programs"] == "compiling a, b"
+    state.apply(Event("programs", "log", detail={"program": "a", "state": "published"}))
+    p = state.phases["programs"]
+    assert (p.done, p.total, state.now["programs"]) == (1, 3, "compiling b")
