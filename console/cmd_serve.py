@@ -79,10 +79,12 @@ def _check_serve_args(args: argparse.Namespace) -> None:
     _in_range("--max-body", args.max_body, 1024, 1 << 40, "1K..1T")
     _in_range("--device-memory", args.device_memory, 1, 1 << 60, "at least 1 byte")
     if args.events not in (None, "-"):
-        parent = Path(args.events).parent
-        if not parent.is_dir():
-            raise UserError(f"--events {args.events}: directory {parent} does not exist; create it or "
+        events = Path(args.events)
+        if not events.parent.is_dir():
+            raise UserError(f"--events {args.events}: directory {events.parent} does not exist; create it or "
                             f"choose another path")
+        if events.exists() and not events.is_file():  # appending to a FIFO would block until a reader came
+            raise UserError(f"--events {args.events}: not a regular file; choose another path")
 
 
 def _options(args: argparse.Namespace):

@@ -9,6 +9,7 @@ the module; the last test stops it with SIGINT.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import signal
@@ -341,11 +342,13 @@ def test_port_in_use_is_one_line_before_registration(tiny_ckpt_ro, tmp_path):
     (["--memory-utilization", "nan"], "--memory-utilization nan is out of range"),
     (["--memory-utilization", "1.5"], "--memory-utilization 1.5 is out of range"),
     (["--events", "{tmp}/missing/events.jsonl"], "does not exist"),
+    (["--events", "{tmp}/events.fifo"], "not a regular file"),  # appending would block on the FIFO
     (["--queue-timeout", "inf"], "--queue-timeout inf is out of range"),
     (["--max-slots", "0"], "--max-slots 0 is out of range"),
     (["--max-seq", "4"], "--max-seq 4 is out of range"),
 ])
 def test_bad_serve_flags_are_one_line_exit_1(tiny_ckpt_ro, tmp_path, flags, says):
+    os.mkfifo(tmp_path / "events.fifo")
     flags = [f.replace("{tmp}", str(tmp_path)) for f in flags]
     r = _dsv4("serve", str(tiny_ckpt_ro), "--device", "cpu", *flags)
     assert r.returncode == 1, r.stderr
@@ -373,8 +376,6 @@ def test_out_of_range_config_is_named_with_its_range_by_check(tiny_ckpt_ro, tmp_
 
 @pytest.mark.parametrize("damage", ["truncated", "not json", "directory", "fifo", "ids past the vocabulary"])
 def test_broken_tokenizer_json_is_one_line_at_check(tiny_ckpt_ro, tmp_path, damage):
-    import os
-
     ckpt = tmp_path / "ckpt"
     shutil.copytree(tiny_ckpt_ro, ckpt)
     tok = ckpt / "tokenizer.json"
