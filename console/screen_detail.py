@@ -29,6 +29,29 @@ def _manifest(row: dict[str, Any]) -> str:
         return ""
 
 
+def _source_key(row: dict[str, Any]) -> str:
+    """The source key a sidecar file records (what it was packed from), component by component."""
+    import os
+    import stat
+
+    from store.sidecar.format import sound_header
+
+    try:
+        fd = os.open(row["path"], os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except (OSError, KeyError):
+        return ""
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return ""
+        _, key, _, _ = sound_header(fd, st.st_size)
+        return "\n".join(f"  {name}: {json.dumps(value, default=str)[:200]}" for name, value in key.components)
+    except Exception as e:  # a corrupt header is the verdict's business; here it is one line
+        return f"  (unreadable: {type(e).__name__}: {e})"[:200]
+    finally:
+        os.close(fd)
+
+
 def describe(pane: str, row: dict[str, Any]) -> str:
     hidden = {"cells", "cmdline"}
     lines = [f"[b]{escape(str(k))}[/]  {escape(str(v))}" for k, v in row.items() if k not in hidden]
@@ -37,6 +60,9 @@ def describe(pane: str, row: dict[str, Any]) -> str:
     if pane == "programs":
         manifest = _manifest(row)
         lines += ["", "[b]manifest.json[/]", escape(manifest) if manifest else "[dim](unreadable or absent)[/]"]
+    if pane == "sidecars":
+        key = _source_key(row)
+        lines += ["", "[b]source key recorded in the file[/]", escape(key) if key else "[dim](no file)[/]"]
     return "\n".join(lines)
 
 

@@ -16,7 +16,7 @@ from console.app import MUTATING, Dsv4Console
 from console.collectors import Settings
 from console.eta import Progress
 from console.output import print_table
-from console.screen_detail import DetailScreen
+from console.screen_detail import DetailScreen, describe
 from console.screen_history import HistoryScreen
 from console.tables import PaneTable
 from console.workers import LineFilter
@@ -183,3 +183,24 @@ def test_version_environment_and_completion():
     script = run("console.cli", "completion", "bash")
     assert "sidecar" in script and "serve" in script and "complete" in script
 
+
+
+@pytest.mark.asyncio
+async def test_z_maximises_the_focused_pane_and_restores_it():
+    app = fake_app()
+    async with app.run_test(size=(100, 30)) as pilot:
+        await pilot.pause()
+        await pilot.press("z")
+        assert app.screen.maximized is app.query_one("#programs")
+        await pilot.press("z")
+        assert app.screen.maximized is None
+
+
+def test_the_detail_of_a_sidecar_lists_the_source_key_it_was_packed_from(tiny_ckpt):
+    from runtime.prepack import prepack
+    from store import sidecar
+
+    prepack(tiny_ckpt, ranks=1)
+    path = sidecar.default_sidecar_path(tiny_ckpt, 1)
+    text = describe("sidecars", {"path": str(path), "verdict": "MAP"})
+    assert "source key recorded in the file" in text and "config" in text
