@@ -75,10 +75,15 @@ class JobActions:
 
     def _job_event(self, worker: Worker, event: Event) -> None:
         p = self.progress.get(worker.name)
+        d = event.detail
         if event.kind == "progress" and p is not None:
-            p.update(event.done, event.total, now=event.detail.get("group") or event.detail.get("file") or "")
+            p.update(event.done, event.total, now=d.get("group") or d.get("file") or "", item=d.get("program", ""))
             self.show_job(worker.name)
-        elif event.message:
+        elif event.kind == "log" and p is not None and "program" in d and "state" in d:
+            # a compile pool's per-program events (`dsv4 compile --events`): what compiles now
+            p.update(now=f"{d['program']}: {d['state']}", item=d["program"] if d["state"] == "published" else "")
+            self.show_job(worker.name)
+        if event.message and event.kind != "progress":
             self.log_line(worker.name, event.message)
 
     def _program_order(self) -> list[str]:
