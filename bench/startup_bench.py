@@ -7,6 +7,9 @@ Each set-up runs in its own fresh process, one after another, on the same checkp
   (c) hot     — programs HIT + a valid sidecar hot in the page cache, mapped (the fast path)
   (d) peer    — torch.compile of the same programs relying on its own warm Inductor caches
                 (an untimed run warms them first), packing from the checkpoint
+  (e) cold-j1 — cold, but the compile pool limited to one worker (vs (a): the pool's scaling)
+  (f) early   — cold with `--ready early`: serve on the eager tier at once, compiles swap in
+                later; its time to ready and the first token right after ready are reported
 
 Times are registration phases (check → programs ∥ weights → upload → kv → validate); the
 HTTP bind after that is the same in every set-up and is left out.
@@ -23,43 +26,52 @@ import time
 from pathlib import Path
 from typing import Any
 
-TARGETS = {"hot_vs_cold": 20.0, "hot_vs_peer": 5.0}
+TARGETS = {"hot_vs_cold": 20.0, "hot_vs_peer": 5.0, "jobs_n_vs_1": 1.7, "early_vs_compiled": 10.0}
 PHASES = ("check", "programs", "weights", "upload", "kv", "validate")
 MAX_SEQ = 256
 
 
 def _child(setup: str, model_dir: str, cache_dir: str, backend: str) -> dict[str, Any]:
     """Run one registration in this process and return its phase records and total seconds."""
-    from runtime import registration
+    from runtime import program_prep
     from runtime.events import Emitter
     from runtime.registration import LaunchOptions, register
 
     if setup == "peer":
-        registration.prepare_programs = _torch_compile_programs
+        program_prep.prepare_programs = _torch_compile_programs
     options = LaunchOptions(Path(model_dir), kernel_cache_dir=Path(cache_dir), backend=backend, device="cpu",
-                            use_sidecar=setup == "hot", max_seq=MAX_SEQ, history=False)
+                            use_sidecar=setup == "hot", max_seq=MAX_SEQ, history=False,
+                            jobs=1 if setup == "cold-j1" else None, ready="early" if setup == "early" else "compiled")
+    pool: dict[str, Any] = {}
     t0 = time.perf_counter()
-    launched = register(options, Emitter())
+    launched = register(options, Emitter(lambda e: pool.update(e.detail) if e.detail.get("pool") else None))
     total = time.perf_counter() - t0
-    out = {"setup": setup, "total": total, "tokens": launched.validation_tokens,
-           "phases": {p: launched.phases[p]["seconds"] for p in PHASES},
+    t1 = time.perf_counter()
+    first = list(launched.engines[0].generate([1, 2, 3, 4], 1))
+    ttft = time.perf_counter() - t1
+    out = {"setup": setup, "total": total, "tokens": launched.validation_tokens, "ttft": ttft, "first": first,
+           "phases": {p: launched.phases[p]["seconds"] for p in PHASES}, "pool": pool,
            "programs": launched.phases["programs"].get("counts"), "weights": launched.phases["weights"].get("path")}
+    while launched.tiers is not None and hasattr(launched.tiers, "status") and \
+            launched.tiers.status().startswith("compiling"):
+        time.sleep(0.5)  # (early) let the background compiles finish before this process exits
     launched.close()
     return out
 
 
-def _torch_compile_programs(programs, options, device_kind, emitter, phase="programs"):
+def _torch_compile_programs(programs, options, device_kind, emitter, phase="programs", **_):
     """The peer: torch.compile each program function and run it once on example inputs, so the
     compile (served from Inductor's own on-disk caches when warm) happens inside the phase."""
     import torch
 
+    from runtime.program_spec import build_function
     from runtime.programs import example_inputs
 
     runners, results = {}, []
     specs = list(programs.specs.values())
     for i, spec in enumerate(specs, start=1):
         t0 = time.perf_counter()
-        fn = torch.compile(spec.fn, dynamic=bool(spec.dims))
+        fn = torch.compile(build_function(spec), dynamic=bool(spec.dims))
         with torch.no_grad():
             fn(*_valid_inputs(spec, example_inputs(spec)))
         runners[spec.name] = fn
@@ -102,7 +114,11 @@ def measure(preset: str, backend: str, progress=print) -> list[dict[str, Any]]:
         progress(f"synthesizing the {preset} checkpoint …")
         model_dir = synthesize(preset, tmp / "model")
         rows = []
-        progress("(a) cold: compiling every program …")
+        progress("(e) cold, one compile worker …")
+        rows.append(_run("cold-j1", model_dir, tmp / "programs-j1", backend, env))
+        progress("(f) cold, --ready early …")
+        rows.append(_run("early", model_dir, tmp / "programs-early", backend, env))
+        progress("(a) cold: compiling every program in the pool …")
         rows.append(_run("cold", model_dir, tmp / "programs", backend, env))
         progress("(b) warm programs, packing …")
         rows.append(_run("warm", model_dir, tmp / "programs", backend, env))
@@ -124,6 +140,8 @@ def report(rows: list[dict[str, Any]], preset: str, backend: str) -> dict[str, A
         "hot_vs_cold": by["cold"]["total"] / by["hot"]["total"],
         "hot_vs_peer": by["peer"]["total"] / by["hot"]["total"],
         "warm_vs_cold": by["cold"]["total"] / by["warm"]["total"],
+        "jobs_n_vs_1": by["cold-j1"]["phases"]["programs"] / by["cold"]["phases"]["programs"],
+        "early_vs_compiled": by["cold"]["total"] / by["early"]["total"],
     }
     same_tokens = len({tuple(r["tokens"]) for r in rows}) == 1
     return {"preset": preset, "backend": backend, "rows": rows, "ratios": ratios, "targets": TARGETS,
@@ -139,7 +157,7 @@ def main(preset: str = "small", backend: str = "aoti", json_output: bool = False
         return 0
     from bench.report import print_table
 
-    cold = result["rows"][0]["total"]
+    cold = next(r["total"] for r in rows if r["setup"] == "cold")
     table = []
     for r in rows:
         programs = " ".join(f"{k} {v}" for k, v in (r["programs"] or {}).items() if v) or "torch.compile"
@@ -147,6 +165,16 @@ def main(preset: str = "small", backend: str = "aoti", json_output: bool = False
                       f"{cold / r['total']:.1f}×", r["weights"], programs))
     print_table(f"registration to serve-ready — preset {preset}, backend {backend} (seconds)",
                 ("set-up", *PHASES, "total", "vs cold", "weights", "programs"), table)
+    gib = 1 << 30
+    for r in rows:
+        pool = r.get("pool") or {}
+        if pool:
+            print(f"{r['setup']}: {pool['jobs']} workers, compile seconds sum {pool['compile_seconds_sum']:.1f} s, "
+                  f"longest {pool['longest_s']:.1f} s, wall {pool['wall_s']:.1f} s; host memory peak "
+                  f"{pool['peak_host_used'] / gib:.1f} GiB used (floor: keep {pool['floor_bytes'] / gib:.1f} GiB free), "
+                  f"largest compile RSS {pool['peak_rss'] / gib:.2f} GiB")
+    for r in rows:
+        print(f"{r['setup']}: first token right after ready {r['ttft'] * 1000:.0f} ms")
     for k, target in TARGETS.items():
         print(f"{k}: {result['ratios'][k]:.1f}× (target ≥ {target}×) {'met' if result['met'][k] else 'MISSED'}")
     print(f"greedy validation tokens identical across set-ups: {result['identical_tokens']}")

@@ -29,6 +29,10 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="aoti (AOTInductor, default on cpu/cuda), export (torch.export; npu), eager (no cache)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda", "npu"), default="auto")
     p.add_argument("--max-seq", type=int, default=1024, help="context length per KV slot (default 1024)")
+    p.add_argument("--jobs", type=int, default=None, metavar="N",
+                   help="compile missing programs in N worker processes (default: the CPUs this process "
+                   "may use, capped by memory)")
+    p.add_argument("--events", metavar="FILE|-", default=None, help="write progress events as JSON lines")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -42,7 +46,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device-memory", type=_size, default=None, help="cap device memory (e.g. 8G; on cpu: host memory)")
     p.add_argument("--host", default="127.0.0.1", help="listen address (default loopback only)")
     p.add_argument("--port", type=int, default=8000, help="listen port (0: any free port)")
-    p.add_argument("--events", metavar="FILE|-", default=None, help="write registration events as JSON lines")
+    p.add_argument("--ready", choices=("compiled", "early"), default="compiled",
+                   help="compiled: serve once every program is compiled; early: serve on the eager tier "
+                   "at once and swap each program in as its compile publishes")
     p.add_argument("--no-sidecar", action="store_true", help="always pack from the checkpoint")
     p.add_argument("--cold-policy", choices=("reject", "read", "auto"), default="auto",
                    help="a valid sidecar that is not in the page cache: repack, read it, or pick the faster")
@@ -92,6 +98,7 @@ def _options(args: argparse.Namespace):
     from runtime.registration import LaunchOptions
 
     _in_range("--max-seq", args.max_seq, 16, 1 << 24)
+    _in_range("--jobs", args.jobs, 1, 1024)
     return LaunchOptions(
         model_dir=resolve_model_dir(args.model_dir), kernel_cache_dir=args.kernel_cache_dir,
         backend=args.backend, device=args.device, max_seq=args.max_seq,
@@ -99,7 +106,8 @@ def _options(args: argparse.Namespace):
         device_memory=getattr(args, "device_memory", None),
         use_sidecar=not getattr(args, "no_sidecar", False), cold_policy=getattr(args, "cold_policy", "auto"),
         ranks=getattr(args, "ranks", 1), max_slots=getattr(args, "max_slots", 4),
-        validate_tokens=getattr(args, "validate_tokens", 8),
+        validate_tokens=getattr(args, "validate_tokens", 8), jobs=args.jobs,
+        ready=getattr(args, "ready", "compiled"),
     )
 
 
@@ -171,26 +179,43 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
-    from runtime.device import get_device
-    from runtime.events import Emitter
-    from runtime.model_programs import build_programs
-    from runtime.pack import PackPlan
-    from runtime.registration import prepare_programs
+    """Every program published in the kernel cache, as the next launch's plan needs them; the
+    events are the ones `dsv4 serve` emits for its programs phase. The parent never loads a
+    program (no torch here): the compile workers do the work."""
+    from runtime.events import Emitter, open_sink
+    from runtime.plan import plan_for_launch
+    from runtime.program_prep import prepare_programs
+    from runtime.registration import _Phases
 
     options = _options(args)
-    from runtime.config import load_config
-
-    config = load_config(options.model_dir)
-    programs = build_programs(config, PackPlan(config, options.ranks), options.max_seq)
-    device = get_device(options.device)
+    if args.events not in (None, "-") and not Path(args.events).parent.is_dir():
+        raise UserError(f"--events {args.events}: directory {Path(args.events).parent} does not exist")
+    plan = plan_for_launch(options)
+    for problem in plan.problems:
+        if problem.startswith("check:"):
+            raise UserError(problem)
+    options.backend = plan.backend
 
     def show(event) -> None:
-        if not args.json and event.kind == "progress":
+        if not args.json and args.events != "-" and event.kind == "progress":
             d = event.detail
             print(f"[{event.done}/{event.total}] {d['program']}: {d['outcome']} ({d['seconds']:.2f} s)",
                   file=sys.stderr, flush=True)
 
-    _, results = prepare_programs(programs, options, device.kind, Emitter(show), phase="compile")
+    sinks = [show] + ([open_sink(args.events)] if args.events else [])
+    phases = _Phases(Emitter(*sinks))
+    from runtime.config import load_config
+    from runtime.model_programs import build_programs
+    from runtime.pack_plan import PackPlan
+
+    config = load_config(options.model_dir)
+    programs = build_programs(config, PackPlan(config, options.ranks), options.max_seq)
+    signal.signal(signal.SIGTERM, _interrupt)
+    with phases.run("programs", total=len(programs.specs), backend=options.backend) as d:
+        _, results = prepare_programs(programs, options, plan.device, phases.emitter, load=False)
+        d.update(programs={r["program"]: r["outcome"] for r in results})
+    if args.events == "-":
+        return 0
     if args.json:
         print_json(results)
     else:

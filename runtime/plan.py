@@ -24,6 +24,12 @@ from store.fingerprint import fingerprint
 
 HIT, MISS, STALE, CORRUPT, EAGER, UNTRUSTED = "HIT", "MISS", "STALE", "CORRUPT", "EAGER", "UNTRUSTED"
 PHASES = ("check", "programs", "weights", "upload", "kv", "validate")
+MISS_PATHS = {"stale": STALE, "corrupt": CORRUPT, "untrusted": UNTRUSTED}  # a cache miss's kind → path
+
+
+def miss_path(kind: str) -> str:
+    """The path a launch takes for a program the cache did not hit, by the miss's kind."""
+    return MISS_PATHS.get(kind, MISS)
 
 
 @dataclass(frozen=True)
@@ -176,7 +182,7 @@ def _program_states(programs, plan: Plan) -> list[ProgramPlan]:
         if found.hit:
             out.append(ProgramPlan(name, HIT, found.fingerprint, "", str(found.path)))
             continue
-        state = {"stale": STALE, "corrupt": CORRUPT, "untrusted": UNTRUSTED}.get(found.kind, MISS)
+        state = miss_path(found.kind)
         entry = str(cache.base / name / found.fingerprint) if state in (CORRUPT, UNTRUSTED) else None
         out.append(ProgramPlan(name, state, found.fingerprint, found.reason, entry))
     return out

@@ -57,7 +57,8 @@ class Prepared:
 
 
 def prepare(
-    spec: ProgramSpec, *, cache: KernelCache | None, backend: str = "auto", device: str = "cpu"
+    spec: ProgramSpec, *, cache: KernelCache | None, backend: str = "auto", device: str = "cpu",
+    load: bool = True,
 ) -> Prepared:
     """HIT (load verified bytes) or compile from the signature, publish, and load.
 
@@ -74,6 +75,10 @@ def prepare(
         run = _load(backend, _build_bytes(build))
         return Prepared(spec.name, backend, None, "uncached", "no program cache", _since(started), run)
     fetched = cache.get_or_build(spec.name, key, build, config_components=CONFIG_COMPONENTS)
+    if not load:  # a compile worker: published is done; the parent loads
+        return Prepared(spec.name, backend, fetched.hit.fingerprint, _outcome(fetched.built, fetched.hit),
+                        fetched.miss.reason if fetched.miss else "", _since(started), None,
+                        fetched.miss.kind if fetched.miss else "")
     try:
         run = _load(backend, fetched.hit.data(ARTIFACT))
     except Exception as e:

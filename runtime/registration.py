@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -46,6 +47,8 @@ class LaunchOptions:
     max_slots: int = 4
     validate_tokens: int = 8
     history: bool = True
+    jobs: int | None = None  # compile workers (None: the CPUs this process may use, capped by memory)
+    ready: str = "compiled"  # compiled: serve once every program is compiled | early: serve eager meanwhile
 
 
 @dataclass
@@ -61,6 +64,7 @@ class Launched:
     tokenizer: Any
     phases: dict[str, dict[str, Any]] = field(default_factory=dict)
     validation_tokens: list[int] = field(default_factory=list)
+    tiers: Any = None  # runtime.tiers.TieredRunners: each program's tier, "compiling 9/14" for /health
     _closers: list = field(default_factory=list)
 
     def close(self) -> None:
@@ -80,6 +84,7 @@ class _Phases:
     def __init__(self, emitter: Emitter):
         self.emitter = emitter
         self.records: dict[str, dict[str, Any]] = {}
+        self.failed = ""  # the phase an error (or an interrupt) ended
 
     @contextlib.contextmanager
     def run(self, phase: str, **start_detail: Any) -> Iterator[dict[str, Any]]:
@@ -90,44 +95,20 @@ class _Phases:
             yield detail
         except BaseException as e:
             seconds = time.perf_counter() - t0
-            self.records[phase] = {"seconds": round(seconds, 4), "error": str(e)}
-            self.emitter.emit(phase, "error", seconds=seconds, message=str(e) or type(e).__name__)
+            self.records[phase] = {"seconds": round(seconds, 4), "error": why(e)}
+            self.failed = phase
+            self.emitter.emit(phase, "error", seconds=seconds, message=why(e))
             raise
         seconds = time.perf_counter() - t0
         self.records[phase] = {"seconds": round(seconds, 4), **detail}
         self.emitter.emit(phase, "end", seconds=seconds, detail=detail)
 
 
-def _path_taken(prepared) -> str:
-    """HIT, or MISS / STALE (a cached entry of that program was built by another toolchain)."""
-    if prepared.outcome == "hit":
-        return "HIT"
-    if prepared.outcome == "eager":
-        return "EAGER"
-    return {"stale": "STALE", "corrupt": "CORRUPT", "untrusted": "UNTRUSTED"}.get(prepared.miss_kind, "MISS")
-
-
-def prepare_programs(programs, options: LaunchOptions, device_kind: str, emitter: Emitter,
-                     phase: str = "programs") -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Every program HIT (verified load) or compiled from its signature and published."""
-    from runtime.programs import prepare
-    from store.kernel_cache import KernelCache
-    from store.paths import kernel_cache_dir
-
-    backend = options.backend
-    cache = None
-    if backend != "eager":
-        cache = KernelCache(options.kernel_cache_dir or kernel_cache_dir())
-    runners, results = {}, []
-    specs = list(programs.specs.values())
-    for i, spec in enumerate(specs, start=1):
-        prepared = prepare(spec, cache=cache, backend=backend, device=device_kind)
-        runners[spec.name] = prepared.run
-        result = {"program": spec.name, "outcome": _path_taken(prepared), "seconds": round(prepared.seconds, 4),
-                  "backend": prepared.backend, "fingerprint": prepared.fingerprint, "reason": prepared.reason}
-        results.append(result)
-        emitter.emit(phase, "progress", done=i, total=len(specs), unit="programs", detail=result)
-    return runners, results
+def why(e: BaseException) -> str:
+    """An error's one line; a signal's is "interrupted" (its own text is empty)."""
+    if isinstance(e, KeyboardInterrupt | InterruptedError):
+        return "interrupted"
+    return str(e) or type(e).__name__
 
 
 def _size_kv(launched_device, programs, weights, runners, options: LaunchOptions, detail: dict) -> list:
@@ -184,7 +165,7 @@ def register(options: LaunchOptions, emitter: Emitter) -> Launched:
         launched = _register(options, emitter, phases)
     except BaseException as e:
         if options.history:
-            append_history(options, phases.records, started, "error", str(e))
+            append_history(options, phases.records, started, "error", why(e), extra={"failed_phase": phases.failed})
         raise
     launched.phases = phases.records
     return launched
@@ -200,15 +181,14 @@ class _Checked:
     device: Any
     pack_plan: Any
     programs: Any
+    tokenizer: Any
 
 
 def _register(options: LaunchOptions, emitter: Emitter, phases: _Phases) -> Launched:
-    from runtime.tokenizer import ByteTokenizer
-
     checked = _check(options, phases)
     runners, loaded = _programs_and_weights(options, emitter, phases, checked)
-    launched = Launched(options, checked.config, checked.programs, None, [], checked.device,
-                        ByteTokenizer(checked.config.vocab_size))
+    launched = Launched(options, checked.config, checked.programs, None, [], checked.device, checked.tokenizer)
+    launched.tiers = runners
     launched._closers.append(loaded.close)
     _upload(launched, loaded, checked, emitter, phases)
     with phases.run("kv", utilization=options.memory_utilization) as d:
@@ -225,6 +205,7 @@ def _check(options: LaunchOptions, phases: _Phases) -> _Checked:
     from runtime.pack_plan import PackPlan
     from runtime.plan import plan_for_launch
     from runtime.tensors import expected_tensors
+    from runtime.tokenizer import load_tokenizer
     from store.checkpoint import Checkpoint, check_contract
 
     with phases.run("check", model=str(options.model_dir)) as d:
@@ -240,31 +221,40 @@ def _check(options: LaunchOptions, phases: _Phases) -> _Checked:
             raise RegistrationError(f"check: {options.model_dir} breaks the tensor contract "
                                     f"({len(report.missing)} missing, {len(report.extra)} extra, "
                                     f"{len(report.mismatched)} mismatched); run `dsv4 check` for the list")
+        tokenizer, warning = load_tokenizer(options.model_dir, config.vocab_size)  # a broken one: one line
+        if warning:
+            phases.emitter.log("check", warning)
         device = get_device(plan.device, options.device_memory)
         options.backend = plan.backend
         pack_plan = PackPlan(config, options.ranks)
         programs = build_programs(config, pack_plan, options.max_seq)
         d.update(tensors=report.checked, device=device.describe(), programs=len(programs.specs),
-                 layers=config.summary())
-    return _Checked(plan, config, ckpt, device, pack_plan, programs)
+                 layers=config.summary(), tokenizer=tokenizer.kind)
+    return _Checked(plan, config, ckpt, device, pack_plan, programs, tokenizer)
 
 
 def _programs_and_weights(options: LaunchOptions, emitter: Emitter, phases: _Phases, c: _Checked):
     """Programs (HIT or compile) ∥ weights (MAP or REPACK, as the plan says): independent until
     upload, so two threads; their events interleave, which is how the overlap shows."""
+    from runtime.program_prep import prepare_programs
     from runtime.weight_loaders import loader_for
+
+    stop = threading.Event()  # set when the launch is interrupted: compile workers are killed
 
     def programs_job():
         with phases.run("programs", total=len(c.programs.specs), backend=options.backend) as d:
-            runners, results = prepare_programs(c.programs, options, c.device.kind, emitter)
+            runners, results = prepare_programs(c.programs, options, c.device.kind, emitter, stop=stop)
             counts = {k: sum(r["outcome"] == k for r in results) for k in ("HIT", "MISS", "STALE", "EAGER")}
-            d.update(counts=counts, programs={r["program"]: r["outcome"] for r in results})
+            d.update(counts=counts, programs={r["program"]: r["outcome"] for r in results},
+                     tiers={r["program"]: r["tier"] for r in results})
         return runners
 
     def weights_job():
         loader = loader_for(c.plan, options, c.ckpt, c.pack_plan)
 
         def progress(done: int, total: int, group: str) -> None:
+            if stop.is_set():
+                raise InterruptedError("weights: interrupted")
             emitter.emit("weights", "progress", done=done, total=total, unit="layers", detail={"group": group})
 
         with phases.run("weights", sidecar=options.use_sidecar, planned=loader.path) as d:
@@ -277,7 +267,11 @@ def _programs_and_weights(options: LaunchOptions, emitter: Emitter, phases: _Pha
 
     with ThreadPoolExecutor(2, thread_name_prefix="register") as pool:
         fut_programs, fut_weights = pool.submit(programs_job), pool.submit(weights_job)
-        return fut_programs.result(), fut_weights.result()
+        try:
+            return fut_programs.result(), fut_weights.result()
+        except BaseException:
+            stop.set()  # the other job stops at its next step; the executor then joins both
+            raise
 
 
 def _upload(launched: Launched, loaded, c: _Checked, emitter: Emitter, phases: _Phases) -> None:

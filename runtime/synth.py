@@ -27,6 +27,7 @@ from store.atomic import fsync_dir, staged_file, write_bytes_atomic
 from store.checkpoint import CONFIG_NAME, INDEX_NAME
 from store.errors import UserError
 from store.fingerprint import sha256_hex
+from store.paths import default_model_dir, default_preset
 from store.quant import quant_fp4, quant_fp8_block
 
 # The released V4-Flash config.json (see DSV4_CHECKPOINT.md); presets shrink its dimensions.
@@ -198,17 +199,6 @@ def synthesize(preset: str, out_dir: str | Path, *, seed: int = 0, shards: int |
     write_bytes_atomic(out / INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode(), mode=0o644)
     fsync_dir(out)
     return out
-
-
-def default_preset() -> str:
-    """The embedded default's preset: `small` (the demo size), or $DSV4_DEFAULT_PRESET."""
-    return os.environ.get("DSV4_DEFAULT_PRESET", "small")
-
-
-def default_model_dir(preset: str | None = None, seed: int = 0) -> Path:
-    from store.paths import data_dir
-
-    return data_dir() / "models" / f"{preset or default_preset()}-seed{seed}"
 
 
 def ensure_default_model(preset: str | None = None, seed: int = 0,

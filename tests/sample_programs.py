@@ -38,3 +38,19 @@ def inputs(tokens: int = 5, hidden: int = 8, out: int = 4, seed: int = 0) -> tup
         torch.randn(hidden, out, generator=g),
         torch.randn(out, generator=g),
     )
+
+
+def dies(hidden: int):
+    """A factory that kills its process, as the OOM killer would kill a compile worker."""
+    import os
+    import signal
+
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def sleeps(seconds: float):
+    """A factory that takes a while, like a long compile: cancellation is tested against it."""
+    import time
+
+    time.sleep(seconds)
+    return scaled_mlp

@@ -40,12 +40,11 @@ def test_completion_from_token_ids_is_deterministic_and_matches_registration(ser
 
 
 def test_text_prompt_through_the_checkpoint_tokenizer(server, tiny_ckpt_ro):
-    from runtime.tokenizer import ByteTokenizer, load_tokenizer
+    from runtime.tokenizer import load_tokenizer
 
     url, _, cold = server
-    health = httpx.get(f"{url}/health").json()
-    tokenizer = (load_tokenizer(tiny_ckpt_ro, cold.config.vocab_size)[0] if health["tokenizer"] == "tokenizer.json"
-                 else ByteTokenizer(cold.config.vocab_size))
+    assert httpx.get(f"{url}/health").json()["tokenizer"] == "tokenizer.json"  # registration loads it
+    tokenizer = load_tokenizer(tiny_ckpt_ro, cold.config.vocab_size)[0]
     r = httpx.post(f"{url}/v1/completions", json={"prompt": "héllo", "max_tokens": 3}, timeout=120)
     assert r.status_code == 200
     assert r.json()["usage"]["prompt_tokens"] == len(tokenizer.encode("héllo"))

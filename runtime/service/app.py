@@ -84,7 +84,9 @@ def create_app(launched, limits: Limits = Limits(), scheduler: Scheduler | None 
     async def health() -> Any:
         body = {"status": "ok", "model": str(model_dir), "id": model_id, "slots": scheduler.slots,
                 "free_slots": scheduler.free_slots, "queued": scheduler.queued, "max_seq": max_seq,
-                "tokenizer": getattr(tokenizer, "kind", "bytes")}
+                "tokenizer": getattr(tokenizer, "kind", "bytes"),
+                # "compiled", or "compiling 9/14" while --ready early serves some programs eager
+                "programs": tiers.status() if hasattr(tiers := getattr(launched, "tiers", None), "status") else "compiled"}
         if reason := failure():
             return SafeJSONResponse({**body, "status": "failed", "reason": reason}, status_code=503)
         return body

@@ -30,6 +30,13 @@ class Metrics:
         Gauge("dsv4_sidecar_verdict", "1 for the weights path taken at launch", ["path", "reason"],
               registry=r).labels(weights.get("path", "unknown"), weights.get("reason", "")).set(1)
         Gauge("dsv4_kv_slots", "KV cache sequence slots", registry=r).set(scheduler.slots)
+        tiers = getattr(launched, "tiers", None)
+        tiers = tiers if hasattr(tiers, "steps") else None
+        if tiers is not None:  # --ready early: how many steps ran with some program still eager
+            steps = Gauge("dsv4_steps_by_tier", "Engine steps run while any program was eager, or all compiled",
+                          ["tier"], registry=r)
+            for tier in tiers.steps:
+                steps.labels(tier).set_function(lambda tier=tier: tiers.steps[tier])
 
     def count_response(self, endpoint: str, status: int) -> None:
         self.responses.labels(endpoint, str(status)).inc()

@@ -1,0 +1,60 @@
+"""Program tiers: a program runs eager until its compiled form is published and loaded.
+
+`TieredRunners` is the runner table the engine calls through. Compiled programs arrive from the
+background compile pool at any time but are only *staged*; the engine calls `swap_point()` at the
+start of each step, so a swap always lands between two steps, never inside one. Tokens never
+depend on the tier (the compiled program computes what the eager one does).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+EAGER, COMPILED = "eager", "compiled"
+
+
+class TieredRunners(dict):
+    """program name → runner, with staged swaps and each program's tier."""
+
+    def __init__(self, runners: dict[str, Callable[..., Any]], tiers: dict[str, str],
+                 on_swap: Callable[[str], None] = lambda name: None):
+        super().__init__(runners)
+        self.tiers = dict(tiers)
+        self.failed: dict[str, str] = {}  # program → why it stays eager for the life of the process
+        self.steps = {EAGER: 0, COMPILED: 0}  # steps run while any program was eager / all compiled
+        self._staged: dict[str, Callable[..., Any]] = {}
+        self._lock = threading.Lock()
+        self._on_swap = on_swap
+
+    def stage(self, name: str, runner: Callable[..., Any]) -> None:
+        with self._lock:
+            self._staged[name] = runner
+
+    def fail(self, name: str, reason: str) -> None:
+        with self._lock:
+            self.failed[name] = reason
+
+    def swap_point(self) -> None:
+        """Between two steps: install the compiled programs staged since the last step."""
+        with self._lock:
+            staged, self._staged = self._staged, {}
+            for name, runner in staged.items():
+                self[name] = runner
+                self.tiers[name] = COMPILED
+            self.steps[EAGER if EAGER in self.tiers.values() else COMPILED] += 1
+        for name in staged:
+            self._on_swap(name)
+
+    def status(self) -> str:
+        """For /health: "compiled", or "compiling 9/14" while some still run eager."""
+        with self._lock:
+            done = sum(t == COMPILED for t in self.tiers.values())
+            total = len(self.tiers)
+            pending = total - done - len(self.failed)
+        if done == total:
+            return COMPILED
+        if pending <= 0:
+            return f"eager {total - done}/{total} (compile failed)"
+        return f"compiling {done}/{total}"
