@@ -4,7 +4,6 @@ a notification when each ends. A mixin of `console.app.Dsv4Console`."""
 
 from __future__ import annotations
 
-import re
 import time
 from typing import Any
 
@@ -18,9 +17,6 @@ from console.screen_confirm import ConfirmScreen
 from console.workers import Worker, dsv4
 from runtime.events import Event
 from store.checkpoint import INDEX_NAME
-
-# `dsv4 compile` reports each program on stderr as `[3/14] head.decode: MISS (17.20 s)`
-_COMPILE_LINE = re.compile(r"^\[(\d+)/(\d+)\] (\S+): (\S+)")
 
 
 class JobActions:
@@ -63,21 +59,15 @@ class JobActions:
             if job.running and name in self.progress:
                 self.show_job(name)
 
-    def _job_line(self, worker: Worker, line: str) -> None:
-        m = _COMPILE_LINE.match(line)
-        p = self.progress.get(worker.name)
-        if m and p is not None:
-            order = self._program_order()
-            done, total, program = int(m.group(1)), int(m.group(2)), m.group(3)
-            nxt = order[done] if len(order) == total and done < total else ""
-            p.update(done, total, now=f"compiling {nxt}" if nxt else "", item=program)
-            self.show_job(worker.name)
-
     def _job_event(self, worker: Worker, event: Event) -> None:
         p = self.progress.get(worker.name)
         d = event.detail
         if event.kind == "progress" and p is not None:
-            p.update(event.done, event.total, now=d.get("group") or d.get("file") or "", item=d.get("program", ""))
+            now = d.get("group") or d.get("file") or ""
+            order = self._program_order()
+            if "program" in d and len(order) == event.total and event.done < event.total:
+                now = f"preparing {order[int(event.done)]}"  # progress arrives as each program ends
+            p.update(event.done, event.total, now=now, item=d.get("program", ""))
             self.show_job(worker.name)
         elif event.kind == "log" and p is not None and "program" in d and "state" in d:
             # a compile pool's per-program events (`dsv4 compile --events`): what compiles now
@@ -161,7 +151,7 @@ class JobActions:
         else:
             self.log_line("console", f"warm: no sidecar at {path}; prepack first (p). Compiling programs only")
         argv = dsv4("compile", str(s.model_dir), "--kernel-cache-dir", str(s.kernel_cache_dir),
-                    "--device", s.device, "--backend", s.backend, "--max-seq", str(s.max_seq))
+                    "--device", s.device, "--backend", s.backend, "--max-seq", str(s.max_seq), "--events", "-")
         planned = self.snapshot.programs.entries if self.snapshot else ()
         p = Progress("compile", "programs", items=program_seconds(planned))
         await self._finish(self._start("warm", argv, p), "warm (compile)")

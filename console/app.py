@@ -262,7 +262,6 @@ class Dsv4Console(JobActions, ServiceActions, App):
     def _on_line(self, worker, which: str, line: str) -> None:
         if line.strip():
             self.log_line(worker.name, line)
-            self._job_line(worker, line)
 
     def _on_event(self, worker, event: Event) -> None:
         if event.kind == "error" and event.phase == worker.name:  # the parent's verdict on a dead worker
