@@ -40,6 +40,7 @@ def _launch_paths(model_dir: Path, cache_dir: Path, **kw) -> tuple[dict, str, st
 
 
 def _assert_predicted(model_dir: Path, cache_dir: Path, **kw) -> None:
+    print(f"plan then launch: {kw or 'defaults'}", flush=True)  # with -s: where a slow run is
     plan = _plan(model_dir, cache_dir, **{k: v for k, v in kw.items() if k in ("max_seq", "cold_policy")})
     programs, path, reason = _launch_paths(model_dir, cache_dir, **kw)
     assert plan.states() == programs
@@ -73,7 +74,7 @@ def test_prediction_equals_outcome_under_every_perturbation(tiny_ckpt, tmp_path,
     model = moved
     assert _assert_predicted(model, cache_dir, cold_policy="read").weights_path() == "MAP"
 
-    shard = sorted(model.glob("*.safetensors"))[0]
+    shard = sorted(model.glob("model-*.safetensors"))[0]
     os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10**9))  # touched
     assert _assert_predicted(model, cache_dir).sidecar["reason"] == "stale"
     prepack(model, force=True)
