@@ -7,13 +7,12 @@ toolchain without importing torch, plus the live keys of the registered programs
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
-from console.output import print_json, print_table
+from console.output import confirm, print_json, print_table
 from store import kernel_cache as kc
 from store.errors import UserError
 from store.paths import kernel_cache_dir
@@ -177,19 +176,10 @@ def _purge(args: argparse.Namespace) -> int:
         print(f"{len(chosen)} entries, {format_size(sum(e.size_bytes for e in chosen))}"
               + (" (dry run)" if args.dry_run else ""))
         return 0
-    _confirm(args, f"delete {len(chosen)} entries from {cache.root}?")
+    confirm(args.yes, f"delete {len(chosen)} entries from {cache.root}?")
     removed = cache.remove(chosen)
     print(f"deleted {len(removed)} entries, {format_size(sum(e.size_bytes for e in removed))}")
     return 0
-
-
-def _confirm(args: argparse.Namespace, question: str) -> None:
-    if args.yes:
-        return
-    if not sys.stdin.isatty():
-        raise UserError(f"{question} pass --yes to confirm (stdin is not a terminal)")
-    if input(f"{question} [y/N] ").strip().lower() not in ("y", "yes"):
-        raise UserError("nothing deleted")
 
 
 def _gc(args: argparse.Namespace) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from console.output import print_json, print_table
+from console.output import confirm, print_json, print_table
 from store.units import format_size
 
 
@@ -82,11 +82,8 @@ def register_sidecar_purge(sub: argparse._SubParsersAction) -> None:
 
 def run_purge(args: argparse.Namespace, kind: str) -> int:
     """Delete the `kind` targets (program | sidecar) the plan of args.model calls stale or corrupt."""
-    import sys
-
     from runtime import purge
     from runtime.plan import Settings, make_plan
-    from store.errors import UserError
     from store.paths import default_model_dir
 
     settings = Settings(ranks=getattr(args, "ranks", None) or 1, max_seq=getattr(args, "max_seq", 1024),
@@ -103,12 +100,7 @@ def run_purge(args: argparse.Namespace, kind: str) -> int:
         print(f"{len(chosen)} the plan calls stale or corrupt ({format_size(sum(t.size_bytes for t in chosen))})"
               + (" (dry run)" if args.dry_run else ""))
         return 0
-    if not args.yes:
-        if not sys.stdin.isatty():
-            raise UserError(f"delete {len(chosen)} files the plan calls stale or corrupt? pass --yes "
-                            "to confirm (stdin is not a terminal)")
-        if input(f"delete {len(chosen)} files? [y/N] ").strip().lower() not in ("y", "yes"):
-            raise UserError("nothing deleted")
+    confirm(args.yes, f"delete {len(chosen)} files the plan calls stale or corrupt?")
     done = purge.purge(plan, chosen)
     print(f"deleted {len(done)} ({format_size(sum(t.size_bytes for t in done))})")
     return 0

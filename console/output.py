@@ -35,3 +35,15 @@ def print_table(title: str | None, columns: Sequence[str], rows: Sequence[Sequen
     for r in rows:
         table.add_row(*("" if v is None else str(v) for v in r))
     Console().print(table)
+
+
+def confirm(yes: bool, question: str) -> None:
+    """Ask before deleting: --yes answers; without a terminal to ask, refuse (one line)."""
+    from store.errors import UserError
+
+    if yes:
+        return
+    if not sys.stdin.isatty():
+        raise UserError(f"{question} pass --yes to confirm (stdin is not a terminal)")
+    if input(f"{question} [y/N] ").strip().lower() not in ("y", "yes"):
+        raise UserError("nothing deleted")

@@ -1,6 +1,4 @@
 import hashlib
-import json
-import struct
 
 import pytest
 import torch
@@ -103,25 +101,10 @@ def test_refuses_non_empty_dir_without_force(tiny_ckpt, tmp_path):
 
 
 def _header_only_checkpoint(root, raw_config):
-    """A checkpoint whose shards are sparse files of the right size: contract checks read
-    only headers, so even the full V4-Flash layout costs no disk."""
+    from bench.plan_bench import header_only_checkpoint
     from runtime.config import from_dict
 
-    c = from_dict(raw_config)
-    specs = expected_tensors(c)
-    root.mkdir()
-    (root / "config.json").write_text(json.dumps(raw_config))
-    header, offset = {}, 0
-    for s in specs:
-        header[s.name] = {"dtype": s.dtype, "shape": list(s.shape), "data_offsets": [offset, offset + s.nbytes]}
-        offset += s.nbytes
-    blob = json.dumps(header).encode()
-    with open(root / "model-00001-of-00001.safetensors", "wb") as f:
-        f.write(struct.pack("<Q", len(blob)) + blob)
-        f.truncate(8 + len(blob) + offset)
-    weight_map = {s.name: "model-00001-of-00001.safetensors" for s in specs}
-    (root / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    return c, offset
+    return from_dict(raw_config), header_only_checkpoint(root, raw_config)
 
 
 @pytest.mark.parametrize("preset", [*PRESETS, "v4-flash"])
