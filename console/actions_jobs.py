@@ -12,6 +12,7 @@ from textual import work
 from console import fmt
 from console.collectors import default_preset
 from console.eta import Progress, program_seconds
+from console.launch_state import ProgramStates
 from console.pane_sidecars import SidecarsPane
 from console.screen_confirm import ConfirmScreen
 from console.workers import Worker, dsv4
@@ -22,6 +23,7 @@ from store.checkpoint import INDEX_NAME
 class JobActions:
     jobs: dict[str, Any]
     progress: dict[str, Progress]
+    pools: dict[str, ProgramStates]
 
     def _busy(self, name: str) -> bool:
         job = self.jobs.get(name)
@@ -40,6 +42,7 @@ class JobActions:
         w = Worker(name, argv, on_event=self._on_event, on_line=self._on_line)
         self.jobs[name] = w
         self.log_line("console", f"{name}: {' '.join(argv[2:])}")
+        self.pools.pop(name, None)
         if progress is not None:
             self.progress[name] = progress
             self.show_job(name)
@@ -69,9 +72,15 @@ class JobActions:
                 now = f"preparing {order[int(event.done)]}"  # progress arrives as each program ends
             p.update(event.done, event.total, now=now, item=d.get("program", ""))
             self.show_job(worker.name)
-        elif event.kind == "log" and p is not None and "program" in d and "state" in d:
-            # a compile pool's per-program events (`dsv4 compile --events`): what compiles now
-            p.update(now=f"{d['program']}: {d['state']}", item=d["program"] if d["state"] == "published" else "")
+        elif event.kind == "start" and p is not None and isinstance(d.get("total"), int | float):
+            p.update(0, d["total"])
+        elif event.kind == "log" and p is not None and ProgramStates.applies(d):
+            # a compile pool's per-program events (`dsv4 compile --events`): done, what compiles now
+            pool = self.pools.setdefault(worker.name, ProgramStates())
+            pool.feed(d)
+            p.items.update(pool.expected)
+            p.finished |= pool.finished
+            p.update(len(pool.finished), now=pool.now)
             self.show_job(worker.name)
         if event.message and event.kind != "progress":
             self.log_line(worker.name, event.message)

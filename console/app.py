@@ -84,6 +84,7 @@ class Dsv4Console(JobActions, ServiceActions, App):
         self.snapshot: Snapshot | None = None
         self.jobs: dict[str, Any] = {}
         self.progress: dict = {}
+        self.pools: dict = {}
         self.failures: list[Event] = []
         self.refused: list[str] = []
         self.launch: LaunchState | None = None

@@ -49,6 +49,35 @@ def path_taken(phase: str, detail: dict[str, Any]) -> str:
 
 
 @dataclass
+class ProgramStates:
+    """Per-program states from a compile pool's log events (`queued`, `compiling`, `published`,
+    …), as `dsv4 serve` and `dsv4 compile --events` emit them: done count, what compiles now,
+    and the expected seconds the events carry (for the ETA)."""
+
+    states: dict[str, str] = field(default_factory=dict)
+    expected: dict[str, float] = field(default_factory=dict)
+
+    @staticmethod
+    def applies(detail: dict[str, Any]) -> bool:
+        return "program" in detail and "state" in detail
+
+    def feed(self, detail: dict[str, Any]) -> None:
+        name = str(detail["program"])
+        self.states[name] = str(detail["state"])
+        if isinstance(detail.get("expected_s"), int | float):
+            self.expected[name] = float(detail["expected_s"])
+
+    @property
+    def finished(self) -> set[str]:
+        return {n for n, s in self.states.items() if s in FINISHED}
+
+    @property
+    def now(self) -> str:
+        compiling = [n for n, s in self.states.items() if s == "compiling"]
+        return f"compiling {', '.join(compiling)}" if compiling else ""
+
+
+@dataclass
 class LaunchState:
     """One launch in view: its phases, and the prediction made for it and the earlier launch it
     is compared with, both frozen when it started (the pane never mixes two launches)."""
@@ -64,8 +93,7 @@ class LaunchState:
     stopped: bool = False
     now: dict[str, str] = field(default_factory=dict)  # phase → what it is doing now
     order: list[str] = field(default_factory=list)  # programs in the order the launch prepares them (the plan's)
-    programs: dict[str, str] = field(default_factory=dict)  # program → its last state from log events
-    expected: dict[str, float] = field(default_factory=dict)  # program → expected compile seconds
+    pool: ProgramStates = field(default_factory=ProgramStates)  # the programs phase, program by program
 
     def apply(self, event: Event) -> None:
         if event.phase not in self.phases:
@@ -77,8 +105,11 @@ class LaunchState:
             p.state, p.started = RUNNING, event.ts
             if isinstance(event.detail.get("total"), int | float):
                 p.total = event.detail["total"]
-        elif event.kind == "log" and "program" in event.detail and "state" in event.detail:
-            self._program(p, event.detail)
+        elif event.kind == "log" and ProgramStates.applies(event.detail):
+            self.pool.feed(event.detail)
+            if p.state != DONE:
+                p.state, p.done = RUNNING, max(p.done or 0, len(self.pool.finished))
+            self.now["programs"] = self.pool.now
         elif event.kind == "progress":
             p.state = RUNNING
             p.done, p.total = event.done, event.total
@@ -99,18 +130,6 @@ class LaunchState:
         elif event.kind == "error":
             p.state, p.seconds, p.path = FAILED, event.seconds, event.message or "error"
             self.error = event.message or "failed"
-
-    def _program(self, p: PhaseState, d: dict[str, Any]) -> None:
-        """A compile pool reports each program as it goes: done/total and what compiles now."""
-        name = str(d["program"])
-        self.programs[name] = str(d["state"])
-        if isinstance(d.get("expected_s"), int | float):
-            self.expected[name] = float(d["expected_s"])
-        if p.state != DONE:
-            p.state = RUNNING
-            p.done = max(p.done or 0, sum(s in FINISHED for s in self.programs.values()))
-        compiling = [n for n, s in self.programs.items() if s == "compiling"]
-        self.now["programs"] = f"compiling {', '.join(compiling)}" if compiling else ""
 
     @property
     def total_seconds(self) -> float:

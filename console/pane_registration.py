@@ -14,7 +14,7 @@ from textual.widgets import Static
 from console import fmt
 from console.collectors import RegistrationSnapshot, launch_seconds
 from console.eta import Progress
-from console.launch_state import DONE, FAILED, FINISHED, RUNNING, LaunchState, path_taken
+from console.launch_state import DONE, FAILED, RUNNING, LaunchState, path_taken
 from console.pane import Pane
 from console.tables import Column, PaneTable
 from runtime.events import PHASES
@@ -96,9 +96,9 @@ class RegistrationPane(Pane):
             if p and p.state == RUNNING:  # ETA: the plan's seconds, else the compared launch's
                 expected = ahead if ahead is not None else (
                     ((compared or {}).get("phases", {}).get(phase) or {}).get("seconds"))
-                items = launch.expected if phase == "programs" else None
-                done = {n for n, st in launch.programs.items() if st in FINISHED}
-                running.append(phase_progress(phase, p, expected, launch.now.get(phase, ""), items, done))
+                items = launch.pool.expected if phase == "programs" else None
+                running.append(phase_progress(phase, p, expected, launch.now.get(phase, ""), items,
+                                              launch.pool.finished))
         self.query_one(PaneTable).set_rows(rows)
         self.border_title = "Registration: " + ("this launch" if launch else "next launch (predicted)")
         parts = []

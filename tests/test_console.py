@@ -187,3 +187,4 @@ def test_compile_pool_log_events_give_done_total_and_what_compiles_now():
     state.apply(Event("programs", "log", detail={"program": "a", "state": "published"}))
     p = state.phases["programs"]
     assert (p.done, p.total, state.now["programs"]) == (1, 3, "compiling b")
+    assert state.pool.expected == {"a": 10.0, "b": 10.0, "c": 10.0} and state.pool.finished == {"a"}
