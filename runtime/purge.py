@@ -48,8 +48,13 @@ def program_targets(plan, cache_dir: Path | None = None) -> list[Target]:
     if not cache.root.is_dir():
         return []
     entries = cache.inventory(reference(plan.device, plan.keys))
-    return [Target("program", str(e.path), e.reason or e.state, e.size_bytes, e.program, e.fingerprint)
-            for e in entries if e.program in plan.keys and e.state in (STALE, CORRUPT) and not e.busy]
+    # the inventory hashes nothing; the plan verified each entry it would load: an artifact whose
+    # sha256 differs is CORRUPT there, and purgeable, even though its listing looks current
+    corrupt = {p.entry: p.reason for p in plan.programs if p.state == "CORRUPT" and p.entry}
+    return [Target("program", str(e.path), corrupt.get(str(e.path)) or e.reason or e.state, e.size_bytes,
+                   e.program, e.fingerprint)
+            for e in entries if e.program in plan.keys and not e.busy
+            and (e.state in (STALE, CORRUPT) or str(e.path) in corrupt)]
 
 
 def sidecar_targets(plan) -> list[Target]:

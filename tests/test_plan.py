@@ -148,3 +148,20 @@ def test_plan_json_is_torch_free_and_says_what_is_wrong_in_one_line(tiny_ckpt, t
     broken = make_plan(tiny_ckpt, Settings(kernel_cache_dir=tmp_path / "kc"), history=[])
     assert broken.programs == [] and len(broken.problems) == 1 and "config.json" in broken.problems[0]
     assert broken.sidecar["verdict"] == "REPACK"
+
+
+def test_an_entry_the_plan_calls_corrupt_is_purged_even_though_its_listing_looks_current(tiny_ckpt_ro, tmp_path):
+    from runtime import purge
+
+    cache = KernelCache(tmp_path / "kc")
+    plan = _plan(tiny_ckpt_ro, tmp_path / "kc")
+    name = plan.programs[0].program
+    cache.publish(name, plan.keys[name], {"program.pt2": b"an artifact"})
+    entry = next(e.path for e in cache.inventory() if e.program == name)
+    (entry / "program.pt2").write_bytes(b"an artifacT")  # same size: only the sha256 tells
+    plan = _plan(tiny_ckpt_ro, tmp_path / "kc")
+    assert plan.states()[name] == CORRUPT
+    targets = purge.targets(plan)
+    assert [(t.kind, t.program) for t in targets] == [("program", name)] and "sha256" in targets[0].reason
+    assert purge.purge(plan, targets) == targets
+    assert not entry.exists() and _plan(tiny_ckpt_ro, tmp_path / "kc").states()[name] == MISS
