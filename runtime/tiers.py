@@ -49,8 +49,8 @@ class TieredRunners(dict):
 
     def status(self) -> str:
         """For /health: "compiled", or "compiling 9/14" while some still run eager."""
-        with self._lock:
-            done = sum(t == COMPILED for t in self.tiers.values())
+        with self._lock:  # a staged program is compiled and loaded: it swaps in at the next step
+            done = sum(t == COMPILED or n in self._staged for n, t in self.tiers.items())
             total = len(self.tiers)
             pending = total - done - len(self.failed)
         if done == total:
