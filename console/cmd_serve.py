@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -137,6 +139,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     emitter = Emitter(*sinks)
     # SIGTERM stops like Ctrl-C: during registration, and re-raised by uvicorn after its drain
     signal.signal(signal.SIGTERM, _interrupt)
+    _never_silent()
     started = time.time()
     # the runtime registry: every console of this user sees this service, whoever started it
     import atexit
@@ -165,6 +168,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if args.events != "-":
             print(f"serving {options.model_dir} at {url} (Ctrl-C or SIGTERM to stop)", file=sys.stderr)
 
+    def sidecar_changed(reason: str) -> None:
+        """Fail closed: stop generating (503 with the reason), record it, drain and exit; the
+        writer waiting on our lease proceeds only once nothing reads the mapping any more."""
+        launched.failure = f"sidecar {launched.mapped.path} changed under the service: {reason}"
+        emitter.emit("serve", "error", message=launched.failure)
+        append_history(options, launched.phases, started, "error", launched.failure, extra={"failed_phase": "serve"})
+        # a moment of 503s saying why (clients and probes see the reason), then drain and stop;
+        # well inside the kernel's lease-break time, so the writer never forces the mapping away
+        threading.Timer(FAIL_CLOSED_GRACE_S, os.kill, (os.getpid(), signal.SIGTERM)).start()
+
+    stop_watching = launched.mapped.notify(sidecar_changed) if launched.mapped is not None else None
     limits = Limits(max_body_bytes=args.max_body or DEFAULT_MAX_BODY,
                     queue_timeout=args.queue_timeout or DEFAULT_QUEUE_TIMEOUT)
     try:
@@ -174,8 +188,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # found (KeyboardInterrupt for both): once serving, that is a clean, drained stop
         if "serve" not in launched.phases:
             raise
+    finally:
+        if stop_watching is not None:
+            stop_watching()
+    if launched.failure:
+        launched.close()  # unmap, and release the lease: the waiting writer may go on now
+        raise UserError(launched.failure + "; stopped serving (run `dsv4 sidecar status`, then launch again)")
     emitter.emit("serve", "log", message="stopped: drained and released device memory")
     return 0
+
+
+FAIL_CLOSED_GRACE_S = 1.0
+
+
+def _never_silent() -> None:
+    """A fault (SIGBUS on a mapping changed behind our back) prints a traceback to stderr
+    instead of a bare "Bus error"; SIGIO tells us a writer wants our sidecar (its read lease)."""
+    import faulthandler
+
+    from store.sidecar.watch import install_sigio_handler
+
+    faulthandler.enable()
+    install_sigio_handler()
 
 
 def cmd_compile(args: argparse.Namespace) -> int:

@@ -65,6 +65,8 @@ class Launched:
     phases: dict[str, dict[str, Any]] = field(default_factory=dict)
     validation_tokens: list[int] = field(default_factory=list)
     tiers: Any = None  # runtime.tiers.TieredRunners: each program's tier, "compiling 9/14" for /health
+    mapped: Any = None  # the sidecar the weights are views of (cpu MAP): watch it for changes
+    failure: str | None = None  # set when the service must stop generating (the service answers 503)
     _closers: list = field(default_factory=list)
 
     def close(self) -> None:
@@ -296,6 +298,8 @@ def _upload(launched: Launched, loaded, c: _Checked, emitter: Emitter, phases: _
         loaded.tensors = {}
         if not zero_copy:
             loaded.close()  # device copies made: the host mapping is no longer needed
+        elif loaded.mapped is not None:
+            launched.mapped = loaded.mapped  # the weights are its pages: the service watches it
         launched.weights = packed_views(c.pack_plan, placed)
         d.update(bytes=total, zero_copy=zero_copy, host_released_bytes=released)
 

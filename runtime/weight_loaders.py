@@ -21,6 +21,7 @@ class LoadedWeights:
     tensors: dict[str, Any]  # packed name → host tensor (views of the mapping, or packed arrays)
     detail: dict[str, Any]  # path (MAP | REPACK), reason, detail, residency
     close: Callable[[], None] = field(default=lambda: None)
+    mapped: Any = None  # the MappedSidecar on MAP: its lease/watch says when the file changes
 
 
 class WeightLoader(Protocol):
@@ -62,7 +63,7 @@ class MapSidecar:
         if mapped is None:  # changed since the plan was made: repack, saying why
             return RepackCheckpoint(self.ckpt, self.pack_plan, verdict.reason, verdict.detail).load(progress, log)
         return LoadedWeights(dict(mapped.tensors), {"path": "MAP", "reason": "", "detail": verdict.detail,
-                                                    "residency": verdict.residency}, mapped.close)
+                                                    "residency": verdict.residency}, mapped.close, mapped)
 
 
 def loader_for(plan, options, ckpt, pack_plan) -> WeightLoader:
