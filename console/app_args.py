@@ -69,7 +69,15 @@ def run(argv: list[str] | None, app_class) -> int:
         return _bad("--interval must be at least 0.1 s")
     if not 0 <= args.port <= 65535:
         return _bad("--port must be within 0..65535")
-    settings = settings_from(args)
+    from store.errors import UserError
+    from store.paths import data_dir, state_dir
+
+    try:  # a dir env var pointing at a file is one line here, not a traceback from a refresh
+        state_dir(), data_dir()
+        settings = settings_from(args)
+    except UserError as e:
+        print(f"dsv4-console: {e}", file=sys.stderr)
+        return 1
     if args.once:
         once(settings)
         return 0

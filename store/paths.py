@@ -12,7 +12,13 @@ APP = "dsv4-console"
 
 def _dir(env: str, default: str) -> Path:
     value = os.environ.get(env)
-    return Path(value).expanduser() if value else Path(default)
+    path = Path(value).expanduser() if value else Path(default)
+    if os.path.lexists(path) and not path.is_dir():  # checked here: every user of it gets one line
+        from store.errors import UserError
+
+        where = f"${env}={value}" if value else str(path)
+        raise UserError(f"{where} is not a directory; point {env} at a directory")
+    return path
 
 
 def kernel_cache_dir(override: Path | str | None = None) -> Path:
