@@ -3,8 +3,11 @@ imports nothing heavy, so `dsv4 --help` stays fast."""
 
 from __future__ import annotations
 
+import argparse
+import sys
+
 ENVIRONMENT = """environment:
-  DSV4_KERNEL_CACHE_DIR  program cache root (default <user cache dir>/dsv4-console/programs)
+  DSV4_KERNEL_CACHE_DIR  kernel cache root (default <user cache dir>/dsv4-console/programs)
   DSV4_DATA_DIR          where the embedded default checkpoint lives (<user data dir>/dsv4-console)
   DSV4_DEFAULT_PRESET    preset of the embedded default checkpoint (tiny|small|medium; default small)
   DSV4_STATE_DIR         launch history, service registry and detached service logs
@@ -20,3 +23,15 @@ def version() -> str:
         return dist_version("dsv4-console")
     except PackageNotFoundError:
         return "unknown"
+
+
+class VersionAction(argparse.Action):
+    """`--version`, reading the installed version only when asked (importlib.metadata costs
+    ~0.1 s at every start otherwise)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest, nargs=0, default=default, help=help or "show the version and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"{parser.prog} {version()}", file=sys.stdout)
+        parser.exit()

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from console.about import ENVIRONMENT, version
+from console.about import ENVIRONMENT, VersionAction
 from console.collectors import Collectors, Settings
 
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000  # the `dsv4 serve` defaults
@@ -19,7 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dsv4-console", description="Operations console for DeepSeek V4 serving "
                                 "hosts: program cache, weight sidecars, services, host, device, registration.",
                                 epilog=ENVIRONMENT, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
+    p.add_argument("--version", action=VersionAction)
     p.add_argument("--model", type=Path, metavar="DIR",
                    help="checkpoint dir (default: the embedded synthetic checkpoint, made on first run)")
     p.add_argument("--kernel-cache-dir", type=Path, metavar="DIR", help="program cache root")

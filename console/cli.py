@@ -25,7 +25,7 @@ GROUPS = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from console.about import ENVIRONMENT, version
+    from console.about import ENVIRONMENT, VersionAction
 
     parser = argparse.ArgumentParser(
         prog="dsv4",
@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=ENVIRONMENT + "\n\nshell completion: eval \"$(dsv4 completion bash)\" (or zsh, tcsh)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
+    parser.add_argument("--version", action=VersionAction)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in GROUPS:
         try:
