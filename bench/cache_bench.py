@@ -1,9 +1,9 @@
-"""`dsv4 bench cache`: what the program cache saves, side by side.
+"""`dsv4 bench cache`: what the kernel cache saves, side by side.
 
 For one sample program (a tiny MoE layer until the runtime's programs land), each measured in
 its own fresh process so no in-memory cache helps, one compile at a time:
 
-- aoti cold: torch.export + AOTInductor package, empty Inductor caches, empty program cache;
+- aoti cold: torch.export + AOTInductor package, empty Inductor caches, empty kernel cache;
 - our HIT: key + lookup + sha256 verify + load (+ first call), median of several processes,
   for the first program of a fresh process and for each further one;
 - torch.compile cold (empty Inductor caches) and warm (its own on-disk caches from the cold run);
@@ -205,14 +205,14 @@ def _table(r: dict[str, Any]) -> None:
         ("aoti cold compile (empty caches)", r["aoti_cold"], ""),
         ("torch.compile cold (empty Inductor caches)", r["torch_compile_cold"], ""),
         ("torch.compile warm (its own Inductor caches)", r["torch_compile_warm"], ""),
-        (f"program cache HIT, fresh process (median of {r['hit_runs']})", hit, ""),
+        (f"kernel cache HIT, fresh process (median of {r['hit_runs']})", hit, ""),
         (
-            "program cache HIT, each further program",
+            "kernel cache HIT, each further program",
             {"ready": hit["again_ready"], "first_result": hit["again_first_result"]},
             f"ready <= {TARGETS['hit_ms']:.0f} ms",
         ),
     ]
-    table = Table(title=f"program cache vs compiling: {r['program']}, each in a fresh process")
+    table = Table(title=f"kernel cache vs compiling: {r['program']}, each in a fresh process")
     for c in ("measurement", "ready", "first result", "× HIT (first result)", "target"):
         table.add_column(c, justify="left" if c == "measurement" else "right")
     for name, t, target in rows:

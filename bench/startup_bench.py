@@ -2,7 +2,7 @@
 
 Each set-up runs in its own fresh process, one after another, on the same checkpoint:
 
-  (a) cold    — empty program cache, no sidecar: compile every program, pack from the checkpoint
+  (a) cold    — empty kernel cache, no sidecar: compile every program, pack from the checkpoint
   (b) warm    — programs HIT from the cache, still packing from the checkpoint
   (c) hot     — programs HIT + a valid sidecar hot in the page cache, mapped (the fast path)
   (d) peer    — torch.compile of the same programs relying on its own warm Inductor caches

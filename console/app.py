@@ -1,4 +1,4 @@
-"""`dsv4-console`: the Textual operations console (program cache, sidecars, services, host,
+"""`dsv4-console`: the Textual operations console (kernel cache, sidecars, services, host,
 device, registration, log) with the long actions run as `dsv4 …` worker processes.
 
 Collectors (console.collectors) return snapshots off the UI thread; panes render them. Every

@@ -17,12 +17,12 @@ DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000  # the `dsv4 serve` defaults
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dsv4-console", description="Operations console for DeepSeek V4 serving "
-                                "hosts: program cache, weight sidecars, services, host, device, registration.",
+                                "hosts: kernel cache, weight sidecars, services, host, device, registration.",
                                 epilog=ENVIRONMENT, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action=VersionAction)
     p.add_argument("--model", type=Path, metavar="DIR",
                    help="checkpoint dir (default: the embedded synthetic checkpoint, made on first run)")
-    p.add_argument("--kernel-cache-dir", type=Path, metavar="DIR", help="program cache root")
+    p.add_argument("--kernel-cache-dir", type=Path, metavar="DIR", help="kernel cache root")
     p.add_argument("--device", choices=("auto", "cpu", "cuda", "npu"), default="auto")
     p.add_argument("--memory-utilization", type=float, default=0.9, metavar="F",
                    help="fraction of device memory a launch may use (KV budget)")

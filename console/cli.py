@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dsv4",
         description="DeepSeek V4 serving host tools: synthetic checkpoints, contract checks, "
-        "program cache, weight sidecars, registration and serving, benchmarks. "
+        "kernel cache, weight sidecars, registration and serving, benchmarks. "
         "The operations console is `dsv4-console`. Tables are tab-separated when stdout is "
         "not a terminal.",
         epilog=ENVIRONMENT + "\n\nshell completion: eval \"$(dsv4 completion bash)\" (or zsh, tcsh)",

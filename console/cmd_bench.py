@@ -13,7 +13,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     cache = sub.add_parser(
         "cache",
-        help="program cache: aoti cold compile vs cache HIT vs torch.compile; ls of 1,000 entries",
+        help="kernel cache: aoti cold compile vs cache HIT vs torch.compile; ls of 1,000 entries",
         description="Compile one sample program (a tiny MoE layer) with AOTInductor, load it "
         "from the cache, compare with torch.compile cold and warm, and time `cache ls` over "
         "1,000 synthetic entries. Runs compiles one at a time, each in its own process.",

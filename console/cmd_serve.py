@@ -26,7 +26,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_dir", metavar="MODEL_DIR", type=Path, nargs="?",
                    help="checkpoint directory (default: the embedded synthetic checkpoint)")
     p.add_argument("--kernel-cache-dir", type=Path, default=None,
-                   help="program cache root (default: $DSV4_KERNEL_CACHE_DIR or the user cache dir)")
+                   help="kernel cache root (default: $DSV4_KERNEL_CACHE_DIR or the user cache dir)")
     p.add_argument("--backend", choices=("auto", "aoti", "export", "eager"), default="auto",
                    help="aoti (AOTInductor, default on cpu/cuda), export (torch.export; npu), eager (no cache)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda", "npu"), default="auto")
@@ -64,7 +64,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("compile", help="prepare every program through the cache without launching",
-                       description="Compile (or HIT) every program of the model into the program cache, "
+                       description="Compile (or HIT) every program of the model into the kernel cache, "
                        "so the next launch starts warm.")
     _common(p)
     p.add_argument("--json", action="store_true", help="print a list of {program, outcome, seconds}")

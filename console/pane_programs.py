@@ -1,4 +1,4 @@
-"""Programs pane: the program cache inventory judged against this environment."""
+"""Programs pane: the kernel cache inventory judged against this environment."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The plan of the next launch (runtime.plan, torch-free) as the console keeps it: recomputed
-only when one of its inputs changed (the checkpoint dir, the program cache tree, the launch
+only when one of its inputs changed (the checkpoint dir, the kernel cache tree, the launch
 history) or when it is older than MAX_AGE (page-cache residency moves on its own), so an idle
 refresh costs a few stat calls, not a plan."""
 

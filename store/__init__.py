@@ -1,4 +1,4 @@
-"""On-disk state: checkpoint reader, program cache, sidecar files, page-cache probes.
+"""On-disk state: checkpoint reader, kernel cache, sidecar files, page-cache probes.
 
 Nothing in this package imports from `runtime` or `console`.
 """
