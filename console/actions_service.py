@@ -59,6 +59,10 @@ class ServiceActions:
                     "--port", str(self.port), "--kernel-cache-dir", str(s.kernel_cache_dir), "--device", s.device,
                     "--memory-utilization", str(s.memory_utilization), "--backend", s.backend,
                     "--max-seq", str(s.max_seq), "--ranks", str(s.ranks))
+        # programs the plan misses: serve at once on the eager tier, compiled ones swap in
+        planned = self.snapshot.programs.entries if self.snapshot else ()
+        missing = any(e.get("state") not in ("HIT", "EAGER") for e in planned)
+        argv += ["--ready", "early" if missing else "compiled"]
         self.launch = self.new_launch()
         self.status = ""
         self.service = Detached("launch", argv, on_event=self._on_event, on_line=self._on_line,
