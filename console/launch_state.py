@@ -94,6 +94,13 @@ class LaunchState:
     now: dict[str, str] = field(default_factory=dict)  # phase → what it is doing now
     order: list[str] = field(default_factory=list)  # programs in the order the launch prepares them (the plan's)
     pool: ProgramStates = field(default_factory=ProgramStates)  # the programs phase, program by program
+    tiers: dict[str, str] = field(default_factory=dict)  # program → eager | compiled (--ready early swaps)
+
+    @property
+    def tier_line(self) -> str:
+        """"programs: eager 9 · compiled 5" while any program runs eager, else ""."""
+        counts = {t: sum(v == t for v in self.tiers.values()) for t in ("eager", "compiled")}
+        return "" if not counts["eager"] else f"programs: eager {counts['eager']} · compiled {counts['compiled']}"
 
     def apply(self, event: Event) -> None:
         if event.phase not in self.phases:
@@ -101,6 +108,8 @@ class LaunchState:
                 self.error = event.message or "failed"
             return
         p = self.phases[event.phase]
+        if "tier" in event.detail and "program" in event.detail:  # a program's tier, or its swap
+            self.tiers[str(event.detail["program"])] = str(event.detail["tier"])
         if event.kind == "start":
             p.state, p.started = RUNNING, event.ts
             if isinstance(event.detail.get("total"), int | float):

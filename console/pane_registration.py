@@ -112,6 +112,8 @@ class RegistrationPane(Pane):
                 parts.append(f"[green]serving {launch.url}[/]")
             if launch.error:
                 parts.append(f"[red]{launch.error}[/]")
+            if launch.tier_line:
+                parts.append(launch.tier_line)
         if status and not (launch and launch.stopped and "stopped" in status):
             parts.append(status)
         lines = ["  ".join(parts)] if parts else []

@@ -188,3 +188,18 @@ def test_compile_pool_log_events_give_done_total_and_what_compiles_now():
     p = state.phases["programs"]
     assert (p.done, p.total, state.now["programs"]) == (1, 3, "compiling b")
     assert state.pool.expected == {"a": 10.0, "b": 10.0, "c": 10.0} and state.pool.finished == {"a"}
+
+
+def test_registration_shows_programs_by_tier_until_every_swap():
+    from console.launch_state import LaunchState
+    from runtime.events import Event
+
+    launch = LaunchState()
+    for name in ("a", "b"):
+        launch.apply(Event("programs", "progress", done=1, total=2,
+                           detail={"program": name, "outcome": "MISS", "tier": "eager"}))
+    assert launch.tier_line == "programs: eager 2 · compiled 0"
+    launch.apply(Event("programs", "log", message="a: compiled tier swapped in", detail={"program": "a", "tier": "compiled"}))
+    assert launch.tier_line == "programs: eager 1 · compiled 1"
+    launch.apply(Event("programs", "log", message="b: compiled tier swapped in", detail={"program": "b", "tier": "compiled"}))
+    assert launch.tier_line == ""
