@@ -98,7 +98,7 @@ class _Phases:
         except BaseException as e:
             seconds = time.perf_counter() - t0
             self.records[phase] = {"seconds": round(seconds, 4), "error": why(e)}
-            self.failed = phase
+            self.failed = self.failed or phase  # the first to fail (programs ∥ weights both stop)
             self.emitter.emit(phase, "error", seconds=seconds, message=why(e))
             raise
         seconds = time.perf_counter() - t0

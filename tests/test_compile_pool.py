@@ -181,7 +181,10 @@ def test_sigterm_during_registration_stops_the_compiles_and_records_it(tiny_ckpt
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
     record = json.loads((Path(os.environ["DSV4_STATE_DIR"]) / "launches.jsonl").read_text().splitlines()[-1])
-    assert (record["outcome"], record["error"], record["failed_phase"]) == ("error", "interrupted", "programs")
+    # programs and weights run side by side: the interrupt stops both, the first to end is named
+    assert (record["outcome"], record["error"]) == ("error", "interrupted")
+    assert record["failed_phase"] in ("programs", "weights")
+    assert record["phases"]["programs"]["error"] == "interrupted"
     from store.atomic import STAGING_PREFIX
 
     assert [p for p in cache.rglob(f"{STAGING_PREFIX}*")] == []
