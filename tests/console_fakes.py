@@ -81,3 +81,15 @@ class FakeCollectors:
     def snapshot(self) -> Snapshot:
         self.calls += 1
         return self.snap
+
+
+def fake_app(**kw):
+    """The console over fake collectors: no worker, no watcher, no default checkpoint."""
+    from pathlib import Path
+
+    from console.app import Dsv4Console
+    from console.collectors import Settings
+
+    settings = Settings(Path("/models/tiny"), Path("/cache"), device="cpu", backend="eager", max_seq=64)
+    return Dsv4Console(settings, collectors=kw.pop("collectors", FakeCollectors()), watch=False,
+                       create_default=False, interval=0, **kw)

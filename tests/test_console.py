@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from console_fakes import FakeCollectors, snapshot
+from console_fakes import FakeCollectors, fake_app, snapshot
 from textual.widgets import DataTable
 
 from console.app import MUTATING, Dsv4Console
@@ -21,12 +21,6 @@ from console.screen_confirm import ConfirmScreen
 from runtime.events import PHASES, Event
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def fake_app(**kw) -> Dsv4Console:
-    settings = Settings(Path("/models/tiny"), Path("/cache"), device="cpu", backend="eager", max_seq=64)
-    return Dsv4Console(settings, collectors=kw.pop("collectors", FakeCollectors()), watch=False,
-                       create_default=False, interval=0, **kw)
 
 
 @pytest.mark.asyncio

@@ -8,12 +8,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from console_fakes import NOW, FakeCollectors
+from console_fakes import NOW, FakeCollectors, fake_app
 from textual.widgets import RichLog, Static
 
 from console import fmt
-from console.app import MUTATING, Dsv4Console
-from console.collectors import Settings
+from console.app import MUTATING
 from console.eta import Progress
 from console.output import print_table
 from console.screen_detail import DetailScreen, describe
@@ -22,12 +21,6 @@ from console.tables import PaneTable
 from console.workers import LineFilter
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def fake_app(**kw) -> Dsv4Console:
-    settings = Settings(Path("/models/tiny"), Path("/cache"), device="cpu", backend="eager", max_seq=64)
-    return Dsv4Console(settings, collectors=kw.pop("collectors", FakeCollectors()), watch=False,
-                       create_default=False, interval=0, **kw)
 
 
 @pytest.mark.asyncio
