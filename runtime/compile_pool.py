@@ -5,7 +5,9 @@ and never starting a job that would take the host's available memory below `floo
 job's expected peak RSS is the one last recorded for that program; with nothing running, one job
 starts anyway, so the pool degrades to serial instead of waiting forever). Every worker publishes
 through the kernel cache's normal path, so two pools on one cache compile each key once between
-them. `stop` cancels: workers are killed within a second and their staging dirs swept.
+them. Each result is reported the moment its worker ends (`on_done`), so the parent can load
+a published program while the others still compile. `stop` cancels: workers are killed within a
+second and their staging dirs swept.
 """
 
 from __future__ import annotations
@@ -30,6 +32,11 @@ log = logging.getLogger(__name__)
 DEFAULT_RSS = 1 << 30  # expected peak of a compile never measured on this host
 POLL_S = 0.05
 KILL_GRACE_S = 1.0
+# torch's export and its loaders are not safe in two threads of one process at once: an export
+# beside a torch.export.load in another thread fails now and then ("found a fake tensor in the
+# exported program constant's list"). A compile in this process (the serial fallback) holds this,
+# and so does every load that may run beside one (`program_prep`'s loader thread).
+IN_PROCESS_TORCH = threading.Lock()
 
 
 def default_jobs(floor_bytes: int | None = None) -> int:
@@ -66,6 +73,13 @@ class Compiled:
         return "HIT" if self.outcome == "hit" else miss_path(self.miss_kind)
 
 
+OnDone = Callable[[Compiled], None]
+
+
+def _ignore(compiled: Compiled) -> None:
+    pass
+
+
 @dataclass
 class _Running:
     spec: Any
@@ -85,37 +99,49 @@ class CompilePool:
     stop: threading.Event = field(default_factory=threading.Event)
     peak_host_used: int = 0  # the most host memory in use while the pool ran (for the bench)
 
-    def run_or_serial(self, specs: list[Any]) -> dict[str, Compiled]:
+    def run_or_serial(self, specs: list[Any], on_done: OnDone = _ignore) -> dict[str, Compiled]:
         """`run`, or, when no worker process can be started, one compile after another in this
-        process (with one warning): slower, never stuck."""
+        process (with one warning): slower, never stuck. `on_done` hears each program's result
+        once, as soon as it is known."""
         history = compile_history(self.cache_root, [s.name for s in specs])
+        done: dict[str, Compiled] = {}
+
+        def report(compiled: Compiled) -> None:
+            done[compiled.program] = compiled
+            on_done(compiled)
+
         try:
-            return self.run(specs, history)
+            return self.run(specs, history, report)
         except OSError as e:
             log.warning("compile pool cannot start (%s): compiling serially in this process", e)
             self.on_event("*", "serial", {"error": str(e)})
-            return self._serial(specs)
+            self._serial([s for s in specs if s.name not in done], report)  # what workers did stands
+            return done
 
-    def _serial(self, specs: list[Any]) -> dict[str, Compiled]:
+    def _serial(self, specs: list[Any], on_done: OnDone) -> None:
         from runtime.compile_worker import peak_rss_bytes
         from runtime.programs import prepare
         from store.kernel_cache import KernelCache
 
-        cache, out = KernelCache(self.cache_root), {}
+        cache = KernelCache(self.cache_root)
         for spec in specs:
             if self.stop.is_set():
                 raise InterruptedError("compile cancelled")
             started = time.perf_counter()
             try:
-                p = prepare(spec, cache=cache, backend=self.backend, device=self.device, load=False)
-                out[spec.name] = Compiled(spec.name, True, time.perf_counter() - started, peak_rss_bytes(),
-                                          "", p.outcome, p.miss_kind)
+                with IN_PROCESS_TORCH:
+                    p = prepare(spec, cache=cache, backend=self.backend, device=self.device, load=False)
+                compiled = Compiled(spec.name, True, time.perf_counter() - started, peak_rss_bytes(),
+                                    "", p.outcome, p.miss_kind)
             except Exception as e:
-                out[spec.name] = Compiled(spec.name, False, time.perf_counter() - started, 0, str(e))
-        return out
+                compiled = Compiled(spec.name, False, time.perf_counter() - started, 0, str(e))
+            on_done(compiled)
 
-    def run(self, specs: Iterable[Any], history: dict[str, tuple[float, int]] | None = None) -> dict[str, Compiled]:
-        """Compile `specs`; history maps program → (last compile seconds, last peak RSS)."""
+    def run(self, specs: Iterable[Any], history: dict[str, tuple[float, int]] | None = None,
+            on_done: OnDone = _ignore) -> dict[str, Compiled]:
+        """Compile `specs`; history maps program → (last compile seconds, last peak RSS).
+        `on_done(result)` runs in this thread the moment a worker ends (published or failed):
+        keep it short, the pool starts no job meanwhile."""
         history = history or {}
         queue = sorted(specs, key=lambda s: -(history.get(s.name, (0.0, 0))[0]))
         for spec in queue:
@@ -131,6 +157,7 @@ class CompilePool:
                     if r.proc.poll() is not None:
                         running.remove(r)
                         done[r.spec.name] = self._finish(r)
+                        on_done(done[r.spec.name])
                 self._sample_memory()
                 if running:
                     time.sleep(POLL_S)
