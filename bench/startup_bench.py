@@ -47,7 +47,7 @@ def _child(setup: str, model_dir: str, cache_dir: str, backend: str) -> dict[str
     launched = register(options, Emitter(lambda e: pool.update(e.detail) if e.detail.get("pool") else None))
     total = time.perf_counter() - t0
     t1 = time.perf_counter()
-    first = list(launched.engines[0].generate([1, 2, 3, 4], 1))
+    first = list(launched.engine.generate([1, 2, 3, 4], 1))
     ttft = time.perf_counter() - t1
     out = {"setup": setup, "total": total, "tokens": launched.validation_tokens, "ttft": ttft, "first": first,
            "phases": {p: launched.phases[p]["seconds"] for p in PHASES}, "pool": pool,

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from console.output import print_json, print_table
+from runtime.plan import DEFAULT_MAX_SLOTS, MAX_SLOTS
 from store.errors import UserError
 from store.units import parse_size
 
@@ -55,7 +56,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cold-policy", choices=("reject", "read", "auto"), default="auto",
                    help="a valid sidecar that is not in the page cache: repack, read it, or pick the faster")
     p.add_argument("--ranks", type=int, default=1, help="expert-parallel ranks of the packed layout")
-    p.add_argument("--max-slots", type=int, default=4, help="at most this many concurrent sequences")
+    p.add_argument("--max-slots", type=int, default=DEFAULT_MAX_SLOTS,
+                   help="KV slots: at most this many sequences decode together (fewer if memory is short)")
     p.add_argument("--validate-tokens", type=int, default=8, help="greedy decode steps in the validate phase")
     p.add_argument("--max-body", type=_size, default=None,
                    help="largest request body accepted, larger is 413 (default 4M)")
@@ -80,7 +82,7 @@ def _in_range(flag: str, value: float | None, lo: float, hi: float, what: str = 
 def _check_serve_args(args: argparse.Namespace) -> None:
     _in_range("--port", args.port, 0, 65535, "0..65535 (0: any free port)")
     _in_range("--memory-utilization", args.memory_utilization, 1e-3, 1.0, "above 0 up to 1")
-    _in_range("--max-slots", args.max_slots, 1, 4096)
+    _in_range("--max-slots", args.max_slots, 1, MAX_SLOTS)
     _in_range("--ranks", args.ranks, 1, 4096)
     _in_range("--validate-tokens", args.validate_tokens, 1, 4096)
     _in_range("--queue-timeout", args.queue_timeout, 0.001, 86400, "above 0 up to 86400 seconds")
@@ -107,7 +109,7 @@ def _options(args: argparse.Namespace):
         memory_utilization=getattr(args, "memory_utilization", 0.9),
         device_memory=getattr(args, "device_memory", None),
         use_sidecar=not getattr(args, "no_sidecar", False), cold_policy=getattr(args, "cold_policy", "auto"),
-        ranks=getattr(args, "ranks", 1), max_slots=getattr(args, "max_slots", 4),
+        ranks=getattr(args, "ranks", 1), max_slots=getattr(args, "max_slots", DEFAULT_MAX_SLOTS),
         validate_tokens=getattr(args, "validate_tokens", 8), jobs=args.jobs,
         ready=getattr(args, "ready", "compiled"),
     )

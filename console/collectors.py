@@ -26,6 +26,7 @@ from console.collect_host import (
 from console.collect_services import ServicesSnapshot, collect_services
 from console.plan_watch import PlanWatch
 from runtime.events import PHASES
+from runtime.plan import DEFAULT_MAX_SLOTS
 from store.paths import default_model_dir, default_preset, kernel_cache_dir  # noqa: F401
 from store.units import format_size
 
@@ -48,7 +49,7 @@ class Settings:
     backend: str = "auto"
     ranks: int = 1
     max_seq: int = 1024
-    max_slots: int = 4
+    max_slots: int = DEFAULT_MAX_SLOTS
 
     @classmethod
     def make(cls, model_dir: Path | None = None, kernel_cache: Path | None = None, **kw: Any) -> Settings:

@@ -65,12 +65,22 @@ class Dims:
         return asdict(self)
 
 
-def cache_shapes(d: Dims, kind: str) -> dict[str, tuple[int, ...]]:
-    """Per-layer cache rows (name → [max_seq, width]); programs return new rows by name."""
+# Caches indexed by compressed window (entry b at row b) rather than by token position
+WINDOW_CACHES = ("entries", "ikeys")
+
+
+def cache_shapes(d: Dims, kind: str, ratio: int) -> dict[str, tuple[int, ...]]:
+    """Per-layer, per-slot cache rows (name → [rows, width]); programs return new rows by name.
+
+    Per token: the rotated KV head, and the compressors' inputs. Per compressed window (ratio
+    tokens): the finished entries, normed and rotated, computed once when the window completes."""
     shapes = {"kv": (d.max_seq, d.head_dim)}
     if kind == CSA:
+        nb = d.max_seq // ratio
         shapes.update(ckv=(d.max_seq, 2 * d.head_dim), cgate=(d.max_seq, 2 * d.head_dim),
-                      ikv=(d.max_seq, 2 * d.index_dim), igate=(d.max_seq, 2 * d.index_dim))
+                      ikv=(d.max_seq, 2 * d.index_dim), igate=(d.max_seq, 2 * d.index_dim),
+                      entries=(nb, d.head_dim), ikeys=(nb, d.index_dim))
     elif kind == HCA:
-        shapes.update(ckv=(d.max_seq, d.head_dim), cgate=(d.max_seq, d.head_dim))
+        shapes.update(ckv=(d.max_seq, d.head_dim), cgate=(d.max_seq, d.head_dim),
+                      entries=(d.max_seq // ratio, d.head_dim))
     return shapes

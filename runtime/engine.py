@@ -1,21 +1,26 @@
-"""The eager driver around the programs: caches, prefill, decode, greedy generation, MTP.
+"""The eager driver around the programs: slots of caches, prefill, batched decode, MTP.
 
-Programs are pure; the engine owns state. It writes the rows each layer program returns into
-that layer's fixed-size caches, so prefill and decode are the same computation.
+Programs are pure; the engine owns state. It holds every cache of `slots` sequences
+([slots, rows, width] per layer and cache) and writes back the rows each layer program
+returns, so prefill and decode are the same computation. One `step` runs rows of many
+sequences through one call per program: a prefill is one sequence's prompt, a decode step one
+(or, verifying an MTP draft, two) new tokens of each sequence in the batch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from runtime import model
-from runtime.model_programs import DECODE, PREFILL, TOP_HEAD, ModelPrograms
+from runtime.dims import WINDOW_CACHES
+from runtime.model_programs import DECODE, PREFILL, TOP_HEAD, ModelPrograms, kv_slot_bytes
 from runtime.weights import ModelWeights
 
 Runner = Callable[..., object]
+Batch = Sequence[tuple[int, Sequence[int] | torch.Tensor]]  # (slot, tokens to append)
 
 
 def _as_tuple(out: object) -> tuple:
@@ -24,119 +29,196 @@ def _as_tuple(out: object) -> tuple:
 
 def cache_bytes(programs: ModelPrograms) -> int:
     """Bytes of KV-cache state one sequence slot needs at the programs' max_seq."""
-    total = 0
-    for v in programs.variants.values():
-        for shape in model.cache_shapes(programs.dims, v.kind).values():
-            total += shape[0] * shape[1] * 4
-    return total
+    return kv_slot_bytes(programs)
+
+
+def sample(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> int:
+    """The next token from one row of logits: argmax at temperature 0, else a draw."""
+    logits = logits.float()
+    if temperature > 0:
+        return int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator))
+    return int(torch.argmax(logits))
 
 
 @dataclass
 class Step:
-    logits: torch.Tensor  # [T, V]
-    hidden: torch.Tensor  # [T, hc, D]: the last hc residual stream, before the head (MTP's input)
+    logits: torch.Tensor  # [R, V]: one row per appended token, in batch order
+    hidden: torch.Tensor  # [R, hc, D]: the last hc residual stream, before the head (MTP's input)
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """A step's rows as program inputs, and its mode."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    starts: torch.Tensor
+    mode: str
+
+    @property
+    def args(self) -> tuple[torch.Tensor, ...]:
+        return self.positions, self.slots, self.starts
 
 
 class Engine:
-    """One sequence slot of a model over prepared programs (compiled, loaded or eager)."""
+    """`slots` sequences of a model over prepared programs (compiled, loaded or eager)."""
 
     def __init__(self, programs: ModelPrograms, weights: ModelWeights,
                  runners: dict[str, Runner] | None = None, device: str = "cpu",
-                 allocate: Callable[[tuple[int, ...]], torch.Tensor] | None = None):
+                 allocate: Callable[[tuple[int, ...]], torch.Tensor] | None = None, slots: int = 1):
         """`runners` maps program names to prepared programs (flat tensor arguments, packed
         weights). Without runners the engine calls the model's functions directly with weight
         dicts: the eager path, and the only one the float reference weights can take."""
+        if slots < 1:
+            raise ValueError("an engine needs at least one slot")
         self.p, self.w, self.device = programs, weights, device
+        self.max_seq = programs.dims.max_seq
         self.runners = runners
         allocate = allocate or (lambda shape: torch.zeros(shape, dtype=torch.float32, device=device))
         self.caches = {
-            group: {name: allocate(shape) for name, shape in model.cache_shapes(programs.dims, v.kind).items()}
+            group: {name: allocate((slots, *shape))
+                    for name, shape in model.cache_shapes(programs.dims, v.kind, v.ratio).items()}
             for group, v in programs.variants.items()
         }
-        self.length = 0  # tokens in the caches
+        self.lengths = [0] * slots  # tokens in each slot's caches
 
-    def reset(self) -> None:
-        self.length = 0  # rows past `length` are never visible, so no need to clear them
+    @property
+    def slots(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def length(self) -> int:
+        """Slot 0's length (the single-sequence view)."""
+        return self.lengths[0]
+
+    def reset(self, slot: int = 0) -> None:
+        self.lengths[slot] = 0  # rows past a slot's length are never visible: no need to clear them
+
+    def truncate(self, slot: int, length: int) -> None:
+        """Forget the slot's tokens from `length` on (a rejected draft)."""
+        self.lengths[slot] = min(self.lengths[slot], length)
 
     def _run(self, name: str, *args: torch.Tensor) -> tuple:
         return _as_tuple(self.runners[name](*args))
 
-    def _layer(self, group: str, mode: str, x, tokens, positions):
+    def _rows(self, batch: Sequence[tuple[int, int, int]], tokens: torch.Tensor) -> _Rows:
+        """(slot, start, count) per sequence → per-row positions, slots and starts."""
+        positions, slots, starts = [], [], []
+        for slot, start, count in batch:
+            positions += range(start, start + count)
+            slots += [slot] * count
+            starts += [start] * count
+        as_tensor = lambda v: torch.tensor(v, dtype=torch.int64, device=self.device)  # noqa: E731
+        mode = PREFILL if len(batch) == 1 and batch[0][2] > 1 else DECODE
+        return _Rows(tokens.to(self.device, torch.int64), as_tensor(positions), as_tensor(slots),
+                     as_tensor(starts), mode)
+
+    def _layer(self, group: str, x: torch.Tensor, r: _Rows) -> torch.Tensor:
         v = self.p.variants[group]
         names = self.p.cache_names[v.name]
         caches = self.caches[group]
-        w = self.w[group]
+        prefill = r.mode == PREFILL
         if self.runners is None:
-            x, rows = model.block(self.p.dims, v.kind, v.ratio, v.hash_routed, w, x, tokens, positions, caches)
-            out = (x, *(rows[n] for n in names))
+            rows = model.Rows(*r.args)
+            x, new = model.block(self.p.dims, v.kind, v.ratio, v.hash_routed, self.w[group], x, r.tokens,
+                                 rows, caches, prefill)
+            out = (x, *(new[n] for n in names))
         else:
-            out = self._run(f"{v.name}.{mode}", x, tokens, positions, *(caches[n] for n in names),
+            w = self.w[group]
+            out = self._run(f"{v.name}.{r.mode}", x, r.tokens, *r.args, *(caches[n] for n in names),
                             *(w[n] for n in self.p.weight_names[v.name]))
-        for n, rows in zip(names, out[1:], strict=True):
-            caches[n].index_copy_(0, positions, rows)
+        for n, new in zip(names, out[1:], strict=True):
+            cache = caches[n]
+            if n not in WINDOW_CACHES:  # per token
+                cache.index_put_((r.slots, r.positions), new.to(cache.dtype))
+            elif prefill:  # the slot's every window, recomputed from its rows
+                cache[int(r.slots[0])].copy_(new)
+            else:  # only rows that complete their window carry a finished entry
+                done = (r.positions + 1) % v.ratio == 0
+                cache.index_put_((r.slots[done], r.positions[done] // v.ratio), new[done].to(cache.dtype))
         return out[0]
 
-    def _embed(self, mode: str, tokens):
+    def _embed(self, r: _Rows) -> torch.Tensor:
         top = self.w["top"]
         if self.runners is None:
-            return model.embed(self.p.dims, top, tokens)
-        return self._run(f"embed.{mode}", tokens, top["embed.weight"])[0]
+            return model.embed(self.p.dims, top, r.tokens)
+        return self._run(f"embed.{r.mode}", r.tokens, top["embed.weight"])[0]
 
     def _head(self, mode: str, x, w: dict[str, torch.Tensor]):
         if self.runners is None:
             return model.head(self.p.dims, w, x)
         return self._run(f"head.{mode}", x, *(w[n] for n in TOP_HEAD))
 
-    def forward(self, tokens: torch.Tensor) -> Step:
-        """Append `tokens` at the end of the sequence; logits for each of them."""
-        t = tokens.shape[0]
-        if self.length + t > self.p.dims.max_seq:
-            raise ValueError(f"sequence of {self.length + t} tokens exceeds max_seq={self.p.dims.max_seq}")
-        mode = DECODE if t == 1 else PREFILL
+    def _check(self, batch: Sequence[tuple[int, int, int]]) -> None:
+        seen = set()
+        for slot, start, count in batch:
+            if not 0 <= slot < self.slots or slot in seen:
+                raise ValueError(f"slot {slot} is not one of this step's {self.slots} distinct slots")
+            seen.add(slot)
+            if count < 1:
+                raise ValueError(f"slot {slot}: a step appends at least one token")
+            if start + count > self.p.dims.max_seq:
+                raise ValueError(f"sequence of {start + count} tokens exceeds max_seq={self.p.dims.max_seq}")
+
+    def step(self, batch: Batch) -> Step:
+        """Append each (slot, tokens) to that slot's sequence, all in one call per program: a
+        prefill when the batch is one sequence's several tokens, else a decode step. One row of
+        logits per token, in batch order."""
+        spans = [(slot, self.lengths[slot], len(tokens)) for slot, tokens in batch]
+        self._check(spans)
         swap_point = getattr(self.runners, "swap_point", None)
         if swap_point is not None:  # compiled programs published meanwhile swap in between steps
             swap_point()
-        tokens = tokens.to(self.device, torch.int64)
-        positions = torch.arange(self.length, self.length + t, device=self.device)
-        x = self._embed(mode, tokens)
+        tokens = torch.cat([torch.as_tensor(t, dtype=torch.int64).reshape(-1) for _, t in batch])
+        r = self._rows(spans, tokens)
+        x = self._embed(r)
         for group in self.p.variants:
             if group.startswith("layers."):
-                x = self._layer(group, mode, x, tokens, positions)
-        logits, _ = self._head(mode, x, self.w["top"])
-        self.length += t
+                x = self._layer(group, x, r)
+        logits, _ = self._head(r.mode, x, self.w["top"])
+        for slot, start, count in spans:
+            self.lengths[slot] = start + count
         return Step(logits, x)
 
-    def mtp(self, hidden: torch.Tensor, next_tokens: torch.Tensor, start: int) -> torch.Tensor:
-        """Draft logits from the MTP layer: hc streams of positions start.., with their next tokens."""
-        t = next_tokens.shape[0]
-        mode = DECODE if t == 1 else PREFILL
-        positions = torch.arange(start, start + t, device=self.device)
-        next_tokens = next_tokens.to(self.device, torch.int64)
+    def forward(self, tokens: torch.Tensor, slot: int = 0) -> Step:
+        """Append `tokens` at the end of one slot's sequence; logits for each of them."""
+        return self.step([(slot, tokens)])
+
+    def mtp_step(self, batch: Sequence[tuple[int, int, torch.Tensor, Sequence[int] | torch.Tensor]]) -> torch.Tensor:
+        """Draft logits from the MTP layer for rows of several sequences: per (slot, start,
+        hidden [n, hc, D], next tokens [n]), the main model's hc streams of positions start..
+        with the token that followed each; returns [R, V] in batch order."""
+        spans = [(slot, start, len(next_tokens)) for slot, start, _, next_tokens in batch]
+        self._check(spans)
+        next_tokens = torch.cat([torch.as_tensor(t, dtype=torch.int64).reshape(-1) for *_, t in batch])
+        hidden = torch.cat([h for _, _, h, _ in batch])
+        r = self._rows(spans, next_tokens)
         top, mw = self.w["top"], self.w["mtp.0"]
         if self.runners is None:
-            x = model.mtp_input(self.p.dims, mw, top["embed.weight"][next_tokens], hidden)
+            x = model.mtp_input(self.p.dims, mw, top["embed.weight"][r.tokens], hidden)
         else:
-            (x,) = self._run(f"mtp.input.{mode}", next_tokens, hidden, top["embed.weight"],
+            (x,) = self._run(f"mtp.input.{r.mode}", r.tokens, hidden, top["embed.weight"],
                              *(mw[n] for n in self.p.weight_names["mtp.input"]))
-        x = self._layer("mtp.0", mode, x, next_tokens, positions)
+        x = self._layer("mtp.0", x, r)
         # MTP's own hc head and norm, over the shared output head
-        logits, _ = self._head(mode, x, {**{n: mw[n] for n in TOP_HEAD[:-1]}, "head.weight": top["head.weight"]})
+        logits, _ = self._head(r.mode, x, {**{n: mw[n] for n in TOP_HEAD[:-1]}, "head.weight": top["head.weight"]})
         return logits
 
+    def mtp(self, hidden: torch.Tensor, next_tokens: torch.Tensor, start: int, slot: int = 0) -> torch.Tensor:
+        """Draft logits from the MTP layer: hc streams of positions start.., with their next tokens."""
+        return self.mtp_step([(slot, start, hidden, next_tokens)])
+
     def generate(self, prompt: list[int], max_tokens: int, temperature: float = 0.0,
-                 seed: int = 0) -> Iterator[int]:
-        """Prefill the prompt, then decode up to max_tokens (greedy at temperature 0)."""
-        self.reset()
+                 seed: int = 0, slot: int = 0) -> Iterator[int]:
+        """Prefill the prompt, then decode up to max_tokens (greedy at temperature 0), alone."""
+        self.reset(slot)
         gen = torch.Generator().manual_seed(seed)
-        step = self.forward(torch.tensor(prompt, dtype=torch.int64))
+        step = self.forward(torch.tensor(prompt, dtype=torch.int64), slot)
         for i in range(max_tokens):
-            logits = step.logits[-1].float()
-            if temperature > 0:
-                token = int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=gen))
-            else:
-                token = int(torch.argmax(logits))
+            token = sample(step.logits[-1], temperature, gen)
             yield token
-            if i + 1 < max_tokens and self.length < self.p.dims.max_seq:
-                step = self.forward(torch.tensor([token]))
+            if i + 1 < max_tokens and self.lengths[slot] < self.p.dims.max_seq:
+                step = self.forward(torch.tensor([token]), slot)
             elif i + 1 < max_tokens:
                 return

@@ -28,10 +28,16 @@ view holds the checkpoint's quantised numbers [in, out] (FP8 as stored, FP4 as d
 codes) with one E8M0 scale byte per block, dequantised here; the reference view holds float
 [in, out] under "<family>.weight". `weight` serves both, so both compute the same model.
 
-Caches are fixed-size per layer ([max_seq, …] rows indexed by position), so every program
-has static shapes except the token count T. A program returns the new cache rows; the caller
-writes them (programs stay pure). Compressed KV entries are recomputed from per-token
-compressor inputs each step: O(max_seq) work that keeps prefill and decode the same math.
+Caches are fixed-size per layer and slot ([slots, max_seq, …] rows indexed by position; the
+finished compressed entries [slots, max_seq/ratio, …] by window), so every program has static
+shapes except the row count and the slot count. A step's rows (`Rows`) each name their slot
+and position: a prefill is one sequence's tokens, a decode step packs rows of many sequences.
+A program returns the new cache rows; the caller writes them (programs stay pure).
+
+Incremental compressed KV: a compressed entry is computed once, by the row that completes its
+window (from that window's compressor inputs, O(ratio)), and kept; a decode row reads the
+sliding window's keys and the finished entries, never max_seq rows. A prefill recomputes its
+sequence's entries from the rows (once per prompt, the same pooling).
 """
 
 from __future__ import annotations
@@ -148,11 +154,7 @@ def hc_head(d: Dims, w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tenso
     return (weights[:, :, None] * x).sum(1)
 
 
-# ---- attention -----------------------------------------------------------------------------
-
-def _scatter_rows(cache: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    return cache.index_copy(0, positions, rows.to(cache.dtype))
-
+# ---- attention ----------------------------------------------------------------------------
 
 def compress(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, ratio: int, overlap: bool) -> torch.Tensor:
     """Gated pooling of `ratio` tokens per entry; CSA also pools the previous window (overlap).
@@ -173,76 +175,140 @@ def compress(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, ratio: int
     return (torch.softmax(both_g, dim=1) * both_kv).sum(1)
 
 
+class Rows:
+    """Where a step's rows live: row i is token `positions[i]` of the sequence in cache slot
+    `slots[i]`, whose new rows in this step start at position `starts[i]` (a slot's rows are
+    consecutive). A prefill is one slot's rows; a decode step packs one or more rows per slot."""
+
+    def __init__(self, positions: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor):
+        self.positions, self.slots, self.starts = positions, slots, starts
+        self.index = torch.arange(positions.shape[0], device=positions.device)
+
+    def at(self, cache: torch.Tensor, new: torch.Tensor, q: torch.Tensor, cache_index: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows at positions q [T, K] of each row's own sequence → [T, K, width]: this step's
+        new row there (new[i] is at positions[i]) from the slot's start on, else the cached row
+        (cache [slots, N, width] read at `cache_index`, default q). Positions past a row's own
+        are whatever is there: callers mask them."""
+        idx = (q if cache_index is None else cache_index).clamp(0, cache.shape[1] - 1)
+        old = cache[self.slots[:, None], idx]
+        fresh = new[(self.index[:, None] + q - self.positions[:, None]).clamp(0, new.shape[0] - 1)]
+        return torch.where((q >= self.starts[:, None])[..., None], fresh.to(old.dtype), old)
+
+    def slot_rows(self, cache: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        """A prefill's one slot: its cached rows [N, width] with this step's rows written in."""
+        return cache[self.slots[:1]][0].index_copy(0, self.positions, new.to(cache.dtype))
+
+
+def window_entries(rows: Rows, cache_kv: torch.Tensor, cache_gate: torch.Tensor, kv_new: torch.Tensor,
+                   gate_new: torch.Tensor, ape: torch.Tensor, ratio: int, overlap: bool) -> torch.Tensor:
+    """Each row's compressed entry of its own window (and, with overlap, the window before) from
+    the rows so far: O(ratio) per row, complete when the row ends its window. [T, width']"""
+    span = (2 if overlap else 1) * ratio
+    first = (rows.positions // ratio) * ratio - (span - ratio)
+    q = first[:, None] + torch.arange(span, device=first.device)[None, :]  # [T, span]
+    kv, gate = rows.at(cache_kv, kv_new, q), rows.at(cache_gate, gate_new, q)
+    before = (q < 0)[..., None]  # the window before the first: nothing to pool (as in `compress`)
+    kv, gate = kv.masked_fill(before, 0.0), gate.masked_fill(before, float("-inf"))
+    entries = compress(kv.reshape(-1, kv.shape[-1]), gate.reshape(-1, gate.shape[-1]), ape, ratio, overlap)
+    return entries[1::2] if overlap else entries  # with overlap, each row's second window is its own
+
+
+def compressed(d: Dims, w: dict[str, torch.Tensor], prefix: str, ratio: int, overlap: bool, h: torch.Tensor,
+               rows: Rows, cache: dict[str, torch.Tensor], names: tuple[str, str, str], inv_freq: torch.Tensor,
+               prefill: bool, out: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A compressor's entries as the attention reads them, and the cache rows it adds to `out`.
+
+    Per-token compressor inputs are kept as rows (names[0], names[1]); entries (names[2]) are
+    computed once, when their window completes, and kept. A decode row computes its own
+    window's entry (O(ratio)) and reads the others from the cache → per-row entries
+    [T, NB, width]. A prefill recomputes its slot's entries from the rows (O(max_seq), once per
+    prompt) → shared entries [NB, width]; the caller writes them all back."""
+    kv_name, gate_name, entry_name = names
+    kv_new, gate_new = linear(w, f"{prefix}.wkv", h), linear(w, f"{prefix}.wgate", h)
+    out.update({kv_name: kv_new, gate_name: gate_new})
+    ape, norm = w[f"{prefix}.ape"], w[f"{prefix}.norm.weight"]
+    if prefill:
+        pooled = compress(rows.slot_rows(cache[kv_name], kv_new), rows.slot_rows(cache[gate_name], gate_new),
+                          ape, ratio, overlap)
+        nb = pooled.shape[0]
+        entries = rope(rms_norm(pooled, norm), torch.arange(nb, device=h.device) * ratio, inv_freq)
+        out[entry_name] = entries
+        return entries
+    new = window_entries(rows, cache[kv_name], cache[gate_name], kv_new, gate_new, ape, ratio, overlap)
+    new = rope(rms_norm(new, norm), (rows.positions // ratio) * ratio, inv_freq)  # at the window's start
+    out[entry_name] = new  # the caller keeps the rows that complete their window
+    nb = cache[entry_name].shape[1]
+    window = torch.arange(nb, device=h.device)
+    ends = (window * ratio + ratio - 1)[None, :].expand(h.shape[0], nb)  # the position completing each
+    return rows.at(cache[entry_name], new, ends, window[None, :].expand_as(ends))
+
+
+def _scores(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[T, H, D] · entries shared [NB, D] or per row [T, NB, D] → [T, H, NB]."""
+    return torch.einsum("thd,bd->thb" if b.dim() == 2 else "thd,tbd->thb", a, b)
+
+
 def attention(d: Dims, w: dict[str, torch.Tensor], kind: str, ratio: int, h: torch.Tensor,
-              positions: torch.Tensor, cache: dict[str, torch.Tensor]):
-    t, s = h.shape[0], d.max_seq
+              rows: Rows, cache: dict[str, torch.Tensor], prefill: bool):
+    t = h.shape[0]
+    positions = rows.positions
     inv_freq = rope_inv_freq(d, compressed=kind != SLIDING)
     qa = rms_norm(linear(w, "attn.wq_a", h), w["attn.q_norm.weight"])
     q = rms_norm(linear(w, "attn.wq_b", qa).reshape(t, d.heads, d.head_dim))  # per-head norm
     q = rope(q, positions, inv_freq)
     # the single KV head, rotated, is both key and value; cache rows hold it rotated
     kv_new = rope(rms_norm(linear(w, "attn.wkv", h), w["attn.kv_norm.weight"]), positions, inv_freq)
-    rows = {"kv": kv_new}
-    all_pos = torch.arange(s, dtype=positions.dtype)
-    kv = _scatter_rows(cache["kv"], positions, kv_new).float()
+    out_rows = {"kv": kv_new}
+    # the sliding window: each row reads only its window's `window` keys, never max_seq of them
+    win = positions[:, None] + torch.arange(1 - d.window, 1, device=h.device)[None, :]  # [T, W]
+    keys = rows.at(cache["kv"], kv_new, win)  # [T, W, hd]
     scale = 1.0 / math.sqrt(d.head_dim)
-    visible = (all_pos[None, :] <= positions[:, None]) & (all_pos[None, :] > positions[:, None] - d.window)
-    logits = torch.einsum("thd,sd->ths", q, kv) * scale
-    logits = logits.masked_fill(~visible[:, None, :], float("-inf"))
-    parts_logits, parts_values = [logits], [("ths,sd->thd", kv)]
+    logits = torch.einsum("thd,tsd->ths", q, keys) * scale
+    logits = logits.masked_fill(~(win >= 0)[:, None, :], float("-inf"))
+    parts_logits, parts_values = [logits], [keys]
     if kind in (CSA, HCA):
         overlap = kind == CSA
-        ckv_new, cgate_new = linear(w, "attn.compressor.wkv", h), linear(w, "attn.compressor.wgate", h)
-        rows.update(ckv=ckv_new, cgate=cgate_new)
-        ckv = _scatter_rows(cache["ckv"], positions, ckv_new)
-        cgate = _scatter_rows(cache["cgate"], positions, cgate_new)
-        nb = s // ratio
-        block_start = torch.arange(nb, dtype=positions.dtype) * ratio
-        entries = rms_norm(compress(ckv, cgate, w["attn.compressor.ape"], ratio, overlap),
-                           w["attn.compressor.norm.weight"])  # [NB, hd]
-        entries = rope(entries, block_start, inv_freq)  # at each window's first position
-        c_visible = (block_start + ratio - 1)[None, :] <= positions[:, None]  # [T, NB]
+        entries = compressed(d, w, "attn.compressor", ratio, overlap, h, rows, cache, ("ckv", "cgate", "entries"),
+                             inv_freq, prefill, out_rows)  # [NB, hd] or [T, NB, hd]
+        nb = entries.shape[-2]
+        c_visible = (torch.arange(nb, device=h.device) * ratio + ratio - 1)[None, :] <= positions[:, None]  # [T, NB]
         if kind == CSA:
-            ikv_new = linear(w, "attn.indexer.compressor.wkv", h)
-            igate_new = linear(w, "attn.indexer.compressor.wgate", h)
-            rows.update(ikv=ikv_new, igate=igate_new)
-            ikv = _scatter_rows(cache["ikv"], positions, ikv_new)
-            igate = _scatter_rows(cache["igate"], positions, igate_new)
-            ikeys = rms_norm(compress(ikv, igate, w["attn.indexer.compressor.ape"], ratio, True),
-                             w["attn.indexer.compressor.norm.weight"])  # [NB, id]
-            ikeys = rope(ikeys, block_start, inv_freq)
+            ikeys = compressed(d, w, "attn.indexer.compressor", ratio, True, h, rows, cache, ("ikv", "igate", "ikeys"),
+                               inv_freq, prefill, out_rows)
             iq = linear(w, "attn.indexer.wq_b", qa).reshape(t, d.index_heads, d.index_dim)
             iq = rope(iq, positions, inv_freq)
             iw = linear(w, "attn.indexer.weights_proj", h) * d.index_heads ** -0.5  # [T, iH]
-            score = torch.relu(torch.einsum("thd,bd->thb", iq, ikeys)) * d.index_dim ** -0.5
+            score = torch.relu(_scores(iq, ikeys)) * d.index_dim ** -0.5
             score = (score * iw[:, :, None]).sum(1)
             score = score.masked_fill(~c_visible, float("-inf"))
             top = torch.topk(score, min(d.index_topk, nb), dim=-1).indices  # [T, K]
-            selected = entries[top]  # [T, K, hd]
-            sel_visible = torch.gather(c_visible, 1, top)
+            if entries.dim() == 2:
+                selected = entries[top]  # [T, K, hd]
+            else:
+                selected = torch.gather(entries, 1, top[..., None].expand(-1, -1, entries.shape[-1]))
             c_logits = torch.einsum("thd,tkd->thk", q, selected) * scale
-            c_logits = c_logits.masked_fill(~sel_visible[:, None, :], float("-inf"))
+            c_logits = c_logits.masked_fill(~torch.gather(c_visible, 1, top)[:, None, :], float("-inf"))
             parts_logits.append(c_logits)
-            parts_values.append(("thk,tkd->thd", selected))
+            parts_values.append(selected)
         else:
-            c_logits = torch.einsum("thd,bd->thb", q, entries) * scale
-            c_logits = c_logits.masked_fill(~c_visible[:, None, :], float("-inf"))
-            parts_logits.append(c_logits)
-            parts_values.append(("thb,bd->thd", entries))
+            c_logits = _scores(q, entries) * scale
+            parts_logits.append(c_logits.masked_fill(~c_visible[:, None, :], float("-inf")))
+            parts_values.append(entries)
     sink = w["attn.attn_sink"].float()[None, :, None].expand(t, d.heads, 1)
     # one softmax over window keys, compressed entries and the sink; then each part's values
     probs = torch.softmax(torch.cat([*parts_logits, sink], dim=-1), dim=-1)
     out, start = 0, 0
-    for part_logits, (equation, values) in zip(parts_logits, parts_values, strict=True):
+    for part_logits, values in zip(parts_logits, parts_values, strict=True):
         width = part_logits.shape[-1]
-        out = out + torch.einsum(equation, probs[..., start:start + width], values)
+        p = probs[..., start:start + width]
+        out = out + torch.einsum("thb,bd->thd" if values.dim() == 2 else "thb,tbd->thd", p, values)
         start += width
     out = rope(out, positions, inv_freq, inverse=True)  # values carried their keys' rotation
     # grouped low-rank output: each of o_groups head groups has its own wo_a slice
     k_in = d.heads * d.head_dim // d.o_groups
     wa = weight(w, "attn.wo_a").reshape(k_in, d.o_groups, d.o_lora)
     o = torch.einsum("tgk,kgo->tgo", out.reshape(t, d.o_groups, k_in), wa)
-    return linear(w, "attn.wo_b", o.reshape(t, d.o_groups * d.o_lora)), rows
+    return linear(w, "attn.wo_b", o.reshape(t, d.o_groups * d.o_lora)), out_rows
 
 
 # ---- MoE -----------------------------------------------------------------------------------
@@ -281,15 +347,15 @@ def moe(d: Dims, w: dict[str, torch.Tensor], hash_routed: bool, h: torch.Tensor,
 # ---- blocks and programs -------------------------------------------------------------------
 
 def block(d: Dims, kind: str, ratio: int, hash_routed: bool, w: dict[str, torch.Tensor],
-          x: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
-          cache: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """One transformer block on the hc residual stream X [T, hc, D]."""
+          x: torch.Tensor, tokens: torch.Tensor, rows: Rows, cache: dict[str, torch.Tensor],
+          prefill: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One transformer block on the hc residual stream X [T, hc, D]; returns the new cache rows."""
     inp, post, comb = hc_pre(d, w, "attn", x)
-    y, rows = attention(d, w, kind, ratio, rms_norm(inp, w["attn_norm.weight"]), positions, cache)
+    y, new_rows = attention(d, w, kind, ratio, rms_norm(inp, w["attn_norm.weight"]), rows, cache, prefill)
     x = hc_post(x, y, post, comb)
     inp, post, comb = hc_pre(d, w, "ffn", x)
     y = moe(d, w, hash_routed, rms_norm(inp, w["ffn_norm.weight"]), tokens)
-    return hc_post(x, y, post, comb), rows
+    return hc_post(x, y, post, comb), new_rows
 
 
 def embed(d: Dims, w: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:

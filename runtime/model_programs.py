@@ -13,10 +13,14 @@ from dataclasses import dataclass
 from runtime.config import SLIDING, DeepSeekV4Config
 from runtime.dims import Dims, cache_shapes
 from runtime.pack_plan import EXPERTS, PackPlan
+from runtime.plan import MAX_SLOTS
 from runtime.program_spec import DynamicDim, ProgramSpec, TensorSpec
 
 PREFILL, DECODE = "prefill", "decode"
 MODES = (PREFILL, DECODE)
+# A prefill is one sequence's tokens (T ≤ max_seq); a decode step packs rows of many sequences,
+# each in its own cache slot: up to MAX_SLOTS slots, two rows each (MTP verify).
+MAX_DECODE_ROWS = 2 * MAX_SLOTS
 FNS = "runtime.program_fns"
 TOP_HEAD = ("hc_head_base", "hc_head_fn", "hc_head_scale", "norm.weight", "head.weight")
 MTP_INPUT = ("e_proj.qscale", "e_proj.qweight", "enorm.weight", "h_proj.qscale", "h_proj.qweight", "hnorm.weight")
@@ -83,38 +87,44 @@ def build_programs(config: DeepSeekV4Config, plan: PackPlan, max_seq: int) -> Mo
     dims = d.to_json()
     shapes = weight_shapes(plan)
     variants = layer_variants(config)
-    tokens_dim = DynamicDim("T", 1, max_seq)
+    tokens_dim, rows_dim = DynamicDim("T", 1, max_seq), DynamicDim("B", 1, MAX_DECODE_ROWS)
+    slots_dim = DynamicDim("S", 1, MAX_SLOTS)
     layout = {"ranks": plan.ranks, "max_seq": max_seq}
     specs: dict[str, ProgramSpec] = {}
     cache_names: dict[str, tuple[str, ...]] = {}
     weight_names: dict[str, tuple[str, ...]] = {}
 
-    def add(name: str, factory: str, captures: dict, inputs_for) -> None:
+    def add(name: str, factory: str, captures: dict, inputs_for, slotted: bool = False) -> None:
+        """Both modes of a program; a `slotted` one reads caches of every slot, and learns its mode."""
         for mode in MODES:
-            t = "T" if mode == PREFILL else 1
+            rows = tokens_dim if mode == PREFILL else rows_dim
+            mode_captures = {"prefill": mode == PREFILL} if slotted else {}
             specs[f"{name}.{mode}"] = ProgramSpec(
-                f"{name}.{mode}", f"{FNS}:{factory}", inputs_for(t), dims=(tokens_dim,) if mode == PREFILL else (),
-                layout=layout, model_dims=dims, captures={"dims": dims, **captures})
+                f"{name}.{mode}", f"{FNS}:{factory}", inputs_for(rows.name),
+                dims=(rows, slots_dim) if slotted else (rows,),
+                layout=layout, model_dims=dims, captures={"dims": dims, **captures, **mode_captures})
 
     def weights(prefix: str, w: dict, names) -> tuple[TensorSpec, ...]:
         return tuple(TensorSpec(f"{prefix}{n}", *w[n]) for n in names)
 
     def act(t):
         return (TensorSpec("x", "float32", (t, d.hc, d.hidden)), TensorSpec("tokens", "int64", (t,)),
-                TensorSpec("positions", "int64", (t,)))
+                TensorSpec("positions", "int64", (t,)), TensorSpec("slots", "int64", (t,)),
+                TensorSpec("starts", "int64", (t,)))
 
     for group, v in variants.items():
         if v.name in cache_names:
             continue
-        caches = tuple(cache_shapes(d, v.kind).items())
+        caches = tuple(cache_shapes(d, v.kind, v.ratio).items())
         cache_names[v.name] = tuple(n for n, _ in caches)
         w = shapes[group]
         weight_names[v.name] = tuple(sorted(w))
-        cache_specs = tuple(TensorSpec(f"cache.{n}", "float32", s) for n, s in caches)
+        cache_specs = tuple(TensorSpec(f"cache.{n}", "float32", ("S", *s)) for n, s in caches)
         captures = {"kind": v.kind, "ratio": v.ratio, "hash_routed": v.hash_routed,
                     "cache_names": list(cache_names[v.name]), "weight_names": list(weight_names[v.name])}
         add(v.name, "layer", captures,
-            lambda t, w=w, cache_specs=cache_specs: (*act(t), *cache_specs, *weights("w.", w, sorted(w))))
+            lambda t, w=w, cache_specs=cache_specs: (*act(t), *cache_specs, *weights("w.", w, sorted(w))),
+            slotted=True)
 
     top = shapes["top"]
     emb_spec = TensorSpec("embed.weight", *top["embed.weight"])
@@ -136,7 +146,7 @@ def kv_slot_bytes(programs: ModelPrograms) -> int:
     """Bytes of KV-cache state one sequence slot needs at the programs' max_seq (float32 rows)."""
     total = 0
     for v in programs.variants.values():
-        for shape in cache_shapes(programs.dims, v.kind).values():
+        for shape in cache_shapes(programs.dims, v.kind, v.ratio).values():
             n = 4
             for s in shape:
                 n *= s

@@ -32,6 +32,11 @@ def miss_path(kind: str) -> str:
     return MISS_PATHS.get(kind, MISS)
 
 
+# KV slots a service asks for (fewer when memory is short): the most sequences one decode step
+# batches. Programs take up to MAX_SLOTS (`--max-slots` is bounded by it).
+DEFAULT_MAX_SLOTS, MAX_SLOTS = 32, 4096
+
+
 @dataclass(frozen=True)
 class Settings:
     """What a launch is asked to do (the launch options a plan depends on)."""
@@ -40,7 +45,7 @@ class Settings:
     device: str = "auto"
     ranks: int = 1
     max_seq: int = 1024
-    max_slots: int = 4
+    max_slots: int = DEFAULT_MAX_SLOTS
     kernel_cache_dir: Path | None = None
     use_sidecar: bool = True
     cold_policy: str = "auto"

@@ -14,13 +14,14 @@ from runtime.dims import Dims
 
 
 def layer(dims: dict, kind: str, ratio: int, hash_routed: bool, cache_names: list[str],
-          weight_names: list[str]) -> Callable:
-    def layer_program(x, tokens, positions, *rest):
+          weight_names: list[str], prefill: bool) -> Callable:
+    def layer_program(x, tokens, positions, slots, starts, *rest):
         nc = len(cache_names)
         cache = dict(zip(cache_names, rest[:nc], strict=True))
         w = dict(zip(weight_names, rest[nc:], strict=True))
-        x, rows = model.block(Dims(**dims), kind, ratio, hash_routed, w, x, tokens, positions, cache)
-        return (x, *(rows[n] for n in cache_names))
+        rows = model.Rows(positions, slots, starts)
+        x, new = model.block(Dims(**dims), kind, ratio, hash_routed, w, x, tokens, rows, cache, prefill)
+        return (x, *(new[n] for n in cache_names))
 
     return layer_program
 

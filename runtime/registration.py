@@ -22,6 +22,7 @@ from typing import Any
 
 from runtime.config import load_config
 from runtime.events import Emitter, Event
+from runtime.plan import DEFAULT_MAX_SLOTS
 from store import history
 from store.errors import UserError
 from store.history import history_path, read_history  # noqa: F401 - re-exported
@@ -44,7 +45,7 @@ class LaunchOptions:
     cold_policy: str = "auto"
     ranks: int = 1
     max_seq: int = 1024
-    max_slots: int = 4
+    max_slots: int = DEFAULT_MAX_SLOTS
     validate_tokens: int = 8
     history: bool = True
     jobs: int | None = None  # compile workers (None: the CPUs this process may use, capped by memory)
@@ -59,7 +60,7 @@ class Launched:
     config: Any
     programs: Any
     weights: Any
-    engines: list
+    engine: Any  # runtime.engine.Engine: every KV slot of the service
     device: Any
     tokenizer: Any
     phases: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -71,7 +72,7 @@ class Launched:
 
     def close(self) -> None:
         """Release device memory and the sidecar mapping."""
-        self.engines.clear()
+        self.engine = None
         self.weights = None
         for close in self._closers:
             with contextlib.suppress(Exception):
@@ -113,7 +114,7 @@ def why(e: BaseException) -> str:
     return str(e) or type(e).__name__
 
 
-def _size_kv(launched_device, programs, weights, runners, options: LaunchOptions, detail: dict) -> list:
+def _size_kv(launched_device, programs, weights, runners, options: LaunchOptions, detail: dict):
     from runtime.device import OutOfMemory
     from runtime.engine import Engine
     from runtime.model_programs import kv_slot_bytes
@@ -135,22 +136,19 @@ def _size_kv(launched_device, programs, weights, runners, options: LaunchOptions
         raise too_small("not even one KV slot fits")
     attempts = []
     while want >= 1:
-        engines: list = []
         before = launched_device.allocated
         try:
-            for _ in range(want):
-                engines.append(Engine(programs, weights, runners, device=str(launched_device.torch_device),
-                                      allocate=launched_device.allocate))
+            engine = Engine(programs, weights, runners, device=str(launched_device.torch_device),
+                            allocate=launched_device.allocate, slots=want)
         except OutOfMemory as e:
-            attempts.append({"slots": want, "error": str(e)})
-            engines.clear()  # their caches (and a partly built one's) are garbage now
+            attempts.append({"slots": want, "error": str(e)})  # a partly built engine is garbage now
             launched_device.free_bytes(launched_device.allocated - before)
             want //= 2
             continue
         detail.update(slots=want, slot_bytes=per_slot, budget_bytes=budget, total_bytes=mem.total,
                       used_bytes=mem.used, utilization=options.memory_utilization, attempts=attempts,
                       max_seq=programs.dims.max_seq)
-        return engines
+        return engine
     raise too_small("allocation failed even after halving to one slot")
 
 
@@ -189,12 +187,12 @@ class _Checked:
 def _register(options: LaunchOptions, emitter: Emitter, phases: _Phases) -> Launched:
     checked = _check(options, phases)
     runners, loaded = _programs_and_weights(options, emitter, phases, checked)
-    launched = Launched(options, checked.config, checked.programs, None, [], checked.device, checked.tokenizer)
+    launched = Launched(options, checked.config, checked.programs, None, None, checked.device, checked.tokenizer)
     launched.tiers = runners
     launched._closers.append(loaded.close)
     _upload(launched, loaded, checked, emitter, phases)
     with phases.run("kv", utilization=options.memory_utilization) as d:
-        launched.engines = _size_kv(checked.device, checked.programs, launched.weights, runners, options, d)
+        launched.engine = _size_kv(checked.device, checked.programs, launched.weights, runners, options, d)
     _validate(launched, options, phases)
     return launched
 
@@ -310,7 +308,7 @@ def _validate(launched: Launched, options: LaunchOptions, phases: _Phases) -> No
 
     config = launched.config
     with phases.run("validate", decode_steps=options.validate_tokens) as d:
-        engine = launched.engines[0]
+        engine = launched.engine
         prompt = validation_prompt(launched.tokenizer)
         t0 = time.perf_counter()
         tokens = list(engine.generate(prompt, options.validate_tokens))

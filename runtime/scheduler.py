@@ -1,15 +1,20 @@
-"""Between the HTTP service and the engines: requests are submitted as jobs, tokens flow back.
+"""Between the HTTP service and the engine: requests are submitted as jobs, tokens flow back.
 
-The service never holds an engine. It submits a `Job` (prompt ids + sampling), waits for it to
-start, reads its tokens and may cancel it. This scheduler runs each job alone on a free engine
-slot, one worker thread per running job; a batched engine can replace it behind the same
-submit / started / iterate / cancel interface.
+The service never holds the engine. It submits a `Job` (prompt ids + sampling), waits for it to
+start, reads its tokens and may cancel it. Continuous batching: one engine thread runs every
+active sequence's next token in one decode step (one call per program); between two steps,
+admitted jobs prefill (each its own step) and join, and finished ones leave without stalling
+the rest. A job holds one of the engine's KV slots from admission to its end.
 
 Two promises the service relies on:
 - a job waits at most `queue_timeout` seconds for a slot, then `started()` raises QueueTimeout
   (with a Retry-After estimate);
 - a cancelled job (its client went away, or a stop string was reached) stops within one decode
-  step and frees its slot: the worker checks between steps.
+  step and frees its slot: the engine thread checks between steps.
+
+Asyncio state (the queue, futures, token queues) is only touched on the event loop; the engine
+thread hands admitted jobs over through a locked inbox and reports back with
+`call_soon_threadsafe`, so tokens always arrive before their job's end.
 """
 
 from __future__ import annotations
@@ -22,7 +27,6 @@ import math
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
@@ -92,27 +96,59 @@ class Job:
             yield item
 
     def _emit(self, item: object) -> None:
-        """From the worker thread: hand a token to the event loop."""
+        """From the engine thread: hand a token to the event loop."""
+        self._call(self._tokens.put_nowait, item)
+
+    def _call(self, fn: Callable[..., None], *args: object) -> None:
         try:
-            self._loop.call_soon_threadsafe(self._tokens.put_nowait, item)
+            self._loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:  # the loop is gone (shutdown): nobody is reading
             self._stop.set()
 
 
-class Scheduler:
-    """One sequence per engine slot, first come first served, bounded queue time."""
+class _Running:
+    """A job on its slot, in the engine thread: its sampler and the token to append next."""
 
-    def __init__(self, engines: Sequence, queue_timeout: float = 30.0):
-        if not engines:
+    def __init__(self, job: Job, slot: int):
+        self.job, self.slot = job, slot
+        self.generator = _generator(job.sampling.seed)
+        self.temperature = job.sampling.temperature if job.sampling.temperature >= GREEDY_BELOW else 0.0
+        self.count = 0
+        self.pending: int | None = None
+
+
+def _generator(seed: int):
+    import torch  # the engine thread's side only: the console never builds a scheduler
+
+    return torch.Generator().manual_seed(seed)
+
+
+class Scheduler:
+    """Continuous batching over one engine's slots, first come first served, bounded queue time.
+
+    `max_batch` caps how many sequences run at once (default: every slot); 1 is the
+    one-sequence-per-step engine, kept as the bench's baseline."""
+
+    def __init__(self, engine, queue_timeout: float = 30.0, max_batch: int | None = None,
+                 prefill_tokens: int = 2048):
+        if engine.slots < 1 or (max_batch is not None and max_batch < 1):
             raise ValueError("a scheduler needs at least one engine slot")
-        self.slots = len(engines)
+        self.engine = engine
+        self.slots = min(engine.slots, max_batch or engine.slots)
         self.queue_timeout = queue_timeout
-        self._free = list(engines)
+        self.prefill_tokens = prefill_tokens  # per step, beyond the first prompt: decode keeps moving
+        self._free = list(range(self.slots))[::-1]
         self._queue: collections.deque[Job] = collections.deque()
         self._running: set[Job] = set()
-        self._pool = ThreadPoolExecutor(self.slots, thread_name_prefix="decode")
         self._recent: collections.deque[float] = collections.deque(maxlen=32)  # run seconds
-        self.on_token: Callable[[], None] = lambda: None  # called by workers per generated token
+        self._inbox: list[tuple[Job, int]] = []
+        self._wake = threading.Condition()
+        self._closing = False
+        self.steps = 0  # decode steps run
+        self.batched_rows = 0  # rows over those steps: their mean is the batch size
+        self.on_token: Callable[[], None] = lambda: None  # called by the engine thread per generated token
+        self._thread = threading.Thread(target=self._serve, name="engine", daemon=True)
+        self._thread.start()
 
     # ---- what the service and /health read ----
 
@@ -133,7 +169,7 @@ class Scheduler:
         per_job = sum(self._recent) / len(self._recent) if self._recent else 1.0
         return max(1, math.ceil(per_job * (1 + len(self._queue) / self.slots)))
 
-    # ---- submission ----
+    # ---- submission (on the event loop) ----
 
     def submit(self, prompt: Sequence[int], sampling: Sampling) -> Job:
         """Queue a job (call on the event loop); it starts as soon as a slot is free."""
@@ -163,52 +199,109 @@ class Scheduler:
         job._tokens.put_nowait(_END)
 
     def _dispatch(self) -> None:
-        while self._free and self._queue:
+        """Give free slots to queued jobs, oldest first; the engine thread prefills them."""
+        admitted = []
+        while self._free and self._queue and not self._closing:
             job = self._queue.popleft()
-            engine = self._free.pop()
             if job._timer:
                 job._timer.cancel()
             job.state, job.started_at = "running", time.perf_counter()
             self._running.add(job)
             job._started.set_result(None)
-            fut = asyncio.get_running_loop().run_in_executor(self._pool, self._drive, engine, job)
-            fut.add_done_callback(lambda f, engine=engine, job=job: self._finished(engine, job, f))
+            admitted.append((job, self._free.pop()))
+        if admitted:
+            with self._wake:
+                self._inbox += admitted
+                self._wake.notify()
 
-    def _finished(self, engine, job: Job, fut: asyncio.Future) -> None:
+    def _finished(self, job: Job, slot: int, reason: str) -> None:
         self._running.discard(job)
-        job.state = "done"
-        job.finish_reason = fut.result() if not fut.cancelled() and fut.exception() is None else "error"
+        job.state, job.finish_reason = "done", reason
         if job.started_at is not None:
             self._recent.append(time.perf_counter() - job.started_at)
         job._tokens.put_nowait(_END)
-        self._free.append(engine)
+        self._free.append(slot)
         self._dispatch()
 
-    # ---- the worker ----
+    # ---- the engine thread ----
 
-    def _drive(self, engine, job: Job) -> str:
-        """Run one job on one engine slot (worker thread); returns the finish reason."""
-        s = job.sampling
-        temperature = s.temperature if s.temperature >= GREEDY_BELOW else 0.0
-        gen = engine.generate(job.prompt, s.max_tokens, temperature, s.seed)
+    def _serve(self) -> None:
+        active: list[_Running] = []
+        while True:
+            with self._wake:
+                while not self._inbox and not active and not self._closing:
+                    self._wake.wait()
+                if self._closing:
+                    break
+                budget, take = self.prefill_tokens, 0
+                while take < len(self._inbox) and (take == 0 or budget >= len(self._inbox[take][0].prompt)):
+                    budget -= len(self._inbox[take][0].prompt)
+                    take += 1
+                admitted, self._inbox = self._inbox[:take], self._inbox[take:]
+            for job, slot in admitted:
+                run = _Running(job, slot)
+                if self._prefill(run):
+                    active.append(run)
+            active = self._decode(active)
+        for run in active:
+            self._end(run, "cancelled")
+        with self._wake:
+            for job, slot in self._inbox:
+                self._end(_Running(job, slot), "cancelled")
+
+    def _prefill(self, run: _Running) -> bool:
+        """The job's prompt in its own step; its first token. False when the job has ended."""
+        if run.job.cancelled:
+            return self._end(run, "cancelled")
         try:
-            for token in gen:  # each step of this loop is one prefill or decode step
-                self.on_token()
-                if job.cancelled:
-                    return "cancelled"
-                job._emit(token)
-                if token in s.stop_ids:
-                    return "stop"
-            return "length"
+            self.engine.reset(run.slot)  # the slot's previous sequence is gone
+            logits = self.engine.step([(run.slot, run.job.prompt)]).logits[-1]
         except Exception:
-            log.exception("generation failed (prompt of %d tokens)", len(job.prompt))
-            return "error"
-        finally:
-            gen.close()
+            log.exception("prefill failed (prompt of %d tokens)", len(run.job.prompt))
+            return self._end(run, "error")
+        return self._deliver(run, logits)
+
+    def _decode(self, active: list[_Running]) -> list[_Running]:
+        """One decode step of every active sequence; those still going."""
+        live = [r for r in active if not r.job.cancelled or self._end(r, "cancelled")]
+        if not live:
+            return []
+        try:
+            logits = self.engine.step([(r.slot, [r.pending]) for r in live]).logits
+        except Exception:
+            log.exception("decode step failed (%d sequences)", len(live))
+            return [r for r in live if self._end(r, "error")]
+        self.steps += 1
+        self.batched_rows += len(live)
+        return [r for i, r in enumerate(live) if self._deliver(r, logits[i])]
+
+    def _deliver(self, run: _Running, logits) -> bool:
+        """Sample the next token, hand it over; False when that ended the job."""
+        from runtime.engine import sample
+
+        token = sample(logits, run.temperature, run.generator)
+        self.on_token()
+        if run.job.cancelled:
+            return self._end(run, "cancelled")
+        run.job._emit(token)
+        run.count += 1
+        if token in run.job.sampling.stop_ids:
+            return self._end(run, "stop")
+        if run.count >= run.job.sampling.max_tokens or self.engine.lengths[run.slot] >= self.engine.max_seq:
+            return self._end(run, "length")
+        run.pending = token
+        return True
+
+    def _end(self, run: _Running, reason: str) -> bool:
+        run.job._call(self._finished, run.job, run.slot, reason)
+        return False
 
     def close(self) -> None:
-        """Stop every job (each within one decode step) and wait for the workers: after this,
-        no thread touches an engine, so device memory may be released."""
+        """Stop every job (each within one decode step) and wait for the engine thread: after
+        this, nothing touches the engine, so device memory may be released."""
         for job in list(self._queue) + list(self._running):
             job._stop.set()
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        with self._wake:
+            self._closing = True
+            self._wake.notify()
+        self._thread.join()

@@ -100,7 +100,7 @@ def test_jobs_zero_is_one_line(tiny_ckpt_ro, capsys):
 def test_tokens_do_not_depend_on_the_tier_even_across_a_swap_mid_generation(tiny_ckpt_ro, tmp_path):
     compiled, _ = launch(tiny_ckpt_ro, cache_dir=tmp_path / "kc", max_slots=1)
     expected = compiled.validation_tokens
-    engine = compiled.engines[0]
+    engine = compiled.engine
     prompt = [5, 6, 7, 8]
     engine.reset()
     want = list(engine.generate(prompt, 6))
@@ -126,8 +126,8 @@ def test_tokens_do_not_depend_on_the_tier_even_across_a_swap_mid_generation(tiny
     deadline = time.monotonic() + 600
     while early.tiers.status() != COMPILED and time.monotonic() < deadline:
         time.sleep(0.5)
-    early.engines[0].reset()
-    assert list(early.engines[0].generate(prompt, 6)) == want
+    early.engine.reset()
+    assert list(early.engine.generate(prompt, 6)) == want
     assert early.tiers.status() == COMPILED
     swaps = [e for e in events if e.kind == "log" and (e.detail or {}).get("tier") == COMPILED]
     assert len(swaps) == len(specs)

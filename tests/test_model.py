@@ -91,3 +91,61 @@ def test_greedy_generation_is_deterministic_and_bounded(model):
     engine = Engine(programs, packed)
     with pytest.raises(ValueError, match="exceeds max_seq"):
         engine.forward(torch.zeros(65, dtype=torch.int64))
+
+
+def _alone(programs, packed, prompt, n):
+    return list(Engine(programs, packed).generate(prompt, n))
+
+
+def test_batched_decode_equals_each_sequence_alone(model):
+    """Sequences of different lengths arrive at different steps, prefill alone, then decode
+    together in one call per program (slot order shuffled, one leaves early): every greedy token
+    equals the sequence run alone."""
+    _, _, programs, packed = model
+    prompts = {0: TOKENS[:5].tolist(), 1: TOKENS[:23].tolist(), 2: TOKENS[3:12].tolist(), 3: TOKENS[:33].tolist()}
+    wanted = {0: 12, 1: 6, 2: 14, 3: 9}
+    arrive = {0: 0, 1: 2, 2: 3, 3: 5}
+    engine = Engine(programs, packed, slots=4)
+    slot_of = {0: 3, 1: 0, 2: 2, 3: 1}
+    got: dict[int, list[int]] = {}
+    pending: dict[int, int] = {}  # sequence → its last token, not yet appended
+    for step in range(40):
+        for seq, at in arrive.items():
+            if at == step:
+                logits = engine.step([(slot_of[seq], prompts[seq])]).logits
+                pending[seq] = int(logits[-1].argmax())
+                got[seq] = [pending[seq]]
+        live = [s for s in pending if len(got[s]) < wanted[s]]
+        for s in [s for s in pending if s not in live]:
+            del pending[s]
+        if not live:
+            if step > max(arrive.values()):
+                break
+            continue
+        logits = engine.step([(slot_of[s], [pending[s]]) for s in live]).logits
+        for row, s in enumerate(live):
+            pending[s] = int(logits[row].argmax())
+            got[s].append(pending[s])
+    assert got == {s: _alone(programs, packed, prompts[s], wanted[s]) for s in prompts}
+
+
+def test_decode_reads_only_its_window_and_the_finished_entries(model):
+    """Incremental compressed KV: after the prompt, a decode step reads the sliding window's KV
+    rows, the compressor inputs of its own (and, CSA, the previous) window, and the finished
+    entries: poisoning every other per-token row with NaN changes no logit."""
+    _, _, programs, packed = model
+    prompt = TOKENS[:33]
+    clean, poisoned = Engine(programs, packed), Engine(programs, packed)
+    clean.forward(prompt)
+    poisoned.forward(prompt)
+    pos = len(prompt)  # the next token's position
+    d = programs.dims
+    for group, v in programs.variants.items():
+        for name, cache in poisoned.caches[group].items():
+            if name == "kv":
+                cache[0, : pos - d.window + 1] = float("nan")
+            elif name not in ("entries", "ikeys") and v.ratio:
+                cache[0, : (pos // v.ratio - 1) * v.ratio] = float("nan")
+    for token in (5, 6, 7, 8, 9, 10, 11, 12):
+        a, b = clean.forward(torch.tensor([token])).logits, poisoned.forward(torch.tensor([token])).logits
+        assert torch.equal(a, b)

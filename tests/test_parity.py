@@ -129,10 +129,12 @@ def _peer_prefill(peer: DeepseekV4ForCausalLM, tokens: torch.Tensor) -> tuple[to
 def _our_prefill(programs, weights, tokens: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
     engine = Engine(programs, weights)
     d, positions = programs.dims, torch.arange(tokens.shape[0])
+    rows = M.Rows(positions, torch.zeros_like(positions), torch.zeros_like(positions))  # slot 0, from 0
     x, streams = M.embed(d, weights["top"], tokens), []
     for group, v in programs.variants.items():
         if group.startswith("layers."):
-            x, _ = M.block(d, v.kind, v.ratio, v.hash_routed, weights[group], x, tokens, positions, engine.caches[group])
+            x, _ = M.block(d, v.kind, v.ratio, v.hash_routed, weights[group], x, tokens, rows,
+                           engine.caches[group], prefill=True)
             streams.append(x)
     return M.head(d, weights["top"], x)[0], streams
 

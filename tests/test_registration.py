@@ -76,10 +76,10 @@ def test_warm_launch_hits_programs_maps_sidecar_and_gives_identical_tokens(cold_
     assert ends["upload"].detail["zero_copy"] is True
     assert mapped.validation_tokens == cold.validation_tokens
     prompt = [5, 9, 200, 31]
-    a = list(mapped.engines[0].generate(prompt, 5))
+    a = list(mapped.engine.generate(prompt, 5))
     mapped.close()
     eager, _ = launch(model_dir, backend="eager", use_sidecar=False)
-    assert list(eager.engines[0].generate(prompt, 5)) == a
+    assert list(eager.engine.generate(prompt, 5)) == a
     eager.close()
 
 
@@ -130,7 +130,7 @@ def test_kv_allocation_halves_on_failure(tiny_ckpt_ro, monkeypatch):
     launched, events = launch(tiny_ckpt_ro, backend="eager", max_slots=4, validate_tokens=2)
     kv = _ends(events)["kv"].detail
     assert kv["slots"] == 2 and kv["attempts"][0]["slots"] == 4
-    assert len(launched.engines) == 2
+    assert launched.engine.slots == 2
     launched.close()
 
 

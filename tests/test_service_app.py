@@ -7,6 +7,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
+from engine_fakes import CountingEngine
 
 from runtime.service import create_app
 from runtime.synth_tokenizer import train_tokenizer_json
@@ -15,18 +16,10 @@ from runtime.tokenizer import load_tokenizer
 VOCAB, MAX_SEQ = 512, 64
 
 
-class CountingEngine:
-    """Token 300 + step at every step: deterministic text through any tokenizer."""
-
-    def generate(self, prompt, max_tokens, temperature=0.0, seed=0):
-        for i in range(max_tokens):
-            yield 300 + i
-
-
 def _launched(tmp_path: Path, slots: int = 2):
     (tmp_path / "tokenizer.json").write_text(train_tokenizer_json(VOCAB))
     tokenizer, _ = load_tokenizer(tmp_path, VOCAB)
-    return SimpleNamespace(engines=[CountingEngine() for _ in range(slots)], tokenizer=tokenizer,
+    return SimpleNamespace(engine=CountingEngine(slots=slots, max_seq=MAX_SEQ), tokenizer=tokenizer,
                            config=SimpleNamespace(vocab_size=VOCAB), options=SimpleNamespace(model_dir=tmp_path),
                            programs=SimpleNamespace(dims=SimpleNamespace(max_seq=MAX_SEQ)), phases={})
 
@@ -75,18 +68,9 @@ def test_a_service_whose_weights_changed_fails_closed_with_the_reason(tmp_path):
     assert completion.status_code == 200
 
 
-class BrokenEngine:
-    """Two tokens, then a failure inside a decode step (a bug of ours, not the client's)."""
-
-    def generate(self, prompt, max_tokens, temperature=0.0, seed=0):
-        yield 300
-        yield 301
-        raise RuntimeError("decode step failed")
-
-
 def test_a_generation_that_fails_mid_stream_ends_the_stream_with_an_error_event(tmp_path):
     launched = _launched(tmp_path, slots=1)
-    launched.engines = [BrokenEngine()]
+    launched.engine = CountingEngine(slots=1, fail_after=2)  # a bug of ours inside a decode step
     stream, whole, metrics = _calls(launched,
                                     ("POST", "/v1/completions", {"prompt": [1], "max_tokens": 8, "stream": True}),
                                     ("POST", "/v1/completions", {"prompt": [1], "max_tokens": 8}),

@@ -3,9 +3,9 @@ and stop strings, and the scheduler's queue time and cancellation over a fake en
 
 import asyncio
 import json
-import threading
 
 import pytest
+from engine_fakes import CountingEngine
 
 from runtime.config import load_config
 from runtime.scheduler import Cancelled, QueueTimeout, Sampling, Scheduler
@@ -85,32 +85,13 @@ def test_stop_strings_end_the_text_before_them(chunks, stops, released, hit):
 # ---- the scheduler over a fake engine: one token per step ---------------------------------------
 
 
-class FakeEngine:
-    """Yields 100 + step for each step; with `gated`, each step waits for a permit."""
-
-    def __init__(self, gated: bool = False):
-        self.steps = 0
-        self.permits = threading.Semaphore(0) if gated else None
-
-    def allow(self, n: int) -> None:
-        for _ in range(n):
-            self.permits.release()
-
-    def generate(self, prompt, max_tokens, temperature=0.0, seed=0):
-        for i in range(max_tokens):
-            if self.permits is not None:
-                self.permits.acquire()
-            self.steps += 1
-            yield 100 + i
-
-
 def _run(coro):
     return asyncio.run(coro)
 
 
 def test_jobs_run_to_length_or_stop_token():
     async def main():
-        s = Scheduler([FakeEngine()])
+        s = Scheduler(CountingEngine(slots=1, base=100))
         a = s.submit([1], Sampling(max_tokens=3))
         b = s.submit([1], Sampling(max_tokens=5, stop_ids=frozenset({101})))
         got_a = [t async for t in a]
@@ -123,8 +104,8 @@ def test_jobs_run_to_length_or_stop_token():
 
 def test_a_cancelled_job_stops_within_one_step_and_frees_its_slot():
     async def main():
-        engine = FakeEngine(gated=True)
-        s = Scheduler([engine])
+        engine = CountingEngine(slots=1, base=100, gated=True)
+        s = Scheduler(engine)
         job = s.submit([1], Sampling(max_tokens=1000))
         it = job.__aiter__()
         engine.allow(1)
@@ -144,8 +125,8 @@ def test_a_cancelled_job_stops_within_one_step_and_frees_its_slot():
 
 def test_queue_time_is_bounded_and_a_queued_job_can_leave():
     async def main():
-        engine = FakeEngine(gated=True)  # the only slot is stuck
-        s = Scheduler([engine], queue_timeout=0.2)
+        engine = CountingEngine(slots=1, base=100, gated=True)  # the only slot is stuck
+        s = Scheduler(engine, queue_timeout=0.2)
         busy = s.submit([1], Sampling(max_tokens=5))
         waits = s.submit([1], Sampling(max_tokens=1))
         leaves = s.submit([1], Sampling(max_tokens=1))

@@ -49,9 +49,9 @@ class Limits:
 
 def create_app(launched, limits: Limits = Limits(), scheduler: Scheduler | None = None) -> FastAPI:
     """An app serving `launched` (runtime.registration.Launched) through `scheduler` (by
-    default one sequence per KV slot of launched.engines)."""
+    default continuous batching over every KV slot of launched.engine)."""
     app = FastAPI(title="dsv4", version="1", default_response_class=SafeJSONResponse)
-    scheduler = scheduler or Scheduler(launched.engines, limits.queue_timeout)
+    scheduler = scheduler or Scheduler(launched.engine, limits.queue_timeout)
     app.state.scheduler = scheduler
     metrics = Metrics(launched, scheduler)
     scheduler.on_token = metrics.generated.inc

@@ -1,0 +1,109 @@
+"""Continuous batching through the scheduler on the tiny model: jobs arrive while others decode,
+decode together in one call per program, and leave on their own; each gets exactly the tokens
+it gets alone (greedy, and sampled with its seed)."""
+
+import asyncio
+
+import pytest
+import torch
+from engine_fakes import CountingEngine
+
+from runtime.config import load_config
+from runtime.engine import Engine
+from runtime.model_programs import build_programs
+from runtime.pack import PackPlan, pack_in_memory
+from runtime.scheduler import Sampling, Scheduler
+from runtime.weights import packed_views
+from store.checkpoint import Checkpoint
+
+PROMPTS = [[3, 17, 250, 9, 41], list(range(60, 83)), [7] * 9, list(range(100, 133)), [1, 2], list(range(200, 240))]
+LENGTHS = [12, 5, 14, 9, 20, 3]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_ckpt_ro):
+    config = load_config(tiny_ckpt_ro)
+    plan = PackPlan(config, ranks=1)
+    return build_programs(config, plan, max_seq=128), packed_views(plan, pack_in_memory(Checkpoint.open(tiny_ckpt_ro), plan))
+
+
+def _alone(programs, weights, prompt, n, temperature=0.0, seed=0):
+    return list(Engine(programs, weights).generate(prompt, n, temperature, seed))
+
+
+async def _staggered(scheduler, jobs):
+    """Submit each job once the previous one has produced a token: arrivals between steps."""
+    submitted, results = [], []
+
+    async def collect(job):
+        return [t async for t in job]
+
+    for prompt, sampling in jobs:
+        job = scheduler.submit(prompt, sampling)
+        it = job.__aiter__()
+        first = await it.__anext__()
+        submitted.append((job, first, it))
+    for job, first, it in submitted:
+        results.append(([first] + [t async for t in it], job.finish_reason))
+    return results
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_interleaved_jobs_get_the_tokens_they_get_alone(tiny, temperature):
+    programs, weights = tiny
+    jobs = [(p, Sampling(max_tokens=n, temperature=temperature, seed=i)) for i, (p, n) in enumerate(zip(PROMPTS, LENGTHS, strict=True))]
+
+    async def main():
+        s = Scheduler(Engine(programs, weights, slots=4))
+        try:
+            return await _staggered(s, jobs), s.batched_rows / max(s.steps, 1)
+        finally:
+            s.close()
+
+    results, mean_batch = asyncio.run(main())
+    want = [_alone(programs, weights, p, s.max_tokens, temperature, s.seed) for p, s in jobs]
+    assert [tokens for tokens, _ in results] == want
+    assert all(reason == "length" for _, reason in results)
+    assert mean_batch > 1.5  # they really decoded together
+
+
+def test_finished_sequences_leave_and_queued_ones_take_their_slots():
+    engine = CountingEngine(slots=2, base=100)
+
+    async def main():
+        s = Scheduler(engine)
+        jobs = [s.submit([1], Sampling(max_tokens=n)) for n in (2, 6, 3, 1)]
+        out = [[t async for t in job] for job in jobs]
+        s.close()
+        return out
+
+    assert asyncio.run(main()) == [[100, 101], [100, 101, 102, 103, 104, 105], [100, 101, 102], [100]]
+    assert max(engine.batches) == 2 and engine.slots == 2
+
+
+def test_one_sequence_per_step_is_the_baseline():
+    engine = CountingEngine(slots=4, base=100)
+
+    async def main():
+        s = Scheduler(engine, max_batch=1)
+        jobs = [s.submit([1], Sampling(max_tokens=3)) for _ in range(3)]
+        out = [[t async for t in job] for job in jobs]
+        s.close()
+        return out, s.slots
+
+    out, slots = asyncio.run(main())
+    assert out == [[100, 101, 102]] * 3 and slots == 1 and max(engine.batches) == 1
+
+
+def test_a_step_at_max_seq_ends_the_job_with_length():
+    engine = CountingEngine(slots=1, base=100, max_seq=6)
+
+    async def main():
+        s = Scheduler(engine)
+        job = s.submit([1, 2, 3, 4], Sampling(max_tokens=50))
+        out = [t async for t in job]
+        s.close()
+        return out, job.finish_reason
+
+    assert asyncio.run(main()) == ([100, 101, 102], "length")  # 4 prompt + 2 appended = max_seq
+    assert torch.tensor(engine.lengths).max().item() == 6
