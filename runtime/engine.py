@@ -102,15 +102,21 @@ class Engine:
     def _run(self, name: str, *args: torch.Tensor) -> tuple:
         return _as_tuple(self.runners[name](*args))
 
-    def _rows(self, batch: Sequence[tuple[int, int, int]], tokens: torch.Tensor) -> _Rows:
-        """(slot, start, count) per sequence → per-row positions, slots and starts."""
+    def _rows(self, batch: Sequence[tuple[int, int, int]], tokens: torch.Tensor, prefill: bool | None) -> _Rows:
+        """(slot, start, count) per sequence → per-row positions, slots and starts; the mode:
+        `prefill` (one sequence only), or by default a prefill when it is one sequence's several
+        tokens."""
         positions, slots, starts = [], [], []
         for slot, start, count in batch:
             positions += range(start, start + count)
             slots += [slot] * count
             starts += [start] * count
         as_tensor = lambda v: torch.tensor(v, dtype=torch.int64, device=self.device)  # noqa: E731
-        mode = PREFILL if len(batch) == 1 and batch[0][2] > 1 else DECODE
+        if prefill is None:
+            prefill = len(batch) == 1 and batch[0][2] > 1
+        elif prefill and len(batch) != 1:
+            raise ValueError("a prefill step holds one sequence")
+        mode = PREFILL if prefill else DECODE
         return _Rows(tokens.to(self.device, torch.int64), as_tensor(positions), as_tensor(slots),
                      as_tensor(starts), mode)
 
@@ -161,17 +167,18 @@ class Engine:
             if start + count > self.p.dims.max_seq:
                 raise ValueError(f"sequence of {start + count} tokens exceeds max_seq={self.p.dims.max_seq}")
 
-    def step(self, batch: Batch) -> Step:
+    def step(self, batch: Batch, prefill: bool | None = None) -> Step:
         """Append each (slot, tokens) to that slot's sequence, all in one call per program: a
-        prefill when the batch is one sequence's several tokens, else a decode step. One row of
-        logits per token, in batch order."""
+        prefill (default: when the batch is one sequence's several tokens) or a decode step,
+        whose rows may hold several tokens of a sequence (a packed prompt, a draft to verify).
+        One row of logits per token, in batch order."""
         spans = [(slot, self.lengths[slot], len(tokens)) for slot, tokens in batch]
         self._check(spans)
         swap_point = getattr(self.runners, "swap_point", None)
         if swap_point is not None:  # compiled programs published meanwhile swap in between steps
             swap_point()
         tokens = torch.cat([torch.as_tensor(t, dtype=torch.int64).reshape(-1) for _, t in batch])
-        r = self._rows(spans, tokens)
+        r = self._rows(spans, tokens, prefill)
         x = self._embed(r)
         for group in self.p.variants:
             if group.startswith("layers."):
@@ -185,7 +192,8 @@ class Engine:
         """Append `tokens` at the end of one slot's sequence; logits for each of them."""
         return self.step([(slot, tokens)])
 
-    def mtp_step(self, batch: Sequence[tuple[int, int, torch.Tensor, Sequence[int] | torch.Tensor]]) -> torch.Tensor:
+    def mtp_step(self, batch: Sequence[tuple[int, int, torch.Tensor, Sequence[int] | torch.Tensor]],
+                 prefill: bool | None = None) -> torch.Tensor:
         """Draft logits from the MTP layer for rows of several sequences: per (slot, start,
         hidden [n, hc, D], next tokens [n]), the main model's hc streams of positions start..
         with the token that followed each; returns [R, V] in batch order."""
@@ -193,7 +201,7 @@ class Engine:
         self._check(spans)
         next_tokens = torch.cat([torch.as_tensor(t, dtype=torch.int64).reshape(-1) for *_, t in batch])
         hidden = torch.cat([h for _, _, h, _ in batch])
-        r = self._rows(spans, next_tokens)
+        r = self._rows(spans, next_tokens, prefill)
         top, mw = self.w["top"], self.w["mtp.0"]
         if self.runners is None:
             x = model.mtp_input(self.p.dims, mw, top["embed.weight"][r.tokens], hidden)

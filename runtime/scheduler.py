@@ -30,7 +30,6 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
-GREEDY_BELOW = 1e-5  # temperatures below this sample like 0 (their limit), never divide by ~0
 
 
 class QueueTimeout(Exception):
@@ -106,37 +105,23 @@ class Job:
             self._stop.set()
 
 
-class _Running:
-    """A job on its slot, in the engine thread: its sampler and the token to append next."""
-
-    def __init__(self, job: Job, slot: int):
-        self.job, self.slot = job, slot
-        self.generator = _generator(job.sampling.seed)
-        self.temperature = job.sampling.temperature if job.sampling.temperature >= GREEDY_BELOW else 0.0
-        self.count = 0
-        self.pending: int | None = None
-
-
-def _generator(seed: int):
-    import torch  # the engine thread's side only: the console never builds a scheduler
-
-    return torch.Generator().manual_seed(seed)
-
-
 class Scheduler:
     """Continuous batching over one engine's slots, first come first served, bounded queue time.
 
     `max_batch` caps how many sequences run at once (default: every slot); 1 is the
-    one-sequence-per-step engine, kept as the bench's baseline."""
+    one-sequence-per-step engine, kept as the bench's baseline. `speculative`: MTP drafts,
+    verified by the main model (runtime.batcher)."""
 
     def __init__(self, engine, queue_timeout: float = 30.0, max_batch: int | None = None,
-                 prefill_tokens: int = 2048):
+                 speculative: bool = False, **batcher_options):
+        from runtime.batcher import Batcher  # torch: only where an engine runs
+
         if engine.slots < 1 or (max_batch is not None and max_batch < 1):
             raise ValueError("a scheduler needs at least one engine slot")
         self.engine = engine
         self.slots = min(engine.slots, max_batch or engine.slots)
         self.queue_timeout = queue_timeout
-        self.prefill_tokens = prefill_tokens  # per step, beyond the first prompt: decode keeps moving
+        self.batcher = Batcher(engine, self._end, lambda: self.on_token(), speculative, **batcher_options)
         self._free = list(range(self.slots))[::-1]
         self._queue: collections.deque[Job] = collections.deque()
         self._running: set[Job] = set()
@@ -144,8 +129,6 @@ class Scheduler:
         self._inbox: list[tuple[Job, int]] = []
         self._wake = threading.Condition()
         self._closing = False
-        self.steps = 0  # decode steps run
-        self.batched_rows = 0  # rows over those steps: their mean is the batch size
         self.on_token: Callable[[], None] = lambda: None  # called by the engine thread per generated token
         self._thread = threading.Thread(target=self._serve, name="engine", daemon=True)
         self._thread.start()
@@ -225,76 +208,32 @@ class Scheduler:
 
     # ---- the engine thread ----
 
+    @property
+    def stats(self) -> dict:
+        """Steps, mean batch, MTP drafts and acceptance, tokens per sequence-step."""
+        return self.batcher.stats.to_json()
+
     def _serve(self) -> None:
-        active: list[_Running] = []
+        from runtime.batcher import Running
+
+        active: list = []
         while True:
             with self._wake:
                 while not self._inbox and not active and not self._closing:
                     self._wake.wait()
                 if self._closing:
                     break
-                budget, take = self.prefill_tokens, 0
-                while take < len(self._inbox) and (take == 0 or budget >= len(self._inbox[take][0].prompt)):
-                    budget -= len(self._inbox[take][0].prompt)
-                    take += 1
+                take = self.batcher.take(self._inbox)
                 admitted, self._inbox = self._inbox[:take], self._inbox[take:]
-            for job, slot in admitted:
-                run = _Running(job, slot)
-                if self._prefill(run):
-                    active.append(run)
-            active = self._decode(active)
+            active = self.batcher.step(active, [Running(job, slot) for job, slot in admitted])
         for run in active:
             self._end(run, "cancelled")
         with self._wake:
             for job, slot in self._inbox:
-                self._end(_Running(job, slot), "cancelled")
+                self._end(Running(job, slot), "cancelled")
 
-    def _prefill(self, run: _Running) -> bool:
-        """The job's prompt in its own step; its first token. False when the job has ended."""
-        if run.job.cancelled:
-            return self._end(run, "cancelled")
-        try:
-            self.engine.reset(run.slot)  # the slot's previous sequence is gone
-            logits = self.engine.step([(run.slot, run.job.prompt)]).logits[-1]
-        except Exception:
-            log.exception("prefill failed (prompt of %d tokens)", len(run.job.prompt))
-            return self._end(run, "error")
-        return self._deliver(run, logits)
-
-    def _decode(self, active: list[_Running]) -> list[_Running]:
-        """One decode step of every active sequence; those still going."""
-        live = [r for r in active if not r.job.cancelled or self._end(r, "cancelled")]
-        if not live:
-            return []
-        try:
-            logits = self.engine.step([(r.slot, [r.pending]) for r in live]).logits
-        except Exception:
-            log.exception("decode step failed (%d sequences)", len(live))
-            return [r for r in live if self._end(r, "error")]
-        self.steps += 1
-        self.batched_rows += len(live)
-        return [r for i, r in enumerate(live) if self._deliver(r, logits[i])]
-
-    def _deliver(self, run: _Running, logits) -> bool:
-        """Sample the next token, hand it over; False when that ended the job."""
-        from runtime.engine import sample
-
-        token = sample(logits, run.temperature, run.generator)
-        self.on_token()
-        if run.job.cancelled:
-            return self._end(run, "cancelled")
-        run.job._emit(token)
-        run.count += 1
-        if token in run.job.sampling.stop_ids:
-            return self._end(run, "stop")
-        if run.count >= run.job.sampling.max_tokens or self.engine.lengths[run.slot] >= self.engine.max_seq:
-            return self._end(run, "length")
-        run.pending = token
-        return True
-
-    def _end(self, run: _Running, reason: str) -> bool:
+    def _end(self, run, reason: str) -> None:
         run.job._call(self._finished, run.job, run.slot, reason)
-        return False
 
     def close(self) -> None:
         """Stop every job (each within one decode step) and wait for the engine thread: after

@@ -32,7 +32,10 @@ class CountingEngine:
     def reset(self, slot: int = 0) -> None:
         self.lengths[slot] = self.counts[slot] = 0
 
-    def step(self, batch):
+    def truncate(self, slot: int, length: int) -> None:
+        self.lengths[slot] = min(self.lengths[slot], length)
+
+    def step(self, batch, prefill=None):
         if self.permits is not None:
             self.permits.acquire()
         rows = []
@@ -45,4 +48,4 @@ class CountingEngine:
             self.counts[slot] += 1
         self.steps += 1
         self.batches.append(len(batch))
-        return SimpleNamespace(logits=torch.stack(rows))
+        return SimpleNamespace(logits=torch.stack(rows), hidden=torch.zeros(len(rows), 1))

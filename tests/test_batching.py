@@ -16,7 +16,8 @@ from runtime.scheduler import Sampling, Scheduler
 from runtime.weights import packed_views
 from store.checkpoint import Checkpoint
 
-PROMPTS = [[3, 17, 250, 9, 41], list(range(60, 83)), [7] * 9, list(range(100, 133)), [1, 2], list(range(200, 240))]
+# short prompts pack beside the decoding rows; the 150-token one prefills alone first
+PROMPTS = [[3, 17, 250, 9, 41], list(range(60, 83)), [7] * 9, list(range(100, 250)), [1, 2], list(range(200, 240))]
 LENGTHS = [12, 5, 14, 9, 20, 3]
 
 
@@ -24,7 +25,7 @@ LENGTHS = [12, 5, 14, 9, 20, 3]
 def tiny(tiny_ckpt_ro):
     config = load_config(tiny_ckpt_ro)
     plan = PackPlan(config, ranks=1)
-    return build_programs(config, plan, max_seq=128), packed_views(plan, pack_in_memory(Checkpoint.open(tiny_ckpt_ro), plan))
+    return build_programs(config, plan, max_seq=256), packed_views(plan, pack_in_memory(Checkpoint.open(tiny_ckpt_ro), plan))
 
 
 def _alone(programs, weights, prompt, n, temperature=0.0, seed=0):
@@ -48,23 +49,62 @@ async def _staggered(scheduler, jobs):
     return results
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.9])
-def test_interleaved_jobs_get_the_tokens_they_get_alone(tiny, temperature):
-    programs, weights = tiny
-    jobs = [(p, Sampling(max_tokens=n, temperature=temperature, seed=i)) for i, (p, n) in enumerate(zip(PROMPTS, LENGTHS, strict=True))]
-
+def _batched(programs, weights, jobs, **options):
     async def main():
-        s = Scheduler(Engine(programs, weights, slots=4))
+        s = Scheduler(Engine(programs, weights, slots=4), **options)
         try:
-            return await _staggered(s, jobs), s.batched_rows / max(s.steps, 1)
+            return await _staggered(s, jobs), s.stats
         finally:
             s.close()
 
-    results, mean_batch = asyncio.run(main())
+    return asyncio.run(main())
+
+
+def _jobs(temperature=0.0):
+    return [(p, Sampling(max_tokens=n, temperature=temperature, seed=i))
+            for i, (p, n) in enumerate(zip(PROMPTS, LENGTHS, strict=True))]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_interleaved_jobs_get_the_tokens_they_get_alone(tiny, temperature):
+    programs, weights = tiny
+    jobs = _jobs(temperature)
+    results, stats = _batched(programs, weights, jobs)
     want = [_alone(programs, weights, p, s.max_tokens, temperature, s.seed) for p, s in jobs]
     assert [tokens for tokens, _ in results] == want
     assert all(reason == "length" for _, reason in results)
-    assert mean_batch > 1.5  # they really decoded together
+    assert stats["mean_batch"] > 1.5  # they really decoded together
+
+
+def test_mtp_speculation_keeps_greedy_tokens(tiny):
+    """The MTP layer drafts, the main model verifies: whatever is accepted or rejected (the
+    synthetic MTP layer's random weights draft badly), the tokens are greedy's."""
+    programs, weights = tiny
+    jobs = _jobs()
+    results, stats = _batched(programs, weights, jobs, speculative=True)
+    assert [tokens for tokens, _ in results] == [_alone(programs, weights, p, s.max_tokens) for p, s in jobs]
+    assert stats["drafts"] > 0 and stats["acceptance"] is not None
+
+
+def test_accepted_drafts_yield_two_tokens_a_step_and_the_same_tokens(tiny):
+    """A drafter that is right two times in three (the true greedy next token, else a wrong
+    one) exercises both paths: accepted drafts hand over two tokens for one step, rejected
+    ones are dropped, and every job's tokens are still greedy's."""
+    programs, weights = tiny
+    jobs = _jobs()
+    want = {tuple(p): _alone(programs, weights, p, s.max_tokens + 2) for p, s in jobs}
+
+    def oracle(engine, rows):
+        drafts = []
+        for r in rows:
+            truth = want[tuple(r.run.job.prompt)][r.run.count]  # the token after the pending one
+            drafts.append(truth if r.run.count % 3 else (truth + 1) % programs.dims.vocab)
+        return drafts
+
+    results, stats = _batched(programs, weights, jobs, speculative=True, drafter=oracle)
+    assert [tokens for tokens, _ in results] == [want[tuple(p)][:s.max_tokens] for p, s in jobs]
+    assert 0 < stats["accepted"] < stats["drafts"]
+    assert stats["tokens_per_step"] > 1.2
 
 
 def test_finished_sequences_leave_and_queued_ones_take_their_slots():
