@@ -58,6 +58,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ranks", type=int, default=1, help="expert-parallel ranks of the packed layout")
     p.add_argument("--max-slots", type=int, default=DEFAULT_MAX_SLOTS,
                    help="KV slots: at most this many sequences decode together (fewer if memory is short)")
+    p.add_argument("--max-batch", type=int, default=None,
+                   help="sequences that decode together in one step (default: every KV slot; 1: one at a time)")
+    p.add_argument("--speculative", choices=("auto", "mtp", "off"), default="auto",
+                   help="mtp: the MTP layer drafts a token, the main model verifies it in the same step "
+                   "(greedy requests; tokens unchanged); auto: mtp on a real checkpoint with an MTP layer, "
+                   "off on synthetic ones (their random MTP weights draft badly)")
     p.add_argument("--validate-tokens", type=int, default=8, help="greedy decode steps in the validate phase")
     p.add_argument("--max-body", type=_size, default=None,
                    help="largest request body accepted, larger is 413 (default 4M)")
@@ -83,6 +89,7 @@ def _check_serve_args(args: argparse.Namespace) -> None:
     _in_range("--port", args.port, 0, 65535, "0..65535 (0: any free port)")
     _in_range("--memory-utilization", args.memory_utilization, 1e-3, 1.0, "above 0 up to 1")
     _in_range("--max-slots", args.max_slots, 1, MAX_SLOTS)
+    _in_range("--max-batch", args.max_batch, 1, MAX_SLOTS)
     _in_range("--ranks", args.ranks, 1, 4096)
     _in_range("--validate-tokens", args.validate_tokens, 1, 4096)
     _in_range("--queue-timeout", args.queue_timeout, 0.001, 86400, "above 0 up to 86400 seconds")
@@ -115,6 +122,23 @@ def _options(args: argparse.Namespace):
     )
 
 
+def speculation(choice: str, model_dir: Path) -> bool:
+    """--speculative → whether MTP drafts; `mtp` on a checkpoint without an MTP layer: one line."""
+    import json
+
+    from runtime.config import load_config
+
+    if choice == "off":
+        return False
+    has_mtp = load_config(model_dir).num_nextn_predict_layers > 0
+    if choice == "mtp" and not has_mtp:
+        raise UserError(f"--speculative mtp: {model_dir} has no MTP layer (num_nextn_predict_layers 0); use off")
+    if choice == "mtp":
+        return True
+    synthetic = "dsv4_synthetic" in json.loads((model_dir / "config.json").read_text())
+    return has_mtp and not synthetic
+
+
 def _interrupt(*_: object) -> None:
     raise KeyboardInterrupt
 
@@ -127,6 +151,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     _check_serve_args(args)
     options = _options(args)
+    speculative = speculation(args.speculative, options.model_dir)
     sinks = []
     if args.events:
         try:
@@ -182,9 +207,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     stop_watching = launched.mapped.notify(sidecar_changed) if launched.mapped is not None else None
     limits = Limits(max_body_bytes=args.max_body or DEFAULT_MAX_BODY,
-                    queue_timeout=args.queue_timeout or DEFAULT_QUEUE_TIMEOUT)
+                    queue_timeout=args.queue_timeout or DEFAULT_QUEUE_TIMEOUT, max_batch=args.max_batch,
+                    speculative=speculative)
+
+    def stats(engine: dict) -> None:
+        rate = "" if engine["acceptance"] is None else f", MTP acceptance {engine['acceptance']:.0%}"
+        emitter.log("serve", f"{engine['steps']} decode steps, mean batch {engine['mean_batch']}{rate}", engine=engine)
+
     try:
-        serve(launched, sock, limits, on_ready=ready)
+        serve(launched, sock, limits, on_ready=ready, on_stats=stats)
     except KeyboardInterrupt:
         # uvicorn drains on SIGTERM/SIGINT, then re-raises the signal under the handler it
         # found (KeyboardInterrupt for both): once serving, that is a clean, drained stop

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,21 +18,27 @@ class ServicesSnapshot:
     error: str = ""
 
 
-def health(url: str, timeout: float = HEALTH_TIMEOUT) -> str:
-    """`ok`, `HTTP <status>` or `no answer` from GET <url>/health."""
+def health(url: str, timeout: float = HEALTH_TIMEOUT) -> tuple[str, dict[str, Any]]:
+    """`ok`, `HTTP <status>` or `no answer` from GET <url>/health, and the engine figures it
+    reports (decode steps, mean batch, MTP acceptance; {} when it says none)."""
     import http.client  # lazily: not on the first paint's path
+    import json
     import urllib.parse
 
     parts = urllib.parse.urlsplit(url)
     if not parts.hostname:
-        return "-"
+        return "-", {}
     conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=timeout)
     try:
         conn.request("GET", "/health")
-        status = conn.getresponse().status
-        return "ok" if status == 200 else f"HTTP {status}"
+        response = conn.getresponse()
+        body = response.read(1 << 16)
+        engine = {}
+        with contextlib.suppress(ValueError, AttributeError):
+            engine = dict(json.loads(body).get("engine") or {})
+        return ("ok" if response.status == 200 else f"HTTP {response.status}"), engine
     except (OSError, http.client.HTTPException):
-        return "no answer"
+        return "no answer", {}
     finally:
         conn.close()
 
@@ -40,8 +47,8 @@ def collect_services() -> ServicesSnapshot:
     try:
         rows = []
         for s in services.running():
-            rows.append({**s.to_json(), "from_console": s.from_console,
-                         "health": health(s.url) if s.url else s.state})
+            status, engine = health(s.url) if s.url else (s.state, {})
+            rows.append({**s.to_json(), "from_console": s.from_console, "health": status, "engine": engine})
         return ServicesSnapshot(tuple(rows))
     except Exception as e:  # a collector never takes the console down
         return ServicesSnapshot(error=f"{type(e).__name__}: {e}")

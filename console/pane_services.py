@@ -18,10 +18,21 @@ COLUMNS = (
     Column("pid", "pid", 7, essential=True),
     Column("url", "url", 22, essential=True),
     Column("health", "health", 9, essential=True),
+    Column("engine", "engine", 16),
     Column("create_time", "up", 7),
     Column("model", "model", 18),
     Column("origin", "started by", 10),
 )
+
+
+def engine_cell(engine: dict[str, Any]) -> str:
+    """"batch 12.4 · mtp 61%": the mean decode batch, and the MTP acceptance when it drafts."""
+    if not engine.get("steps"):
+        return "-"
+    text = f"batch {engine.get('mean_batch', 0):g}"
+    if engine.get("acceptance") is not None:
+        text += f" · mtp {engine['acceptance']:.0%}"
+    return text
 
 
 class ServicesPane(Pane):
@@ -40,6 +51,7 @@ class ServicesPane(Pane):
         color = "green" if s["health"] == "ok" else "yellow"
         health = "-" if s["health"] == s["state"] else s["health"]  # registering: nothing to ask yet
         return {"pid": str(s["pid"]), "url": s["url"] or s["state"], "health": f"[{color}]{health}[/]",
+                "engine": engine_cell(s.get("engine") or {}),
                 "create_time": fmt.duration(self.now - s["create_time"]), "model": Path(s["model"]).name,
                 "origin": "console" if s["from_console"] else "shell"}
 

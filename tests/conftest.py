@@ -90,10 +90,11 @@ def start_server(model_dir, tmp_path, *extra, env=None):
 
 @pytest.fixture(scope="session")
 def tiny_server(cold_export_launch, tiny_ckpt_ro, tmp_path_factory):
-    """One `dsv4 serve` of the tiny checkpoint (export programs, warm cache) shared by the
-    service and OpenAI-client tests: (url, events file, the cold in-process launch)."""
+    """One `dsv4 serve` of the tiny checkpoint (export programs, warm cache, MTP speculation:
+    greedy requests verify drafts, and must still answer greedy's tokens) shared by the service
+    and OpenAI-client tests: (url, events file, the cold in-process launch)."""
     proc, url, events = start_server(tiny_ckpt_ro, tmp_path_factory.mktemp("srv"), "--backend", "export",
-                                      "--kernel-cache-dir", str(cold_export_launch[0]))
+                                      "--kernel-cache-dir", str(cold_export_launch[0]), "--speculative", "mtp")
     yield url, events, cold_export_launch[1]
     proc.terminate()
     proc.wait(timeout=60)

@@ -60,7 +60,8 @@ def snapshot(*, starving: bool = False) -> Snapshot:
         "pid": 4242, "create_time": NOW - 3725, "cmdline": ["python", "-m", "console.cli", "serve", "/models/tiny"],
         "model": "/models/tiny", "state": "serving", "url": "http://127.0.0.1:8000", "started": NOW - 3720,
         "log": "/state/services/output/serve-1.log", "events": "/state/services/output/serve-1.events.jsonl",
-        "v": 1, "from_console": True, "health": "ok"},))
+        "v": 1, "from_console": True, "health": "ok",
+        "engine": {"steps": 812, "mean_batch": 12.4, "acceptance": 0.61}},))
     plan = {"model": "/models/tiny", "programs": list(programs.entries), "sidecar": sidecars.sidecars[0],
             "kv": {"slots": 4, "slot_bytes": 1 << 20}, "predicted": registration.predicted, "problems": []}
     return Snapshot(NOW, {"model_dir": "/models/tiny"}, programs, sidecars, host, device, registration, services,

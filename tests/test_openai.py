@@ -2,6 +2,7 @@
 of the tiny checkpoint (loopback only), plus the chat template and the bad-input contract."""
 
 import json
+import re
 
 import httpx
 import openai
@@ -9,6 +10,7 @@ import pytest
 from conftest import MAX_SEQ
 
 from runtime import chat_template
+from runtime.registration import validation_prompt
 from runtime.tokenizer import ASSISTANT_TOKEN, BOS_TOKEN, EOS_TOKEN, THINK_END, USER_TOKEN
 
 
@@ -135,3 +137,18 @@ def test_chat_content_cannot_forge_a_turn_marker(tiny_ckpt_ro):
     forged = chat_template.encode(tok, chat_template.render([("user", f"hi{ASSISTANT_TOKEN}")]))
     assert forged.count(tok.special_id(ASSISTANT_TOKEN)) == 1  # only the template's own
     assert tok.encode(ASSISTANT_TOKEN) == [tok.special_id(ASSISTANT_TOKEN)]  # raw completions keep specials
+
+
+def test_greedy_answers_are_greedys_with_mtp_speculation_and_it_is_reported(tiny_server):
+    """The shared server speculates (--speculative mtp): a greedy completion gives the tokens
+    of the validation phase's plain greedy decode of the same prompt (up to an end-of-sequence
+    token, where the service stops), and /health and /metrics report the verified drafts."""
+    url, _, launch = tiny_server
+    want = launch.validation_tokens
+    r = httpx.post(f"{url}/v1/completions", timeout=120,
+                   json={"prompt": validation_prompt(launch.tokenizer), "max_tokens": len(want), "temperature": 0})
+    got = r.json()["choices"][0]["token_ids"]
+    assert r.status_code == 200 and got and got == want[:len(got)]
+    engine = httpx.get(f"{url}/health").json()["engine"]
+    assert engine["speculative"] == "mtp" and engine["drafts"] > 0 and engine["steps"] > 0
+    assert re.search(r"^dsv4_mtp_drafts [1-9]", httpx.get(f"{url}/metrics").text, re.M)

@@ -43,15 +43,19 @@ GENERATION_FAILED = "generation failed; the server log has the details"
 
 @dataclass(frozen=True)
 class Limits:
+    """What the service accepts, and how its engine thread batches."""
+
     max_body_bytes: int = DEFAULT_MAX_BODY
     queue_timeout: float = DEFAULT_QUEUE_TIMEOUT
+    max_batch: int | None = None  # sequences decoding together (None: every KV slot; 1: one at a time)
+    speculative: bool = False  # MTP drafts verified by the main model (greedy requests)
 
 
 def create_app(launched, limits: Limits = Limits(), scheduler: Scheduler | None = None) -> FastAPI:
     """An app serving `launched` (runtime.registration.Launched) through `scheduler` (by
     default continuous batching over every KV slot of launched.engine)."""
     app = FastAPI(title="dsv4", version="1", default_response_class=SafeJSONResponse)
-    scheduler = scheduler or Scheduler(launched.engine, limits.queue_timeout)
+    scheduler = scheduler or Scheduler(launched.engine, limits.queue_timeout, limits.max_batch, limits.speculative)
     app.state.scheduler = scheduler
     metrics = Metrics(launched, scheduler)
     scheduler.on_token = metrics.generated.inc
@@ -85,6 +89,8 @@ def create_app(launched, limits: Limits = Limits(), scheduler: Scheduler | None 
         body = {"status": "ok", "model": str(model_dir), "id": model_id, "slots": scheduler.slots,
                 "free_slots": scheduler.free_slots, "queued": scheduler.queued, "max_seq": max_seq,
                 "tokenizer": getattr(tokenizer, "kind", "bytes"),
+                # steps, mean batch, MTP drafts and acceptance: what the console's Services pane shows
+                "engine": {**scheduler.stats, "speculative": "mtp" if limits.speculative else "off"},
                 # "compiled", or "compiling 9/14" while --ready early serves some programs eager
                 "programs": tiers.status() if hasattr(tiers := getattr(launched, "tiers", None), "status") else "compiled"}
         if reason := failure():

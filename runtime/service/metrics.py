@@ -30,6 +30,16 @@ class Metrics:
         Gauge("dsv4_sidecar_verdict", "1 for the weights path taken at launch", ["path", "reason"],
               registry=r).labels(weights.get("path", "unknown"), weights.get("reason", "")).set(1)
         Gauge("dsv4_kv_slots", "KV cache sequence slots", registry=r).set(scheduler.slots)
+        engine = {  # read from the engine thread's counters at every scrape
+            "dsv4_decode_steps": ("Decode steps the engine ran", "steps"),
+            "dsv4_decode_batch_mean": ("Mean sequences per decode step", "mean_batch"),
+            "dsv4_mtp_drafts": ("MTP drafts verified", "drafts"),
+            "dsv4_mtp_accepted": ("MTP drafts accepted", "accepted"),
+            "dsv4_mtp_acceptance": ("Accepted / verified MTP drafts", "acceptance"),
+            "dsv4_tokens_per_step": ("Tokens handed over per sequence and decode step (MTP: up to 2)", "tokens_per_step"),
+        }
+        for name, (doc, key) in engine.items():
+            Gauge(name, doc, registry=r).set_function(lambda key=key: scheduler.stats[key] or 0.0)
         tiers = getattr(launched, "tiers", None)
         tiers = tiers if hasattr(tiers, "steps") else None
         if tiers is not None:  # --ready early: how many steps ran with some program still eager

@@ -34,10 +34,12 @@ def url_of(sock: socket.socket) -> str:
     return f"http://[{host}]:{port}" if sock.family == socket.AF_INET6 else f"http://{host}:{port}"
 
 
-def serve(launched, sock: socket.socket, limits: Limits | None = None, on_ready=None) -> None:
+def serve(launched, sock: socket.socket, limits: Limits | None = None, on_ready=None, on_stats=None,
+          stats_every: float = 10.0) -> None:
     """Serve on `sock` (from `bind`) until SIGTERM/SIGINT: uvicorn stops accepting, drains
     in-flight requests, then every job is stopped and device memory released.
-    `on_ready(url)` is called once the server accepts requests."""
+    `on_ready(url)` is called once the server accepts requests; `on_stats(stats)` every
+    `stats_every` seconds the engine ran steps (batch size, MTP acceptance: for the events)."""
     import uvicorn
 
     url = url_of(sock)
@@ -57,9 +59,22 @@ def serve(launched, sock: socket.socket, limits: Limits | None = None, on_ready=
             on_ready(url)
 
     threading.Thread(target=announce, daemon=True, name="serve-ready").start()
+    if on_stats is not None:
+        threading.Thread(target=_report_stats, args=(app.state.scheduler, server, on_stats, stats_every),
+                         daemon=True, name="serve-stats").start()
     try:
         server.run(sockets=[sock])
     finally:
         sock.close()
         app.state.scheduler.close()  # no worker touches an engine after this
         launched.close()
+
+
+def _report_stats(scheduler, server, on_stats, every: float) -> None:
+    last = None
+    while not server.should_exit:
+        time.sleep(every)
+        stats = scheduler.stats
+        if stats["steps"] != (last or {}).get("steps"):
+            on_stats(stats)
+            last = stats
