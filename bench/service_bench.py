@@ -1,8 +1,17 @@
-"""`dsv4 bench service`: 64 concurrent clients against `dsv4 serve` of the tiny model (eager).
+"""`dsv4 bench service`: the one-sequence-per-step engine vs continuous batching, side by side.
 
-Starts a server on loopback, sends ROUNDS rounds of 64 concurrent completions (max_tokens 4)
-and prints p50/p99 latency, throughput and the server's RSS before/after. Reported, never
-asserted (tests/reliability asserts correctness and the RSS bound).
+Same checkpoint (tiny), same programs, same load: each engine is a real `dsv4 serve` on
+loopback (`--max-slots 64`; the baseline adds `--max-batch 1`, so one sequence runs per step),
+and 64 concurrent clients send ROUNDS rounds of streamed completions (greedy, MAX_TOKENS each).
+Printed per engine: throughput (completion tokens/s, requests/s), p50/p99 latency, p50 time to
+first token, the server's peak RSS, and the engine's mean batch and MTP figures from /health;
+then the ratios against the baseline. A third server speculates with MTP (`--speculative mtp`;
+the synthetic MTP layer drafts badly, so it shows the cost and the tokens-per-step figure, not
+a speed-up).
+
+Decode step time: one engine in this process at max_seq 256 and 4096, a 200-token prompt, then
+timed single-sequence decode steps: the incremental compressed KV keeps them close.
+Reported, never asserted.
 """
 
 from __future__ import annotations
@@ -13,18 +22,25 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
-CLIENTS, ROUNDS, MAX_TOKENS = 64, 4, 4
+CLIENTS, ROUNDS, MAX_TOKENS = 64, 2, 16
+TARGETS = {"throughput": 10.0, "p99": 5.0, "step_4096_vs_256": 2.0}
+ENGINES = {"one-at-a-time": ("--max-batch", "1"), "batched": (), "batched+mtp": ("--speculative", "mtp")}
 
 
-def _start(model_dir: Path, events: Path) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "console.cli", "serve", str(model_dir), "--backend", "eager",
-                             "--device", "cpu", "--port", "0", "--max-seq", "64", "--events", str(events)],
+def _start(model_dir: Path, tmp: Path, backend: str, *extra: str) -> tuple[subprocess.Popen, str]:
+    events = tmp / "events.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "console.cli", "serve", str(model_dir), "--backend", backend,
+                             "--kernel-cache-dir", str(tmp.parent / "programs"), "--device", "cpu", "--port", "0",
+                             "--max-seq", "256", "--max-slots", str(CLIENTS), "--queue-timeout", "3600",
+                             "--events", str(events), *extra],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
+    deadline = time.time() + 900
     while time.time() < deadline and proc.poll() is None:
         if events.exists():
             for line in events.read_text().splitlines():
@@ -36,47 +52,128 @@ def _start(model_dir: Path, events: Path) -> tuple[subprocess.Popen, str]:
     raise SystemExit("dsv4 bench service: the server did not start")
 
 
-def main(json_output: bool = False) -> int:
+def _request(url: str, i: int) -> tuple[float, float, int]:
+    """One streamed completion: (latency, time to first token, completion tokens)."""
+    import httpx
+
+    body = {"prompt": [1 + i % 13, 2 + i % 5, 3, 4, 5, 6, 7, 8], "max_tokens": MAX_TOKENS, "temperature": 0,
+            "stream": True}
+    t0 = time.perf_counter()
+    first, tokens = None, 0
+    with httpx.Client(timeout=600) as c, c.stream("POST", f"{url}/v1/completions", json=body) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                ids = json.loads(line[6:])["choices"][0].get("token_ids") or []
+                if ids and first is None:
+                    first = time.perf_counter() - t0
+                tokens += len(ids)
+    return time.perf_counter() - t0, first or 0.0, tokens
+
+
+def _load(url: str, pid: int) -> dict[str, Any]:
     import httpx
     import psutil
 
+    proc, peak, done = psutil.Process(pid), [0], threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.2):
+            peak[0] = max(peak[0], proc.memory_info().rss)
+
+    threading.Thread(target=watch, daemon=True).start()
+    results: list[tuple[float, float, int]] = []
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(CLIENTS) as pool:
+        for _ in range(ROUNDS):
+            results += pool.map(lambda i: _request(url, i), range(CLIENTS))
+    wall = time.perf_counter() - t0
+    done.set()
+    engine = httpx.get(f"{url}/health").json().get("engine", {})
+    lat = sorted(r[0] for r in results)
+    return {"requests": len(results), "tokens": sum(r[2] for r in results), "wall_s": round(wall, 2),
+            "tokens_per_s": round(sum(r[2] for r in results) / wall, 1), "requests_per_s": round(len(results) / wall, 2),
+            "p50_s": round(statistics.median(lat), 3), "p99_s": round(lat[int(0.99 * (len(lat) - 1))], 3),
+            "ttft_p50_s": round(statistics.median(r[1] for r in results), 3), "peak_rss_mib": peak[0] >> 20,
+            "mean_batch": engine.get("mean_batch"), "acceptance": engine.get("acceptance"),
+            "tokens_per_step": engine.get("tokens_per_step")}
+
+
+def step_times(model_dir: Path, steps: int = 40) -> dict[int, float]:
+    """Median single-sequence decode step (seconds) after a 200-token prompt, eager, per max_seq."""
+    import torch
+
+    from runtime.config import load_config
+    from runtime.engine import Engine
+    from runtime.model_programs import build_programs
+    from runtime.pack import PackPlan, pack_in_memory
+    from runtime.weights import packed_views
+    from store.checkpoint import Checkpoint
+
+    config = load_config(model_dir)
+    plan = PackPlan(config, ranks=1)
+    weights = packed_views(plan, pack_in_memory(Checkpoint.open(model_dir), plan))
+    out = {}
+    for max_seq in (256, 4096):
+        engine = Engine(build_programs(config, plan, max_seq), weights)
+        engine.forward(torch.arange(200) % config.vocab_size)
+        times = []
+        for i in range(steps):
+            t0 = time.perf_counter()
+            engine.forward(torch.tensor([i % config.vocab_size]))
+            times.append(time.perf_counter() - t0)
+        out[max_seq] = statistics.median(times)
+    return out
+
+
+def measure(backend: str, progress=print) -> dict[str, Any]:
     from runtime.synth import synthesize
 
+    rows = {}
     with tempfile.TemporaryDirectory(prefix="dsv4-bench-service-") as tmp:
         model = synthesize("tiny", Path(tmp) / "ckpt", seed=0)
-        proc, url = _start(model, Path(tmp) / "events.jsonl")
-        try:
-            rss0 = psutil.Process(proc.pid).memory_info().rss
+        for name, extra in ENGINES.items():
+            progress(f"{name}: starting dsv4 serve …")
+            run_dir = Path(tmp) / name
+            run_dir.mkdir()
+            proc, url = _start(model, run_dir, backend, *extra)
+            try:
+                progress(f"{name}: {CLIENTS} clients × {ROUNDS} rounds …")
+                rows[name] = _load(url, proc.pid)
+            finally:
+                proc.terminate()
+                proc.wait(timeout=120)
+        progress("decode step time at max_seq 256 and 4096 …")
+        steps = step_times(model)
+    base, batched = rows["one-at-a-time"], rows["batched"]
+    ratios = {"throughput": round(batched["tokens_per_s"] / base["tokens_per_s"], 2),
+              "p99": round(base["p99_s"] / batched["p99_s"], 2),
+              "step_4096_vs_256": round(steps[4096] / steps[256], 2)}
+    return {"backend": backend, "clients": CLIENTS, "rounds": ROUNDS, "max_tokens": MAX_TOKENS, "rows": rows,
+            "step_s": {str(k): round(v, 5) for k, v in steps.items()}, "ratios": ratios, "targets": TARGETS,
+            "load_avg_1m": round(os.getloadavg()[0], 2), "cpus": os.cpu_count()}
 
-            def one(i: int) -> tuple[float, bool]:
-                t0 = time.perf_counter()
-                with httpx.Client(timeout=300) as c:
-                    r = c.post(f"{url}/v1/completions", json={"prompt": [1 + i % 7, 2, 3], "max_tokens": MAX_TOKENS})
-                return time.perf_counter() - t0, r.status_code == 200
 
-            lat, ok = [], 0
-            t0 = time.perf_counter()
-            with ThreadPoolExecutor(CLIENTS) as pool:
-                for _ in range(ROUNDS):
-                    for s, good in pool.map(one, range(CLIENTS)):
-                        lat.append(s)
-                        ok += good
-            wall = time.perf_counter() - t0
-            rss1 = psutil.Process(proc.pid).memory_info().rss
-        finally:
-            proc.terminate()
-            proc.wait(timeout=60)
-    lat.sort()
-    row = {
-        "clients": CLIENTS, "requests": len(lat), "ok": ok, "max_tokens": MAX_TOKENS,
-        "p50_ms": round(statistics.median(lat) * 1000, 1), "p99_ms": round(lat[int(0.99 * (len(lat) - 1))] * 1000, 1),
-        "requests_per_s": round(len(lat) / wall, 1), "rss_before_mib": rss0 >> 20, "rss_after_mib": rss1 >> 20,
-        "load_avg_1m": round(os.getloadavg()[0], 2), "cpus": os.cpu_count(),
-    }  # fmt: skip
+def main(backend: str = "export", json_output: bool = False) -> int:
+    from bench.report import print_json, print_table
+
+    result = measure(backend, progress=(lambda *_: None) if json_output else
+                     (lambda m: print(m, file=sys.stderr, flush=True)))
     if json_output:
-        print(json.dumps(row))
-    else:
-        width = max(len(k) for k in row)
-        for k, v in row.items():
-            print(f"{k:<{width}}  {v}")
-    return 0 if ok == len(lat) else 1
+        print_json(result)
+        return 0
+    keys = ("tokens_per_s", "requests_per_s", "p50_s", "p99_s", "ttft_p50_s", "peak_rss_mib", "mean_batch",
+            "acceptance", "tokens_per_step")
+    rows = result["rows"]
+    print_table(f"dsv4 serve, tiny, {backend}: {CLIENTS} clients × {ROUNDS} rounds, {MAX_TOKENS} tokens each",
+                ["", *rows], [[k, *(rows[n][k] for n in rows)] for k in keys])
+    r, t = result["ratios"], TARGETS
+    print_table("batched vs one-at-a-time, and decode step time", ["figure", "measured", "target"], [
+        ["throughput (tokens/s) ×", r["throughput"], f"≥ {t['throughput']}"],
+        ["p99 latency, baseline / batched", r["p99"], f"≥ {t['p99']}"],
+        ["decode step at max_seq 256 (s)", result["step_s"]["256"], ""],
+        ["decode step at max_seq 4096 (s)", result["step_s"]["4096"], ""],
+        ["step 4096 / 256", r["step_4096_vs_256"], f"≤ {t['step_4096_vs_256']}"],
+    ])
+    print(f"load average {result['load_avg_1m']} on {result['cpus']} CPUs")
+    return 0

@@ -52,11 +52,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     start = sub.add_parser(
         "startup",
         help="registration to serve-ready: cold vs warm programs vs warm + hot sidecar vs torch.compile",
-        description="Registration to serve-ready (KV sized, validated) in four set-ups, each in a fresh "
-        "process: (a) cold cache, no sidecar; (b) warm programs, no sidecar; (c) warm programs + hot "
-        "sidecar; (d) peer: torch.compile with its own warm Inductor caches, packing. Per-phase "
+        description="Registration to serve-ready (KV sized, validated), each set-up in a fresh "
+        "process: cold-j1 (empty cache, one compile worker), early (cold, --ready early), cold (empty "
+        "cache, the compile pool, no sidecar), warm (programs HIT, no sidecar), hot (programs HIT + a "
+        "hot sidecar), peer (torch.compile with its own warm Inductor caches, packing). Per-phase "
         "seconds and ratios against the targets.",
     )
+    from bench.startup_bench import SETUPS  # light: the set-ups run in child processes
+
+    start.add_argument("--setups", default=",".join(SETUPS),
+                       help=f"comma-separated set-ups to run (default all: {','.join(SETUPS)})")
     start.add_argument("--preset", choices=("tiny", "small", "medium"), default="small")
     start.add_argument("--backend", choices=("aoti", "export"), default="aoti")
     start.add_argument("--json", action="store_true", help="print one JSON object")
@@ -64,10 +69,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     service = sub.add_parser(
         "service",
-        help="HTTP service: 64 concurrent clients against the tiny model, p50/p99 latency, RSS",
-        description="Serve the tiny synthetic model (eager backend, loopback), send 4 rounds of "
-        "64 concurrent completions and print p50/p99 latency, throughput and server RSS.",
+        help="HTTP service: one-sequence-per-step vs batched engine, 64 concurrent clients, tiny model",
+        description="Serve the tiny synthetic model three times (one sequence per step, continuous "
+        "batching, batching with MTP speculation) on loopback, send 2 rounds of 64 concurrent streamed "
+        "completions to each and print throughput, p50/p99 latency, time to first token, server RSS and "
+        "the ratios; then the decode step time at max_seq 256 and 4096.",
     )
+    service.add_argument("--backend", choices=("export", "aoti", "eager"), default="export",
+                         help="program backend of every server (compiled once, then HIT)")
     service.add_argument("--json", action="store_true", help="print one JSON object")
     service.set_defaults(func=_service)
 
@@ -85,7 +94,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _startup(args: argparse.Namespace) -> int:
     from bench.startup_bench import main
 
-    return main(preset=args.preset, backend=args.backend, json_output=args.json)
+    return main(preset=args.preset, backend=args.backend, json_output=args.json,
+                setups=tuple(s.strip() for s in args.setups.split(",") if s.strip()))
 
 
 def _cache(args: argparse.Namespace) -> int:
@@ -109,7 +119,7 @@ def _console(args: argparse.Namespace) -> int:
 def _service(args: argparse.Namespace) -> int:
     from bench.service_bench import main
 
-    return main(json_output=args.json)
+    return main(backend=args.backend, json_output=args.json)
 
 
 def _plan(args: argparse.Namespace) -> int:

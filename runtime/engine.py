@@ -218,11 +218,14 @@ class Engine:
         return self.mtp_step([(slot, start, hidden, next_tokens)])
 
     def generate(self, prompt: list[int], max_tokens: int, temperature: float = 0.0,
-                 seed: int = 0, slot: int = 0) -> Iterator[int]:
-        """Prefill the prompt, then decode up to max_tokens (greedy at temperature 0), alone."""
+                 seed: int = 0, slot: int = 0, on_prefill: Callable[[Step], None] | None = None) -> Iterator[int]:
+        """Prefill the prompt, then decode up to max_tokens (greedy at temperature 0), alone.
+        `on_prefill(step)` sees the prompt's step (its hidden streams feed the MTP layer)."""
         self.reset(slot)
         gen = torch.Generator().manual_seed(seed)
         step = self.forward(torch.tensor(prompt, dtype=torch.int64), slot)
+        if on_prefill is not None:
+            on_prefill(step)
         for i in range(max_tokens):
             token = sample(step.logits[-1], temperature, gen)
             yield token

@@ -303,22 +303,25 @@ def _upload(launched: Launched, loaded, c: _Checked, emitter: Emitter, phases: _
 
 
 def _validate(launched: Launched, options: LaunchOptions, phases: _Phases) -> None:
-    """One prefill, N greedy decode steps and an MTP draft: every program runs before serving."""
+    """One prefill, N greedy decode steps and an MTP draft from the prefill's hidden streams:
+    every program runs before serving."""
     import torch
 
     config = launched.config
     with phases.run("validate", decode_steps=options.validate_tokens) as d:
         engine = launched.engine
         prompt = validation_prompt(launched.tokenizer)
+        drafts = []
+
+        def mtp(step) -> None:
+            drafts.append(engine.mtp(step.hidden[:-1], torch.tensor(prompt[1:]), 0))
+
         t0 = time.perf_counter()
-        tokens = list(engine.generate(prompt, options.validate_tokens))
+        tokens = list(engine.generate(prompt, options.validate_tokens, on_prefill=mtp))
         seconds = time.perf_counter() - t0
         if len(tokens) != options.validate_tokens or any(not 0 <= t < config.vocab_size for t in tokens):
             raise RegistrationError(f"validate: decode produced {tokens}")
-        engine.reset()
-        first = engine.forward(torch.tensor(prompt))
-        draft = engine.mtp(first.hidden[:-1], torch.tensor(prompt[1:]), 0)
-        if not bool(draft.isfinite().all()):
+        if not bool(drafts[0].isfinite().all()):
             raise RegistrationError("validate: the MTP layer produced non-finite logits")
         engine.reset()
         launched.validation_tokens = tokens
