@@ -186,6 +186,8 @@ def _pool(options, root: Path, device_kind: str, emitter: Emitter, phase: str,
 def _compile_in_background(pool, missing, cache, backend, device_kind, table, emitter: Emitter, phase: str) -> None:
     """--ready early: each program loaded and staged the moment it publishes, so they swap in one
     by one; a failure leaves it eager, once said."""
+    if not table.compiles_may_start():
+        return  # the launch failed: nothing will serve
     by_name = {s.name: s for s in missing}
     settled: set[str] = set()  # staged or said to stay eager (written by the loader thread only)
 

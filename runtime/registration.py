@@ -190,10 +190,16 @@ def _register(options: LaunchOptions, emitter: Emitter, phases: _Phases) -> Laun
     launched = Launched(options, checked.config, checked.programs, None, None, checked.device, checked.tokenizer)
     launched.tiers = runners
     launched._closers.append(loaded.close)
-    _upload(launched, loaded, checked, emitter, phases)
-    with phases.run("kv", utilization=options.memory_utilization) as d:
-        launched.engine = _size_kv(checked.device, checked.programs, launched.weights, runners, options, d)
-    _validate(launched, options, phases)
+    release = getattr(runners, "release_compiles", lambda go: None)  # --ready early: compile once ready
+    try:
+        _upload(launched, loaded, checked, emitter, phases)
+        with phases.run("kv", utilization=options.memory_utilization) as d:
+            launched.engine = _size_kv(checked.device, checked.programs, launched.weights, runners, options, d)
+        _validate(launched, options, phases)
+    except BaseException:
+        release(False)
+        raise
+    release(True)
     return launched
 
 

@@ -27,6 +27,20 @@ class TieredRunners(dict):
         self._staged: dict[str, Callable[..., Any]] = {}
         self._lock = threading.Lock()
         self._on_swap = on_swap
+        # background compiles wait for the launch to be ready: they never compete for the cores
+        # with its own phases (weights, KV, validation on the eager tier), which decide time to ready
+        self._released = threading.Event()
+        self._go = False
+
+    def release_compiles(self, go: bool) -> None:
+        """The launch is ready (go) or failed (not go): background compiles start, or never do."""
+        self._go = go
+        self._released.set()
+
+    def compiles_may_start(self) -> bool:
+        """Waits for `release_compiles`; whether to compile."""
+        self._released.wait()
+        return self._go
 
     def stage(self, name: str, runner: Callable[..., Any]) -> None:
         with self._lock:

@@ -131,6 +131,10 @@ def test_tokens_do_not_depend_on_the_tier_even_across_a_swap_mid_generation(tiny
     assert early.tiers.status() == COMPILED
     swaps = [e for e in events if e.kind == "log" and (e.detail or {}).get("tier") == COMPILED]
     assert len(swaps) == len(specs)
+    # the compiles waited for the launch to be ready: they never competed with its phases
+    validated = next(i for i, e in enumerate(events) if e.phase == "validate" and e.kind == "end")
+    queued = next(i for i, e in enumerate(events) if (e.detail or {}).get("state") == "queued")
+    assert validated < queued
     early.close()
 
 
@@ -141,6 +145,7 @@ def test_a_failed_compile_stays_eager_with_one_warning(tmp_path):
     dying = ProgramSpec("dying", "tests.sample_programs:dies", sp.spec().inputs, sp.spec().dims, captures={"hidden": 8})
     fine = ProgramSpec("mlp", "tests.sample_programs:scaled_mlp", sp.spec().inputs, sp.spec().dims)
     table = TieredRunners({"dying": sp.scaled_mlp, "mlp": sp.scaled_mlp}, {"dying": EAGER, "mlp": EAGER})
+    table.release_compiles(True)  # as registration does once the launch is ready
     events = []
     pool = CompilePool(tmp_path / "kc", "export", "cpu", jobs=1)
     cache = KernelCache(tmp_path / "kc")

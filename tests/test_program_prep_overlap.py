@@ -107,6 +107,7 @@ def test_ready_early_stages_each_program_as_it_publishes(tmp_path):
     gate = tmp_path / "gate"
     specs = [_gated(gate), _spec("mlp")]
     table = TieredRunners({s.name: sp.scaled_mlp for s in specs}, {s.name: EAGER for s in specs})
+    table.release_compiles(True)  # as registration does once the launch is ready
     events: list = []
     pool = CompilePool(tmp_path / "kc", "export", "cpu", jobs=2)
     background = threading.Thread(target=_compile_in_background, args=(
