@@ -319,10 +319,50 @@ def _swiglu(d: Dims, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return F.silu(a) * b
 
 
-def _experts_linear(w: dict[str, torch.Tensor], name: str, x: torch.Tensor) -> torch.Tensor:
-    """All experts at once: x [T, in] or [E, T, in] → [E, T, out]."""
-    m = weight(w, name)  # [E, in, out]
-    return torch.einsum("ti,eio->eto", x, m) if x.dim() == 2 else torch.einsum("eti,eio->eto", x, m)
+EXPERT_MATS = ("ffn.experts.w1", "ffn.experts.w3", "ffn.experts.w2")
+
+
+def _expert_tensors(w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The routed experts' tensors: packed (qweight + qscale) or float (weight)."""
+    names = (n + suffix for n in EXPERT_MATS for suffix in (".qweight", ".qscale", ".weight"))
+    return {n: t for n in names if (t := w.get(n)) is not None}
+
+
+def _experts_dense(d: Dims, experts: dict[str, torch.Tensor], h: torch.Tensor, idx: torch.Tensor,
+                   weights: torch.Tensor) -> torch.Tensor:
+    """Every expert on every token, combined by the routing weights: static-shaped, and the
+    cheaper way once the tokens × top-k pick most experts anyway."""
+    dense = torch.zeros(h.shape[0], d.experts, dtype=weights.dtype, device=h.device).scatter(1, idx, weights)
+    w1, w3, w2 = (weight(experts, n) for n in EXPERT_MATS)  # [E, in, out]
+    act = _swiglu(d, torch.einsum("ti,eio->eto", h, w1), torch.einsum("ti,eio->eto", h, w3))
+    return torch.einsum("te,etd->td", dense, torch.einsum("eti,eio->eto", act, w2))
+
+
+def _experts_picked(d: Dims, experts: dict[str, torch.Tensor], h: torch.Tensor, idx: torch.Tensor,
+                    weights: torch.Tensor) -> torch.Tensor:
+    """Only each token's top-k experts, their weights gathered then dequantised: T·k/E of the
+    dense work, what a decode step of few sequences needs."""
+    picked = {k: v[idx] for k, v in experts.items()}  # [T, k, …]
+    w1, w3, w2 = (weight(picked, n) for n in EXPERT_MATS)  # [T, k, in, out]
+    act = _swiglu(d, torch.einsum("ti,tkio->tko", h, w1), torch.einsum("ti,tkio->tko", h, w3))
+    return (torch.einsum("tki,tkio->tko", act, w2) * weights[..., None]).sum(1)
+
+
+def _routed(d: Dims, w: dict[str, torch.Tensor], h: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Routed experts: picked when the tokens' top-k choices are fewer than the experts, else
+    dense. The row count is known when run eagerly; in a traced program it is symbolic, so
+    both ways are traced and `torch.cond` picks at run time (one artifact serves a decode
+    step of one sequence and one of sixty-four)."""
+    experts = _expert_tensors(w)
+    few = h.shape[0] * d.topk < d.experts
+    if isinstance(few, bool):
+        return (_experts_picked if few else _experts_dense)(d, experts, h, idx, weights)
+    names = sorted(experts)
+
+    def branch(fn):
+        return lambda h, idx, weights, *tensors: fn(d, dict(zip(names, tensors, strict=True)), h, idx, weights)
+
+    return torch.cond(few, branch(_experts_picked), branch(_experts_dense), (h, idx, weights, *(experts[n] for n in names)))
 
 
 def moe(d: Dims, w: dict[str, torch.Tensor], hash_routed: bool, h: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -335,13 +375,9 @@ def moe(d: Dims, w: dict[str, torch.Tensor], hash_routed: bool, h: torch.Tensor,
     if d.norm_topk:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
     weights = weights * d.routed_scale
-    dense = torch.zeros_like(scores).scatter(1, idx, weights)  # [T, E]
-    # dense over experts: simple and static-shaped, right for these model sizes
-    act = _swiglu(d, _experts_linear(w, "ffn.experts.w1", h), _experts_linear(w, "ffn.experts.w3", h))
-    routed = torch.einsum("te,etd->td", dense, _experts_linear(w, "ffn.experts.w2", act))
     shared = linear(w, "ffn.shared_experts.w2",
                     _swiglu(d, linear(w, "ffn.shared_experts.w1", h), linear(w, "ffn.shared_experts.w3", h)))
-    return routed + shared
+    return _routed(d, w, h, idx, weights) + shared
 
 
 # ---- blocks and programs -------------------------------------------------------------------
