@@ -1,10 +1,11 @@
 """Between the HTTP service and the engine: requests are submitted as jobs, tokens flow back.
 
 The service never holds the engine. It submits a `Job` (prompt ids + sampling), waits for it to
-start, reads its tokens and may cancel it. Continuous batching: one engine thread runs every
-active sequence's next token in one decode step (one call per program); between two steps,
-admitted jobs prefill (each its own step) and join, and finished ones leave without stalling
-the rest. A job holds one of the engine's KV slots from admission to its end.
+start, reads its tokens and may cancel it. Continuous batching: one engine thread
+(`runtime.batcher`) runs every active sequence's next token in one decode step (one call per
+program); admitted jobs' prompts join the next step (a long one prefills in a step of its own
+first), and finished ones leave without stalling the rest. A job holds one of the engine's KV
+slots from admission to its end.
 
 Two promises the service relies on:
 - a job waits at most `queue_timeout` seconds for a slot, then `started()` raises QueueTimeout
