@@ -124,9 +124,7 @@ def _options(args: argparse.Namespace):
 
 def speculation(choice: str, model_dir: Path) -> bool:
     """--speculative → whether MTP drafts; `mtp` on a checkpoint without an MTP layer: one line."""
-    import json
-
-    from runtime.config import load_config
+    from runtime.config import load_config, synthetic_preset
 
     if choice == "off":
         return False
@@ -135,8 +133,7 @@ def speculation(choice: str, model_dir: Path) -> bool:
         raise UserError(f"--speculative mtp: {model_dir} has no MTP layer (num_nextn_predict_layers 0); use off")
     if choice == "mtp":
         return True
-    synthetic = "dsv4_synthetic" in json.loads((model_dir / "config.json").read_text())
-    return has_mtp and not synthetic
+    return has_mtp and synthetic_preset(model_dir) is None
 
 
 def _interrupt(*_: object) -> None:

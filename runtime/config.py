@@ -316,3 +316,13 @@ def load_config(path: str | Path) -> DeepSeekV4Config:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{p}: malformed JSON ({e})") from None
     return from_dict(raw, source=str(p))
+
+
+def synthetic_preset(model_dir: str | Path) -> str | None:
+    """The preset of a checkpoint `dsv4 synth` wrote (its config.json says so); None for any
+    other checkpoint, or one whose config.json cannot be read."""
+    try:
+        raw = json.loads((Path(model_dir) / "config.json").read_text())
+        return (raw.get("dsv4_synthetic") or {}).get("preset")
+    except (OSError, ValueError, AttributeError):
+        return None

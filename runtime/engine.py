@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from runtime import model
-from runtime.dims import WINDOW_CACHES
-from runtime.model_programs import DECODE, PREFILL, TOP_HEAD, ModelPrograms, kv_slot_bytes
+from runtime.dims import WINDOW_CACHES, cache_shapes
+from runtime.model_programs import DECODE, PREFILL, TOP_HEAD, ModelPrograms
 from runtime.weights import ModelWeights
 
 Runner = Callable[..., object]
@@ -25,11 +25,6 @@ Batch = Sequence[tuple[int, Sequence[int] | torch.Tensor]]  # (slot, tokens to a
 
 def _as_tuple(out: object) -> tuple:
     return tuple(out) if isinstance(out, list | tuple) else (out,)
-
-
-def cache_bytes(programs: ModelPrograms) -> int:
-    """Bytes of KV-cache state one sequence slot needs at the programs' max_seq."""
-    return kv_slot_bytes(programs)
 
 
 def sample(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> int:
@@ -78,7 +73,7 @@ class Engine:
         allocate = allocate or (lambda shape: torch.zeros(shape, dtype=torch.float32, device=device))
         self.caches = {
             group: {name: allocate((slots, *shape))
-                    for name, shape in model.cache_shapes(programs.dims, v.kind, v.ratio).items()}
+                    for name, shape in cache_shapes(programs.dims, v.kind, v.ratio).items()}
             for group, v in programs.variants.items()
         }
         self.lengths = [0] * slots  # tokens in each slot's caches
@@ -86,11 +81,6 @@ class Engine:
     @property
     def slots(self) -> int:
         return len(self.lengths)
-
-    @property
-    def length(self) -> int:
-        """Slot 0's length (the single-sequence view)."""
-        return self.lengths[0]
 
     def reset(self, slot: int = 0) -> None:
         self.lengths[slot] = 0  # rows past a slot's length are never visible: no need to clear them

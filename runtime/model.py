@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.config import CSA, HCA, SLIDING
-from runtime.dims import Dims, cache_shapes  # noqa: F401 - torch-free, shared with the launch plan
+from runtime.dims import Dims
 
 NORM_EPS = 1e-6
 

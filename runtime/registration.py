@@ -9,7 +9,6 @@ so they run on two threads; their events interleave, which is how the overlap sh
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import socket
 import threading
@@ -20,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from runtime.config import load_config
+from runtime.config import load_config, synthetic_preset
 from runtime.events import Emitter, Event
 from runtime.plan import DEFAULT_MAX_SLOTS
 from store import history
@@ -338,9 +337,7 @@ def _validate(launched: Launched, options: LaunchOptions, phases: _Phases) -> No
 def append_history(options: LaunchOptions, phases: dict[str, dict[str, Any]], started: float,
                    outcome: str, error: str = "", extra: dict[str, Any] | None = None) -> None:
     """One JSON line per launch (store.history: O_APPEND, concurrent launches never interleave)."""
-    preset = None
-    with contextlib.suppress(Exception):
-        preset = (json.loads((Path(options.model_dir) / "config.json").read_text()).get("dsv4_synthetic") or {}).get("preset")
+    preset = synthetic_preset(options.model_dir)
     history.append({
         "v": 1, "started": round(started, 3), "ended": round(time.time(), 3), "host": socket.gethostname(),
         "pid": os.getpid(), "model": str(options.model_dir), "preset": preset, "device": options.device,

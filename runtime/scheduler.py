@@ -119,7 +119,6 @@ class Scheduler:
 
         if engine.slots < 1 or (max_batch is not None and max_batch < 1):
             raise ValueError("a scheduler needs at least one engine slot")
-        self.engine = engine
         self.slots = min(engine.slots, max_batch or engine.slots)
         self.queue_timeout = queue_timeout
         self.batcher = Batcher(engine, self._end, lambda: self.on_token(), speculative, **batcher_options)

@@ -46,7 +46,7 @@ def test_decode_after_prefill_equals_one_longer_prefill(model):
     parts = [engine.forward(TOKENS[:20]).logits]
     parts += [engine.forward(t[None]).logits for t in TOKENS[20:]]
     assert (torch.cat(parts) - full).abs().max().item() < 1e-4
-    assert engine.length == len(TOKENS)
+    assert engine.lengths[0] == len(TOKENS)
 
 
 def test_every_packed_tensor_is_consumed(model):

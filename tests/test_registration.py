@@ -120,11 +120,11 @@ def test_kv_allocation_halves_on_failure(tiny_ckpt_ro, monkeypatch):
             raise OutOfMemory("injected: device fragmented")
         return t
 
-    from runtime.engine import cache_bytes
+    from runtime.model_programs import kv_slot_bytes
 
     monkeypatch.setattr(Device, "allocate", flaky)
     launched, events = launch(tiny_ckpt_ro, backend="eager", max_slots=4, validate_tokens=2)
-    per_slot = cache_bytes(launched.programs)
+    per_slot = kv_slot_bytes(launched.programs)
     launched.close()
     limit["bytes"] = int(2.5 * per_slot)  # room for two slots, not four
     launched, events = launch(tiny_ckpt_ro, backend="eager", max_slots=4, validate_tokens=2)
