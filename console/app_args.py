@@ -65,6 +65,8 @@ def run(argv: list[str] | None, app_class) -> int:
     args = build_parser().parse_args(argv)
     if not 0 < args.memory_utilization <= 1:
         return _bad("--memory-utilization must be within (0, 1]")
+    if args.ranks < 1:
+        return _bad("--ranks must be at least 1")
     if args.interval < 0.1:
         return _bad("--interval must be at least 0.1 s")
     if not 0 <= args.port <= 65535:

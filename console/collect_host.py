@@ -36,9 +36,11 @@ class DeviceSnapshot:
     kind: str
     source: str  # meminfo | nvml | npu-smi
     utilization: float
-    devices: tuple[dict[str, Any], ...] = ()  # name, total, used, free, budget, warning
+    devices: tuple[dict[str, Any], ...] = ()  # name, total, used, free, budget, warning; ranks, rank_budget
     slot_bytes: int | None = None  # one KV slot, from the last launch of this model
     error: str = ""
+    ranks: int = 1  # the launch's rank processes (the console's --ranks)
+    warning: str = ""  # about the devices as a whole (more ranks than devices)
 
 
 class HostCollector:
@@ -135,9 +137,12 @@ def _npu_devices() -> list[tuple[str, int, int]] | None:
     return out or None
 
 
-def collect_device(kind: str, utilization: float, slot_bytes: int | None) -> DeviceSnapshot:
+def collect_device(kind: str, utilization: float, slot_bytes: int | None, ranks: int = 1) -> DeviceSnapshot:
     """used / free / total per device and the KV budget (total × utilization − used), the same
-    formula registration's kv phase applies, so a starving budget shows before launch."""
+    formula registration's kv phase applies, so a starving budget shows before launch.
+
+    With several ranks, each rank sizes its own KV: on cpu they share host memory (each gets
+    the budget / ranks); on cuda/npu rank r is device r (a device without a rank gets none)."""
     if kind == "cuda":
         found, source = _nvml_devices(), "nvml"
     elif kind == "npu":
@@ -146,17 +151,23 @@ def collect_device(kind: str, utilization: float, slot_bytes: int | None) -> Dev
         vm = psutil.virtual_memory()
         found, source = [("cpu (host memory)", vm.total, vm.total - vm.available)], "meminfo"
     if found is None:
-        return DeviceSnapshot(kind, source, utilization, error=f"{source} did not answer")
+        return DeviceSnapshot(kind, source, utilization, error=f"{source} did not answer", ranks=ranks)
     rows = []
-    for name, total, used in found:
+    for i, (name, total, used) in enumerate(found):
         budget = int(total * utilization) - used
-        warning = ""
-        if budget <= 0:
+        sharing = ranks if kind == "cpu" else 1 if ranks == 1 or i < ranks else 0
+        mine = budget // sharing if sharing else budget
+        warning = ""  # a device no rank uses sizes no KV cache: nothing to warn about
+        if sharing and budget <= 0:
             warning = (f"residual usage leaves no KV budget (total × {utilization} − used ≤ 0): "
                        "the launch would fail at kv")
-        elif slot_bytes and budget < slot_bytes:
-            warning = "budget is below one KV slot: the launch would fail at kv"
+        elif sharing and slot_bytes and mine < slot_bytes:
+            warning = ("budget is below one KV slot" + (" per rank" if sharing > 1 else "")
+                       + ": the launch would fail at kv")
         rows.append({"name": name, "total": total, "used": used, "free": max(0, total - used),
-                     "budget": budget, "slots": (budget // slot_bytes) if slot_bytes and budget > 0 else None,
-                     "warning": warning})
-    return DeviceSnapshot(kind, source, utilization, tuple(rows), slot_bytes)
+                     "budget": budget, "slots": (mine // slot_bytes) if slot_bytes and mine > 0 else None,
+                     "warning": warning, "ranks": sharing, "rank_budget": mine})
+    short = ""
+    if kind != "cpu" and ranks > len(found):
+        short = f"{ranks} ranks need one {kind} device each, {len(found)} found"
+    return DeviceSnapshot(kind, source, utilization, tuple(rows), slot_bytes, ranks=ranks, warning=short)

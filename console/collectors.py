@@ -270,7 +270,8 @@ class Collectors:
         now = time.time()
         history = self.history()
         plan = self._residency(history)
-        device = collect_device(self.device_kind, s.memory_utilization, (plan.get("kv") or {}).get("slot_bytes"))
+        device = collect_device(self.device_kind, s.memory_utilization, (plan.get("kv") or {}).get("slot_bytes"),
+                                s.ranks)
         settings = {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(s).items()}
         settings["device"] = self.device_kind
         return Snapshot(now, settings, programs_of(plan, s.kernel_cache_dir), sidecars_of(plan, s.model_dir, now),

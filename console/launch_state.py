@@ -1,7 +1,9 @@
-"""The running launch as the Registration pane shows it: events in, one row per phase out."""
+"""The running launch as the Registration pane shows it: events in, one row per phase out.
+A launch of several ranks keeps each rank's phases too; its rows are their aggregate."""
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -77,6 +79,77 @@ class ProgramStates:
         return f"compiling {', '.join(compiling)}" if compiling else ""
 
 
+def step(phases: dict[str, PhaseState], now: dict[str, str], pool: ProgramStates, order: list[str],
+         event: Event) -> None:
+    """One event into one process's phases: the whole launch of a single process, or one rank's."""
+    p = phases[event.phase]
+    if event.kind == "start":
+        p.state, p.started = RUNNING, event.ts
+        if isinstance(event.detail.get("total"), int | float):
+            p.total = event.detail["total"]
+    elif event.kind == "log" and ProgramStates.applies(event.detail):
+        pool.feed(event.detail)
+        if p.state != DONE:
+            p.state, p.done = RUNNING, max(p.done or 0, len(pool.finished))
+        now["programs"] = pool.now
+    elif event.kind == "progress":
+        p.state = RUNNING
+        p.done, p.total = event.done, event.total
+        if event.phase == "programs" and "outcome" in event.detail:
+            p.path = f"{event.detail.get('program', '')} {event.detail['outcome']}"
+        what = event.detail.get("group") or event.detail.get("part") or ""
+        if event.phase == "programs" and event.done is not None and len(order) == event.total:
+            done = int(event.done)  # progress comes as each program ends: the next one is running
+            what = f"preparing {order[done]}" if done < len(order) else ""
+        if what:
+            now[event.phase] = what
+    elif event.kind == "end":
+        p.state, p.seconds = DONE, event.seconds
+        now.pop(event.phase, None)
+        p.path = path_taken(event.phase, event.detail)
+    elif event.kind == "error":
+        p.state, p.seconds, p.path = FAILED, event.seconds, event.message or "error"
+
+
+@dataclass
+class Track:
+    """One rank's own phases, what it does now and its programs, as its events tell them."""
+
+    phases: dict[str, PhaseState] = field(default_factory=lambda: {p: PhaseState() for p in PHASES})
+    now: dict[str, str] = field(default_factory=dict)
+    pool: ProgramStates = field(default_factory=ProgramStates)
+
+    def where(self) -> tuple[str, PhaseState]:
+        """The phase this rank is at: its failed phase, else the furthest one it started
+        ("-" before its first event)."""
+        failed = [ph for ph in PHASES if self.phases[ph].state == FAILED]
+        started = [ph for ph in PHASES if self.phases[ph].state != PENDING]
+        phase = (failed or started[-1:] or ["-"])[0]
+        return phase, self.phases.get(phase) or PhaseState()
+
+
+@dataclass(frozen=True)
+class RankProgress:
+    """Where one rank of a multi-rank launch is: the phase, its state and its fraction."""
+
+    rank: int
+    phase: str
+    state: str
+    fraction: float
+    message: str = ""  # the error, when it failed
+
+
+# a launch-level line about a rank (the launcher's, without a rank of its own):
+# "rank 1 died (SIGKILL) during phase weights"
+_RANK_DIED = re.compile(r"\brank (\d+)\b.*\bphase (\w+)")
+RANK0_ONLY = frozenset({"serve"})  # phases only rank 0 runs
+
+
+def _by_rank(rank: int | None, message: str) -> str:
+    """`rank 2: kv: …` — a rank's error names its rank (once)."""
+    return message if rank is None or re.match(rf"rank {rank}\b", message) else f"rank {rank}: {message}"
+
+
 @dataclass
 class LaunchState:
     """One launch in view: its phases, and the prediction made for it and the earlier launch it
@@ -95,6 +168,10 @@ class LaunchState:
     order: list[str] = field(default_factory=list)  # programs in the order the launch prepares them (the plan's)
     pool: ProgramStates = field(default_factory=ProgramStates)  # the programs phase, program by program
     tiers: dict[str, str] = field(default_factory=dict)  # program → eager | compiled (--ready early swaps)
+    # a launch of several ranks: each rank's own phases (`phases` is then their aggregate) and the
+    # world size its check announced
+    ranks: dict[int, Track] = field(default_factory=dict)
+    world: int | None = None
 
     @property
     def tier_line(self) -> str:
@@ -105,40 +182,96 @@ class LaunchState:
     def apply(self, event: Event) -> None:
         if event.phase not in self.phases:
             if event.kind == "error":
-                self.error = event.message or "failed"
+                self.error = _by_rank(event.rank, event.message or "failed")
             return
-        p = self.phases[event.phase]
         if "tier" in event.detail and "program" in event.detail:  # a program's tier, or its swap
             self.tiers[str(event.detail["program"])] = str(event.detail["tier"])
-        if event.kind == "start":
-            p.state, p.started = RUNNING, event.ts
-            if isinstance(event.detail.get("total"), int | float):
-                p.total = event.detail["total"]
-        elif event.kind == "log" and ProgramStates.applies(event.detail):
-            self.pool.feed(event.detail)
-            if p.state != DONE:
-                p.state, p.done = RUNNING, max(p.done or 0, len(self.pool.finished))
-            self.now["programs"] = self.pool.now
-        elif event.kind == "progress":
-            p.state = RUNNING
-            p.done, p.total = event.done, event.total
-            if event.phase == "programs" and "outcome" in event.detail:
-                p.path = f"{event.detail.get('program', '')} {event.detail['outcome']}"
-            what = event.detail.get("group") or event.detail.get("part") or ""
-            if event.phase == "programs" and event.done is not None and len(self.order) == event.total:
-                done = int(event.done)  # progress comes as each program ends: the next one is running
-                what = f"preparing {self.order[done]}" if done < len(self.order) else ""
-            if what:
-                self.now[event.phase] = what
-        elif event.kind == "end":
-            p.state, p.seconds = DONE, event.seconds
-            self.now.pop(event.phase, None)
-            p.path = path_taken(event.phase, event.detail)
-            if event.phase == "serve":
-                self.url = event.detail.get("url", "")
+        if event.rank is not None:
+            self._apply_rank(event)
+        elif not (event.kind == "error" and self.ranks and self._rank_died(event)):
+            step(self.phases, self.now, self.pool, self.order, event)
+        if event.kind == "end" and event.phase == "serve":
+            self.url = event.detail.get("url", "")
         elif event.kind == "error":
-            p.state, p.seconds, p.path = FAILED, event.seconds, event.message or "error"
-            self.error = event.message or "failed"
+            self.error = _by_rank(event.rank, event.message or "failed")
+
+    def _apply_rank(self, event: Event) -> None:
+        track = self.ranks.setdefault(event.rank, Track())
+        step(track.phases, track.now, track.pool, self.order, event)
+        world = event.detail.get("ranks")
+        if event.phase == "check" and event.kind == "start" and isinstance(world, int) and world >= 1:
+            self.world = world
+        for phase in PHASES:  # a rank heard from for the first time, or the world size, moves every row
+            self._aggregate(phase)
+
+    def _rank_died(self, event: Event) -> bool:
+        """A launch-level error naming a rank and its phase ("rank 1 died (SIGKILL) during phase
+        weights"): that rank failed that phase, though it could not say so itself."""
+        m = _RANK_DIED.search(event.message or "")
+        if not m or m.group(2) not in PHASES:
+            return False
+        p = self.ranks.setdefault(int(m.group(1)), Track()).phases[m.group(2)]
+        if p.state != DONE:
+            p.state, p.path = FAILED, event.message or "died"
+        self._aggregate(m.group(2))
+        return True
+
+    def _members(self) -> dict[int, Track]:
+        """Every rank of the launch, in order: the check's world size, else the ranks heard from."""
+        known = set(range(self.world or 0)) | set(self.ranks)
+        return {r: self.ranks.get(r) or Track() for r in sorted(known)}
+
+    def _aggregate(self, phase: str) -> None:
+        """The pane's row for `phase` from the ranks': failed if any failed, done when all are,
+        the slowest rank's progress, the longest rank's seconds, rank 0's path."""
+        states = {r: t.phases[phase] for r, t in self._members().items() if phase not in RANK0_ONLY or r == 0}
+        if all(p.state == PENDING for p in states.values()):
+            return  # no rank is in it yet: the row stays as it is
+        failed = [r for r, p in states.items() if p.state == FAILED]
+        agg = self.phases[phase]
+        agg.state = (FAILED if failed else DONE if all(p.state == DONE for p in states.values()) else RUNNING)
+        slowest = min(states, key=lambda r: states[r].fraction)
+        agg.done, agg.total = states[slowest].done, states[slowest].total
+        seconds = [p.seconds for p in states.values() if p.seconds is not None]
+        agg.seconds = max(seconds) if seconds else None
+        started = [p.started for p in states.values() if p.started is not None]
+        agg.started = min(started) if started else None
+        agg.path = (_by_rank(failed[0], states[failed[0]].path) if failed
+                    else states[0].path if 0 in states else "")
+        running = [r for r in states if states[r].state == RUNNING]
+        behind = self.ranks[min(running, key=lambda r: states[r].fraction)] if running else None
+        if behind and behind.now.get(phase):  # what the phase does now: on its slowest rank
+            self.now[phase] = behind.now[phase]
+        else:
+            self.now.pop(phase, None)
+        if behind and phase == "programs":
+            self.pool = behind.pool
+
+    def rank_progress(self) -> list[RankProgress]:
+        """Where each rank is (phase, state, fraction), in rank order; empty for fewer than two."""
+        members = self._members()
+        if len(members) < 2:
+            return []
+        out = []
+        for r, track in members.items():
+            phase, p = track.where()
+            out.append(RankProgress(r, phase, p.state, p.fraction, p.path if p.state == FAILED else ""))
+        return out
+
+    @property
+    def slowest(self) -> RankProgress | None:
+        """The rank furthest behind (the earliest phase, then the lowest fraction of it) while
+        ranks still register; None for fewer than two ranks, after a failure, or once all are through."""
+        ranks = self.rank_progress()
+        if not ranks or any(r.state == FAILED for r in ranks):
+            return None
+
+        def key(r: RankProgress) -> tuple[int, float, int]:
+            return (PHASES.index(r.phase) if r.phase in PHASES else -1, r.fraction, r.rank)
+
+        behind = min(ranks, key=key)
+        through = behind.phase in RANK0_ONLY or (behind.phase == "validate" and behind.state == DONE)
+        return None if through else behind
 
     @property
     def total_seconds(self) -> float:

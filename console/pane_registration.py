@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from rich.markup import escape
 from textual.app import ComposeResult
 from textual.widgets import Static
 
@@ -64,6 +65,21 @@ def phase_progress(phase: str, p, expected: float | None, now: str, items: dict[
     return tracker.line()
 
 
+def rank_lines(launch: LaunchState) -> list[str]:
+    """A launch of two ranks or more: the slowest rank named, then one compact line per rank
+    (`rank 0  … weights ██░░  40%`); nothing for a single process."""
+    ranks = launch.rank_progress()
+    if not ranks:
+        return []
+    slow = launch.slowest
+    lines = [f"slowest: rank {slow.rank} ({slow.phase} {slow.fraction:.0%})"] if slow else []
+    for r in ranks:
+        phase = r.phase if r.phase != "-" else "not started"
+        error = f"  [red]{escape(r.message)}[/]" if r.message else ""
+        lines.append(f"rank {r.rank}  {STATE_MARK.get(r.state, ' ')} {phase:<8} {fmt.bar(r.fraction, 4)}{error}")
+    return lines
+
+
 class RegistrationPane(Pane):
     def __init__(self, **kw: Any) -> None:
         super().__init__(**kw)
@@ -71,6 +87,9 @@ class RegistrationPane(Pane):
     def compose(self) -> ComposeResult:
         yield PaneTable("registration", COLUMNS, lambda row: row["cells"], id="registration-table")
         yield Static(id="registration-summary", classes="totals")
+        ranks = Static(id="registration-ranks")  # its own lines: the summary's are capped at four
+        ranks.display = False  # until a launch of several ranks
+        yield ranks
 
     def on_mount(self) -> None:
         self.border_title = "Registration"
@@ -122,3 +141,7 @@ class RegistrationPane(Pane):
         if snap.basis and not launch:
             lines.append(f"[dim]prediction: {snap.basis}[/]")
         self.query_one("#registration-summary", Static).update("\n".join(lines))
+        per_rank = rank_lines(launch) if launch else []
+        ranks = self.query_one("#registration-ranks", Static)
+        ranks.display = bool(per_rank)
+        ranks.update("\n".join(per_rank))
