@@ -64,6 +64,7 @@ def _completion(parser: argparse.ArgumentParser, shell: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(argv) if argv is not None else sys.argv[1:]  # what rank processes are started with
     try:
         code = args.func(args)
     except UserError as e:

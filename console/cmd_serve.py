@@ -55,7 +55,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-sidecar", action="store_true", help="always pack from the checkpoint")
     p.add_argument("--cold-policy", choices=("reject", "read", "auto"), default="auto",
                    help="a valid sidecar that is not in the page cache: repack, read it, or pick the faster")
-    p.add_argument("--ranks", type=int, default=1, help="expert-parallel ranks of the packed layout")
+    p.add_argument("--ranks", type=int, default=None,
+                   help="expert-parallel rank processes, one per device (default 1, or WORLD_SIZE under torchrun)")
+    p.add_argument("--master-port", type=int, default=None,
+                   help="--ranks N: port of the ranks' rendezvous on 127.0.0.1 (default $MASTER_PORT, else any free port)")
+    p.add_argument("--rendezvous-timeout", type=float, default=60.0,
+                   help="seconds every rank has to join, and to reach each registration sync point (default 60)")
     p.add_argument("--max-slots", type=int, default=DEFAULT_MAX_SLOTS,
                    help="KV slots: at most this many sequences decode together (fewer if memory is short)")
     p.add_argument("--max-batch", type=int, default=None,
@@ -75,6 +80,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Compile (or HIT) every program of the model into the kernel cache, "
                        "so the next launch starts warm.")
     _common(p)
+    p.add_argument("--ranks", type=int, default=None, help="the programs of N expert-parallel ranks (default 1)")
     p.add_argument("--json", action="store_true", help="print a list of {program, outcome, seconds}")
     p.set_defaults(func=cmd_compile)
 
@@ -91,6 +97,8 @@ def _check_serve_args(args: argparse.Namespace) -> None:
     _in_range("--max-slots", args.max_slots, 1, MAX_SLOTS)
     _in_range("--max-batch", args.max_batch, 1, MAX_SLOTS)
     _in_range("--ranks", args.ranks, 1, 4096)
+    _in_range("--master-port", args.master_port, 1, 65535)
+    _in_range("--rendezvous-timeout", args.rendezvous_timeout, 0.1, 86400, "above 0 up to 86400 seconds")
     _in_range("--validate-tokens", args.validate_tokens, 1, 4096)
     _in_range("--queue-timeout", args.queue_timeout, 0.001, 86400, "above 0 up to 86400 seconds")
     _in_range("--max-body", args.max_body, 1024, 1 << 40, "1K..1T")
@@ -116,9 +124,9 @@ def _options(args: argparse.Namespace):
         memory_utilization=getattr(args, "memory_utilization", 0.9),
         device_memory=getattr(args, "device_memory", None),
         use_sidecar=not getattr(args, "no_sidecar", False), cold_policy=getattr(args, "cold_policy", "auto"),
-        ranks=getattr(args, "ranks", 1), max_slots=getattr(args, "max_slots", DEFAULT_MAX_SLOTS),
+        ranks=getattr(args, "ranks", None) or 1, max_slots=getattr(args, "max_slots", DEFAULT_MAX_SLOTS),
         validate_tokens=getattr(args, "validate_tokens", 8), jobs=args.jobs,
-        ready=getattr(args, "ready", "compiled"),
+        ready=getattr(args, "ready", "compiled"), rendezvous_timeout=getattr(args, "rendezvous_timeout", 60.0),
     )
 
 
@@ -143,24 +151,39 @@ def _interrupt(*_: object) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from console.live import PhaseDisplay
     from runtime.events import Emitter, open_sink
+    from runtime.ranks import RankEnv
     from runtime.registration import append_history, register
     from runtime.service import DEFAULT_MAX_BODY, DEFAULT_QUEUE_TIMEOUT, Limits, bind, serve
 
     _check_serve_args(args)
+    env = RankEnv.from_env()
+    if env is not None and args.ranks not in (None, env.world):
+        raise UserError(f"--ranks {args.ranks} but WORLD_SIZE={env.world} (torchrun's ranks); drop --ranks or "
+                        f"make them agree")
+    args.ranks = env.world if env is not None else (args.ranks or 1)
     options = _options(args)
     speculative = speculation(args.speculative, options.model_dir)
+    if args.ranks > 1:
+        _check_ranks(args, options)
+    if env is None and args.ranks > 1:
+        return _launch_ranks(args, options)
+    options.rank_env = env if args.ranks > 1 else None
+    leader = options.rank == 0
+    options.history = leader  # one launch, one record: rank 0's
     sinks = []
     if args.events:
         try:
             sinks.append(open_sink(args.events))
         except OSError as e:
             raise UserError(f"--events {args.events}: cannot open ({e.strerror}); choose another path") from None
+    if not leader:
+        return _follow(options, Emitter(*sinks, rank=options.rank))
     # the port first: one in use is one line now, not after every registration phase
     sock = bind(args.host, args.port)
     display = PhaseDisplay() if args.events != "-" and sys.stderr.isatty() else None
     if display:
         sinks.append(display.sink)
-    emitter = Emitter(*sinks)
+    emitter = Emitter(*sinks, rank=0 if options.rank_env is not None else None)
     # SIGTERM stops like Ctrl-C: during registration, and re-raised by uvicorn after its drain
     signal.signal(signal.SIGTERM, _interrupt)
     _never_silent()
@@ -192,17 +215,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if args.events != "-":
             print(f"serving {options.model_dir} at {url} (Ctrl-C or SIGTERM to stop)", file=sys.stderr)
 
-    def sidecar_changed(reason: str) -> None:
-        """Fail closed: stop generating (503 with the reason), record it, drain and exit; the
-        writer waiting on our lease proceeds only once nothing reads the mapping any more."""
-        launched.failure = f"sidecar {launched.mapped.path} changed under the service: {reason}"
-        emitter.emit("serve", "error", message=launched.failure)
-        append_history(options, launched.phases, started, "error", launched.failure, extra={"failed_phase": "serve"})
+    failing = threading.Lock()
+
+    def fail_closed(reason: str) -> None:
+        """Stop generating (503 with the reason), record it, drain and exit non-zero. For a
+        changed sidecar: the writer waiting on our lease proceeds only once nothing reads the
+        mapping any more; for a lost rank: every rank of the service stops."""
+        if not failing.acquire(blocking=False):
+            return  # the first reason holds
+        launched.failure = reason
+        emitter.emit("serve", "error", message=reason)
+        append_history(options, launched.phases, started, "error", reason, extra={"failed_phase": "serve"})
         # a moment of 503s saying why (clients and probes see the reason), then drain and stop;
         # well inside the kernel's lease-break time, so the writer never forces the mapping away
         threading.Timer(FAIL_CLOSED_GRACE_S, os.kill, (os.getpid(), signal.SIGTERM)).start()
 
+    def sidecar_changed(reason: str) -> None:
+        fail_closed(f"sidecar {launched.mapped.path} changed under the service: {reason}")
+
     stop_watching = launched.mapped.notify(sidecar_changed) if launched.mapped is not None else None
+    if launched.group is not None:  # a rank that died, or a collective that failed: the service stops
+        launched.group.on_lost = fail_closed
+        launched.group.watch(fail_closed)
     limits = Limits(max_body_bytes=args.max_body or DEFAULT_MAX_BODY,
                     queue_timeout=args.queue_timeout or DEFAULT_QUEUE_TIMEOUT, max_batch=args.max_batch,
                     speculative=speculative)
@@ -223,12 +257,82 @@ def cmd_serve(args: argparse.Namespace) -> int:
             stop_watching()
     if launched.failure:
         launched.close()  # unmap, and release the lease: the waiting writer may go on now
-        raise UserError(launched.failure + "; stopped serving (run `dsv4 sidecar status`, then launch again)")
+        hint = "launch again" if launched.mapped is None else "run `dsv4 sidecar status`, then launch again"
+        raise UserError(f"{launched.failure}; stopped serving ({hint})")
     emitter.emit("serve", "log", message="stopped: drained and released device memory")
     return 0
 
 
 FAIL_CLOSED_GRACE_S = 1.0
+
+
+def _check_ranks(args: argparse.Namespace, options) -> None:
+    """One line for rank settings that cannot work, before any rank starts."""
+    from runtime.config import load_config
+    from runtime.plan import resolve_device
+
+    load_config(options.model_dir).check_ranks(args.ranks)
+    if args.ready == "early":
+        raise UserError("--ready early serves one rank only (each rank would compile the same programs); "
+                        "use --ready compiled with --ranks")
+    device = resolve_device(args.device)
+    if device != "cpu" and "RANK" not in os.environ:  # under torchrun each rank checks its LOCAL_RANK's device
+        count = accelerator_count(device)
+        if args.ranks > count:
+            raise UserError(f"--ranks {args.ranks} but this host has {count} {device} device(s); one rank per "
+                            f"device: run at most {count} ranks here (torchrun --nnodes for more hosts)")
+
+
+def accelerator_count(device: str) -> int:
+    """Accelerators of this host by their device nodes (no device context, no torch)."""
+    import re
+
+    pattern = re.compile(r"nvidia\d+" if device == "cuda" else r"davinci\d+")
+    try:
+        return sum(bool(pattern.fullmatch(n)) for n in os.listdir("/dev"))
+    except OSError:
+        return 0
+
+
+def _launch_ranks(args: argparse.Namespace, options) -> int:
+    """`dsv4 serve --ranks N`: N rank processes of this same command (runtime.rank_launcher)."""
+    from runtime.rank_launcher import launch
+    from runtime.registration import append_history
+    from runtime.service import bind
+
+    bind(args.host, args.port).close()  # the port in use is one line now, not after N registrations
+    port = args.master_port if args.master_port is not None else int(os.environ.get("MASTER_PORT", 0) or 0)
+    started = time.time()
+
+    def rank0_died(rank: int, line: str) -> None:  # rank 0 records the launch unless it is the one gone
+        append_history(options, {}, started, "error", line, extra={"failed_phase": "serve", "rank": rank})
+
+    return launch(args.argv, args.ranks, "127.0.0.1", port, args.rendezvous_timeout, rank0_died)
+
+
+def _follow(options, emitter) -> int:
+    """A rank other than 0: register (every phase, as rank 0 leads), then run each engine call
+    rank 0 sends until it stops the service. Killed at once by SIGTERM; an abort anywhere in the
+    service (a rank died, rank 0 failed) ends this rank at once with the reason."""
+    from runtime.ranks import follow
+    from runtime.registration import register
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher or torchrun stops ranks, not the terminal
+    signal.signal(signal.SIGTERM, _interrupt)
+    _never_silent()
+    launched = register(options, emitter)
+
+    def aborted(reason: str) -> None:
+        print(f"dsv4 serve: rank {options.rank} stopping: {reason}", file=sys.stderr, flush=True)
+        os._exit(1)  # blocked in a collective: nothing else would return
+
+    launched.group.watch(aborted)
+    launched.group.set_phase("serve")
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    follow(launched.engine, launched.group, until="stop")
+    launched.group.close()
+    launched.close()
+    return 0
 
 
 def _never_silent() -> None:

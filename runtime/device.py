@@ -156,8 +156,8 @@ def _npu_available() -> bool:
     return bool(getattr(torch, "npu", None) and torch.npu.is_available())
 
 
-def get_device(name: str = "auto", cap: int | None = None) -> Device:
-    """auto picks npu > cuda > cpu."""
+def get_device(name: str = "auto", cap: int | None = None, index: int = 0) -> Device:
+    """auto picks npu > cuda > cpu; `index`: which accelerator (a rank's LOCAL_RANK)."""
     if name == "auto":
         name = "npu" if _npu_available() else "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cpu":
@@ -165,9 +165,17 @@ def get_device(name: str = "auto", cap: int | None = None) -> Device:
     if name == "cuda":
         if not torch.cuda.is_available():
             raise DeviceError("--device cuda: torch sees no CUDA device (is this a CUDA build of torch?)")
-        return CudaDevice(cap=cap)
+        _check_index("cuda", index, torch.cuda.device_count())
+        return CudaDevice(index, cap)
     if name == "npu":
         if not _npu_available():
             raise DeviceError("--device npu: torch_npu is not installed or sees no NPU (pip install -e '.[npu]')")
-        return NpuDevice(cap=cap)
+        _check_index("npu", index, torch.npu.device_count())  # type: ignore[attr-defined]
+        return NpuDevice(index, cap)
     raise DeviceError(f"unknown device '{name}'; choose auto, cpu, cuda or npu")
+
+
+def _check_index(kind: str, index: int, count: int) -> None:
+    if index >= count:
+        raise DeviceError(f"local rank {index} needs {kind}:{index} but this host has {count} {kind} "
+                          f"device(s); run at most {count} ranks per host")

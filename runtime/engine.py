@@ -61,13 +61,26 @@ class Engine:
 
     def __init__(self, programs: ModelPrograms, weights: ModelWeights,
                  runners: dict[str, Runner] | None = None, device: str = "cpu",
-                 allocate: Callable[[tuple[int, ...]], torch.Tensor] | None = None, slots: int = 1):
+                 allocate: Callable[[tuple[int, ...]], torch.Tensor] | None = None, slots: int = 1,
+                 group=None):
         """`runners` maps program names to prepared programs (flat tensor arguments, packed
         weights). Without runners the engine calls the model's functions directly with weight
-        dicts: the eager path, and the only one the float reference weights can take."""
+        dicts: the eager path, and the only one the float reference weights can take.
+
+        `group` (runtime.ranks.Group): this engine is one rank of an expert-parallel service.
+        Its weights hold only this rank's routed experts; rank 0 leads (each call that changes
+        state is sent to the others first), the others run the same calls (`ranks.follow`),
+        and each layer's routed output is summed over the ranks."""
         if slots < 1:
             raise ValueError("an engine needs at least one slot")
-        self.p, self.w, self.device = programs, weights, device
+        self.p, self.w, self.device, self.group = programs, weights, device, group
+        rank = group.rank if group is not None else 0
+        world = group.world if group is not None else 1
+        if programs.expert_parallel != (world > 1):
+            raise ValueError(f"programs for {'several ranks' if programs.expert_parallel else 'one rank'} "
+                             f"in a service of {world}")
+        # this rank's first routed expert (global id): an input of expert-parallel layer programs
+        self.expert_base = torch.tensor(rank * programs.dims.experts // world, dtype=torch.int64, device=device)
         self.max_seq = programs.dims.max_seq
         self.runners = runners
         allocate = allocate or (lambda shape: torch.zeros(shape, dtype=torch.float32, device=device))
@@ -83,11 +96,22 @@ class Engine:
         return len(self.lengths)
 
     def reset(self, slot: int = 0) -> None:
+        self._lead("reset", slot)
         self.lengths[slot] = 0  # rows past a slot's length are never visible: no need to clear them
 
     def truncate(self, slot: int, length: int) -> None:
         """Forget the slot's tokens from `length` on (a rejected draft)."""
+        self._lead("truncate", slot, length)
         self.lengths[slot] = min(self.lengths[slot], length)
+
+    def _lead(self, op: str, *args) -> None:
+        if self.group is not None:  # every rank keeps the same slots, lengths and caches
+            self.group.lead(op, *args)
+
+    def idle(self) -> None:
+        """Called by a waiting scheduler: rank 0 keeps the other ranks' receives alive."""
+        if self.group is not None:
+            self.group.ping()
 
     def _run(self, name: str, *args: torch.Tensor) -> tuple:
         return _as_tuple(self.runners[name](*args))
@@ -115,15 +139,21 @@ class Engine:
         names = self.p.cache_names[v.name]
         caches = self.caches[group]
         prefill = r.mode == PREFILL
+        parallel = self.p.expert_parallel
+        base = self.expert_base if parallel else None
         if self.runners is None:
             rows = model.Rows(*r.args)
             x, new = model.block(self.p.dims, v.kind, v.ratio, v.hash_routed, self.w[group], x, r.tokens,
-                                 rows, caches, prefill)
-            out = (x, *(new[n] for n in names))
+                                 rows, caches, prefill, base)
+            out = (*(x if parallel else (x,)), *(new[n] for n in names))
         else:
             w = self.w[group]
-            out = self._run(f"{v.name}.{r.mode}", x, r.tokens, *r.args, *(caches[n] for n in names),
-                            *(w[n] for n in self.p.weight_names[v.name]))
+            out = self._run(f"{v.name}.{r.mode}", x, r.tokens, *r.args, *((base,) if parallel else ()),
+                            *(caches[n] for n in names), *(w[n] for n in self.p.weight_names[v.name]))
+        if parallel:  # this rank's share of the routed experts, summed over the ranks
+            parts, rows_out = out[:model.FFN_PARTS], out[model.FFN_PARTS:]
+            routed = parts[3] if self.group is None else self.group.reduce(parts[3].contiguous())
+            out = (model.ffn_out(parts, routed), *rows_out)
         for n, new in zip(names, out[1:], strict=True):
             cache = caches[n]
             if n not in WINDOW_CACHES:  # per token
@@ -164,6 +194,7 @@ class Engine:
         One row of logits per token, in batch order."""
         spans = [(slot, self.lengths[slot], len(tokens)) for slot, tokens in batch]
         self._check(spans)
+        self._lead("step", batch, prefill)
         swap_point = getattr(self.runners, "swap_point", None)
         if swap_point is not None:  # compiled programs published meanwhile swap in between steps
             swap_point()
@@ -189,6 +220,7 @@ class Engine:
         with the token that followed each; returns [R, V] in batch order."""
         spans = [(slot, start, len(next_tokens)) for slot, start, _, next_tokens in batch]
         self._check(spans)
+        self._lead("mtp_step", batch, prefill)
         next_tokens = torch.cat([torch.as_tensor(t, dtype=torch.int64).reshape(-1) for *_, t in batch])
         hidden = torch.cat([h for _, _, h, _ in batch])
         r = self._rows(spans, next_tokens, prefill)

@@ -4,6 +4,9 @@ launch history share. No torch here (the console imports this module).
     {"v":1,"ts":…,"phase":"programs","kind":"progress","done":3,"total":8,"unit":"programs",
      "detail":{…}}
 
+A launch of several rank processes (`dsv4 serve --ranks N`) has every rank write to the same
+stream; each of its events carries `"rank": r`.
+
 `kind` is start | progress | end | log | error. `end` carries `seconds` and the path taken in
 `detail` (per program HIT/MISS/STALE; MAP or REPACK + reason).
 """
@@ -36,10 +39,11 @@ class Event:
     message: str | None = None
     detail: dict[str, Any] = field(default_factory=dict)
     v: int = VERSION
+    rank: int | None = None  # the rank process that emitted it (a launch of several ranks)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"v": self.v, "ts": round(self.ts, 6), "phase": self.phase, "kind": self.kind}
-        for k in ("done", "total", "unit", "seconds", "message"):
+        for k in ("rank", "done", "total", "unit", "seconds", "message"):
             value = getattr(self, k)
             if value is not None:
                 out[k] = value
@@ -66,9 +70,11 @@ def parse(line: str) -> Event:
     if raw.get("kind") not in KINDS or not isinstance(raw.get("phase"), str):
         raise EventError(f"bad phase/kind: {raw.get('phase')!r}/{raw.get('kind')!r}")
     detail = raw.get("detail") or {}
+    rank = raw.get("rank")
     return Event(raw["phase"], raw["kind"], float(raw.get("ts", 0.0)), raw.get("done"), raw.get("total"),
                  raw.get("unit"), raw.get("seconds"), raw.get("message"),
-                 detail if isinstance(detail, dict) else {"value": detail})
+                 detail if isinstance(detail, dict) else {"value": detail},
+                 rank=rank if isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0 else None)
 
 
 Sink = Callable[[Event], None]
@@ -77,12 +83,13 @@ Sink = Callable[[Event], None]
 class Emitter:
     """Fans events out to sinks (a JSON-lines stream, a console renderer, the history)."""
 
-    def __init__(self, *sinks: Sink):
+    def __init__(self, *sinks: Sink, rank: int | None = None):
         self.sinks = list(sinks)
+        self.rank = rank  # stamped on every event: which rank of a multi-rank launch speaks
         self._lock = threading.Lock()  # programs and weights emit from two threads
 
     def emit(self, phase: str, kind: str, **kw: Any) -> Event:
-        event = Event(phase, kind, **kw)
+        event = Event(phase, kind, rank=self.rank, **kw)
         with self._lock:
             for sink in self.sinks:
                 sink(event)

@@ -332,8 +332,9 @@ def _experts_dense(d: Dims, experts: dict[str, torch.Tensor], h: torch.Tensor, i
                    weights: torch.Tensor) -> torch.Tensor:
     """Every expert on every token, combined by the routing weights: static-shaped, and the
     cheaper way once the tokens × top-k pick most experts anyway."""
-    dense = torch.zeros(h.shape[0], d.experts, dtype=weights.dtype, device=h.device).scatter(1, idx, weights)
     w1, w3, w2 = (weight(experts, n) for n in EXPERT_MATS)  # [E, in, out]
+    # added, not set: an expert-parallel rank clamps others' experts onto its own, weight 0
+    dense = torch.zeros(h.shape[0], w1.shape[0], dtype=weights.dtype, device=h.device).scatter_add(1, idx, weights)
     act = _swiglu(d, torch.einsum("ti,eio->eto", h, w1), torch.einsum("ti,eio->eto", h, w3))
     return torch.einsum("te,etd->td", dense, torch.einsum("eti,eio->eto", act, w2))
 
@@ -348,13 +349,23 @@ def _experts_picked(d: Dims, experts: dict[str, torch.Tensor], h: torch.Tensor, 
     return (torch.einsum("tki,tkio->tko", act, w2) * weights[..., None]).sum(1)
 
 
-def _routed(d: Dims, w: dict[str, torch.Tensor], h: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def _routed(d: Dims, w: dict[str, torch.Tensor], h: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
+            expert_base: torch.Tensor | None = None) -> torch.Tensor:
     """Routed experts: picked when the tokens' top-k choices are fewer than the experts, else
     dense. The row count is known when run eagerly; in a traced program it is symbolic, so
     both ways are traced and `torch.cond` picks at run time (one artifact serves a decode
-    step of one sequence and one of sixty-four)."""
+    step of one sequence and one of sixty-four).
+
+    Expert parallel (`expert_base` given): `w` holds only this rank's experts, global ids
+    expert_base.. expert_base+n-1; choices of other ranks' experts weigh 0 here, so the result
+    is this rank's share of the sum, which the ranks add up (all-reduce)."""
     experts = _expert_tensors(w)
-    few = h.shape[0] * d.topk < d.experts
+    n = next(iter(experts.values())).shape[0]
+    if expert_base is not None:
+        local = idx - expert_base
+        weights = torch.where((local >= 0) & (local < n), weights, torch.zeros_like(weights))
+        idx = local.clamp(0, n - 1)
+    few = h.shape[0] * d.topk < n
     if isinstance(few, bool):
         return (_experts_picked if few else _experts_dense)(d, experts, h, idx, weights)
     names = sorted(experts)
@@ -365,7 +376,9 @@ def _routed(d: Dims, w: dict[str, torch.Tensor], h: torch.Tensor, idx: torch.Ten
     return torch.cond(few, branch(_experts_picked), branch(_experts_dense), (h, idx, weights, *(experts[n] for n in names)))
 
 
-def moe(d: Dims, w: dict[str, torch.Tensor], hash_routed: bool, h: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+def moe(d: Dims, w: dict[str, torch.Tensor], hash_routed: bool, h: torch.Tensor, tokens: torch.Tensor,
+        expert_base: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(routed experts' output — this rank's share when expert parallel —, shared expert's)."""
     scores = torch.sqrt(F.softplus(linear(w, "ffn.gate", h)))  # sqrtsoftplus, [T, E]
     if hash_routed:
         idx = w["ffn.gate.tid2eid"][tokens].long()
@@ -377,21 +390,35 @@ def moe(d: Dims, w: dict[str, torch.Tensor], hash_routed: bool, h: torch.Tensor,
     weights = weights * d.routed_scale
     shared = linear(w, "ffn.shared_experts.w2",
                     _swiglu(d, linear(w, "ffn.shared_experts.w1", h), linear(w, "ffn.shared_experts.w3", h)))
-    return _routed(d, w, h, idx, weights) + shared
+    return _routed(d, w, h, idx, weights, expert_base), shared
 
 
 # ---- blocks and programs -------------------------------------------------------------------
 
 def block(d: Dims, kind: str, ratio: int, hash_routed: bool, w: dict[str, torch.Tensor],
           x: torch.Tensor, tokens: torch.Tensor, rows: Rows, cache: dict[str, torch.Tensor],
-          prefill: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """One transformer block on the hc residual stream X [T, hc, D]; returns the new cache rows."""
+          prefill: bool, expert_base: torch.Tensor | None = None):
+    """One transformer block on the hc residual stream X [T, hc, D]; returns (the new X, the
+    new cache rows). Expert parallel (`expert_base`: this rank's first expert), the block stops
+    short of its last step: it returns the FFN_PARTS instead of X, because the routed experts'
+    output is summed over ranks first (`ffn_out` finishes the block)."""
     inp, post, comb = hc_pre(d, w, "attn", x)
     y, new_rows = attention(d, w, kind, ratio, rms_norm(inp, w["attn_norm.weight"]), rows, cache, prefill)
     x = hc_post(x, y, post, comb)
     inp, post, comb = hc_pre(d, w, "ffn", x)
-    y = moe(d, w, hash_routed, rms_norm(inp, w["ffn_norm.weight"]), tokens)
-    return hc_post(x, y, post, comb), new_rows
+    routed, shared = moe(d, w, hash_routed, rms_norm(inp, w["ffn_norm.weight"]), tokens, expert_base)
+    if expert_base is not None:
+        return (x, post, comb, routed, shared), new_rows
+    return hc_post(x, routed + shared, post, comb), new_rows
+
+
+FFN_PARTS = 5  # (x, post, comb, routed share, shared expert): what an expert-parallel block returns
+
+
+def ffn_out(parts: tuple[torch.Tensor, ...], routed: torch.Tensor) -> torch.Tensor:
+    """An expert-parallel block's output, once `routed` is summed over every rank."""
+    x, post, comb, _, shared = parts
+    return hc_post(x, routed + shared, post, comb)
 
 
 def embed(d: Dims, w: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:

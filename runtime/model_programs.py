@@ -54,7 +54,7 @@ def layer_variants(config: DeepSeekV4Config) -> dict[str, LayerVariant]:
 
 def weight_shapes(plan: PackPlan) -> dict[str, dict[str, tuple[str, tuple[int, ...]]]]:
     """Group → weight key → (dtype, shape) of the views `runtime.weights.packed_views` gives the
-    programs (a stacked tensor indexed by layer; experts of every rank joined), without tensors."""
+    programs (a stacked tensor indexed by layer; the routed experts of one rank), without tensors."""
     out: dict[str, dict[str, tuple[str, tuple[int, ...]]]] = {}
     for group, params in plan.groups:
         w: dict[str, tuple[str, tuple[int, ...]]] = {}
@@ -62,10 +62,8 @@ def weight_shapes(plan: PackPlan) -> dict[str, dict[str, tuple[str, tuple[int, .
             slot = plan.slots[p.name]
             for name in slot.names:
                 t = plan.tensors[name]
-                if slot.rule.group == EXPERTS:  # [ranks, layers, E/r, …] → [E, …]
-                    shape = (t.shape[0] * t.shape[2], *t.shape[3:])
-                else:
-                    shape = t.shape[len(slot.index):]
+                # routed experts [ranks, layers, E/r, …] → one rank's [E/r, …]
+                shape = t.shape[2:] if slot.rule.group == EXPERTS else t.shape[len(slot.index):]
                 w.setdefault(slot.relative(name), (_DTYPE_NAMES[t.dtype], tuple(shape)))
         out[group] = w
     return out
@@ -80,6 +78,7 @@ class ModelPrograms:
     variants: dict[str, LayerVariant]
     cache_names: dict[str, tuple[str, ...]]  # variant name → cache row names
     weight_names: dict[str, tuple[str, ...]]  # program family → weight keys, in input order
+    expert_parallel: bool = False  # ranks > 1: layers take `expert_base`, return FFN parts (model.ffn_out)
 
 
 def build_programs(config: DeepSeekV4Config, plan: PackPlan, max_seq: int) -> ModelPrograms:
@@ -90,6 +89,7 @@ def build_programs(config: DeepSeekV4Config, plan: PackPlan, max_seq: int) -> Mo
     tokens_dim, rows_dim = DynamicDim("T", 1, max_seq), DynamicDim("B", 1, MAX_DECODE_ROWS)
     slots_dim = DynamicDim("S", 1, MAX_SLOTS)
     layout = {"ranks": plan.ranks, "max_seq": max_seq}
+    parallel = plan.ranks > 1
     specs: dict[str, ProgramSpec] = {}
     cache_names: dict[str, tuple[str, ...]] = {}
     weight_names: dict[str, tuple[str, ...]] = {}
@@ -121,9 +121,12 @@ def build_programs(config: DeepSeekV4Config, plan: PackPlan, max_seq: int) -> Mo
         weight_names[v.name] = tuple(sorted(w))
         cache_specs = tuple(TensorSpec(f"cache.{n}", "float32", ("S", *s)) for n, s in caches)
         captures = {"kind": v.kind, "ratio": v.ratio, "hash_routed": v.hash_routed,
-                    "cache_names": list(cache_names[v.name]), "weight_names": list(weight_names[v.name])}
+                    "cache_names": list(cache_names[v.name]), "weight_names": list(weight_names[v.name]),
+                    **({"expert_parallel": True} if parallel else {})}
+        base = (TensorSpec("expert_base", "int64", ()),) if parallel else ()
         add(v.name, "layer", captures,
-            lambda t, w=w, cache_specs=cache_specs: (*act(t), *cache_specs, *weights("w.", w, sorted(w))),
+            lambda t, w=w, cache_specs=cache_specs, base=base: (*act(t), *base, *cache_specs,
+                                                               *weights("w.", w, sorted(w))),
             slotted=True)
 
     top = shapes["top"]
@@ -139,7 +142,7 @@ def build_programs(config: DeepSeekV4Config, plan: PackPlan, max_seq: int) -> Mo
             lambda t: (TensorSpec("next_tokens", "int64", (t,)), TensorSpec("h", "float32", (t, d.hc, d.hidden)),
                        emb_spec, *weights("", mtp, MTP_INPUT)))
         # the MTP head is the model head over MTP's own hc_head/norm and the shared head.weight
-    return ModelPrograms(d, specs, variants, cache_names, weight_names)
+    return ModelPrograms(d, specs, variants, cache_names, weight_names, parallel)
 
 
 def kv_slot_bytes(programs: ModelPrograms) -> int:

@@ -89,12 +89,16 @@ Part = tuple[str, tuple[int, ...], torch.Tensor]  # (packed name, leading index,
 LayerProgress = Callable[[int, int, str], None]  # (groups done, groups total, group name)
 
 
-def stream(ckpt: Checkpoint, plan: PackPlan, progress: LayerProgress | None = None) -> Iterator[Part]:
-    """Packed slices, one checkpoint group (top, layer, MTP layer) at a time."""
+def stream(ckpt: Checkpoint, plan: PackPlan, progress: LayerProgress | None = None,
+           rank: int | None = None) -> Iterator[Part]:
+    """Packed slices, one checkpoint group (top, layer, MTP layer) at a time; with `rank`, of
+    the routed experts only that rank's (the others are not even read)."""
     total = len(plan.groups)
     for i, (group, plist) in enumerate(plan.groups):
         for p in plist:
             slot = plan.slots[p.name]
+            if rank is not None and slot.rule.group == EXPERTS and slot.index[0] != rank:
+                continue
             for name, tensor in zip(slot.names, pack_param(ckpt, plan.config, p, slot.rule), strict=True):
                 yield name, slot.index, tensor
         if progress:
@@ -105,10 +109,21 @@ _TORCH = {"I8": torch.int8, "F32": torch.float32, "BF16": torch.bfloat16, "I32":
           "I64": torch.int64, "U8": torch.uint8, "F8_E4M3": torch.float8_e4m3fn}
 
 
-def pack_in_memory(ckpt: Checkpoint, plan: PackPlan, progress: LayerProgress | None = None) -> dict[str, torch.Tensor]:
-    """The no-sidecar path: the whole packed layout as host tensors."""
-    out = {t.name: torch.empty(t.shape, dtype=_TORCH[t.dtype]) for t in plan.tensors.values()}
-    for name, index, part in stream(ckpt, plan, progress):
+def pack_in_memory(ckpt: Checkpoint, plan: PackPlan, progress: LayerProgress | None = None,
+                   rank: int | None = None) -> dict[str, torch.Tensor]:
+    """The no-sidecar path: the whole packed layout as host tensors; with `rank`, the routed
+    experts of that rank only (shaped as `rank_slice` cuts them from a whole layout)."""
+    out = {t.name: torch.empty((1, *t.shape[1:]) if rank is not None and t.rule.group == EXPERTS else t.shape,
+                               dtype=_TORCH[t.dtype]) for t in plan.tensors.values()}
+    for name, index, part in stream(ckpt, plan, progress, rank):
+        if rank is not None and plan.tensors[name].rule.group == EXPERTS:
+            index = (0, *index[1:])
         out[name][index] = part
     return out
+
+
+def rank_slice(plan: PackPlan, tensors: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
+    """One rank's share of a packed layout: every shared tensor, and of each rank-major routed
+    expert tensor `[ranks, layers, E/r, …]` only `[rank:rank+1]` — one contiguous byte range."""
+    return {n: t[rank:rank + 1] if plan.tensors[n].rule.group == EXPERTS else t for n, t in tensors.items()}
 

@@ -219,12 +219,14 @@ def host_memory(cap: int | None = None) -> dict[str, int]:
     return {"total": cap, "free": free, "used": cap - free}
 
 
-def kv_budget(memory: dict[str, int], slot_bytes: int, utilization: float, max_slots: int) -> dict[str, Any]:
-    """budget = total × utilization − used; slots = what fits, up to max_slots (registration's rule)."""
-    budget = int(memory["total"] * utilization) - memory["used"]
+def kv_budget(memory: dict[str, int], slot_bytes: int, utilization: float, max_slots: int,
+              share: int = 1) -> dict[str, Any]:
+    """budget = (total × utilization − used) / share; slots = what fits, up to max_slots
+    (registration's rule). `share`: the ranks of one service that split this memory (cpu)."""
+    budget = (int(memory["total"] * utilization) - memory["used"]) // share
     slots = min(max_slots, budget // slot_bytes) if budget > 0 and slot_bytes > 0 else 0
     out: dict[str, Any] = {**memory, "utilization": utilization, "budget": budget,
-                           "slot_bytes": slot_bytes, "slots": slots}
+                           "slot_bytes": slot_bytes, "slots": slots, **({"ranks": share} if share > 1 else {})}
     if slots < 1:
         out["problem"] = (f"not even one KV slot fits: a slot needs {slot_bytes} bytes, the budget is "
                           f"{max(budget, 0)} bytes (total × {utilization} − used)")
@@ -238,8 +240,9 @@ def _kv(programs, settings: Settings, device: str) -> dict[str, Any]:
     if device != "cpu":  # device memory needs the device runtime: registration measures it
         return {"slot_bytes": slot, "slots": None, "max_seq": settings.max_seq,
                 "detail": f"{device} memory is measured at launch"}
+    # every rank holds every sequence's KV; on one cpu host the ranks split its memory
     return {**kv_budget(host_memory(settings.device_memory), slot, settings.memory_utilization,
-                        settings.max_slots), "max_seq": settings.max_seq}
+                        settings.max_slots, settings.ranks), "max_seq": settings.max_seq}
 
 
 def _predict(plan: Plan, history: list[dict[str, Any]]) -> dict[str, float | None]:

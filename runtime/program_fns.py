@@ -14,14 +14,18 @@ from runtime.dims import Dims
 
 
 def layer(dims: dict, kind: str, ratio: int, hash_routed: bool, cache_names: list[str],
-          weight_names: list[str], prefill: bool) -> Callable:
+          weight_names: list[str], prefill: bool, expert_parallel: bool = False) -> Callable:
+    """Expert parallel, the program takes this rank's first expert id after `starts` and
+    returns the block's FFN parts (the caller sums the routed share over ranks) before the
+    new cache rows."""
     def layer_program(x, tokens, positions, slots, starts, *rest):
+        base, rest = (rest[0], rest[1:]) if expert_parallel else (None, rest)
         nc = len(cache_names)
         cache = dict(zip(cache_names, rest[:nc], strict=True))
         w = dict(zip(weight_names, rest[nc:], strict=True))
         rows = model.Rows(positions, slots, starts)
-        x, new = model.block(Dims(**dims), kind, ratio, hash_routed, w, x, tokens, rows, cache, prefill)
-        return (x, *(new[n] for n in cache_names))
+        out, new = model.block(Dims(**dims), kind, ratio, hash_routed, w, x, tokens, rows, cache, prefill, base)
+        return (*(out if expert_parallel else (out,)), *(new[n] for n in cache_names))
 
     return layer_program
 

@@ -49,6 +49,12 @@ class LaunchOptions:
     history: bool = True
     jobs: int | None = None  # compile workers (None: the CPUs this process may use, capped by memory)
     ready: str = "compiled"  # compiled: serve once every program is compiled | early: serve eager meanwhile
+    rank_env: Any = None  # runtime.ranks.RankEnv: this process is one rank of `ranks` (None: the only one)
+    rendezvous_timeout: float = 60.0  # seconds every rank has to join (and to reach each sync point)
+
+    @property
+    def rank(self) -> int:
+        return self.rank_env.rank if self.rank_env is not None else 0
 
 
 @dataclass
@@ -67,10 +73,15 @@ class Launched:
     tiers: Any = None  # runtime.tiers.TieredRunners: each program's tier, "compiling 9/14" for /health
     mapped: Any = None  # the sidecar the weights are views of (cpu MAP): watch it for changes
     failure: str | None = None  # set when the service must stop generating (the service answers 503)
+    group: Any = None  # runtime.ranks.Group: the other ranks of this service (None: one rank)
     _closers: list = field(default_factory=list)
 
     def close(self) -> None:
-        """Release device memory and the sidecar mapping."""
+        """Release device memory and the sidecar mapping; rank 0 of several tells the others to stop."""
+        if self.group is not None:
+            self.group.stop()
+            self.group.close()
+            self.group = None
         self.engine = None
         self.weights = None
         for close in self._closers:
@@ -87,11 +98,14 @@ class _Phases:
         self.emitter = emitter
         self.records: dict[str, dict[str, Any]] = {}
         self.failed = ""  # the phase an error (or an interrupt) ended
+        self.group = None  # once joined: each phase a rank starts is posted (a dead rank's last phase)
 
     @contextlib.contextmanager
     def run(self, phase: str, **start_detail: Any) -> Iterator[dict[str, Any]]:
         detail: dict[str, Any] = {}
         t0 = time.perf_counter()
+        if self.group is not None:
+            self.group.set_phase(phase)
         self.emitter.emit(phase, "start", detail=start_detail)
         try:
             yield detail
@@ -113,16 +127,22 @@ def why(e: BaseException) -> str:
     return str(e) or type(e).__name__
 
 
-def _size_kv(launched_device, programs, weights, runners, options: LaunchOptions, detail: dict):
+def _size_kv(launched_device, programs, weights, runners, options: LaunchOptions, detail: dict, group=None):
     from runtime.device import OutOfMemory
     from runtime.engine import Engine
     from runtime.model_programs import kv_slot_bytes
     from runtime.plan import kv_budget
 
+    if group is not None:  # every rank uploaded before any measures: one rank's KV is not another's "used"
+        group.gather("kv-measure", "", "kv")
     mem = launched_device.memory()
     per_slot = kv_slot_bytes(programs)
-    kv = kv_budget(mem.to_json(), per_slot, options.memory_utilization, options.max_slots)
+    # ranks on one host share its memory on cpu; on accelerators each rank has its own device
+    share = options.rank_env.local_world if options.rank_env is not None and launched_device.kind == "cpu" else 1
+    kv = kv_budget(mem.to_json(), per_slot, options.memory_utilization, options.max_slots, share)
     budget, want = kv["budget"], kv["slots"]
+    if group is not None:  # every rank holds every sequence's KV: the fewest slots any rank fits
+        want = min(int(v) for v in group.gather("kv-slots", str(want), "kv"))
 
     def too_small(why: str) -> RegistrationError:
         return RegistrationError(
@@ -138,15 +158,18 @@ def _size_kv(launched_device, programs, weights, runners, options: LaunchOptions
         before = launched_device.allocated
         try:
             engine = Engine(programs, weights, runners, device=str(launched_device.torch_device),
-                            allocate=launched_device.allocate, slots=want)
+                            allocate=launched_device.allocate, slots=want, group=group)
         except OutOfMemory as e:
             attempts.append({"slots": want, "error": str(e)})  # a partly built engine is garbage now
             launched_device.free_bytes(launched_device.allocated - before)
             want //= 2
             continue
+        if group is not None and len(set(group.gather("kv-allocated", str(want), "kv"))) > 1:
+            raise RegistrationError(f"kv: rank {group.rank} fit {want} KV slots after halving, the other ranks "
+                                    f"a different count; free device memory or lower --max-slots")
         detail.update(slots=want, slot_bytes=per_slot, budget_bytes=budget, total_bytes=mem.total,
                       used_bytes=mem.used, utilization=options.memory_utilization, attempts=attempts,
-                      max_seq=programs.dims.max_seq)
+                      max_seq=programs.dims.max_seq, **({"ranks_sharing_memory": share} if share > 1 else {}))
         return engine
     raise too_small("allocation failed even after halving to one slot")
 
@@ -163,7 +186,10 @@ def register(options: LaunchOptions, emitter: Emitter) -> Launched:
     try:
         launched = _register(options, emitter, phases)
     except BaseException as e:
-        if options.history:
+        if phases.group is not None:  # every other rank stops at once, with this reason
+            with contextlib.suppress(Exception):
+                phases.group.abort(f"rank {options.rank} failed in {phases.failed or 'check'}: {why(e)}")
+        if options.history and options.rank == 0:
             append_history(options, phases.records, started, "error", why(e), extra={"failed_phase": phases.failed})
         raise
     launched.phases = phases.records
@@ -181,19 +207,21 @@ class _Checked:
     pack_plan: Any
     programs: Any
     tokenizer: Any
+    group: Any = None  # runtime.ranks.Group once the ranks joined
 
 
 def _register(options: LaunchOptions, emitter: Emitter, phases: _Phases) -> Launched:
     checked = _check(options, phases)
     runners, loaded = _programs_and_weights(options, emitter, phases, checked)
     launched = Launched(options, checked.config, checked.programs, None, None, checked.device, checked.tokenizer)
-    launched.tiers = runners
+    launched.tiers, launched.group = runners, checked.group
     launched._closers.append(loaded.close)
     release = getattr(runners, "release_compiles", lambda go: None)  # --ready early: compile once ready
     try:
         _upload(launched, loaded, checked, emitter, phases)
         with phases.run("kv", utilization=options.memory_utilization) as d:
-            launched.engine = _size_kv(checked.device, checked.programs, launched.weights, runners, options, d)
+            launched.engine = _size_kv(checked.device, checked.programs, launched.weights, runners, options, d,
+                                       checked.group)
         _validate(launched, options, phases)
     except BaseException:
         release(False)
@@ -229,18 +257,40 @@ def _check(options: LaunchOptions, phases: _Phases) -> _Checked:
         tokenizer, warning = load_tokenizer(options.model_dir, config.vocab_size)  # a broken one: one line
         if warning:
             phases.emitter.log("check", warning)
-        device = get_device(plan.device, options.device_memory)
+        env = options.rank_env
+        device = get_device(plan.device, options.device_memory, env.local_rank if env is not None else 0)
         options.backend = plan.backend
         pack_plan = PackPlan(config, options.ranks)
         programs = build_programs(config, pack_plan, options.max_seq)
+        group = None
+        if env is not None:
+            from runtime.ranks import rendezvous
+
+            group = phases.group = rendezvous(env, plan_parts(plan, options), options.rendezvous_timeout,
+                                              device.kind)
+            d.update(rank=env.rank, ranks=env.world)
         d.update(tensors=report.checked, device=device.describe(), programs=len(programs.specs),
                  layers=config.summary(), tokenizer=tokenizer.kind)
-    return _Checked(plan, config, ckpt, device, pack_plan, programs, tokenizer)
+    return _Checked(plan, config, ckpt, device, pack_plan, programs, tokenizer, group)
+
+
+def plan_parts(plan, options: LaunchOptions) -> dict[str, Any]:
+    """What must be the same on every rank, by part (the rendezvous names the part that differs):
+    the checkpoint's key, every program's fingerprint, and the launch settings."""
+    from runtime.prepack import sidecar_key
+    from store.fingerprint import fingerprint, sha256_hex
+
+    programs = sha256_hex("\n".join(f"{p.program}={p.fingerprint}" for p in plan.programs))
+    return {"checkpoint": fingerprint(sidecar_key(options.model_dir, options.ranks)), "programs": programs[:16],
+            "ranks": options.ranks, "backend": plan.backend, "device": plan.device, "max_seq": options.max_seq,
+            "max_slots": options.max_slots, "memory_utilization": options.memory_utilization,
+            "ready": options.ready, "use_sidecar": options.use_sidecar}
 
 
 def _programs_and_weights(options: LaunchOptions, emitter: Emitter, phases: _Phases, c: _Checked):
     """Programs (HIT or compile) ∥ weights (MAP or REPACK, as the plan says): independent until
     upload, so two threads; their events interleave, which is how the overlap shows."""
+    from runtime.pack_plan import EXPERTS
     from runtime.program_prep import prepare_programs
     from runtime.weight_loaders import loader_for
 
@@ -248,7 +298,11 @@ def _programs_and_weights(options: LaunchOptions, emitter: Emitter, phases: _Pha
 
     def programs_job():
         with phases.run("programs", total=len(c.programs.specs), backend=options.backend) as d:
+            if c.group is not None and c.group.rank > 0:  # rank 0 compiles each missing key once; here: HIT
+                c.group.wait("programs", [0], "programs", timeout=PROGRAMS_WAIT_S)
             runners, results = prepare_programs(c.programs, options, c.device.kind, emitter, stop=stop)
+            if c.group is not None and c.group.rank == 0:
+                c.group.post("programs")
             counts = {k: sum(r["outcome"] == k for r in results) for k in ("HIT", "MISS", "STALE", "EAGER")}
             d.update(counts=counts, programs={r["program"]: r["outcome"] for r in results},
                      tiers={r["program"]: r["tier"] for r in results})
@@ -267,7 +321,10 @@ def _programs_and_weights(options: LaunchOptions, emitter: Emitter, phases: _Pha
                 s = c.plan.sidecar
                 emitter.log("weights", f"sidecar {s.get('path')}: REPACK ({s.get('reason')}): {s.get('detail')}")
             loaded = loader.load(progress, lambda line: emitter.log("weights", line))
-            d.update(loaded.detail, bytes=sum(t.nbytes for t in loaded.tensors.values()))
+            experts = sum(t.nbytes for n, t in loaded.tensors.items() if c.pack_plan.tensors[n].rule.group == EXPERTS)
+            total = sum(t.nbytes for t in loaded.tensors.values())
+            # what this rank maps: the weights every rank shares, and its own routed experts
+            d.update(loaded.detail, bytes=total, shared_bytes=total - experts, expert_bytes=experts)
         return loaded
 
     with ThreadPoolExecutor(2, thread_name_prefix="register") as pool:
@@ -277,6 +334,9 @@ def _programs_and_weights(options: LaunchOptions, emitter: Emitter, phases: _Pha
         except BaseException:
             stop.set()  # the other job stops at its next step; the executor then joins both
             raise
+
+
+PROGRAMS_WAIT_S = 3600.0  # the other ranks wait this long for rank 0's compiles
 
 
 def _upload(launched: Launched, loaded, c: _Checked, emitter: Emitter, phases: _Phases) -> None:
@@ -309,10 +369,18 @@ def _upload(launched: Launched, loaded, c: _Checked, emitter: Emitter, phases: _
 
 def _validate(launched: Launched, options: LaunchOptions, phases: _Phases) -> None:
     """One prefill, N greedy decode steps and an MTP draft from the prefill's hidden streams:
-    every program runs before serving."""
+    every program runs before serving. Ranks other than 0 run the same steps, as rank 0 leads."""
     import torch
 
     config = launched.config
+    group = launched.group
+    if group is not None and group.rank > 0:
+        from runtime.ranks import follow
+
+        with phases.run("validate", decode_steps=options.validate_tokens) as d:
+            follow(launched.engine, group, until="validated")
+            d.update(health="ok", followed=True)
+        return
     with phases.run("validate", decode_steps=options.validate_tokens) as d:
         engine = launched.engine
         prompt = validation_prompt(launched.tokenizer)
@@ -329,6 +397,8 @@ def _validate(launched: Launched, options: LaunchOptions, phases: _Phases) -> No
         if not bool(drafts[0].isfinite().all()):
             raise RegistrationError("validate: the MTP layer produced non-finite logits")
         engine.reset()
+        if group is not None:
+            group.lead("validated")
         launched.validation_tokens = tokens
         d.update(health="ok", prefill_tokens=len(prompt), tokens=tokens,
                  decode_tokens_per_s=round(len(tokens) / seconds, 2) if seconds else None)

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
+IDLE_TICK_S = 1.0  # an idle engine thread wakes this often (engine.idle: keep other ranks alive)
+
 
 class QueueTimeout(Exception):
     """No slot freed within the queue time; retry after `retry_after` seconds."""
@@ -220,7 +222,8 @@ class Scheduler:
         while True:
             with self._wake:
                 while not self._inbox and not active and not self._closing:
-                    self._wake.wait()
+                    if not self._wake.wait(IDLE_TICK_S):
+                        self.batcher.engine.idle()  # rank 0 of several: the others' receives stay alive
                 if self._closing:
                     break
                 take = self.batcher.take(self._inbox)

@@ -36,12 +36,13 @@ class RepackCheckpoint:
     pack_plan: Any
     reason: str
     detail: str
+    rank: int | None = None  # one rank of several: pack its routed experts only
     path: str = "REPACK"
 
     def load(self, progress: Progress, log: Log) -> LoadedWeights:
         from runtime.pack import pack_in_memory
 
-        tensors = pack_in_memory(self.ckpt, self.pack_plan, progress)
+        tensors = pack_in_memory(self.ckpt, self.pack_plan, progress, self.rank)
         return LoadedWeights(tensors, {"path": "REPACK", "reason": self.reason, "detail": self.detail})
 
 
@@ -52,23 +53,30 @@ class MapSidecar:
     pack_plan: Any
     cold_policy: str
     ckpt: Any
+    rank: int | None = None  # one rank of several: views of the shared tensors and its experts only
     path: str = "MAP"
 
     def load(self, progress: Progress, log: Log) -> LoadedWeights:
+        from runtime.pack import rank_slice
         from runtime.prepack import open_prepacked
 
         verdict, mapped = open_prepacked(self.model_dir, self.ranks, cold_policy=self.cold_policy,
                                          plan=self.pack_plan)
         log(verdict.line())
         if mapped is None:  # changed since the plan was made: repack, saying why
-            return RepackCheckpoint(self.ckpt, self.pack_plan, verdict.reason, verdict.detail).load(progress, log)
-        return LoadedWeights(dict(mapped.tensors), {"path": "MAP", "reason": "", "detail": verdict.detail,
-                                                    "residency": verdict.residency}, mapped.close, mapped)
+            return RepackCheckpoint(self.ckpt, self.pack_plan, verdict.reason, verdict.detail,
+                                    self.rank).load(progress, log)
+        tensors = dict(mapped.tensors)
+        if self.rank is not None:
+            tensors = rank_slice(self.pack_plan, tensors, self.rank)
+        return LoadedWeights(tensors, {"path": "MAP", "reason": "", "detail": verdict.detail,
+                                       "residency": verdict.residency}, mapped.close, mapped)
 
 
 def loader_for(plan, options, ckpt, pack_plan) -> WeightLoader:
-    """The loader the plan's sidecar verdict calls for."""
+    """The loader the plan's sidecar verdict calls for (one rank's share when ranks > 1)."""
     sidecar = plan.sidecar
+    rank = options.rank if options.ranks > 1 else None
     if sidecar.get("verdict") == "MAP":
-        return MapSidecar(options.model_dir, options.ranks, pack_plan, options.cold_policy, ckpt)
-    return RepackCheckpoint(ckpt, pack_plan, sidecar.get("reason", ""), sidecar.get("detail", ""))
+        return MapSidecar(options.model_dir, options.ranks, pack_plan, options.cold_policy, ckpt, rank)
+    return RepackCheckpoint(ckpt, pack_plan, sidecar.get("reason", ""), sidecar.get("detail", ""), rank)

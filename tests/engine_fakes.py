@@ -25,6 +25,9 @@ class CountingEngine:
     def slots(self) -> int:
         return len(self.lengths)
 
+    def idle(self) -> None:
+        pass
+
     def allow(self, n: int) -> None:
         for _ in range(n):
             self.permits.release()

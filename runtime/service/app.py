@@ -81,8 +81,18 @@ def create_app(launched, limits: Limits = Limits(), scheduler: Scheduler | None 
 
     def failure() -> str | None:
         """Why the service must not generate (set on `launched.failure` by whatever watches its
-        weights, e.g. a mapped sidecar that changed): it then fails closed, 503 with the reason."""
+        weights, e.g. a mapped sidecar that changed, or its ranks, one of which is gone): it then
+        fails closed, 503 with the reason."""
         return getattr(launched, "failure", None)
+
+    def unavailable(reason: str) -> ApiError:
+        return ApiError(503, f"service unavailable: {reason}", kind="service_unavailable", code="service_unavailable")
+
+    def generation_failed() -> ApiError:
+        """A job the engine ended with an error: 503 when the service has failed as a whole (the
+        step died with it), else a 500 — a bug."""
+        reason = failure()
+        return unavailable(reason) if reason else ApiError(500, GENERATION_FAILED, kind="server_error")
 
     @app.get("/health")
     async def health() -> Any:
@@ -173,8 +183,7 @@ def create_app(launched, limits: Limits = Limits(), scheduler: Scheduler | None 
 
     async def generate(request: Request, parse: Callable, shape) -> Any:
         if reason := failure():
-            raise ApiError(503, f"service unavailable: {reason}", kind="service_unavailable",
-                           code="service_unavailable")
+            raise unavailable(reason)
         started = time.perf_counter()
         body = await read_body(request, limits.max_body_bytes)
         req, ids, max_tokens = await run_in_threadpool(parse, body)
@@ -197,7 +206,7 @@ def create_app(launched, limits: Limits = Limits(), scheduler: Scheduler | None 
             if run.finish == "cancelled":
                 raise ClientGone
             if run.finish == "error":
-                raise ApiError(500, GENERATION_FAILED, kind="server_error")
+                raise generation_failed()
             return shape.whole(rid, text, run)
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -210,7 +219,7 @@ def create_app(launched, limits: Limits = Limits(), scheduler: Scheduler | None 
                     if chunk := shape.delta(rid, text, tokens):
                         yield sse(chunk)
                 if run.finish == "error":  # headers are sent: the error travels as an event
-                    yield sse(ApiError(500, GENERATION_FAILED, kind="server_error").body())
+                    yield sse(generation_failed().body())
                 else:
                     yield sse(shape.last(rid, run.finish))
                     if include_usage:

@@ -1,0 +1,96 @@
+"""`dsv4 serve --ranks N` on one host: N rank processes, as torchrun would start them.
+
+The launcher hosts the rendezvous store (as torchrun's agent does, so MASTER_PORT in use is one
+line before any rank starts), starts each rank as `dsv4 serve …` with RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR/PORT set, each in its own session (its compile workers go with it),
+and watches them:
+
+- SIGTERM/SIGINT here → SIGTERM to rank 0, which drains HTTP and then stops the other ranks;
+- a rank that exits otherwise (killed, crashed) → one line naming the rank and its last phase,
+  posted as the service's `abort` (rank 0 answers 503 with it, records it, exits non-zero; the
+  others exit at once), and after STOP_TIMEOUT_S every rank still there is killed.
+
+No rank outlives the launcher's return.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+from runtime.ranks import RankEnv, first_wins, open_store, read
+
+STOP_TIMEOUT_S = 10.0  # after a failure, or rank 0's end, the other ranks have this long to exit
+POLL_S = 0.1
+
+
+def how_it_ended(code: int) -> str:
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"was killed by {signal.Signals(-code).name}"
+        return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def launch(argv: Sequence[str], world: int, addr: str = "127.0.0.1", port: int = 0,
+           rendezvous_timeout: float = 60.0, on_failure: Callable[[int, str], None] | None = None,
+           stop_timeout: float = STOP_TIMEOUT_S) -> int:
+    """Run `dsv4 <argv>` as ranks 0..world-1 until they end; rank 0's exit code, or 1 when a
+    rank failed. `on_failure(rank, line)` is told of a rank that ended the service by dying
+    (for the launch history when rank 0 itself cannot record it)."""
+    store = open_store(RankEnv(0, world, 0, world, addr, port, True), rendezvous_timeout, host=True)
+    port = store.port
+    procs: list[subprocess.Popen] = []
+    stopping = {"asked": 0.0}
+
+    def stop(*_: object) -> None:
+        if not stopping["asked"]:
+            stopping["asked"] = time.monotonic()
+            if procs and procs[0].poll() is None:
+                procs[0].send_signal(signal.SIGTERM)  # rank 0 drains, then stops the others
+
+    old = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    failed = False
+    try:
+        for r in range(world):
+            env = {**os.environ, **RankEnv(r, world, r, world, addr, port, True).child_env()}
+            procs.append(subprocess.Popen([sys.executable, "-m", "console.cli", *argv], env=env,
+                                          start_new_session=True))
+        deadline = None
+        while [p.poll() for p in procs].count(None):  # poll every rank (any() would stop at the first)
+            ended = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode is not None]
+            if not failed and not stopping["asked"]:
+                for r, code in ended:
+                    if code != 0 and not (r == 0 and read(store, "abort")):
+                        line = (f"rank {r} (pid {procs[r].pid}) {how_it_ended(code)} during phase "
+                                f"{read(store, f'phase/{r}') or 'start'}")
+                        held = first_wins(store, "abort", line)
+                        failed = True
+                        if held == line:
+                            print(f"dsv4 serve: {line}; stopping every rank", file=sys.stderr, flush=True)
+                            if on_failure is not None and r == 0:
+                                on_failure(r, line)
+                        break
+                    if code != 0:
+                        failed = True
+            if deadline is None and (failed or ended):
+                deadline = time.monotonic() + stop_timeout
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            time.sleep(POLL_S)
+    finally:
+        for p in procs:  # every rank's session: the rank and anything it started
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+        for s, handler in old.items():
+            signal.signal(s, handler)
+    codes = [p.returncode for p in procs]
+    if failed or any(c != 0 for c in codes[1:]):
+        return codes[0] if codes[0] and codes[0] > 0 else 1
+    return codes[0]

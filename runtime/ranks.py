@@ -1,0 +1,283 @@
+"""Rank processes of one service: who this process is, the rendezvous, and the per-step link.
+
+A service of N ranks is N processes (one per device), started by `dsv4 serve --ranks N` (its
+launcher, `runtime.rank_launcher`) or by `torchrun` (`--nnodes 2 …` across hosts): each reads
+RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT. Two channels:
+
+- the **rendezvous store** (a TCPStore: torchrun's agent or our launcher hosts it, else rank
+  0): joining and comparing plan fingerprints, sync points of registration, each rank's phase,
+  and one `abort` line that every rank watches — a failure anywhere stops every rank promptly,
+  with the reason, instead of leaving them blocked on a peer that is gone;
+- the **process group** (gloo on cpu, nccl on cuda, hccl on npu): rank 0 broadcasts each engine
+  call (`lead`), every rank runs it, and the routed experts' partial sums are all-reduced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from store.errors import UserError
+
+PREFIX = "dsv4/"
+# a step's collectives wait this long for a peer; an idle service pings well within it
+COLLECTIVE_TIMEOUT_S = 300.0
+PING_EVERY_S = 5.0
+POLL_S = 0.05
+LAUNCHER_GRACE_S = 1.0  # a failed collective waits this long for the launcher's line on a dead rank
+BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+
+
+class RankError(UserError):
+    """The ranks cannot form (or keep) one service; the message names the rank and why."""
+
+
+@dataclass(frozen=True)
+class RankEnv:
+    """This process's place in the service, from the torchrun environment."""
+
+    rank: int
+    world: int
+    local_rank: int
+    local_world: int
+    addr: str
+    port: int
+    agent_store: bool  # torchrun's agent (or our launcher) hosts the store; else rank 0 does
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> RankEnv | None:
+        """None unless RANK and WORLD_SIZE are set; a malformed variable is one line."""
+        env = os.environ if environ is None else environ
+        if "RANK" not in env or "WORLD_SIZE" not in env:
+            return None
+
+        def number(name: str, default: str | None = None, lo: int = 0, hi: int = 1 << 16) -> int:
+            text = env.get(name, default)
+            try:
+                value = int(text)  # type: ignore[arg-type]
+            except (TypeError, ValueError):
+                raise RankError(f"{name}={text!r} is not a number; torchrun sets it, or set it yourself") from None
+            if not lo <= value <= hi:
+                raise RankError(f"{name}={value} is out of range {lo}..{hi}")
+            return value
+
+        world = number("WORLD_SIZE", lo=1)
+        rank = number("RANK", hi=world - 1)
+        local_world = number("LOCAL_WORLD_SIZE", str(world), lo=1, hi=world)
+        local_rank = number("LOCAL_RANK", str(rank), hi=local_world - 1)
+        port = number("MASTER_PORT", "29500", lo=1, hi=65535)
+        agent = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or env.get("DSV4_AGENT_STORE") == "1"
+        return cls(rank, world, local_rank, local_world, env.get("MASTER_ADDR", "127.0.0.1"), port, agent)
+
+    def child_env(self) -> dict[str, str]:
+        """The variables that make a process this rank (what our launcher sets)."""
+        return {"RANK": str(self.rank), "WORLD_SIZE": str(self.world), "LOCAL_RANK": str(self.local_rank),
+                "LOCAL_WORLD_SIZE": str(self.local_world), "MASTER_ADDR": self.addr,
+                "MASTER_PORT": str(self.port), "DSV4_AGENT_STORE": "1" if self.agent_store else "0"}
+
+
+def open_store(env: RankEnv, timeout: float, host: bool = False):
+    """The rendezvous store: hosted here when `host` (our launcher) or when rank 0 runs without
+    an agent; otherwise a client that waits up to `timeout` for the host to answer."""
+    from torch.distributed import TCPStore
+
+    master = host or (env.rank == 0 and not env.agent_store)
+    try:
+        return TCPStore(env.addr, env.port, None, master, timedelta(seconds=timeout), wait_for_workers=False)
+    except (RuntimeError, OSError, ValueError) as e:
+        text = str(e).lower()
+        if master and ("in use" in text or "eaddrinuse" in text or "bind" in text):
+            raise RankError(f"MASTER_PORT {env.port} on {env.addr} is in use; pick another port "
+                            f"(--master-port or MASTER_PORT) or stop what holds it") from None
+        if master:
+            raise RankError(f"cannot host the rendezvous store on {env.addr}:{env.port}: {e}") from None
+        raise RankError(f"rank {env.rank}: no rendezvous store answered at {env.addr}:{env.port} within "
+                        f"{timeout:g} s (is rank 0 or the launcher running, with the same MASTER_ADDR/PORT?)") from None
+
+
+def first_wins(store, key: str, value: str) -> str:
+    """Set `key` unless it is set; the value that holds (the first failure is the one reported)."""
+    return store.compare_set(PREFIX + key, "", value).decode(errors="replace")
+
+
+def read(store, key: str) -> str | None:
+    return store.get(PREFIX + key).decode(errors="replace") if store.check([PREFIX + key]) else None
+
+
+class Group:
+    """A joined rank: the store's sync points and abort line, and the engine's link to the
+    other ranks (rank 0 leads: every engine call is broadcast first; others follow)."""
+
+    def __init__(self, env: RankEnv, store, timeout: float):
+        self.env, self.store, self.timeout = env, store, timeout
+        self.rank, self.world = env.rank, env.world
+        self._pg = False
+        self._last_sent = time.monotonic()
+        # called once when a collective fails (a peer died or hung): the service fails closed
+        self.on_lost: Callable[[str], None] = lambda reason: None
+        self.lost: str | None = None
+
+    # ---- the store ----
+
+    def set_phase(self, phase: str) -> None:
+        self.store.set(f"{PREFIX}phase/{self.rank}", phase)
+
+    def phase_of(self, rank: int) -> str:
+        return read(self.store, f"phase/{rank}") or "start"
+
+    def abort(self, message: str) -> str:
+        """Stop every rank with `message` (unless another failure came first: that one holds)."""
+        return first_wins(self.store, "abort", message)
+
+    def aborted(self) -> str | None:
+        return read(self.store, "abort")
+
+    def post(self, key: str, value: str = "") -> None:
+        """This rank reached `key` (with `value`): what `wait` and `gather` wait for."""
+        self.store.set(f"{PREFIX}{key}/{self.rank}", value)
+
+    def gather(self, key: str, value: str, what: str, timeout: float | None = None) -> list[str]:
+        """Every rank's `value` for `key`, in rank order, once all have posted it. Raises with the
+        ranks that did not within `timeout`, or at once with the reason when a rank aborted."""
+        self.post(key, value)
+        return self.wait(key, range(self.world), what, timeout)
+
+    def wait(self, key: str, ranks, what: str, timeout: float | None = None) -> list[str]:
+        """The values `ranks` posted for `key` (see `gather`)."""
+        keys = [f"{PREFIX}{key}/{r}" for r in ranks]
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        while not self.store.check(keys):
+            if reason := self.aborted():
+                raise RankError(f"stopped: {reason}")
+            if time.monotonic() > deadline:
+                missing = [r for r, k in zip(ranks, keys, strict=True) if not self.store.check([k])]
+                raise RankError(f"{what}: rank {', '.join(map(str, missing))} did not arrive within "
+                                f"{self.timeout if timeout is None else timeout:g} s")
+            time.sleep(POLL_S)
+        return [self.store.get(k).decode() for k in keys]
+
+    def watch(self, on_abort: Callable[[str], None]) -> None:
+        """Call `on_abort(reason)` (once, on a daemon thread) when any rank or the launcher aborts."""
+        def run() -> None:
+            while (reason := self.aborted()) is None:
+                time.sleep(0.2)
+            on_abort(reason)
+
+        threading.Thread(target=run, daemon=True, name="rank-watch").start()
+
+    # ---- the process group ----
+
+    def connect(self, device_kind: str) -> None:
+        import torch.distributed as dist
+
+        dist.init_process_group(BACKENDS[device_kind], store=dist.PrefixStore(PREFIX + "pg", self.store),
+                                rank=self.rank, world_size=self.world,
+                                timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        self._pg = True
+
+    def lead(self, op: str, *args: Any) -> None:
+        """Rank 0: send an engine call to every other rank (they run it in `follow`); elsewhere a
+        no-op, because there the call came from `follow`."""
+        if self.rank == 0 and self.world > 1:
+            self._broadcast([op, args])
+            self._last_sent = time.monotonic()
+
+    def ping(self) -> None:
+        """Rank 0, idle: a no-op call, so followers' receives never time out on a quiet service."""
+        if time.monotonic() - self._last_sent > PING_EVERY_S:
+            with contextlib.suppress(RankError):  # `on_lost` has failed the service already
+                self.lead("ping")
+
+    def receive(self) -> tuple[str, tuple]:
+        op, args = self._broadcast(None)
+        return op, tuple(args)
+
+    def _broadcast(self, message: Any) -> Any:
+        import torch.distributed as dist
+
+        box = [message]
+        try:
+            dist.broadcast_object_list(box, src=0)
+        except Exception as e:  # a peer that died or hung: the group is gone
+            raise self._lose(e) from None
+        return box[0]
+
+    def reduce(self, t):
+        """Sum `t` over every rank, in place (the routed experts' partial outputs)."""
+        import torch.distributed as dist
+
+        try:
+            dist.all_reduce(t)
+        except Exception as e:
+            raise self._lose(e) from None
+        return t
+
+    def _lose(self, e: BaseException) -> RankError:
+        """A failed collective: the group is gone for good; say so once, to every rank."""
+        if self.lost is None:
+            self.lost = f"rank {self.rank} lost the other ranks in a collective ({_first_line(e)})"
+            with contextlib.suppress(Exception):  # the store's host may be gone too
+                # the launcher names a dead rank and its phase a moment later: that line is better
+                deadline = time.monotonic() + LAUNCHER_GRACE_S
+                while self.aborted() is None and time.monotonic() < deadline:
+                    time.sleep(POLL_S)
+                self.lost = self.abort(self.lost)  # a reason posted first (a rank's death) holds
+            self.on_lost(self.lost)
+        return RankError(self.lost)
+
+    def stop(self) -> None:
+        """Rank 0: tell the other ranks the service is over (not after the group broke)."""
+        if self.lost is None:
+            with contextlib.suppress(RankError):
+                self.lead("stop")
+
+    def close(self) -> None:
+        if self._pg and self.lost is None:  # a broken group's teardown can wait on the dead peer
+            import torch.distributed as dist
+
+            self._pg = False
+            with contextlib.suppress(Exception):  # a group that broke cannot be torn down cleanly
+                dist.destroy_process_group()
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+
+
+def rendezvous(env: RankEnv, components: dict[str, Any], timeout: float, device_kind: str) -> Group:
+    """Join the service: every rank posts what its plan fingerprints (checkpoint, settings,
+    programs); a rank missing after `timeout` is named, a rank whose plan differs from rank
+    0's is named with the differing part. Then the process group connects."""
+    group = Group(env, open_store(env, timeout), timeout)
+    group.set_phase("check")
+    mine = json.dumps(components, sort_keys=True)
+    values = [json.loads(v) for v in group.gather("join", mine, "rendezvous")]
+    lead = values[0]
+    for r, theirs in enumerate(values):
+        for part in sorted(set(lead) | set(theirs)):
+            if theirs.get(part) != lead.get(part):
+                raise RankError(f"rendezvous: rank {r} differs from rank 0 in {part} "
+                                f"({theirs.get(part)!r} vs {lead.get(part)!r}); start every rank with the same "
+                                f"checkpoint and settings")
+    group.connect(device_kind)
+    return group
+
+
+def follow(engine, group: Group, until: str) -> None:
+    """A follower rank: run every engine call rank 0 leads, until it sends `until`."""
+    while True:
+        op, args = group.receive()
+        if op == until:
+            return
+        if op == "ping":
+            continue
+        if op == "stop":
+            raise RankError(f"rank {group.rank}: rank 0 stopped the service while this rank waited for {until}")
+        getattr(engine, op)(*args)

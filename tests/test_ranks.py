@@ -1,0 +1,220 @@
+"""Rank processes (issue 15): `dsv4 serve --ranks N` is N processes over torch.distributed
+(gloo), rank 0 serving HTTP and leading every step; greedy tokens equal one rank's; a rank that
+dies stops the whole service promptly and says which; a rank that never joins, or joins with
+other settings, is named; nothing is left running."""
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import psutil
+import pytest
+from conftest import MAX_SEQ, start_server
+
+from runtime.events import parse
+
+PROMPTS = ["The quick brown fox", "DeepSeek V4", "a", "0123456789 " * 4]
+
+
+def _complete(url: str, prompt: str, n: int = 10) -> list[int]:
+    body = json.dumps({"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True}).encode()
+    req = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())["choices"][0]["token_ids"]
+
+
+def _health(url: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _events(path) -> list:
+    return [parse(line) for line in path.read_text().splitlines()]
+
+
+def _ranks_of(proc: subprocess.Popen) -> list[psutil.Process]:
+    """The rank processes the launcher started (each in its own session)."""
+    return [p for p in psutil.Process(proc.pid).children() if "serve" in " ".join(p.cmdline())]
+
+
+def _stop(proc: subprocess.Popen, ranks: list[psutil.Process]) -> int:
+    proc.send_signal(signal.SIGTERM)
+    code = proc.wait(timeout=60)
+    _, alive = psutil.wait_procs(ranks, timeout=5)
+    assert not alive, f"ranks left behind: {alive}"
+    return code
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def one_rank_tokens(tiny_ckpt_ro, tmp_path_factory):
+    proc, url, _ = start_server(tiny_ckpt_ro, tmp_path_factory.mktemp("r1"), "--backend", "eager")
+    try:
+        return [_complete(url, p) for p in PROMPTS]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def test_two_ranks_compiled_equal_one_rank(tiny_ckpt_ro, tmp_path, one_rank_tokens):
+    """export programs: rank 0 compiles each key once, rank 1 HITs them; tokens as one rank's."""
+    cache = tmp_path / "programs"
+    proc, url, events = start_server(tiny_ckpt_ro, tmp_path, "--ranks", "2", "--backend", "export",
+                                     "--kernel-cache-dir", str(cache))
+    ranks = _ranks_of(proc)
+    try:
+        assert len(ranks) == 2
+        assert [_complete(url, p) for p in PROMPTS] == one_rank_tokens
+        status, health = _health(url)
+        assert status == 200 and health["status"] == "ok"
+    finally:
+        assert _stop(proc, ranks) == 0
+    seen = _events(events)
+    ends = {(e.rank, e.phase): e for e in seen if e.kind == "end"}
+    for rank in (0, 1):
+        for phase in ("check", "programs", "weights", "upload", "kv", "validate"):
+            assert (rank, phase) in ends, (rank, phase)
+    assert (0, "serve") in ends and (1, "serve") not in ends  # only rank 0 serves HTTP
+    counts = {r: ends[(r, "programs")].detail["counts"] for r in (0, 1)}
+    assert counts[0]["MISS"] == len(ends[(0, "programs")].detail["programs"])  # compiled once, by rank 0
+    assert counts[1]["HIT"] == counts[0]["MISS"] and counts[1]["MISS"] == 0
+    # each rank holds the shared weights and half of the routed experts
+    assert ends[(0, "upload")].detail["bytes"] == ends[(1, "upload")].detail["bytes"]
+    assert ends[(0, "kv")].detail["slots"] == ends[(1, "kv")].detail["slots"]
+    assert ends[(0, "kv")].detail["ranks_sharing_memory"] == 2
+
+
+def test_four_ranks_equal_one_rank_and_map_less(tiny_ckpt_ro, tmp_path, one_rank_tokens):
+    proc, url, events = start_server(tiny_ckpt_ro, tmp_path, "--ranks", "4", "--backend", "eager")
+    ranks = _ranks_of(proc)
+    try:
+        assert len(ranks) == 4
+        assert [_complete(url, p) for p in PROMPTS] == one_rank_tokens
+    finally:
+        assert _stop(proc, ranks) == 0
+    uploads = {e.rank: e.detail["bytes"] for e in _events(events) if e.phase == "upload" and e.kind == "end"}
+    assert sorted(uploads) == [0, 1, 2, 3] and len(set(uploads.values())) == 1
+
+
+def test_a_killed_rank_stops_the_service(tiny_ckpt_ro, tmp_path):
+    from store.history import read_history
+
+    proc, url, _ = start_server(tiny_ckpt_ro, tmp_path, "--ranks", "2", "--backend", "eager")
+    ranks = _ranks_of(proc)
+    follower = next(p for p in ranks if p.environ().get("RANK") == "1")
+    follower.send_signal(signal.SIGKILL)
+    statuses = []
+    deadline = time.time() + 30
+    while proc.poll() is None and time.time() < deadline:
+        with contextlib.suppress(urllib.error.URLError, ConnectionError):  # rank 0 stopped listening
+            statuses.append(_health(url))
+        time.sleep(0.1)
+    assert proc.wait(timeout=30) != 0
+    _, alive = psutil.wait_procs(ranks, timeout=5)
+    assert not alive
+    failed = [h for s, h in statuses if s == 503]
+    assert failed, statuses
+    assert "rank 1" in failed[0]["reason"] and "SIGKILL" in failed[0]["reason"]
+    assert "during phase serve" in failed[0]["reason"]
+    err = (tmp_path / "stderr.log").read_text()
+    assert "rank 1" in err and "SIGKILL" in err
+    record = [r for r in read_history() if r.get("model") == str(tiny_ckpt_ro)][-1]
+    assert record["outcome"] == "error" and "rank 1" in record["error"]
+
+
+def _rank(model, rank: int, world: int, port: int, tmp_path, *extra) -> subprocess.Popen:
+    env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port)}
+    return subprocess.Popen([sys.executable, "-m", "console.cli", "serve", str(model), "--device", "cpu",
+                             "--backend", "eager", "--port", "0", "--max-seq", str(MAX_SEQ), *extra],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def test_a_rank_that_never_joins_is_named(tiny_ckpt_ro, tmp_path):
+    proc = _rank(tiny_ckpt_ro, 0, 4, _free_port(), tmp_path, "--rendezvous-timeout", "2")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert "rank 1, 2, 3 did not arrive within 2 s" in err and "Traceback" not in err
+
+
+def test_ranks_with_other_settings_are_refused(tiny_ckpt_ro, tmp_path):
+    port = _free_port()
+    lead = _rank(tiny_ckpt_ro, 0, 2, port, tmp_path)
+    other = _rank(tiny_ckpt_ro, 1, 2, port, tmp_path, "--max-slots", "3")
+    errs = [p.communicate(timeout=120)[1] for p in (lead, other)]
+    assert lead.returncode != 0 and other.returncode != 0
+    for err in errs:
+        assert "rank 1 differs from rank 0 in max_slots" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--ranks", "3"], "divide"),
+    (["--ranks", "2", "--ready", "early"], "--ready early"),
+    (["--ranks", "0"], "--ranks 0 is out of range"),
+])
+def test_bad_rank_settings_are_one_line(tiny_ckpt_ro, args, says):
+    out = subprocess.run([sys.executable, "-m", "console.cli", "serve", str(tiny_ckpt_ro), "--port", "0", *args],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert says in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_master_port_in_use_is_one_line(tiny_ckpt_ro):
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen(1)
+        port = held.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "console.cli", "serve", str(tiny_ckpt_ro), "--port", "0",
+                              "--ranks", "2", "--master-port", str(port)], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert f"MASTER_PORT {port}" in out.stderr and "in use" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_two_torchrun_node_groups_form_one_service(tiny_ckpt_ro, tmp_path, one_rank_tokens):
+    """Two "hosts": two torchrun agents (--nnodes 2, one process each) on this machine."""
+    port, events = _free_port(), tmp_path / "events.jsonl"
+    nodes = []
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+               "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
+               "-m", "console.cli", "serve", str(tiny_ckpt_ro), "--device", "cpu", "--backend", "eager",
+               "--port", "0", "--max-seq", str(MAX_SEQ), "--events", str(events)]
+        with open(tmp_path / f"node{node}.log", "w") as log:
+            nodes.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True))
+    try:
+        url = None
+        deadline = time.time() + 300
+        while url is None and time.time() < deadline:
+            assert all(n.poll() is None for n in nodes), (tmp_path / "node0.log").read_text()
+            if events.exists():
+                url = next((e.detail["url"] for e in _events(events) if e.phase == "serve" and e.kind == "end"), None)
+            time.sleep(0.2)
+        assert url, "torchrun ranks did not serve"
+        assert [_complete(url, p) for p in PROMPTS] == one_rank_tokens
+        ranks = {e.rank for e in _events(events) if e.phase == "check" and e.kind == "end"}
+        assert ranks == {0, 1}
+    finally:
+        for n in nodes:
+            os.killpg(n.pid, signal.SIGTERM)
+        for n in nodes:
+            try:
+                n.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(n.pid, signal.SIGKILL)
+                n.wait()
