@@ -175,7 +175,11 @@ class Group:
     # ---- the process group ----
 
     def connect(self, device_kind: str) -> None:
+        import torch
         import torch.distributed as dist
+
+        if device_kind != "cpu":  # nccl/hccl address the current device: this rank's
+            getattr(torch, device_kind).set_device(self.env.local_rank)
 
         dist.init_process_group(BACKENDS[device_kind], store=dist.PrefixStore(PREFIX + "pg", self.store),
                                 rank=self.rank, world_size=self.world,

@@ -71,10 +71,14 @@ def one_rank_tokens(tiny_ckpt_ro, tmp_path_factory):
         proc.wait(timeout=60)
 
 
-def test_two_ranks_compiled_equal_one_rank(tiny_ckpt_ro, tmp_path, one_rank_tokens):
-    """export programs: rank 0 compiles each key once, rank 1 HITs them; tokens as one rank's."""
+def test_two_ranks_compiled_equal_one_rank(tiny_ckpt, tmp_path, one_rank_tokens):
+    """export programs: rank 0 compiles each key once, rank 1 HITs them; each rank maps the
+    2-rank sidecar's shared weights and its own experts; tokens as one rank's."""
+    from console.cli import main
+
+    assert main(["prepack", str(tiny_ckpt), "--ranks", "2"]) == 0
     cache = tmp_path / "programs"
-    proc, url, events = start_server(tiny_ckpt_ro, tmp_path, "--ranks", "2", "--backend", "export",
+    proc, url, events = start_server(tiny_ckpt, tmp_path, "--ranks", "2", "--backend", "export",
                                      "--kernel-cache-dir", str(cache))
     ranks = _ranks_of(proc)
     try:
@@ -93,7 +97,11 @@ def test_two_ranks_compiled_equal_one_rank(tiny_ckpt_ro, tmp_path, one_rank_toke
     counts = {r: ends[(r, "programs")].detail["counts"] for r in (0, 1)}
     assert counts[0]["MISS"] == len(ends[(0, "programs")].detail["programs"])  # compiled once, by rank 0
     assert counts[1]["HIT"] == counts[0]["MISS"] and counts[1]["MISS"] == 0
-    # each rank holds the shared weights and half of the routed experts
+    # each rank maps the shared weights and half of the routed experts, from the sidecar
+    weights = [ends[(r, "weights")].detail for r in (0, 1)]
+    assert [w["path"] for w in weights] == ["MAP", "MAP"]
+    assert weights[0]["shared_bytes"] == weights[1]["shared_bytes"] > 0
+    assert weights[0]["expert_bytes"] == weights[1]["expert_bytes"] > 0
     assert ends[(0, "upload")].detail["bytes"] == ends[(1, "upload")].detail["bytes"]
     assert ends[(0, "kv")].detail["slots"] == ends[(1, "kv")].detail["slots"]
     assert ends[(0, "kv")].detail["ranks_sharing_memory"] == 2
