@@ -80,6 +80,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     service.add_argument("--json", action="store_true", help="print one JSON object")
     service.set_defaults(func=_service)
 
+    ranks = sub.add_parser(
+        "ranks",
+        help="dsv4 serve --ranks 1 vs 2 vs 4: ready cold/hot, mapped bytes, PSS per rank, decode tokens/s",
+        description="For each rank count N on one synthetic checkpoint and one kernel cache: a cold "
+        "launch (no sidecar for N), `dsv4 prepack --ranks N` (timed), a hot launch on the hot sidecar; "
+        "registration to ready with rank 0's and the slowest rank's phases, each rank's mapped bytes "
+        "(shared vs its experts), PSS and RSS per rank and the host memory added per extra rank "
+        "against its target, decode tokens/s at 1 and 16 concurrent requests; then the per-page "
+        "mapping cost projected onto V4-Flash for 1, 2, 4 and 8 ranks. Ratios against N=1.",
+    )
+    from bench.ranks_bench import RANKS  # light: torch is imported when the bench runs
+
+    ranks.add_argument("--preset", choices=("tiny", "small"), default="small")
+    ranks.add_argument("--backend", choices=("export", "aoti", "eager"), default="export",
+                       help="program backend of every launch (compiled by the first launch needing a key)")
+    ranks.add_argument("--ranks", default=",".join(map(str, RANKS)),
+                       help="comma-separated rank counts (default 1,2,4; counts that do not divide the "
+                       "routed experts are skipped)")
+    ranks.add_argument("--json", action="store_true", help="print one JSON object")
+    ranks.set_defaults(func=_ranks)
+
     plan = sub.add_parser(
         "plan",
         help="fresh-process `dsv4 plan --json` on the small and the full V4-Flash layout",
@@ -120,6 +141,12 @@ def _service(args: argparse.Namespace) -> int:
     from bench.service_bench import main
 
     return main(backend=args.backend, json_output=args.json)
+
+
+def _ranks(args: argparse.Namespace) -> int:
+    from bench.ranks_bench import main
+
+    return main(preset=args.preset, backend=args.backend, ranks=args.ranks, json_output=args.json)
 
 
 def _plan(args: argparse.Namespace) -> int:

@@ -1,0 +1,475 @@
+"""`dsv4 bench ranks`: one service as N expert-parallel rank processes, for N = 1, 2, 4.
+
+On one synthetic checkpoint and one kernel-cache dir shared by every N, per rank count N
+(`dsv4 serve --ranks N` on loopback, cpu/gloo, max_seq 256, 16 KV slots):
+
+  cold    — no sidecar for N; the programs N needs compile unless an earlier N published the
+            same keys (each rank's HIT/MISS counts say which): seconds from process start to the
+            `serve` `end` event, and the registration phases of rank 0 and of the slowest rank;
+  prepack — `dsv4 prepack MODEL --ranks N`, timed; then every page of its sidecar read once;
+  hot     — the same launch mapping that hot sidecar: start to ready; each rank's mapped bytes
+            (the shared weights every rank maps, its own routed-expert slice); decode tokens/s
+            with 1 and with 16 concurrent streamed greedy completions (the service bench's
+            request: an 8-token prompt, 16 tokens; after a warm-up one); then each rank
+            process's PSS and RSS.
+
+Host memory added per extra rank = (total PSS over the ranks at N − at 1) / (N − 1), against
+the target that the shared weights are not duplicated: at most 5 % of the sidecar plus one
+rank's KV (slots × slot_bytes). The launcher process of N > 1 is shown apart, not in the total;
+so is the PSS of the ranks' mappings of the sidecar (about the sidecar's size at every N when no
+rank duplicates the shared weights), since a process's own baseline (interpreter, torch) counts
+in its PSS whatever the weights.
+
+Last, the per-page cost of mapping the hot sidecar in this process (mmap read-only, touch one
+byte per 4 KiB page, best of 3), projected onto V4-Flash: each rank maps the shared weights and
+1/N of the routed experts of the 322.8 GiB sidecar, the expert share taken from V4-Flash's
+packed layout (its real tensor shapes). Ratios are against N = 1 of the same run; nothing is
+asserted but the pass/miss of the memory target is printed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import mmap
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+RANKS = (1, 2, 4)
+PAGE = 4096
+MAX_SEQ, MAX_SLOTS = 256, 16
+LOADS = {1: 4, 16: 32}  # concurrent clients → requests sent
+SIDECAR_SHARE = 0.05  # per extra rank: at most this much of the sidecar, plus that rank's KV
+V4_FLASH_SIDECAR_BYTES = round(322.8 * (1 << 30))  # the seed's measured sidecar: 84.6 M pages
+V4_FLASH_RANKS = (1, 2, 4, 8)
+START_TIMEOUT_S = 3600.0  # a cold launch of the small preset compiles every program on 2 cores
+STOP_TIMEOUT_S = 60.0
+MAP_RUNS = 3
+
+
+# ---- the arithmetic (pure) ----
+
+def added_per_rank(total_pss: dict[int, int]) -> dict[int, float]:
+    """Host memory each extra rank adds: (total PSS at N − at 1) / (N − 1), for every N > 1."""
+    base = total_pss.get(1)
+    if base is None:
+        return {}
+    return {n: (pss - base) / (n - 1) for n, pss in sorted(total_pss.items()) if n > 1}
+
+
+def rank_memory_target(sidecar_bytes: int, slots: int, slot_bytes: int) -> int:
+    """What one extra rank may add when the shared weights are not duplicated."""
+    return round(SIDECAR_SHARE * sidecar_bytes) + slots * slot_bytes
+
+
+def v4_flash_projection(per_page_s: float, expert_share: float, sidecar_bytes: int = V4_FLASH_SIDECAR_BYTES,
+                        ranks: Sequence[int] = V4_FLASH_RANKS) -> list[dict[str, float]]:
+    """Pages one rank maps (the shared weights + 1/N of the experts) and what mapping them costs."""
+    experts = sidecar_bytes * expert_share
+    rows = []
+    for n in ranks:
+        nbytes = sidecar_bytes - experts + experts / n
+        pages = math.ceil(nbytes / PAGE)
+        rows.append({"ranks": n, "bytes": round(nbytes), "pages": pages, "seconds": pages * per_page_s})
+    return rows
+
+
+def v4_flash_expert_share() -> tuple[float, int]:
+    """The routed experts' share of V4-Flash's packed layout, and that layout's size in bytes."""
+    from runtime.config import from_dict
+    from runtime.pack_plan import EXPERTS, PackPlan
+    from runtime.synth import V4_FLASH
+    from store.checkpoint import DTYPE_SIZES
+
+    plan = PackPlan(from_dict(V4_FLASH, source="V4-Flash"), ranks=1)
+    total = plan.total_bytes()
+    experts = sum(DTYPE_SIZES[t.dtype] * math.prod(t.shape) for t in plan.tensors.values()
+                  if t.rule.group == EXPERTS)
+    return experts / total, total
+
+
+def summarize_launch(lines: Sequence[str], started: float) -> dict[str, Any]:
+    """One launch's events → time to ready, and per rank: registration phases, programs counts,
+    the weights and kv end details. The slowest rank is the one whose registration took longest
+    (first event to its last registration `end`)."""
+    from bench.startup_bench import PHASES
+
+    ranks: dict[int, dict[str, Any]] = {}
+    ready = None
+    for line in lines:
+        e = json.loads(line)
+        r = ranks.setdefault(e.get("rank") or 0, {"first": e["ts"], "last": e["ts"], "phases": {}})
+        r["first"] = min(r["first"], e["ts"])
+        if e["kind"] != "end":
+            continue
+        detail = e.get("detail") or {}
+        if e["phase"] == "serve":
+            ready = e["ts"] - started
+        elif e["phase"] in PHASES:
+            r["phases"][e["phase"]] = e.get("seconds")
+            r["last"] = max(r["last"], e["ts"])
+        if e["phase"] == "programs":
+            r["programs"] = detail.get("counts")
+        elif e["phase"] == "weights":
+            r["weights"] = {k: detail.get(k) for k in ("path", "reason", "bytes", "shared_bytes", "expert_bytes")}
+        elif e["phase"] == "kv":
+            r["kv"] = {k: detail.get(k) for k in ("slots", "slot_bytes")}
+    slowest = max(sorted(ranks), key=lambda k: ranks[k]["last"] - ranks[k]["first"]) if ranks else 0
+    return {"ready_s": ready, "slowest_rank": slowest,
+            "ranks": [{k: v for k, v in ranks[k].items() if k not in ("first", "last")} for k in sorted(ranks)]}
+
+
+# ---- running services ----
+
+@dataclass
+class Service:
+    proc: subprocess.Popen
+    url: str
+    started: float  # time.time() just before the process started
+    events: Path
+    ranks: int
+    left_behind: list[int] = field(default_factory=list)  # sessions still running after the stop
+
+    def rank_pids(self) -> list[int]:
+        """The rank processes: the launcher's children for N > 1, the process itself for N = 1."""
+        import psutil
+
+        if self.ranks == 1:
+            return [self.proc.pid]
+        children = psutil.Process(self.proc.pid).children()
+        return [c.pid for c in sorted(children, key=lambda c: int(c.environ().get("RANK", 0)))]
+
+    def summary(self) -> dict[str, Any]:
+        return summarize_launch(self.events.read_text().splitlines(), self.started)
+
+
+@contextlib.contextmanager
+def serving(model: Path, cache: Path, run_dir: Path, backend: str, ranks: int) -> Iterator[Service]:
+    """`dsv4 serve --ranks N` until the `serve` `end` event; stopped by SIGTERM (drained) on the
+    way out, and on any error every process of it is killed: nothing is left behind."""
+    run_dir.mkdir(parents=True)
+    events, log = run_dir / "events.jsonl", run_dir / "serve.log"
+    started = time.time()
+    with open(log, "wb") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "console.cli", "serve", str(model), "--ranks", str(ranks), "--backend", backend,
+             "--kernel-cache-dir", str(cache), "--device", "cpu", "--port", "0", "--max-seq", str(MAX_SEQ),
+             "--max-slots", str(MAX_SLOTS), "--queue-timeout", "3600", "--events", str(events)],
+            stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+    seen: set[int] = set()  # every rank pid ever seen, to kill them should the launcher go first
+    stopped = None
+    try:
+        url = _wait_ready(proc, events, log, seen)
+        service = Service(proc, url, started, events, ranks)
+        seen.update(service.rank_pids())
+        yield service
+        _stop(proc, STOP_TIMEOUT_S)
+        stopped = service
+    finally:
+        left = _kill(proc, seen)
+        if stopped is not None and left:  # a clean stop should have ended every process of it
+            stopped.left_behind = left
+            print(f"{run_dir.name}: process groups {left} still ran after the stop; killed", file=sys.stderr)
+
+
+def _wait_ready(proc: subprocess.Popen, events: Path, log: Path, seen: set[int]) -> str:
+    import psutil
+
+    deadline, offset, pending = time.monotonic() + START_TIMEOUT_S, 0, b""
+    while time.monotonic() < deadline:
+        with contextlib.suppress(psutil.Error):
+            seen.update(c.pid for c in psutil.Process(proc.pid).children())
+        if events.exists():
+            with open(events, "rb") as f:
+                f.seek(offset)
+                chunk = f.read()
+            offset += len(chunk)
+            *lines, pending = (pending + chunk).split(b"\n")  # a rank may be mid-line
+            for line in lines:
+                e = json.loads(line)
+                if e.get("kind") == "error":
+                    raise RuntimeError(f"rank {e.get('rank') or 0}, phase {e['phase']}: {e.get('message')}")
+                if e.get("phase") == "serve" and e.get("kind") == "end":
+                    return e["detail"]["url"]
+        if proc.poll() is not None:
+            raise RuntimeError(f"dsv4 serve exited with code {proc.returncode} before serving:\n"
+                               f"{log.read_text(errors='replace')[-2000:]}")
+        time.sleep(0.2)
+    raise RuntimeError(f"dsv4 serve was not ready within {START_TIMEOUT_S:g} s (log: {log})")
+
+
+def _stop(proc: subprocess.Popen, timeout: float) -> None:
+    """SIGTERM: rank 0 drains HTTP, then stops the other ranks; the launcher reaps them."""
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=timeout)
+
+
+def _kill(proc: subprocess.Popen, ranks: set[int]) -> list[int]:
+    """Kill whatever of this service still runs: its session (the launcher, or rank 0 and its
+    compile workers) and each rank's own session. The sessions that still had a process."""
+    left = []
+    for pgid in (proc.pid, *sorted(ranks)):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+            left.append(pgid)
+    proc.wait()
+    return left
+
+
+def _load(url: str, clients: int, requests: int) -> dict[str, Any]:
+    """`requests` streamed greedy completions, `clients` at a time: completion tokens per second."""
+    from bench.service_bench import _request
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        results = list(pool.map(lambda i: _request(url, i), range(requests)))
+    wall = time.perf_counter() - t0
+    tokens = sum(r[2] for r in results)
+    return {"clients": clients, "requests": requests, "tokens": tokens, "wall_s": round(wall, 3),
+            "tokens_per_s": round(tokens / wall, 1)}
+
+
+def _memory(service: Service, sidecar: Path) -> dict[str, Any]:
+    """PSS and RSS of each rank process, and the PSS of its mapping of the sidecar: summed over
+    the ranks, that is what the weights cost the host (one page-cache copy when not duplicated)."""
+    import psutil
+
+    per_rank = []
+    for pid in service.rank_pids():
+        proc = psutil.Process(pid)
+        m = proc.memory_full_info()
+        maps = [g for g in proc.memory_maps(grouped=True) if g.path == str(sidecar)]
+        # RSS of the mapping: the sidecar pages this rank has mapped (its share of them: PSS)
+        per_rank.append({"pid": pid, "pss": m.pss, "rss": m.rss, "sidecar_pss": sum(g.pss for g in maps),
+                         "sidecar_rss": sum(g.rss for g in maps)})
+    launcher = psutil.Process(service.proc.pid).memory_full_info().pss if service.ranks > 1 else None
+    return {"per_rank": per_rank, "total_pss": sum(r["pss"] for r in per_rank),
+            "sidecar_pss": sum(r["sidecar_pss"] for r in per_rank), "launcher_pss": launcher}
+
+
+def _prepack(model: Path, ranks: int) -> tuple[float, Path]:
+    from store.sidecar.name import default_sidecar_path
+
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "console.cli", "prepack", str(model), "--ranks", str(ranks)],
+                       capture_output=True, text=True)
+    seconds = time.perf_counter() - t0
+    if r.returncode != 0:
+        raise RuntimeError(f"dsv4 prepack --ranks {ranks} failed:\n{r.stderr[-2000:]}")
+    return seconds, default_sidecar_path(model, ranks)
+
+
+def page_cost(path: Path, runs: int = MAP_RUNS) -> dict[str, float]:
+    """Seconds per 4 KiB page to map `path` (hot in the page cache) read-only and touch one byte
+    of every page, best of `runs`; the unmap is not timed."""
+    import numpy as np
+
+    best = math.inf
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+            view = np.frombuffer(m, np.uint8)
+            view[::PAGE].sum()
+            best = min(best, time.perf_counter() - t0)
+            del view
+            m.close()
+    pages = -(-size // PAGE)
+    return {"pages": pages, "seconds": best, "per_page_s": best / pages}
+
+
+# ---- the bench ----
+
+def measure(preset: str, backend: str, ranks: Sequence[int], progress: Callable[[str], None]) -> dict[str, Any]:
+    from runtime.synth import synthesize
+    from store.pagecache import warm
+
+    runs: dict[int, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="dsv4-bench-ranks-") as tmp:
+        tmp = Path(tmp)
+        progress(f"synthesizing the {preset} checkpoint …")
+        model, cache = synthesize(preset, tmp / "model"), tmp / "programs"
+        sidecars: dict[int, Path] = {}
+        for n in ranks:
+            run: dict[str, Any] = runs.setdefault(n, {})
+            progress(f"N={n} cold: no sidecar for {n}, programs from the shared cache or compiled …")
+            with serving(model, cache, tmp / f"r{n}-cold", backend, n) as service:
+                run["cold"] = service.summary()
+            run["left_behind"] = service.left_behind
+            progress(f"N={n}: dsv4 prepack --ranks {n} …")
+            run["prepack_s"], sidecars[n] = _prepack(model, n)
+            run["sidecar_bytes"] = sidecars[n].stat().st_size
+            warm(sidecars[n], remember=False)
+            progress(f"N={n} hot: mapping the hot sidecar …")
+            with serving(model, cache, tmp / f"r{n}-hot", backend, n) as service:
+                _load(service.url, 1, 1)  # warm-up
+                run["decode"] = {}
+                for clients, requests in LOADS.items():
+                    progress(f"N={n} hot: {requests} requests, {clients} at a time …")
+                    run["decode"][clients] = _load(service.url, clients, requests)
+                run["hot"] = service.summary()
+                run["memory"] = _memory(service, sidecars[n].resolve())
+            run["left_behind"] += service.left_behind
+        path = sidecars[ranks[0]]
+        warm(path, remember=False)
+        progress(f"page-mapping cost of {path.name} …")
+        cost = page_cost(path)
+    share, layout_bytes = v4_flash_expert_share()
+    return {"preset": preset, "backend": backend, "runs": runs, "memory": _memory_verdicts(runs),
+            "page_cost": cost, "v4_flash": {"expert_share": share, "sidecar_bytes": V4_FLASH_SIDECAR_BYTES,
+                                            "packed_layout_bytes": layout_bytes,
+                                            "rows": v4_flash_projection(cost["per_page_s"], share)},
+            "load_avg_1m": round(os.getloadavg()[0], 2), "cpus": os.cpu_count()}
+
+
+def _memory_verdicts(runs: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    added = added_per_rank({n: r["memory"]["total_pss"] for n, r in runs.items()})
+    out = {}
+    for n, per_rank in added.items():
+        kv = runs[n]["hot"]["ranks"][0].get("kv") or {}
+        target = rank_memory_target(runs[n]["sidecar_bytes"], kv.get("slots") or 0, kv.get("slot_bytes") or 0)
+        out[n] = {"added_per_rank": round(per_rank), "target": target, "met": per_rank <= target}
+    return out
+
+
+def parse_ranks(text: str, experts: int) -> tuple[list[int], list[str]]:
+    """The rank counts to run (in order, once each) and a line for each one skipped."""
+    chosen, skipped = [], []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        n = int(part) if part.isdigit() else 0
+        if n < 1 or experts % n:
+            skipped.append(f"skipping --ranks {part}: it does not divide the {experts} routed experts")
+        elif n not in chosen:
+            chosen.append(n)
+    return chosen, skipped
+
+
+def main(preset: str = "small", backend: str = "export", ranks: str = ",".join(map(str, RANKS)),
+         json_output: bool = False) -> int:
+    from bench.report import print_json
+    from runtime.synth import preset_config_dict
+
+    chosen, skipped = parse_ranks(ranks, preset_config_dict(preset)["n_routed_experts"])
+    for line in skipped:
+        print(line, file=sys.stderr)
+    if not chosen:
+        raise SystemExit("dsv4 bench ranks: no rank count left to run")
+    result = measure(preset, backend, chosen, progress=(lambda *_: None) if json_output else
+                     (lambda m: print(m, file=sys.stderr, flush=True)))
+    result["skipped"] = skipped
+    if json_output:
+        print_json(result)
+    else:
+        _print(result)
+    return 0
+
+
+# ---- the tables ----
+
+def _print(result: dict[str, Any]) -> None:
+    from bench.report import print_table
+    from bench.startup_bench import PHASES
+    from store.units import format_size
+
+    runs = result["runs"]
+    ns = list(runs)
+    base = runs.get(1)
+
+    def vs1(value: float | None, base_value: float | None, fmt: str = "{:.2f}") -> str:
+        if value is None:
+            return "-"
+        text = fmt.format(value)
+        return f"{text} ({value / base_value:.2f}×)" if base_value else text
+
+    def per_rank(values: Sequence[Any]) -> str:
+        return " · ".join(f"r{i} {v}" for i, v in enumerate(values))
+
+    def figure(n: int, path: Sequence[str]) -> Any:
+        value: Any = runs[n]
+        for k in path:
+            value = value[k]
+        return value
+
+    def ratio_row(label: str, path: Sequence[str], fmt: str = "{:.2f}") -> list[str]:
+        b = figure(1, path) if base else None
+        return [label, *(vs1(figure(n, path), b, fmt) for n in ns)]
+
+    def counts(c: dict | None) -> str:
+        return " ".join(f"{k} {v}" for k, v in (c or {}).items() if v) or "-"
+
+    title = f"dsv4 serve --ranks N, preset {result['preset']}, backend {result['backend']} (ratios vs N=1)"
+    rows = [
+        ratio_row("cold: start → ready (s)", ("cold", "ready_s")),
+        ["cold: weights", *(per_rank([r["weights"]["path"] for r in runs[n]["cold"]["ranks"]]) for n in ns)],
+        ["cold: programs", *(per_rank([counts(r.get("programs")) for r in runs[n]["cold"]["ranks"]]) for n in ns)],
+        ratio_row("prepack --ranks N (s)", ("prepack_s",)),
+        ["sidecar", *(format_size(runs[n]["sidecar_bytes"]) for n in ns)],
+        ratio_row("hot: start → ready (s)", ("hot", "ready_s")),
+        ["hot: cold / hot", *(f"{runs[n]['cold']['ready_s'] / runs[n]['hot']['ready_s']:.1f}×" for n in ns)],
+        ["hot: weights", *(per_rank([r["weights"]["path"] for r in runs[n]["hot"]["ranks"]]) for n in ns)],
+        ["hot: programs", *(per_rank([counts(r.get("programs")) for r in runs[n]["hot"]["ranks"]]) for n in ns)],
+        ["mapped: shared", *(per_rank([format_size(r["weights"]["shared_bytes"]) for r in runs[n]["hot"]["ranks"]])
+                             for n in ns)],
+        ["mapped: own experts", *(per_rank([format_size(r["weights"]["expert_bytes"])
+                                            for r in runs[n]["hot"]["ranks"]]) for n in ns)],
+        ["KV per rank (slots × slot)", *(per_rank([f"{r['kv']['slots']} × {format_size(r['kv']['slot_bytes'])}"
+                                                   for r in runs[n]["hot"]["ranks"]]) for n in ns)],
+        ["PSS per rank", *(per_rank([format_size(r["pss"]) for r in runs[n]["memory"]["per_rank"]]) for n in ns)],
+        ["RSS per rank", *(per_rank([format_size(r["rss"]) for r in runs[n]["memory"]["per_rank"]]) for n in ns)],
+        ["PSS total over ranks", *(vs1(runs[n]["memory"]["total_pss"] / (1 << 20),
+                                       base and base["memory"]["total_pss"] / (1 << 20), "{:.0f} MiB")
+                                   for n in ns)],
+        ["sidecar pages mapped per rank", *(per_rank([format_size(r["sidecar_rss"])
+                                                      for r in runs[n]["memory"]["per_rank"]]) for n in ns)],
+        ["sidecar mapping PSS over ranks", *(vs1(runs[n]["memory"]["sidecar_pss"] / (1 << 20),
+                                                 base and base["memory"]["sidecar_pss"] / (1 << 20), "{:.1f} MiB")
+                                             for n in ns)],
+        ["launcher PSS (not in total)", *(format_size(runs[n]["memory"]["launcher_pss"])
+                                          if runs[n]["memory"]["launcher_pss"] else "-" for n in ns)],
+    ]
+    verdicts = result["memory"]
+    rows += [
+        ["added per extra rank", *(format_size(verdicts[n]["added_per_rank"]) if n in verdicts else "-" for n in ns)],
+        [f"target: {SIDECAR_SHARE:.0%} of sidecar + 1 rank's KV",
+         *(f"{format_size(verdicts[n]['target'])} {'pass' if verdicts[n]['met'] else 'MISS'}"
+           if n in verdicts else "-" for n in ns)],
+        *(ratio_row(f"decode tokens/s, {c} concurrent", ("decode", c, "tokens_per_s"), "{:.1f}") for c in LOADS),
+    ]
+    print_table(title, ["", *(f"N={n}" for n in ns)], rows)
+
+    phase_rows = []
+    for n in ns:
+        for run in ("cold", "hot"):
+            s = runs[n][run]
+            shown = [(0, "0")] + ([(s["slowest_rank"], f"{s['slowest_rank']} (slowest)")]
+                                  if s["slowest_rank"] != 0 else [])
+            for rank, label in shown:
+                phases = s["ranks"][rank]["phases"]
+                phase_rows.append([n, run, label, *(f"{phases.get(p) or 0:.2f}" for p in PHASES),
+                                   f"{s['ready_s']:.2f}"])
+    print_table("registration phases (seconds): rank 0, and the slowest rank where another",
+                ["N", "run", "rank", *PHASES, "start → ready"], phase_rows)
+
+    cost, v4 = result["page_cost"], result["v4_flash"]
+    full = v4["sidecar_bytes"] / PAGE
+    print_table(f"mapping cost per rank at V4-Flash scale: {v4['sidecar_bytes'] / (1 << 30):.1f} GiB sidecar, "
+                f"routed experts {v4['expert_share']:.1%} of it, {cost['per_page_s'] * 1e9:.0f} ns a page",
+                ["N", "GiB mapped per rank", "pages per rank (M)", "seconds per rank", "vs N=1"],
+                [[r["ranks"], f"{r['bytes'] / (1 << 30):.1f}", f"{r['pages'] / 1e6:.1f}", f"{r['seconds']:.1f}",
+                  f"{r['seconds'] / v4['rows'][0]['seconds']:.2f}×"] for r in v4["rows"]])
+    print(f"per-page cost: map + touch of {cost['pages']:,} hot pages in {cost['seconds'] * 1e3:.1f} ms "
+          f"(best of {MAP_RUNS}); before expert parallelism each serving process mapped all "
+          f"{full / 1e6:.1f} M pages ({full * cost['per_page_s']:.1f} s). Today's packed layout of V4-Flash "
+          f"is {v4['packed_layout_bytes'] / (1 << 30):.1f} GiB.")
+    print(f"load average {result['load_avg_1m']} on {result['cpus']} CPUs")
