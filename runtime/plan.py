@@ -246,9 +246,10 @@ def _kv(programs, settings: Settings, device: str) -> dict[str, Any]:
 
 
 def _predict(plan: Plan, history: list[dict[str, Any]]) -> dict[str, float | None]:
-    """Seconds per phase, from the newest successful launch of this model that took the same
-    paths (programs all HIT or not, weights MAP or REPACK); None where none did."""
-    mine = [r for r in history if r.get("model") == plan.model and r.get("outcome") == "ok"]
+    """Seconds per phase, from the newest successful launch of this model with as many ranks
+    that took the same paths (programs all HIT or not, weights MAP or REPACK); None where none did."""
+    mine = [r for r in history if r.get("model") == plan.model and r.get("outcome") == "ok"
+            and r.get("ranks", 1) == plan.settings.ranks]
     all_hit = all(p.state in (HIT, EAGER) for p in plan.programs)
     weights = plan.weights_path()
     out: dict[str, float | None] = {}

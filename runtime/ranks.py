@@ -255,10 +255,20 @@ def _first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
 
 
+def share_cores(env: RankEnv) -> None:
+    """The ranks of one host split its cores: torch's intra-op threads of N ranks each using
+    every core spin against each other (one decode step took 10× as long with 2 ranks)."""
+    import torch
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    torch.set_num_threads(max(1, cores // env.local_world))
+
+
 def rendezvous(env: RankEnv, components: dict[str, Any], timeout: float, device_kind: str) -> Group:
     """Join the service: every rank posts what its plan fingerprints (checkpoint, settings,
     programs); a rank missing after `timeout` is named, a rank whose plan differs from rank
     0's is named with the differing part. Then the process group connects."""
+    share_cores(env)
     group = Group(env, open_store(env, timeout), timeout)
     group.set_phase("check")
     mine = json.dumps(components, sort_keys=True)

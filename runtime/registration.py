@@ -412,7 +412,8 @@ def append_history(options: LaunchOptions, phases: dict[str, dict[str, Any]], st
         "v": 1, "started": round(started, 3), "ended": round(time.time(), 3), "host": socket.gethostname(),
         "pid": os.getpid(), "model": str(options.model_dir), "preset": preset, "device": options.device,
         "backend": options.backend, "cache_dir": str(options.kernel_cache_dir or ""),
-        "sidecar": options.use_sidecar, "outcome": outcome, "error": error, "phases": phases, **(extra or {}),
+        "sidecar": options.use_sidecar, "ranks": options.ranks, "outcome": outcome, "error": error,
+        "phases": phases, **(extra or {}),
     })
 
 

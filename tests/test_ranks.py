@@ -226,3 +226,26 @@ def test_two_torchrun_node_groups_form_one_service(tiny_ckpt_ro, tmp_path, one_r
             except subprocess.TimeoutExpired:
                 os.killpg(n.pid, signal.SIGKILL)
                 n.wait()
+
+
+def test_more_ranks_than_devices_is_one_line(tiny_ckpt_ro, monkeypatch, capsys):
+    """An accelerator host with two GPUs: a third rank has no device of its own."""
+    from console import cmd_serve
+    from console.cli import main
+
+    monkeypatch.setattr("runtime.plan.resolve_device", lambda name: "cuda")
+    monkeypatch.setattr(cmd_serve, "accelerator_count", lambda device: 2)
+    assert main(["serve", str(tiny_ckpt_ro), "--port", "0", "--ranks", "4"]) != 0
+    err = capsys.readouterr().err
+    assert "--ranks 4 but this host has 2 cuda device(s)" in err and len(err.strip().splitlines()) == 1
+
+
+def test_http_port_in_use_is_one_line_before_any_rank(tiny_ckpt_ro):
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen(1)
+        port = held.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "console.cli", "serve", str(tiny_ckpt_ro), "--ranks", "2",
+                              "--port", str(port)], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and f"127.0.0.1:{port}" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
