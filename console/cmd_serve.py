@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -296,6 +297,7 @@ def accelerator_count(device: str) -> int:
 
 def _launch_ranks(args: argparse.Namespace, options) -> int:
     """`dsv4 serve --ranks N`: N rank processes of this same command (runtime.rank_launcher)."""
+    from runtime.events import Event, open_sink
     from runtime.rank_launcher import launch
     from runtime.registration import append_history
     from runtime.service import bind
@@ -304,10 +306,16 @@ def _launch_ranks(args: argparse.Namespace, options) -> int:
     port = args.master_port if args.master_port is not None else int(os.environ.get("MASTER_PORT", 0) or 0)
     started = time.time()
 
-    def rank0_died(rank: int, line: str) -> None:  # rank 0 records the launch unless it is the one gone
-        append_history(options, {}, started, "error", line, extra={"failed_phase": "serve", "rank": rank})
+    def died(rank: int, line: str) -> None:
+        """The launcher's line, in the events too (the console shows it whichever rank is gone);
+        rank 0 records the launch in the history, unless it is the one gone."""
+        if args.events:
+            with contextlib.suppress(OSError):
+                open_sink(args.events)(Event("serve", "error", message=line, detail={"rank": rank}))
+        if rank == 0:
+            append_history(options, {}, started, "error", line, extra={"failed_phase": "serve", "rank": rank})
 
-    return launch(args.argv, args.ranks, "127.0.0.1", port, args.rendezvous_timeout, rank0_died)
+    return launch(args.argv, args.ranks, "127.0.0.1", port, args.rendezvous_timeout, died)
 
 
 def _follow(options, emitter) -> int:
@@ -330,7 +338,6 @@ def _follow(options, emitter) -> int:
     launched.group.set_phase("serve")
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     follow(launched.engine, launched.group, until="stop")
-    launched.group.close()
     launched.close()
     return 0
 

@@ -79,6 +79,10 @@ class Plan:
     def states(self) -> dict[str, str]:
         return {p.program: p.state for p in self.programs}
 
+    def all_hit(self) -> bool:
+        """No program would compile (every one HIT, or eager)."""
+        return all(p.state in (HIT, EAGER) for p in self.programs)
+
     def weights_path(self) -> str:
         return "MAP" if self.sidecar.get("verdict") == "MAP" else "REPACK"
 
@@ -250,7 +254,7 @@ def _predict(plan: Plan, history: list[dict[str, Any]]) -> dict[str, float | Non
     that took the same paths (programs all HIT or not, weights MAP or REPACK); None where none did."""
     mine = [r for r in history if r.get("model") == plan.model and r.get("outcome") == "ok"
             and r.get("ranks", 1) == plan.settings.ranks]
-    all_hit = all(p.state in (HIT, EAGER) for p in plan.programs)
+    all_hit = plan.all_hit()
     weights = plan.weights_path()
     out: dict[str, float | None] = {}
     for phase in PHASES:

@@ -42,7 +42,7 @@ def launch(argv: Sequence[str], world: int, addr: str = "127.0.0.1", port: int =
            stop_timeout: float = STOP_TIMEOUT_S) -> int:
     """Run `dsv4 <argv>` as ranks 0..world-1 until they end; rank 0's exit code, or 1 when a
     rank failed. `on_failure(rank, line)` is told of a rank that ended the service by dying
-    (for the launch history when rank 0 itself cannot record it)."""
+    (for the events, and the launch history when rank 0 itself cannot record it)."""
     store = open_store(RankEnv(0, world, 0, world, addr, port, True), rendezvous_timeout, host=True)
     port = store.port
     procs: list[subprocess.Popen] = []
@@ -73,7 +73,7 @@ def launch(argv: Sequence[str], world: int, addr: str = "127.0.0.1", port: int =
                         failed = True
                         if held == line:
                             print(f"dsv4 serve: {line}; stopping every rank", file=sys.stderr, flush=True)
-                            if on_failure is not None and r == 0:
+                            if on_failure is not None:
                                 on_failure(r, line)
                         break
                     if code != 0:

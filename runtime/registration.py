@@ -241,7 +241,9 @@ def _check(options: LaunchOptions, phases: _Phases) -> _Checked:
     from runtime.tokenizer import load_tokenizer
     from store.checkpoint import Checkpoint, check_contract
 
-    with phases.run("check", model=str(options.model_dir)) as d:
+    env = options.rank_env
+    ranks = {"rank": env.rank, "ranks": env.world} if env is not None else {}
+    with phases.run("check", model=str(options.model_dir), **ranks) as d:
         plan = plan_for_launch(options)
         d["plan"] = plan.to_json()
         for problem in plan.problems:
@@ -257,7 +259,6 @@ def _check(options: LaunchOptions, phases: _Phases) -> _Checked:
         tokenizer, warning = load_tokenizer(options.model_dir, config.vocab_size)  # a broken one: one line
         if warning:
             phases.emitter.log("check", warning)
-        env = options.rank_env
         device = get_device(plan.device, options.device_memory, env.local_rank if env is not None else 0)
         options.backend = plan.backend
         pack_plan = PackPlan(config, options.ranks)
@@ -268,7 +269,7 @@ def _check(options: LaunchOptions, phases: _Phases) -> _Checked:
 
             group = phases.group = rendezvous(env, plan_parts(plan, options), options.rendezvous_timeout,
                                               device.kind)
-            d.update(rank=env.rank, ranks=env.world)
+            d.update(ranks)
         d.update(tensors=report.checked, device=device.describe(), programs=len(programs.specs),
                  layers=config.summary(), tokenizer=tokenizer.kind)
     return _Checked(plan, config, ckpt, device, pack_plan, programs, tokenizer, group)
@@ -298,7 +299,8 @@ def _programs_and_weights(options: LaunchOptions, emitter: Emitter, phases: _Pha
 
     def programs_job():
         with phases.run("programs", total=len(c.programs.specs), backend=options.backend) as d:
-            if c.group is not None and c.group.rank > 0:  # rank 0 compiles each missing key once; here: HIT
+            if c.group is not None and c.group.rank > 0 and not c.plan.all_hit():
+                # rank 0 compiles each missing key once, then this rank HITs; all HIT: load at once
                 c.group.wait("programs", [0], "programs", timeout=PROGRAMS_WAIT_S)
             runners, results = prepare_programs(c.programs, options, c.device.kind, emitter, stop=stop)
             if c.group is not None and c.group.rank == 0:

@@ -122,7 +122,7 @@ def test_four_ranks_equal_one_rank_and_map_less(tiny_ckpt_ro, tmp_path, one_rank
 def test_a_killed_rank_stops_the_service(tiny_ckpt_ro, tmp_path):
     from store.history import read_history
 
-    proc, url, _ = start_server(tiny_ckpt_ro, tmp_path, "--ranks", "2", "--backend", "eager")
+    proc, url, events = start_server(tiny_ckpt_ro, tmp_path, "--ranks", "2", "--backend", "eager")
     ranks = _ranks_of(proc)
     follower = next(p for p in ranks if p.environ().get("RANK") == "1")
     follower.send_signal(signal.SIGKILL)
@@ -141,6 +141,8 @@ def test_a_killed_rank_stops_the_service(tiny_ckpt_ro, tmp_path):
     assert "during phase serve" in failed[0]["reason"]
     err = (tmp_path / "stderr.log").read_text()
     assert "rank 1" in err and "SIGKILL" in err
+    launcher = [e for e in _events(events) if e.kind == "error" and e.rank is None]
+    assert len(launcher) == 1 and launcher[0].message == failed[0]["reason"]  # the console sees it too
     record = [r for r in read_history() if r.get("model") == str(tiny_ckpt_ro)][-1]
     assert record["outcome"] == "error" and "rank 1" in record["error"]
 
