@@ -184,16 +184,22 @@ def test_bad_rank_settings_are_one_line(tiny_ckpt_ro, args, says):
     assert says in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
 
 
-def test_master_port_in_use_is_one_line(tiny_ckpt_ro):
+def _serve_with_port_held(model, *args: str) -> tuple[int, subprocess.CompletedProcess]:
+    """`dsv4 serve MODEL --ranks 2 ARGS` while a socket holds a port; `{port}` in ARGS is it."""
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen(1)
         port = held.getsockname()[1]
-        out = subprocess.run([sys.executable, "-m", "console.cli", "serve", str(tiny_ckpt_ro), "--port", "0",
-                              "--ranks", "2", "--master-port", str(port)], capture_output=True, text=True, timeout=120)
+        out = subprocess.run([sys.executable, "-m", "console.cli", "serve", str(model), "--ranks", "2",
+                              *(a.format(port=port) for a in args)], capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
-    assert f"MASTER_PORT {port}" in out.stderr and "in use" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+    return port, out
+
+
+def test_master_port_in_use_is_one_line(tiny_ckpt_ro):
+    port, out = _serve_with_port_held(tiny_ckpt_ro, "--port", "0", "--master-port", "{port}")
+    assert f"MASTER_PORT {port}" in out.stderr and "in use" in out.stderr
 
 
 def test_two_torchrun_node_groups_form_one_service(tiny_ckpt_ro, tmp_path, one_rank_tokens):
@@ -243,11 +249,5 @@ def test_more_ranks_than_devices_is_one_line(tiny_ckpt_ro, monkeypatch, capsys):
 
 
 def test_http_port_in_use_is_one_line_before_any_rank(tiny_ckpt_ro):
-    with socket.socket() as held:
-        held.bind(("127.0.0.1", 0))
-        held.listen(1)
-        port = held.getsockname()[1]
-        out = subprocess.run([sys.executable, "-m", "console.cli", "serve", str(tiny_ckpt_ro), "--ranks", "2",
-                              "--port", str(port)], capture_output=True, text=True, timeout=120)
-    assert out.returncode != 0 and f"127.0.0.1:{port}" in out.stderr
-    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+    port, out = _serve_with_port_held(tiny_ckpt_ro, "--port", "{port}")
+    assert f"127.0.0.1:{port}" in out.stderr
