@@ -23,7 +23,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
-from runtime.ranks import RankEnv, first_wins, open_store, read
+from runtime.ranks import RankEnv, first_wins, open_store, phase_of, read
 
 STOP_TIMEOUT_S = 10.0  # after a failure, or rank 0's end, the other ranks have this long to exit
 POLL_S = 0.1
@@ -67,8 +67,7 @@ def launch(argv: Sequence[str], world: int, addr: str = "127.0.0.1", port: int =
             if not failed and not stopping["asked"]:
                 for r, code in ended:
                     if code != 0 and not (r == 0 and read(store, "abort")):
-                        line = (f"rank {r} (pid {procs[r].pid}) {how_it_ended(code)} during phase "
-                                f"{read(store, f'phase/{r}') or 'start'}")
+                        line = f"rank {r} (pid {procs[r].pid}) {how_it_ended(code)} during phase {phase_of(store, r)}"
                         held = first_wins(store, "abort", line)
                         failed = True
                         if held == line:

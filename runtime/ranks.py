@@ -111,6 +111,11 @@ def read(store, key: str) -> str | None:
     return store.get(PREFIX + key).decode(errors="replace") if store.check([PREFIX + key]) else None
 
 
+def phase_of(store, rank: int) -> str:
+    """The phase `rank` last started ("start" before its first)."""
+    return read(store, f"phase/{rank}") or "start"
+
+
 class Group:
     """A joined rank: the store's sync points and abort line, and the engine's link to the
     other ranks (rank 0 leads: every engine call is broadcast first; others follow)."""
@@ -128,9 +133,6 @@ class Group:
 
     def set_phase(self, phase: str) -> None:
         self.store.set(f"{PREFIX}phase/{self.rank}", phase)
-
-    def phase_of(self, rank: int) -> str:
-        return read(self.store, f"phase/{rank}") or "start"
 
     def abort(self, message: str) -> str:
         """Stop every rank with `message` (unless another failure came first: that one holds)."""
