@@ -8,7 +8,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from rich.markup import escape
 from textual.app import ComposeResult
 from textual.widgets import Static
 
@@ -65,18 +64,21 @@ def phase_progress(phase: str, p, expected: float | None, now: str, items: dict[
     return tracker.line()
 
 
+RANKS_PER_LINE = 4
+
+
 def rank_lines(launch: LaunchState) -> list[str]:
-    """A launch of two ranks or more: the slowest rank named, then one compact line per rank
-    (`rank 0  … weights ██░░  40%`); nothing for a single process."""
+    """A launch of two ranks or more: the slowest rank named, then where each rank is, a few
+    ranks a line (`rank 0 … weights ██░░  40%`) so the phase table keeps its rows; a rank's
+    error is in the summary already (named by its rank). Nothing for a single process."""
     ranks = launch.rank_progress()
     if not ranks:
         return []
     slow = launch.slowest
     lines = [f"slowest: rank {slow.rank} ({slow.phase} {slow.fraction:.0%})"] if slow else []
-    for r in ranks:
-        phase = r.phase if r.phase != "-" else "not started"
-        error = f"  [red]{escape(r.message)}[/]" if r.message else ""
-        lines.append(f"rank {r.rank}  {STATE_MARK.get(r.state, ' ')} {phase:<8} {fmt.bar(r.fraction, 4)}{error}")
+    cells = [f"rank {r.rank} {STATE_MARK.get(r.state, ' ')} {r.phase if r.phase != '-' else 'not started'} "
+             f"{fmt.bar(r.fraction, 4)}" for r in ranks]
+    lines += ["   ".join(cells[i:i + RANKS_PER_LINE]) for i in range(0, len(cells), RANKS_PER_LINE)]
     return lines
 
 
