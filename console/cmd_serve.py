@@ -306,12 +306,13 @@ def _launch_ranks(args: argparse.Namespace, options) -> int:
     port = args.master_port if args.master_port is not None else int(os.environ.get("MASTER_PORT", 0) or 0)
     started = time.time()
 
-    def died(rank: int, line: str) -> None:
-        """The launcher's line, in the events too (the console shows it whichever rank is gone);
-        rank 0 records the launch in the history, unless it is the one gone."""
+    def died(rank: int, phase: str, line: str) -> None:
+        """The launcher's line, in the events too, with the rank and its phase (the console
+        fails that rank's phase, whichever rank is gone); rank 0 records the launch in the
+        history, unless it is the one gone."""
         if args.events:
             with contextlib.suppress(OSError):
-                open_sink(args.events)(Event("serve", "error", message=line, detail={"rank": rank}))
+                open_sink(args.events)(Event("serve", "error", message=line, detail={"rank": rank, "phase": phase}))
         if rank == 0:
             append_history(options, {}, started, "error", line, extra={"failed_phase": "serve", "rank": rank})
 

@@ -139,9 +139,6 @@ class RankProgress:
     message: str = ""  # the error, when it failed
 
 
-# a launch-level line about a rank (the launcher's, without a rank of its own):
-# "rank 1 died (SIGKILL) during phase weights"
-_RANK_DIED = re.compile(r"\brank (\d+)\b.*\bphase (\w+)")
 RANK0_ONLY = frozenset({"serve"})  # phases only rank 0 runs
 
 
@@ -205,15 +202,15 @@ class LaunchState:
             self._aggregate(phase)
 
     def _rank_died(self, event: Event) -> bool:
-        """A launch-level error naming a rank and its phase ("rank 1 died (SIGKILL) during phase
-        weights"): that rank failed that phase, though it could not say so itself."""
-        m = _RANK_DIED.search(event.message or "")
-        if not m or m.group(2) not in PHASES:
+        """The launcher's error on a rank that died (no rank of its own; its detail names the
+        rank and the phase it was in): that rank failed that phase, though it could not say so."""
+        rank, phase = event.detail.get("rank"), event.detail.get("phase")
+        if not isinstance(rank, int) or phase not in PHASES:
             return False
-        p = self.ranks.setdefault(int(m.group(1)), Track()).phases[m.group(2)]
+        p = self.ranks.setdefault(rank, Track()).phases[phase]
         if p.state != DONE:
             p.state, p.path = FAILED, event.message or "died"
-        self._aggregate(m.group(2))
+        self._aggregate(phase)
         return True
 
     def _members(self) -> dict[int, Track]:

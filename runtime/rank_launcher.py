@@ -38,10 +38,10 @@ def how_it_ended(code: int) -> str:
 
 
 def launch(argv: Sequence[str], world: int, addr: str = "127.0.0.1", port: int = 0,
-           rendezvous_timeout: float = 60.0, on_failure: Callable[[int, str], None] | None = None,
+           rendezvous_timeout: float = 60.0, on_failure: Callable[[int, str, str], None] | None = None,
            stop_timeout: float = STOP_TIMEOUT_S) -> int:
     """Run `dsv4 <argv>` as ranks 0..world-1 until they end; rank 0's exit code, or 1 when a
-    rank failed. `on_failure(rank, line)` is told of a rank that ended the service by dying
+    rank failed. `on_failure(rank, phase, line)` is told of a rank that ended the service by dying
     (for the events, and the launch history when rank 0 itself cannot record it)."""
     store = open_store(RankEnv(0, world, 0, world, addr, port, True), rendezvous_timeout, host=True)
     port = store.port
@@ -67,13 +67,14 @@ def launch(argv: Sequence[str], world: int, addr: str = "127.0.0.1", port: int =
             if not failed and not stopping["asked"]:
                 for r, code in ended:
                     if code != 0 and not (r == 0 and read(store, "abort")):
-                        line = f"rank {r} (pid {procs[r].pid}) {how_it_ended(code)} during phase {phase_of(store, r)}"
+                        phase = phase_of(store, r)
+                        line = f"rank {r} (pid {procs[r].pid}) {how_it_ended(code)} during phase {phase}"
                         held = first_wins(store, "abort", line)
                         failed = True
                         if held == line:
                             print(f"dsv4 serve: {line}; stopping every rank", file=sys.stderr, flush=True)
                             if on_failure is not None:
-                                on_failure(r, line)
+                                on_failure(r, phase, line)
                         break
                     if code != 0:
                         failed = True

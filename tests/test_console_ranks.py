@@ -91,7 +91,8 @@ def test_a_ranks_error_fails_the_row_and_names_the_rank():
 def test_a_rank_killed_without_a_word_fails_the_phase_the_launcher_names():
     state = _two_ranks_in_weights()
     state.apply(parse('{"v":1,"ts":1,"phase":"serve","kind":"error",'
-                      '"message":"rank 1 died (SIGKILL) during phase weights"}'))
+                      '"message":"rank 1 died (SIGKILL) during phase weights",'
+                      '"detail":{"rank":1,"phase":"weights"}}'))
     assert state.phases["weights"].state == FAILED
     assert state.phases["serve"].state == PENDING  # the launch never got to serve
     assert state.error == "rank 1 died (SIGKILL) during phase weights"
