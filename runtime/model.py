@@ -74,9 +74,39 @@ def weight(w: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     return (q.float().reshape(*lead, gi, i // gi, go, o // go) * scale).reshape(*lead, i, o)
 
 
+# A weight whose float copy would be larger than this is dequantised and multiplied a few output
+# columns at a time. One float copy of small's output head is 128 MiB, allocated afresh (and
+# page-faulted) on every call: 5× the matmul itself; a 4 MiB chunk is reused from the allocator
+# and stays in cache. At most MAX_CHUNKS, so a traced program stays small: more chunks in the
+# routed experts' dense path halved its time but doubled small's cold compile, so it has none.
+CHUNK_ELEMENTS = 1 << 20
+MAX_CHUNKS = 16
+
+
+def _chunk(count: int, unit_elements: int, align: int = 1) -> int:
+    """Units (of `unit_elements` floats each) per chunk of `count`: about CHUNK_ELEMENTS floats,
+    at most MAX_CHUNKS chunks, a multiple of `align`."""
+    size = max(CHUNK_ELEMENTS // unit_elements, -(-count // MAX_CHUNKS), 1)
+    return -(-size // align) * align
+
+
 def linear(w: dict[str, torch.Tensor], name: str, x: torch.Tensor) -> torch.Tensor:
-    """x @ W for a packed or a float weight, both stored [in, out]."""
-    return x @ weight(w, name)
+    """x @ W for a packed or a float weight, both stored [in, out]; a large one by column chunks."""
+    q = w.get(name + ".qweight")
+    i, o = (w[name + ".weight"] if q is None else q).shape[-2:]
+    block = 1 if q is None else o // w[name + ".qscale"].shape[-1]  # output columns per scale block
+    step = _chunk(o, i, block)
+    if step >= o:
+        return x @ weight(w, name)
+    return torch.cat([x @ weight(_columns(w, name, c, c + step, block), name) for c in range(0, o, step)], dim=-1)
+
+
+def _columns(w: dict[str, torch.Tensor], name: str, start: int, stop: int, block: int) -> dict[str, torch.Tensor]:
+    """Weight `name` cut to output columns start:stop (whole scale blocks of `block` columns)."""
+    q = w.get(name + ".qweight")
+    if q is None:
+        return {name + ".weight": w[name + ".weight"][..., start:stop]}
+    return {name + ".qweight": q[..., start:stop], name + ".qscale": w[name + ".qscale"][..., start // block:stop // block]}
 
 
 def rope_inv_freq(d: Dims, compressed: bool) -> torch.Tensor:
@@ -345,8 +375,18 @@ def _experts_picked(d: Dims, experts: dict[str, torch.Tensor], h: torch.Tensor, 
     dense work, what a decode step of few sequences needs."""
     picked = {k: v[idx] for k, v in experts.items()}  # [T, k, …]
     w1, w3, w2 = (weight(picked, n) for n in EXPERT_MATS)  # [T, k, in, out]
-    act = _swiglu(d, torch.einsum("ti,tkio->tko", h, w1), torch.einsum("ti,tkio->tko", h, w3))
-    return (torch.einsum("tki,tkio->tko", act, w2) * weights[..., None]).sum(1)
+    x = h[:, None, :].expand(-1, idx.shape[1], -1)
+    act = _swiglu(d, _picked_matmul(x, w1), _picked_matmul(x, w3))
+    return (_picked_matmul(act, w2) * weights[..., None]).sum(1)
+
+
+def _picked_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [T, k, in] times each row's own w [T, k, in, out]. Compiled, as a product summed over the
+    input: one kernel gathers, dequantises and reduces, never storing the float weights (3.5×
+    faster than a batched matmul on them); each weight is used once, so nothing is lost."""
+    if torch.compiler.is_compiling():
+        return (x[..., None] * w).sum(-2)
+    return torch.einsum("tki,tkio->tko", x, w)
 
 
 def _routed(d: Dims, w: dict[str, torch.Tensor], h: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,

@@ -49,6 +49,25 @@ def test_decode_after_prefill_equals_one_longer_prefill(model):
     assert engine.lengths[0] == len(TOKENS)
 
 
+def test_chunked_weights_compute_the_same_model(model, monkeypatch):
+    """A large weight is dequantised and multiplied a chunk of output columns at a time: tiny's
+    are small, so force chunks of 2 K floats (every projection and the head split, FP8 ones
+    along their scale blocks) and compare a prefill and a decode step with whole weights."""
+    from runtime import model as m
+
+    _, _, programs, packed = model
+    want_engine = Engine(programs, packed)
+    want = [want_engine.forward(TOKENS[:20]).logits, want_engine.forward(TOKENS[20:21]).logits]
+    monkeypatch.setattr(m, "CHUNK_ELEMENTS", 2048)
+    assert m._chunk(512, 256, 32) == 32 and m._chunk(10_000, 1) == 2048 and m._chunk(8, 1 << 20) == 1
+    assert m._chunk(1 << 20, 64) == (1 << 20) // m.MAX_CHUNKS  # never more than MAX_CHUNKS chunks
+    engine = Engine(programs, packed)
+    got = [engine.forward(TOKENS[:20]).logits, engine.forward(TOKENS[20:21]).logits]
+    for g, w in zip(got, want, strict=True):
+        assert _rel(g, w) < 1e-6
+        assert torch.equal(g.argmax(-1), w.argmax(-1))
+
+
 def test_every_packed_tensor_is_consumed(model):
     _, _plan, programs, packed = model
     seen: set[str] = set()
