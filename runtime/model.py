@@ -76,8 +76,8 @@ def weight(w: dict[str, torch.Tensor], name: str) -> torch.Tensor:
 
 # A weight whose float copy would be larger than this is dequantised and multiplied a few output
 # columns at a time. One float copy of small's output head is 128 MiB, allocated afresh (and
-# page-faulted) on every call: 5× the matmul itself; a 4 MiB chunk is reused from the allocator
-# and stays in cache. At most MAX_CHUNKS, so a traced program stays small: more chunks in the
+# page-faulted) on every call: 5× the matmul itself; a chunk of a few MiB is reused from the
+# allocator and stays in cache. At most MAX_CHUNKS, so a traced program stays small: more chunks in the
 # routed experts' dense path halved its time but doubled small's cold compile, so it has none.
 CHUNK_ELEMENTS = 1 << 20
 MAX_CHUNKS = 16
