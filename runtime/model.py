@@ -92,21 +92,19 @@ def _chunk(count: int, unit_elements: int, align: int = 1) -> int:
 
 def linear(w: dict[str, torch.Tensor], name: str, x: torch.Tensor) -> torch.Tensor:
     """x @ W for a packed or a float weight, both stored [in, out]; a large one by column chunks."""
-    q = w.get(name + ".qweight")
+    q, scale = w.get(name + ".qweight"), w.get(name + ".qscale")
     i, o = (w[name + ".weight"] if q is None else q).shape[-2:]
-    block = 1 if q is None else o // w[name + ".qscale"].shape[-1]  # output columns per scale block
+    block = 1 if q is None else o // scale.shape[-1]  # output columns per scale block
     step = _chunk(o, i, block)
     if step >= o:
         return x @ weight(w, name)
-    return torch.cat([x @ weight(_columns(w, name, c, c + step, block), name) for c in range(0, o, step)], dim=-1)
 
+    def columns(c: int) -> dict[str, torch.Tensor]:  # output columns c..c+step, whole scale blocks
+        if q is None:
+            return {name + ".weight": w[name + ".weight"][..., c:c + step]}
+        return {name + ".qweight": q[..., c:c + step], name + ".qscale": scale[..., c // block:(c + step) // block]}
 
-def _columns(w: dict[str, torch.Tensor], name: str, start: int, stop: int, block: int) -> dict[str, torch.Tensor]:
-    """Weight `name` cut to output columns start:stop (whole scale blocks of `block` columns)."""
-    q = w.get(name + ".qweight")
-    if q is None:
-        return {name + ".weight": w[name + ".weight"][..., start:stop]}
-    return {name + ".qweight": q[..., start:stop], name + ".qscale": w[name + ".qscale"][..., start // block:stop // block]}
+    return torch.cat([x @ weight(columns(c), name) for c in range(0, o, step)], dim=-1)
 
 
 def rope_inv_freq(d: Dims, compressed: bool) -> torch.Tensor:
