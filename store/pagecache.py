@@ -205,6 +205,9 @@ def residency(fd: int, *, method: str | None = None) -> Residency:
 _schedule_share: float | None = None
 _samples: dict[tuple[int, int, int, int], tuple[Residency, float, float]] = {}  # id → (res, cost, taken)
 MAX_SAMPLES = 64
+# what a process that refreshes forever (the console) lets the mincore fallback use: 1.5 % of a
+# core, so that with the first sample counted in a few minutes of refreshes stay within 2 %
+REFRESH_SHARE = 0.015
 
 
 def schedule(share: float | None, clock: Callable[[], float] = time.monotonic) -> None:

@@ -29,6 +29,21 @@ def kernel_cache_dir(override: Path | str | None = None) -> Path:
     return _dir("DSV4_KERNEL_CACHE_DIR", str(Path(platformdirs.user_cache_dir(APP)) / "programs"))
 
 
+DEFAULT_KERNEL_CACHE_MAX_SIZE = "10G"
+
+
+def kernel_cache_limit() -> int:
+    """The kernel cache's size limit for gc: $DSV4_KERNEL_CACHE_MAX_SIZE (e.g. 20G), else 10G."""
+    from store.errors import UserError
+    from store.units import parse_size
+
+    text = os.environ.get("DSV4_KERNEL_CACHE_MAX_SIZE") or DEFAULT_KERNEL_CACHE_MAX_SIZE
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise UserError(f"$DSV4_KERNEL_CACHE_MAX_SIZE={text}: {e}; set a size such as 20G") from None
+
+
 def data_dir() -> Path:
     return _dir("DSV4_DATA_DIR", platformdirs.user_data_dir(APP))
 
@@ -43,5 +58,5 @@ def default_preset() -> str:
 
 
 def default_model_dir(preset: str | None = None, seed: int = 0) -> Path:
-    """Where the embedded default checkpoint lives (created on first use by runtime.synth)."""
+    """Where the embedded default checkpoint lives (created on first use by runtime.synth.checkpoint)."""
     return data_dir() / "models" / f"{preset or default_preset()}-seed{seed}"

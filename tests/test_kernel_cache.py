@@ -1,4 +1,4 @@
-"""Program cache: round trip, MISS reasons, corruption, trust, concurrency, crashes, inventory.
+"""Kernel cache: round trip, MISS reasons, corruption, trust, concurrency, crashes.
 
 Torch-free: keys are data and artifacts are bytes here; tests/test_programs.py compiles.
 """
@@ -15,62 +15,22 @@ import time
 from pathlib import Path
 
 import pytest
+from kernel_cache_samples import ART, PAYLOAD, WORKER, entry_dir, make_key, put, quarantined
+from kernel_cache_samples import cache as cache  # a fixture
 
 from console.cli import main as cli
-from runtime.program_spec import CONFIG_COMPONENTS
-from runtime.toolchain import toolchain_components
+from runtime.programs.spec import CONFIG_COMPONENTS
 from store.fingerprint import UNKNOWN, Key, fingerprint
 from store.kernel_cache import (
-    CORRUPT,
     CURRENT,
     MANIFEST,
-    OTHER_LAYOUT,
     PARTIAL,
-    QUARANTINE,
-    STALE,
+    QUARANTINED,
     Hit,
     KernelCache,
     Miss,
-    Reference,
     UntrustedCacheError,
 )
-
-WORKER = Path(__file__).with_name("worker_kernel_cache.py")
-ART = "program.pt2"
-PAYLOAD = b"\x7fELF pretend this is a compiled program" * 64
-
-
-def make_key(**changes) -> Key:
-    components = {
-        "backend": "export",
-        "device": "cpu",
-        "signature": {"inputs": [{"name": "x", "dtype": "float32", "shape": ["tokens", 8]}]},
-        "layout": {"tp": 1},
-        "model_dims": {"hidden": 8},
-        "source:model.layer": "1111aaaa",
-        **dict(toolchain_components("cpu")),
-    }
-    components.update(changes)
-    return Key.of(components)
-
-
-def put(cache: KernelCache, key: Key, program: str = "layer", data: bytes = PAYLOAD) -> Hit:
-    return cache.publish(program, key, {ART: data}, config_components=CONFIG_COMPONENTS)
-
-
-def entry_dir(cache: KernelCache, key: Key, program: str = "layer") -> Path:
-    return cache.root / "v1" / program / fingerprint(key)
-
-
-def quarantined(cache: KernelCache) -> list[Path]:
-    q = cache.root / QUARANTINE
-    return sorted(q.iterdir()) if q.exists() else []
-
-
-@pytest.fixture
-def cache(tmp_path) -> KernelCache:
-    return KernelCache(tmp_path / "programs")
-
 
 # ---------------------------------------------------------------------------------------------
 # Round trip and MISS reasons
@@ -197,7 +157,7 @@ def test_corrupt_entry_misses_and_is_quarantined(cache, damage):
     assert isinstance(miss, Miss) and miss.kind == "corrupt"
     assert not entry_dir(cache, key).exists()
     assert len(quarantined(cache)) == 1
-    [listed] = [e for e in cache.inventory() if e.state == CORRUPT]
+    [listed] = [e for e in cache.inventory() if e.state == QUARANTINED]
     assert listed.reason.startswith("quarantined: corrupt")
     rebuilt = cache.get_or_build("layer", key, lambda d: (d / ART).write_bytes(PAYLOAD))
     assert rebuilt.built and rebuilt.hit.path == entry_dir(cache, key)
@@ -335,142 +295,3 @@ def test_published_files_are_readable_and_never_group_writable(cache, umask):
     for d in (cache.root, cache.root / "v1", entry.parent, entry):
         assert stat.S_IMODE(d.stat().st_mode) == 0o755
     assert isinstance(cache.lookup("layer", make_key()), Hit)  # our own entries stay trusted
-
-
-# ---------------------------------------------------------------------------------------------
-# Inventory, stats, purge, gc
-
-
-def test_ls_states_on_a_prepared_cache(cache):
-    live = make_key()
-    put(cache, live)
-    put(cache, make_key(layout={"tp": 2}))
-    put(cache, make_key(torch="2.12.0"))
-    broken = make_key(model_dims={"hidden": 16})
-    put(cache, broken)
-    (entry_dir(cache, broken) / ART).write_bytes(b"short")
-    staging = cache.root / "v1" / "layer" / ".tmp-0123456789abcdef.otherhost.1.abcdef01"
-    staging.mkdir()
-    put(cache, make_key(torch="2.12.0"), program="unlisted")
-    put(cache, make_key(), program="unlisted")
-
-    reference = Reference(components=dict(toolchain_components("cpu")), keys={"layer": live})
-    states = {(e.program, e.state): e for e in cache.inventory(reference)}
-    assert set(states) == {
-        ("layer", CURRENT),
-        ("layer", OTHER_LAYOUT),
-        ("layer", STALE),
-        ("layer", CORRUPT),
-        ("layer", PARTIAL),
-        ("unlisted", STALE),
-        ("unlisted", CURRENT),
-    }
-    assert "layout" in states["layer", OTHER_LAYOUT].reason
-    assert "torch 2.12.0 → 2.13" in states["layer", STALE].reason
-    assert "short" not in states["layer", CORRUPT].reason and "bytes" in states["layer", CORRUPT].reason
-    assert "age" in states["layer", PARTIAL].reason and states["layer", PARTIAL].busy
-    assert "no live key" in states["unlisted", CURRENT].reason
-
-
-def test_hits_and_last_use_are_recorded_without_touching_the_manifest(cache):
-    key = make_key()
-    put(cache, key)
-    manifest = entry_dir(cache, key) / MANIFEST
-    before = manifest.read_bytes(), manifest.stat().st_mtime_ns
-    for _ in range(3):
-        cache.lookup("layer", key)
-    [entry] = cache.inventory()
-    assert entry.hits == 3 and entry.last_used >= entry.created
-    assert (manifest.read_bytes(), manifest.stat().st_mtime_ns) == before
-
-
-def test_gc_evicts_least_recently_used_first(cache):
-    keys = [make_key(layout={"tp": n}) for n in (1, 2, 3)]
-    for n, key in enumerate(keys):
-        put(cache, key)
-        cache.lookup("layer", key)
-        stamp = entry_dir(cache, key) / ".hits"
-        os.utime(stamp, (1_000_000 + n, 1_000_000 + n))  # keys[0] used longest ago
-    newest = {fingerprint(k) for k in keys[1:]}
-    removed = cache.gc(max_size=sum(e.size_bytes for e in cache.inventory() if e.fingerprint in newest))
-    assert [e.fingerprint for e in removed] == [fingerprint(keys[0])]
-    assert {e.fingerprint for e in cache.inventory()} == {fingerprint(k) for k in keys[1:]}
-
-
-def test_purge_stale_keeps_current_entries(cache, capsys):
-    put(cache, make_key())
-    put(cache, make_key(torch="2.12.0"))
-    root = str(cache.root)
-    assert cli(["cache", "purge", "--stale", "--dry-run", "--kernel-cache-dir", root]) == 0
-    assert len(cache.inventory()) == 2
-    assert cli(["cache", "purge", "--stale", "--yes", "--kernel-cache-dir", root]) == 0
-    assert [e.state for e in cache.inventory(Reference(dict(toolchain_components("cpu"))))] == [CURRENT]
-    assert "deleted 1 entries" in capsys.readouterr().out
-
-
-def test_purge_without_yes_on_a_pipe_refuses_in_one_line(cache, capsys, monkeypatch):
-    put(cache, make_key())
-    monkeypatch.setattr("sys.stdin.isatty", lambda: False)
-    assert cli(["cache", "purge", "--all", "--kernel-cache-dir", str(cache.root)]) == 1
-    assert "pass --yes" in capsys.readouterr().err
-    assert len(cache.inventory()) == 1
-
-
-def test_cache_ls_json_lists_states(cache, capsys):
-    put(cache, make_key())
-    put(cache, make_key(torch="2.12.0"))
-    assert cli(["cache", "ls", "--json", "--kernel-cache-dir", str(cache.root)]) == 0
-    rows = json.loads(capsys.readouterr().out)
-    assert sorted(r["state"] for r in rows) == [CURRENT, STALE]
-    assert {"program", "fingerprint", "state", "reason", "size_bytes"} <= set(rows[0])
-
-
-def test_cache_ls_uses_the_env_cache_dir_and_imports_no_torch(tmp_path):
-    root = tmp_path / "env-cache"
-    put(KernelCache(root), make_key())
-    code = (
-        "import sys; from console.cli import main; rc = main(['cache', 'ls']);"
-        "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)"
-    )
-    env = {**os.environ, "DSV4_KERNEL_CACHE_DIR": str(root)}
-    out = subprocess.run(
-        [sys.executable, "-c", code], cwd=WORKER.parents[1], env=env, capture_output=True, text=True
-    )
-    assert out.returncode == 0, out.stderr
-    assert "1 entries" in out.stdout and "current" in out.stdout
-
-
-def test_why_names_what_differs_for_each_entry(cache, capsys):
-    put(cache, make_key(torch="2.12.0"))
-    assert cli(["cache", "why", "layer", "--kernel-cache-dir", str(cache.root)]) == 1
-    out = capsys.readouterr().out
-    assert "no live key" in out and "stale: torch 2.12.0" in out
-
-
-def test_purge_one_program_and_gc_from_the_cli(cache, capsys):
-    put(cache, make_key(), program="keep")
-    put(cache, make_key(), program="drop")
-    root = str(cache.root)
-    assert cli(["cache", "purge", "--program", "drop", "--yes", "--kernel-cache-dir", root]) == 0
-    assert [e.program for e in cache.inventory()] == ["keep"]
-    assert cli(["cache", "gc", "--max-size", "lots", "--kernel-cache-dir", root]) == 1
-    assert "not a size" in capsys.readouterr().err
-    assert cli(["cache", "gc", "--max-size", "0", "--kernel-cache-dir", root]) == 0
-    assert cache.inventory() == []
-
-
-def test_probe_without_verify_checks_structure_and_reads_no_artifact(cache):
-    key = make_key()
-    put(cache, key)
-    quick = cache.probe("layer", key, verify=False)
-    assert isinstance(quick, Hit) and quick.contents == {} and quick.path == entry_dir(cache, key)
-    art = entry_dir(cache, key) / ART
-    data = bytearray(art.read_bytes())
-    data[0] ^= 0xFF
-    art.write_bytes(bytes(data))  # same size: only hashing sees it
-    assert cache.probe("layer", key, verify=False).hit
-    assert cache.probe("layer", key).kind == "corrupt"
-    art.write_bytes(bytes(data) + b"x")  # a size the manifest does not record
-    miss = cache.probe("layer", key, verify=False)
-    assert isinstance(miss, Miss) and "manifest says" in miss.reason
-    assert isinstance(cache.probe("layer", make_key(backend="aoti"), verify=False), Miss)

@@ -1,4 +1,4 @@
-"""A separate process using the program cache, for the concurrency and crash tests.
+"""A separate process using the kernel cache, for the concurrency and crash tests.
 
 usage: worker_kernel_cache.py ROOT MODE OUT GO
   MODE lock    get_or_build with the compile lock (default timeout)

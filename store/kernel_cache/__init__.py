@@ -10,11 +10,19 @@ Layout (format version 1)::
     <root>/quarantine/<program>--<fp>--<time>--<rand>/  entries that failed to read/verify/load
     <root>/.trash/                            entries being deleted (rename first, delete after)
 
-Modules: `cache` (the interface: lookup/probe, get_or_build, publish, reject), `entry` (the
-manifest, results and the judgement of an entry), `trust` (marker, ownership, permissions),
-`publish` (lock, staging, seal, rename), `read` (verified or structural reads of an entry),
-`inventory` (ls, verify, gc, purge, trash) and
-`quarantine` (moving entries aside, and reading their records).
+Modules, each importing only those before it: `entry` (the manifest, results, entry states,
+and the judgement of an entry or of a MISS: pure data), `layout` (the root and its settings as
+one frozen value, the paths derived from it), `trust` (marker, ownership, permissions),
+`quarantine` (moving entries aside, and reading their records), `read` (verified or structural
+reads of an entry, listing a program's entries), `inventory` (ls, verify, gc, purge, trash),
+`publish` (lock, staging, seal, rename) and `cache` (the interface that composes them:
+lookup/probe, get_or_build, publish, reject; the only module holding a `KernelCache`).
+
+Entry states (`EntryState`): `current`, `other-layout`, `stale` (see below), `corrupt` (an
+entry in its slot that cannot be read: bad manifest, missing or wrong-size artifact),
+`partial` (a writer's staging dir) and `quarantined` (moved aside after failing to read,
+verify or load; its reason is the record's). `gc` removes corrupt, quarantined and abandoned
+partial entries before it evicts anything; `purge --corrupt` selects corrupt and quarantined.
 
 The manifest records the full key, which of its components describe a *configuration*
 (deployment layout, model dims, signature, backend, device kind: `config_components`), the
@@ -32,7 +40,7 @@ reported `current` with a reason saying source and layout were not checked: `pur
 only ever deletes entries that are provably unusable.
 """
 
-from store.kernel_cache.cache import LOCK_TIMEOUT, KernelCache
+from store.kernel_cache.cache import KernelCache
 from store.kernel_cache.entry import (
     CORRUPT,
     CURRENT,
@@ -46,12 +54,14 @@ from store.kernel_cache.entry import (
     PARTIAL,
     QUARANTINE,
     QUARANTINE_NOTE,
+    QUARANTINED,
     STALE,
     STATES,
     TRASH,
     VERSION_DIR,
     ArtifactFile,
     Entry,
+    EntryState,
     Fetch,
     Hit,
     Manifest,
@@ -62,13 +72,15 @@ from store.kernel_cache.entry import (
     judge,
 )  # fmt: skip
 from store.kernel_cache.inventory import STAGING_MAX_AGE
+from store.kernel_cache.layout import LOCK_TIMEOUT, Layout
 from store.kernel_cache.publish import MIN_FREE_BYTES
 from store.kernel_cache.trust import MARKER, UntrustedCacheError
 
 __all__ = [
     "CORRUPT", "CURRENT", "FORMAT_VERSION", "HITS", "LOCKS", "LOCK_TIMEOUT", "MANIFEST", "MARKER",
     "MAX_MANIFEST_BYTES", "MAX_QUARANTINE_NOTE_BYTES", "MIN_FREE_BYTES", "OTHER_LAYOUT",
-    "PARTIAL", "QUARANTINE", "QUARANTINE_NOTE", "STAGING_MAX_AGE", "STALE", "STATES", "TRASH",
-    "VERSION_DIR", "ArtifactFile", "Entry", "Fetch", "Hit", "KernelCache", "Manifest", "Miss",
-    "Reference", "UntrustedCacheError", "Verification", "check_program_name", "judge",
+    "PARTIAL", "QUARANTINE", "QUARANTINED", "QUARANTINE_NOTE", "STAGING_MAX_AGE", "STALE", "STATES",
+    "TRASH", "VERSION_DIR", "ArtifactFile", "Entry", "EntryState", "Fetch", "Hit", "KernelCache",
+    "Layout", "Manifest", "Miss", "Reference", "UntrustedCacheError", "Verification",
+    "check_program_name", "judge",
 ]  # fmt: skip

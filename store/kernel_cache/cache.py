@@ -5,6 +5,8 @@ bytes that were verified (`Hit.data`): loaders load those bytes, never the path,
 swapped after verification cannot be loaded. Residual risk: a loader that needs a file (the
 AOTInductor loader) writes those bytes to its own private temp file first; someone who can
 write as this user can tamper with that file, but such a user can already run code as us.
+
+This is the only module that composes the others; each of them takes the cache's `Layout`.
 """
 
 from __future__ import annotations
@@ -13,21 +15,18 @@ import contextlib
 import logging
 import os
 import shutil
+import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from pathlib import Path
 
-from store import safeio
 from store.atomic import shared_mode
-from store.fingerprint import Key, describe, diff, fingerprint
+from store.fingerprint import Key, fingerprint
 from store.kernel_cache import inventory as inv
 from store.kernel_cache import publish as pub
 from store.kernel_cache import read
 from store.kernel_cache.entry import (
     HITS,
-    MANIFEST,
-    MAX_MANIFEST_BYTES,
-    VERSION_DIR,
     Corrupt,
     Entry,
     Fetch,
@@ -35,43 +34,54 @@ from store.kernel_cache.entry import (
     Manifest,
     Miss,
     Reference,
-    Untrusted,
     Verification,
-    build_changes,
-    check_program_name,
     is_artifact_name,
 )  # fmt: skip
-from store.kernel_cache.trust import (
-    UntrustedCacheError,
-    trust_problem,
-)  # fmt: skip
-
-# A compile may take minutes; past this we compile anyway (the lock is an optimisation).
-LOCK_TIMEOUT = 1800.0
+from store.kernel_cache.layout import LOCK_TIMEOUT, Layout
+from store.kernel_cache.quarantine import quarantine
+from store.kernel_cache.trust import check_trust, trust_problem
 
 log = logging.getLogger("store.kernel_cache")
 
 
 class KernelCache:
-    """File-backed kernel cache under `root` (see the package docstring for the layout)."""
+    """File-backed kernel cache under `root` (see the package docstring for the layout).
+
+    `verified_bytes`: artifact bytes this instance has sha256-hashed in verified reads (every
+    lookup, verifying probe and verify), so a launch can say what it hashed: once per artifact
+    when hot."""
 
     def __init__(self, root: Path | str, *, durable: bool = True, lock_timeout: float = LOCK_TIMEOUT):
-        self.root = Path(root).expanduser()
-        self.base = self.root / VERSION_DIR
         # durable=False skips fsync: only for synthetic caches (benchmarks), never for real ones.
-        self.durable = durable
-        self.lock_timeout = lock_timeout
+        self.layout = Layout(Path(root).expanduser(), durable, lock_timeout)
+        self.verified_bytes = 0
+        # a launch's loader thread and its background compile thread may share one cache
+        self._count_lock = threading.Lock()
+
+    @property
+    def root(self) -> Path:
+        return self.layout.root
+
+    @property
+    def base(self) -> Path:
+        return self.layout.base
+
+    @property
+    def durable(self) -> bool:
+        return self.layout.durable
+
+    @property
+    def lock_timeout(self) -> float:
+        return self.layout.lock_timeout
 
     # -- trust -----------------------------------------------------------------------------
 
     def trust_problem(self, program: str | None = None) -> str | None:
         """Why using this root (and program dir) is refused, or None when it is fine."""
-        return trust_problem(self.root, [self.root, self.base] + ([self.base / program] if program else []))
+        return trust_problem(self.layout, program)
 
     def check_trust(self, program: str | None = None) -> None:
-        problem = self.trust_problem(program)
-        if problem:
-            raise UntrustedCacheError(problem)
+        check_trust(self.layout, program)
 
     # -- lookup ----------------------------------------------------------------------------
 
@@ -87,65 +97,51 @@ class KernelCache:
         corruption is not seen. Cheap enough for a plan; loading always does the full check."""
         if verify:
             return self._resolve(program, key, record=False)
-        return read.structure(self, program, key)
+        return read.structure(self.layout, program, key)
+
+    def record_hit(self, hit: Hit) -> None:
+        """Count a HIT that `probe` verified and the caller then loaded (what `lookup` counts
+        itself): its bytes need no second read. A Hit without a path was never published."""
+        if hit.path is not None:
+            self._stamp_hit(hit.path)
 
     def _resolve(self, program: str, key: Key, *, record: bool, _again: bool = True) -> Hit | Miss:
-        check_program_name(program)
-        fp = fingerprint(key)
-        if not key.storable:
-            unknown = ", ".join(key.unknown_components())
-            return Miss(program, fp, "unknown", f"key has unknown components ({unknown}): never cached")
-        self.check_trust(program)
-        entry = self.base / program / fp
-        if not os.path.lexists(entry):
-            return self._closest_miss(program, key, fp)
+        entry = read.slot(self.layout, program, key)
+        if isinstance(entry, Miss):
+            return entry
+        fp = entry.name
         try:
             manifest, contents = self.read_verified(entry, program, fp)
         except FileNotFoundError:  # purged or quarantined by another process meanwhile
-            return self._closest_miss(program, key, fp)
+            return read.absent(self.layout, program, key, fp)
         except Corrupt as e:
-            kind = "untrusted" if isinstance(e, Untrusted) else "corrupt"
             if not record:
-                return Miss(program, fp, kind, f"{kind}: {e}")
-            if self.quarantine(entry, f"{kind}: {e}", expect=getattr(e, "dir_id", None)) is None:
+                return Miss(program, fp, e.kind, f"{e.kind}: {e}")
+            if self.quarantine(entry, f"{e.kind}: {e}", expect=e.dir_id) is None:
                 # replaced (or removed) since we read it: judge what is there now, once
                 return self._resolve(program, key, record=record, _again=False) if _again else \
                     Miss(program, fp, "absent", "entry replaced while reading it")
-            return Miss(program, fp, kind, f"{kind}: {e} (entry quarantined)")
+            return Miss(program, fp, e.kind, f"{e.kind}: {e} (entry quarantined)")
         if record:
             self._stamp_hit(entry)
         return Hit(program, fp, entry, manifest, contents)
 
-    def _closest_miss(self, program: str, key: Key, fp: str) -> Miss:
-        best: tuple[int, float, Manifest] | None = None
-        for m in self._manifests(program):
-            rank = (len(diff(m.key, key)), -m.created)
-            if best is None or rank < best[:2]:
-                best = (*rank, m)
-        if best is None:
-            return Miss(program, fp, "absent", "not cached")
-        closest = best[2]
-        changes = tuple(diff(closest.key, key))
-        build = build_changes(changes, closest, key.as_dict())
-        kind = "stale" if build else "absent"
-        what = "stale" if build else "not cached for this configuration"
-        reason = f"{what}: {describe(list(build or changes))} (closest entry {closest.fingerprint[:12]})"
-        return Miss(program, fp, kind, reason, changes)
-
     def manifests(self, program: str) -> Iterator[Manifest]:
         """Every readable manifest of `program` (unverified: for history, never for loading)."""
-        return self._manifests(program)
-
-    def _manifests(self, program: str) -> Iterator[Manifest]:
-        for fp, entry in inv.entry_dirs(self, program):
-            with contextlib.suppress(OSError, Corrupt):
-                yield Manifest.parse(safeio.read_regular(entry / MANIFEST, MAX_MANIFEST_BYTES), program, fp)
+        return read.manifests(self.layout, program)
 
     def read_verified(self, entry: Path, program: str, fp: str) -> tuple[Manifest, dict[str, bytes]]:
-        return read.verified(self, entry, program, fp)
+        """Manifest and sha256-verified contents of one entry dir (store.kernel_cache.read);
+        the bytes hashed are added to `verified_bytes`."""
+        return read.verified(self.layout, entry, program, fp, self._read, self._count_hashed)
 
     def _read(self, entry: Path, dfd: int, name: str, cap: int) -> bytes:
+        # One method every verified read goes through: the seam the concurrency tests replace.
         return read.capped(self.root, entry, dfd, name, cap)
+
+    def _count_hashed(self, size: int) -> None:
+        with self._count_lock:
+            self.verified_bytes += size
 
     def _stamp_hit(self, entry: Path) -> None:
         # One appended byte per hit: size = hit count, mtime = last use. O_APPEND writes of one
@@ -176,17 +172,21 @@ class KernelCache:
         first = self.lookup(program, key)
         if isinstance(first, Hit):
             return Fetch(first, built=False, miss=None)
+
+        def uncached() -> Fetch:
+            return Fetch(pub.build_private(self.layout, program, key, build, config_components), True, first)
+
         if first.kind == "unknown":
-            return Fetch(pub.build_private(self, program, key, build, config_components), True, first)
+            return uncached()
         try:
-            pub.ensure_layout(self, program)
+            pub.ensure_layout(self.layout, program)
         except OSError as e:
             if e.errno not in pub.STORAGE_ERRNOS:
                 raise
             log.warning("kernel cache %s is not writable (%s): %s runs uncached", self.root, e.strerror, program)
-            return Fetch(pub.build_private(self, program, key, build, config_components), True, first)
+            return uncached()
         self.sweep_staging(program)
-        with pub.compile_lock(self, program, fingerprint(key)):
+        with pub.compile_lock(self.layout, program, fingerprint(key)):
             again = self.lookup(program, key)
             if isinstance(again, Hit):
                 return Fetch(again, built=False, miss=first)
@@ -195,20 +195,20 @@ class KernelCache:
             free = pub.free_bytes(self.base / program)
             if free is not None and free < pub.MIN_FREE_BYTES:
                 log.warning("kernel cache %s has %d bytes free: %s runs uncached", self.root, free, program)
-                return Fetch(pub.build_private(self, program, key, build, config_components), True, first)
+                return uncached()
             try:
-                with pub.staging(self, program, fingerprint(key)) as staging:
+                with pub.staging(self.layout, program, fingerprint(key)) as staging:
                     started = time.perf_counter()
                     build(staging)
-                    hit = pub.seal(self, staging, program, key, config_components,
+                    hit = pub.seal(self.layout, staging, program, key, config_components,
                                    time.perf_counter() - started)  # fmt: skip
-                    return Fetch(pub.install(self, staging, hit), built=True, miss=first)
+                    return Fetch(self._install(staging, hit), built=True, miss=first)
             except OSError as e:
                 if e.errno not in pub.STORAGE_ERRNOS:
                     raise
                 log.warning("cannot store %s in kernel cache %s (%s): it runs uncached",
                             program, self.root, e.strerror)  # fmt: skip
-                return Fetch(pub.build_private(self, program, key, build, config_components), True, first)
+                return uncached()
 
     def publish(
         self,
@@ -222,8 +222,8 @@ class KernelCache:
         """Store artifacts built elsewhere; returns the entry now in place (ours or a winner's)."""
         if not key.storable:
             raise ValueError(f"refusing to store a key with unknown components {key.unknown_components()}")
-        pub.ensure_layout(self, program)
-        with pub.staging(self, program, fingerprint(key)) as staging:
+        pub.ensure_layout(self.layout, program)
+        with pub.staging(self.layout, program, fingerprint(key)) as staging:
             for name, content in files.items():
                 if not is_artifact_name(name):
                     raise ValueError(f"invalid artifact name {name!r}")
@@ -231,36 +231,45 @@ class KernelCache:
                     shutil.copyfile(content, staging / name)
                 else:
                     (staging / name).write_bytes(content)
-            hit = pub.seal(self, staging, program, key, config_components, compile_seconds)
-            return pub.install(self, staging, hit)
+            hit = pub.seal(self.layout, staging, program, key, config_components, compile_seconds)
+            return self._install(staging, hit)
+
+    def _install(self, staged: Path, ours: Hit) -> Hit:
+        """Publish a sealed staging dir; when another writer won the slot, their verified
+        entry (ours, unpublished, if theirs does not verify)."""
+        placed = pub.install(self.layout, staged, ours)
+        if placed is not None:
+            return placed
+        theirs = self.lookup(ours.program, ours.manifest.key)
+        return theirs if isinstance(theirs, Hit) else ours
 
     def reject(self, hit: Hit, reason: str) -> None:
         """A verified entry failed to load: quarantine it so the next lookup MISSes."""
         if hit.path is not None:
             self.quarantine(hit.path, f"load failed: {reason}")
 
-    # -- inventory and cleanup (store.kernel_cache.inventory) ------------------------------
+    # -- inventory and cleanup (store.kernel_cache.inventory, .quarantine) -----------------
 
     def quarantine(self, entry: Path, reason: str, expect: tuple[int, int] | None = None) -> Path | None:
-        return inv.quarantine(self, entry, reason, expect)
+        return quarantine(self.layout, entry, reason, expect)
 
     def remove(self, entries: Iterable[Entry]) -> list[Entry]:
-        return inv.remove(self, entries)
+        return inv.remove(self.layout, entries)
 
     def sweep_staging(self, program: str) -> list[Entry]:
-        return inv.sweep_staging(self, program)
+        return inv.sweep_staging(self.layout, program)
 
     def empty_trash(self) -> None:
-        inv.empty_trash(self)
+        inv.empty_trash(self.layout)
 
     def gc(self, max_size: int, reference: Reference | None = None) -> list[Entry]:
-        return inv.gc(self, max_size, reference)
+        return inv.gc(self.layout, max_size, reference)
 
     def inventory(self, reference: Reference | None = None) -> list[Entry]:
-        return inv.inventory(self, reference)
+        return inv.inventory(self.layout, reference)
 
     def programs(self) -> list[str]:
-        return inv.programs(self)
+        return inv.programs(self.layout)
 
     def verify(self) -> Verification:
-        return inv.verify(self)
+        return inv.verify(self.layout, self.read_verified)

@@ -1,7 +1,8 @@
-"""Kernel cache entries as data: the manifest, lookup results, inventory lines, and the
-judgement of an entry against what the caller knows about the current environment.
+"""Kernel cache entries as data: the manifest, lookup results, inventory lines and their
+states, and the judgement of an entry (or of a missing one) against what the caller knows.
 
-Nothing here touches the disk except `Manifest.parse`'s input, which the caller read.
+Nothing here touches the disk: `Manifest.parse` parses bytes the caller read, `closest_miss`
+judges manifests the caller listed.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import json
 import re
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +30,25 @@ LOCKS = ".locks"
 MAX_MANIFEST_BYTES = 1 << 20
 MAX_QUARANTINE_NOTE_BYTES = 64 << 10
 
-CURRENT = "current"
-OTHER_LAYOUT = "other-layout"
-STALE = "stale"
-CORRUPT = "corrupt"
-PARTIAL = "partial"
-STATES = (CURRENT, OTHER_LAYOUT, STALE, CORRUPT, PARTIAL)
+
+class EntryState(StrEnum):
+    """The state of an inventory line (its string value is what `ls --json` prints)."""
+
+    CURRENT = "current"
+    OTHER_LAYOUT = "other-layout"
+    STALE = "stale"
+    CORRUPT = "corrupt"
+    PARTIAL = "partial"
+    QUARANTINED = "quarantined"  # moved aside after a failed read/verify/load: garbage, like corrupt
+
+
+CURRENT = EntryState.CURRENT
+OTHER_LAYOUT = EntryState.OTHER_LAYOUT
+STALE = EntryState.STALE
+CORRUPT = EntryState.CORRUPT
+PARTIAL = EntryState.PARTIAL
+QUARANTINED = EntryState.QUARANTINED
+STATES = tuple(EntryState)
 
 # The names this project gives the things it creates: only these are ever deleted or moved.
 ENTRY_NAME = re.compile(r"[0-9a-f]{64}")
@@ -44,9 +59,15 @@ TRASH_NAME = re.compile(r"(?:[0-9a-f]{64}|\.tmp-[0-9a-f]{16}\..+\.\d+\.[0-9a-f]{
 class Corrupt(Exception):
     """An entry that cannot be read or verified (becomes a MISS + quarantine)."""
 
+    kind = "corrupt"  # the Miss kind it becomes
+    # (dev, ino) of the entry dir actually read, when known: only that dir may be quarantined
+    dir_id: tuple[int, int] | None = None
+
 
 class Untrusted(Corrupt):
     """An entry whose files could have been written by someone else."""
+
+    kind = "untrusted"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,7 +213,7 @@ class Entry:
 
     program: str
     fingerprint: str
-    state: str
+    state: EntryState
     reason: str
     size_bytes: int
     created: float
@@ -205,7 +226,7 @@ class Entry:
         return {
             "program": self.program,
             "fingerprint": self.fingerprint,
-            "state": self.state,
+            "state": str(self.state),
             "reason": self.reason,
             "size_bytes": self.size_bytes,
             "created": self.created,
@@ -224,6 +245,8 @@ class Verification:
     quarantined: tuple[Entry, ...]
 
 
+# ---------------------------------------------------------------------------------------------
+# Names and judgement
 
 
 def is_artifact_name(name: str) -> bool:
@@ -236,8 +259,7 @@ def check_program_name(program: str) -> str:
     return program
 
 
-
-def judge(manifest: Manifest, reference: Reference) -> tuple[str, str]:
+def judge(manifest: Manifest, reference: Reference) -> tuple[EntryState, str]:
     """(state, reason) of a readable entry against what the caller knows now."""
     live = reference.keys.get(manifest.program)
     if live is not None and reference.fingerprints[manifest.program] == manifest.fingerprint:
@@ -270,3 +292,22 @@ def build_changes(
     config = set(manifest.config_components)
     return [c for c in changes if c.component in old and c.component in present and c.component not in config]
 
+
+def closest_miss(program: str, key: Key, fp: str, manifests: Iterable[Manifest]) -> Miss:
+    """The MISS of a key that has no entry, judged against the program's closest entry (fewest
+    differing components, then newest): `stale` when that one differs in a component that
+    makes it unusable forever (the reason names it), `absent` otherwise."""
+    best: tuple[int, float, Manifest] | None = None
+    for m in manifests:
+        rank = (len(diff(m.key, key)), -m.created)
+        if best is None or rank < best[:2]:
+            best = (*rank, m)
+    if best is None:
+        return Miss(program, fp, "absent", "not cached")
+    closest = best[2]
+    changes = tuple(diff(closest.key, key))
+    build = build_changes(changes, closest, key.as_dict())
+    kind = "stale" if build else "absent"
+    what = "stale" if build else "not cached for this configuration"
+    reason = f"{what}: {describe(list(build or changes))} (closest entry {closest.fingerprint[:12]})"
+    return Miss(program, fp, kind, reason, changes)

@@ -15,9 +15,8 @@ import shutil
 import socket
 import stat
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from store import safeio
 from store.atomic import is_staging, pid_alive, staging_writer
@@ -27,18 +26,18 @@ from store.kernel_cache.entry import (
     MANIFEST,
     MAX_MANIFEST_BYTES,
     PARTIAL,
-    TRASH,
+    QUARANTINED,
     TRASH_NAME,
     Corrupt,
     Entry,
     Manifest,
     Reference,
-    Untrusted,
     Verification,
     judge,
 )  # fmt: skip
-from store.kernel_cache.publish import rand
+from store.kernel_cache.layout import Layout, rand
 from store.kernel_cache.quarantine import quarantine, quarantined
+from store.kernel_cache.read import artifact_sizes, entry_dirs
 from store.kernel_cache.trust import (
     ensure_dir,
     marker_problem,
@@ -50,21 +49,20 @@ from store.kernel_cache.trust import (
 )  # fmt: skip
 from store.units import format_age
 
-if TYPE_CHECKING:
-    from store.kernel_cache.cache import KernelCache
-
 # A staging dir older than this is abandoned (sooner if its writer on this host is gone).
 STAGING_MAX_AGE = 3600.0
+# What gc removes before evicting anything: entries that can never be used.
+GARBAGE = (PARTIAL, CORRUPT, QUARANTINED)
 
 
-def remove(cache: KernelCache, entries: Iterable[Entry]) -> list[Entry]:
+def remove(layout: Layout, entries: Iterable[Entry]) -> list[Entry]:
     """Delete entries safely while others read: rename each into the trash, then delete.
     Busy partial entries (their writer may still be running) and paths not ours are skipped."""
-    require_marked(cache)
-    trash = cache.root / TRASH
+    require_marked(layout)
+    trash = layout.trash
     removed = []
     for e in entries:
-        if e.busy or not ours(cache, e.path):
+        if e.busy or not ours(layout, e.path):
             continue
         ensure_dir(trash)
         try:
@@ -72,15 +70,15 @@ def remove(cache: KernelCache, entries: Iterable[Entry]) -> list[Entry]:
         except FileNotFoundError:
             continue
         removed.append(e)
-    empty_trash(cache)
+    empty_trash(layout)
     return removed
 
 
-def empty_trash(cache: KernelCache) -> None:
+def empty_trash(layout: Layout) -> None:
     """Delete what our own removals put in the trash; a symlink is unlinked, never followed."""
-    trash = cache.root / TRASH
+    trash = layout.trash
     try:
-        if marker_problem(cache.root) or not stat.S_ISDIR(os.lstat(trash).st_mode):
+        if marker_problem(layout.root) or not stat.S_ISDIR(os.lstat(trash).st_mode):
             return
     except OSError:
         return
@@ -94,23 +92,23 @@ def empty_trash(cache: KernelCache) -> None:
                 os.unlink(d.path)
 
 
-def sweep_staging(cache: KernelCache, program: str) -> list[Entry]:
+def sweep_staging(layout: Layout, program: str) -> list[Entry]:
     """Remove the abandoned staging dirs of one program (crashed or long-dead writers)."""
     stale = []
-    for d in scandir(cache.base / program):
+    for d in scandir(layout.base / program):
         if is_staging(d.name):
             entry = partial_entry(program, Path(d.path))
             if not entry.busy:
                 stale.append(entry)
-    return remove(cache, stale)
+    return remove(layout, stale)
 
 
-def gc(cache: KernelCache, max_size: int, reference: Reference | None = None) -> list[Entry]:
-    """Remove abandoned staging dirs and quarantined entries, then least recently used
+def gc(layout: Layout, max_size: int, reference: Reference | None = None) -> list[Entry]:
+    """Remove abandoned staging dirs, corrupt and quarantined entries, then least recently used
     entries until the cache holds at most `max_size` bytes."""
-    entries = inventory(cache, reference)
-    garbage = [e for e in entries if e.state in (PARTIAL, CORRUPT) and not e.busy]
-    removed = remove(cache, garbage)
+    entries = inventory(layout, reference)
+    garbage = [e for e in entries if e.state in GARBAGE and not e.busy]
+    removed = remove(layout, garbage)
     gone = {e.path for e in garbage}
     total = sum(e.size_bytes for e in entries if e.path not in gone)
     evict = []
@@ -121,53 +119,49 @@ def gc(cache: KernelCache, max_size: int, reference: Reference | None = None) ->
             continue
         evict.append(e)
         total -= e.size_bytes
-    return removed + remove(cache, evict)
+    return removed + remove(layout, evict)
 
 
-def programs(cache: KernelCache) -> list[str]:
-    return sorted(d.name for d in real_dirs(cache.base))
+def programs(layout: Layout) -> list[str]:
+    return sorted(d.name for d in real_dirs(layout.base))
 
 
-def entry_dirs(cache: KernelCache, program: str) -> Iterator[tuple[str, Path]]:
-    for d in real_dirs(cache.base / program):
-        yield d.name, Path(d.path)
-
-
-def inventory(cache: KernelCache, reference: Reference | None = None) -> list[Entry]:
+def inventory(layout: Layout, reference: Reference | None = None) -> list[Entry]:
     """Every entry, staging dir and quarantined entry, with its state against `reference`.
 
     Checks structure (manifest, file presence and sizes) but hashes nothing: `verify` does.
     """
-    require_marked(cache)
+    require_marked(layout)
     reference = reference or Reference()
     out: list[Entry] = []
-    for program in programs(cache):
-        for child in sorted(scandir(cache.base / program), key=lambda d: d.name):
+    for program in programs(layout):
+        for child in sorted(scandir(layout.base / program), key=lambda d: d.name):
             if is_staging(child.name):
                 out.append(partial_entry(program, Path(child.path)))
             elif not child.name.startswith("."):
                 out.append(_entry(program, child, reference))
-    out.extend(quarantined(cache))
+    out.extend(quarantined(layout))
     return out
 
 
-def verify(cache: KernelCache) -> Verification:
-    """Hash every entry; quarantine those that fail."""
-    require_marked(cache)
+def verify(layout: Layout, read_verified: Callable[[Path, str, str], object]) -> Verification:
+    """Hash every entry with `read_verified(entry, program, fp)` (the cache's, which counts
+    what it hashes); quarantine those that fail. They are listed CORRUPT, with the reason
+    they failed, at the place they were moved to."""
+    require_marked(layout)
     checked, bad = 0, []
-    for program in programs(cache):
-        for fp, entry in entry_dirs(cache, program):
+    for program in programs(layout):
+        for fp, entry in entry_dirs(layout, program):
             checked += 1
             try:
-                cache.read_verified(entry, program, fp)
+                read_verified(entry, program, fp)
             except FileNotFoundError:
                 continue
             except Corrupt as e:
-                kind = "untrusted" if isinstance(e, Untrusted) else "corrupt"
                 size = tree_size(entry)
-                dest = quarantine(cache, entry, f"{kind}: {e}", expect=getattr(e, "dir_id", None))
+                dest = quarantine(layout, entry, f"{e.kind}: {e}", expect=e.dir_id)
                 if dest is not None:
-                    bad.append(Entry(program, fp, CORRUPT, f"{kind}: {e}", size, 0.0, 0.0, 0, dest))
+                    bad.append(Entry(program, fp, CORRUPT, f"{e.kind}: {e}", size, 0.0, 0.0, 0, dest))
     return Verification(checked, tuple(bad))
 
 
@@ -198,21 +192,6 @@ def _hit_stats(entry: str) -> tuple[int, float]:
     except OSError:
         return 0, 0.0
     return st.st_size, st.st_mtime
-
-
-def artifact_sizes(entry: str, manifest: Manifest) -> int:
-    total = 0
-    for f in manifest.files:
-        try:
-            st = os.lstat(os.path.join(entry, f.name))
-        except FileNotFoundError:
-            raise Corrupt(f"{f.name} is missing") from None
-        if not stat.S_ISREG(st.st_mode):
-            raise Corrupt(f"{f.name} is {safeio.kind(st.st_mode)}, not an artifact file")
-        if st.st_size != f.size:
-            raise Corrupt(f"{f.name} has {st.st_size} bytes, manifest says {f.size}")
-        total += st.st_size
-    return total
 
 
 def partial_entry(program: str, path: Path) -> Entry:

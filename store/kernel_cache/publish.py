@@ -2,9 +2,10 @@
 
 A writer fills a private staging dir, hashes, chmods and fsyncs it, writes the manifest, and
 renames the whole dir into its slot: the rename is the only commit point, so readers never mix
-one writer's artifact with another's manifest. If the slot exists already another writer won
-and ours is discarded. The `filelock` lock per (program, fingerprint) lets a second process
-wait for the first one's compile and then HIT; correctness never depends on it.
+one writer's artifact with another's manifest. If the slot exists already another writer won:
+ours is discarded and the caller (KernelCache) looks theirs up. The `filelock` lock per
+(program, fingerprint) lets a second process wait for the first one's compile and then HIT;
+correctness never depends on it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import time
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from store.atomic import STAGING_PREFIX, fsync_dir, shared_mode
 from store.fingerprint import Key, fingerprint, sha256_hex
@@ -34,26 +34,21 @@ from store.kernel_cache.entry import (
     check_program_name,
     is_artifact_name,
 )
+from store.kernel_cache.layout import Layout, rand
 from store.kernel_cache.trust import (
     UntrustedCacheError,
+    check_trust,
     dir_mode,
     ensure_dir,
     marker_problem,
     write_marker,
 )
 
-if TYPE_CHECKING:
-    from store.kernel_cache.cache import KernelCache
-
 # Errors of the cache's filesystem (full, read-only, not ours to write): the program still
 # runs, unpublished, with one warning.
 STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
 # Below this much free space on the cache filesystem a compile is not published.
 MIN_FREE_BYTES = 256 << 20
-
-
-def rand() -> str:
-    return os.urandom(4).hex()
 
 
 def free_bytes(path: Path) -> int | None:
@@ -64,26 +59,26 @@ def free_bytes(path: Path) -> int | None:
     return st.f_bavail * st.f_frsize
 
 
-def ensure_layout(cache: KernelCache, program: str) -> None:
+def ensure_layout(layout: Layout, program: str) -> None:
     """Create root, v1, locks and the program dir as needed; a new (or empty) root is marked
     before anything else is put in it."""
     check_program_name(program)
-    problem = marker_problem(cache.root)
+    problem = marker_problem(layout.root)
     if problem:
         raise UntrustedCacheError(problem)
-    cache.root.parent.mkdir(parents=True, exist_ok=True)
-    ensure_dir(cache.root)
-    write_marker(cache.root)
-    for d in (cache.base, cache.base / LOCKS, cache.base / program):
+    layout.root.parent.mkdir(parents=True, exist_ok=True)
+    ensure_dir(layout.root)
+    write_marker(layout.root)
+    for d in (layout.base, layout.base / LOCKS, layout.base / program):
         ensure_dir(d)
-    cache.check_trust(program)
+    check_trust(layout, program)
 
 
 @contextlib.contextmanager
-def compile_lock(cache: KernelCache, program: str, fp: str) -> Iterator[None]:
+def compile_lock(layout: Layout, program: str, fp: str) -> Iterator[None]:
     from filelock import FileLock, Timeout
 
-    lock = FileLock(cache.base / LOCKS / f"{program}.{fp}.lock", timeout=cache.lock_timeout, mode=0o644)
+    lock = FileLock(layout.lock(program, fp), timeout=layout.lock_timeout, mode=0o644)
     try:
         lock.acquire()
     except (Timeout, OSError):
@@ -96,9 +91,9 @@ def compile_lock(cache: KernelCache, program: str, fp: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def staging(cache: KernelCache, program: str, fp: str) -> Iterator[Path]:
+def staging(layout: Layout, program: str, fp: str) -> Iterator[Path]:
     name = f"{STAGING_PREFIX}{fp[:16]}.{socket.gethostname()}.{os.getpid()}.{rand()}"
-    path = cache.base / program / name
+    path = layout.base / program / name
     path.mkdir(mode=0o700)  # private while filling; opened up by seal
     try:
         yield path
@@ -106,8 +101,8 @@ def staging(cache: KernelCache, program: str, fp: str) -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)  # no-op once renamed into place
 
 
-def _finish_file(cache: KernelCache, path: Path) -> None:
-    if cache.durable:
+def _finish_file(layout: Layout, path: Path) -> None:
+    if layout.durable:
         fd = os.open(path, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -116,7 +111,7 @@ def _finish_file(cache: KernelCache, path: Path) -> None:
     os.chmod(path, shared_mode())
 
 
-def seal(cache: KernelCache, staged: Path, program: str, key: Key, config: Collection[str], seconds: float) -> Hit:
+def seal(layout: Layout, staged: Path, program: str, key: Key, config: Collection[str], seconds: float) -> Hit:
     """Hash, chmod and fsync the staged files and write the manifest; the Hit to return."""
     contents, files = {}, []
     for p in sorted(staged.iterdir()):
@@ -125,7 +120,7 @@ def seal(cache: KernelCache, staged: Path, program: str, key: Key, config: Colle
         data = p.read_bytes()
         contents[p.name] = data
         files.append(ArtifactFile(p.name, sha256_hex(data), len(data)))
-        _finish_file(cache, p)
+        _finish_file(layout, p)
     if not files:
         raise ValueError(f"build of {program} wrote no artifact file")
     config = set(config)
@@ -143,16 +138,18 @@ def seal(cache: KernelCache, staged: Path, program: str, key: Key, config: Colle
     )
     path = staged / MANIFEST
     path.write_text(json.dumps(manifest.to_json(), indent=1, sort_keys=True))
-    _finish_file(cache, path)
+    _finish_file(layout, path)
     os.chmod(staged, dir_mode())
-    if cache.durable:
+    if layout.durable:
         fsync_dir(staged)
     return Hit(program, manifest.fingerprint, None, manifest, contents)
 
 
-def install(cache: KernelCache, staged: Path, ours: Hit) -> Hit:
-    """Rename the sealed staging dir into its slot; if another writer won, use theirs."""
-    final = cache.base / ours.program / ours.fingerprint
+def install(layout: Layout, staged: Path, ours: Hit) -> Hit | None:
+    """Rename the sealed staging dir into its slot: the published Hit, `ours` unpublished if
+    the staging dir was swept meanwhile, or None when another writer's entry holds the slot
+    (ours is discarded; the caller looks theirs up)."""
+    final = layout.entry(ours.program, ours.fingerprint)
     try:
         os.rename(staged, final)
     except FileNotFoundError:  # our staging dir was swept from under us: stay unpublished
@@ -160,18 +157,17 @@ def install(cache: KernelCache, staged: Path, ours: Hit) -> Hit:
     except OSError as e:
         if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
             raise
-        theirs = cache.lookup(ours.program, ours.manifest.key)
-        return theirs if isinstance(theirs, Hit) else ours
-    if cache.durable:
+        return None
+    if layout.durable:
         fsync_dir(final.parent)
     return replace(ours, path=final)
 
 
 def build_private(
-    cache: KernelCache, program: str, key: Key, build: Callable[[Path], None], config: Collection[str]
+    layout: Layout, program: str, key: Key, build: Callable[[Path], None], config: Collection[str]
 ) -> Hit:
     """Build into a private temp dir and seal it without publishing (unstorable, or no room)."""
     with tempfile.TemporaryDirectory(prefix="dsv4-program-") as tmp:
         started = time.perf_counter()
         build(Path(tmp))
-        return seal(cache, Path(tmp), program, key, config, time.perf_counter() - started)
+        return seal(layout, Path(tmp), program, key, config, time.perf_counter() - started)

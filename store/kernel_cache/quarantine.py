@@ -12,28 +12,23 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from store import safeio
 from store.kernel_cache.entry import (
-    CORRUPT,
     MAX_QUARANTINE_NOTE_BYTES,
-    QUARANTINE,
     QUARANTINE_NOTE,
+    QUARANTINED,
     Entry,
 )  # fmt: skip
-from store.kernel_cache.publish import rand
+from store.kernel_cache.layout import Layout, rand
 from store.kernel_cache.trust import ensure_dir, marker_problem, ours, real_dirs, tree_size
 
-if TYPE_CHECKING:
-    from store.kernel_cache.cache import KernelCache
 
-
-def quarantine(cache: KernelCache, entry: Path, reason: str, expect: tuple[int, int] | None = None) -> Path | None:
+def quarantine(layout: Layout, entry: Path, reason: str, expect: tuple[int, int] | None = None) -> Path | None:
     """Move an entry out of the lookup path, keeping it for inspection; None if it vanished,
     is not ours to move, or, with `expect` (dev, ino), if the dir there now is not the one
     that was judged."""
-    if marker_problem(cache.root) or not ours(cache, entry):
+    if marker_problem(layout.root) or not ours(layout, entry):
         return None
     if expect is not None:
         try:
@@ -42,7 +37,7 @@ def quarantine(cache: KernelCache, entry: Path, reason: str, expect: tuple[int, 
             return None
         if (st.st_dev, st.st_ino) != expect:
             return None
-    qdir = cache.root / QUARANTINE
+    qdir = layout.quarantine
     ensure_dir(qdir)
     dest = qdir / f"{entry.parent.name}--{entry.name[:16]}--{int(time.time())}--{rand()}"
     try:
@@ -70,9 +65,10 @@ def _note(path: Path) -> tuple[dict, str]:
     return note, ""
 
 
-def quarantined(cache: KernelCache) -> list[Entry]:
+def quarantined(layout: Layout) -> list[Entry]:
+    """The inventory lines of the quarantined entries (state QUARANTINED, the record's reason)."""
     out = []
-    for d in sorted(real_dirs(cache.root / QUARANTINE), key=lambda d: d.name):
+    for d in sorted(real_dirs(layout.quarantine), key=lambda d: d.name):
         path = Path(d.path)
         note, problem = _note(path)
         try:
@@ -83,7 +79,7 @@ def quarantined(cache: KernelCache) -> list[Entry]:
         out.append(
             Entry(
                 str(note.get("program", d.name.split("--")[0])), str(note.get("fingerprint", "")),
-                CORRUPT, f"quarantined: {reason}"[:500], tree_size(path), when, when, 0, path,
+                QUARANTINED, f"quarantined: {reason}"[:500], tree_size(path), when, when, 0, path,
             )
         )
     return out

@@ -20,7 +20,6 @@ import stat
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from store import safeio
 from store.atomic import is_staging, shared_mode, staging_writer, write_bytes_atomic
@@ -28,13 +27,15 @@ from store.errors import UserError
 from store.kernel_cache.entry import (
     ENTRY_NAME,
     FORMAT_VERSION,
+    LOCKS,
     QUARANTINE,
     QUARANTINE_NAME,
+    TRASH,
+    VERSION_DIR,
     Untrusted,
-)
-
-if TYPE_CHECKING:
-    from store.kernel_cache.cache import KernelCache
+    check_program_name,
+)  # fmt: skip
+from store.kernel_cache.layout import Layout
 
 MARKER = "dsv4-kernel-cache.json"
 MAX_MARKER_BYTES = 4096
@@ -122,10 +123,10 @@ def write_marker(root: Path) -> None:
     write_bytes_atomic(root / MARKER, json.dumps(body, indent=1).encode())
 
 
-def trust_problem(root: Path, dirs: list[Path]) -> str | None:
-    """Why acting in this root (and these dirs under it) is refused, or None. Ownership first:
-    a root of another user is refused as such even when we cannot read its marker."""
-    for d in dirs:
+def trust_problem(layout: Layout, program: str | None = None) -> str | None:
+    """Why acting in this root (and program dir) is refused, or None. Ownership first: a root
+    of another user is refused as such even when we cannot read its marker."""
+    for d in layout.trusted_dirs(program):
         try:
             st = os.stat(d)
         except (FileNotFoundError, NotADirectoryError):  # the marker check says what is wrong
@@ -139,7 +140,14 @@ def trust_problem(root: Path, dirs: list[Path]) -> str | None:
                 f"refusing to load programs from {d}: it is {problem} and a compiled program "
                 f"is executable code; {fix} a kernel cache dir of your own ({FLAG_HINT})"
             )
-    return marker_problem(root)
+    return marker_problem(layout.root)
+
+
+def check_trust(layout: Layout, program: str | None = None) -> None:
+    """Raise UntrustedCacheError (one line: why and how to fix) when `trust_problem` says so."""
+    problem = trust_problem(layout, program)
+    if problem:
+        raise UntrustedCacheError(problem)
 
 
 def inside(root: Path, path: Path) -> bool:
@@ -209,20 +217,20 @@ def tree_size(path: Path) -> int:
     return total
 
 
-def ours(cache: KernelCache, path: Path) -> bool:
+def ours(layout: Layout, path: Path) -> bool:
     """Whether `path` is something this project named, in a real directory under the root."""
     name = path.name
-    if path.parent == cache.root / QUARANTINE:
+    if path.parent == layout.quarantine:
         named = QUARANTINE_NAME.fullmatch(name) is not None
-    elif path.parent.parent == cache.base:
+    elif path.parent.parent == layout.base:
         named = ENTRY_NAME.fullmatch(name) is not None or staging_writer(name) is not None
     else:
         named = False
-    return named and inside(cache.root, path)
+    return named and inside(layout.root, path)
 
 
-def require_marked(cache: KernelCache) -> None:
-    problem = marker_problem(cache.root)
+def require_marked(layout: Layout) -> None:
+    problem = marker_problem(layout.root)
     if problem:
         raise UntrustedCacheError(problem)
 
@@ -230,7 +238,6 @@ def require_marked(cache: KernelCache) -> None:
 def adopt(root: Path) -> None:
     """Mark a root made by an older dsv4 (before the marker existed) as ours, only if it and
     everything in it is owned by us and named as dsv4 names things; UntrustedCacheError if not."""
-    from store.kernel_cache.entry import LOCKS, TRASH, VERSION_DIR, check_program_name
 
     def refuse(why: str) -> None:
         raise UntrustedCacheError(f"{root}: not adopted: {why}")

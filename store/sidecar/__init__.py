@@ -1,7 +1,7 @@
 """Prepacked weight sidecars: one file per (checkpoint, ranks) holding the packed serving layout.
 
 A sidecar is a safetensors file (any `safetensors` reader loads it). The packing rules live in
-runtime/pack.py; this package only knows plans, bytes and keys:
+runtime/weights/pack.py; this package only knows tensor shapes, bytes and keys:
 
 - `name`    the file name (`dsv4-packed.r<ranks>.safetensors`), built, globbed and parsed once
 - `key`     the source key (what it was packed from) and the metadata that records it
@@ -28,7 +28,7 @@ from store.sidecar.format import (
     CorruptSidecar,
     Header,
     TensorEntry,
-    TensorPlan,
+    TensorShape,
     read_header,
 )
 from store.sidecar.key import key_from_metadata, sidecar_metadata, source_key
@@ -47,6 +47,8 @@ from store.sidecar.verdict import (
     MAP,
     REASONS,
     REPACK,
+    Action,
+    Reason,
     Verdict,
     inspect,
     missing,
@@ -54,11 +56,42 @@ from store.sidecar.verdict import (
 from store.sidecar.writer import SidecarInfo, write_sidecar
 
 __all__ = [
-    "COLD_POLICIES", "CONFIG_NAME", "DATA_ALIGN", "DEFAULT_COLD_THRESHOLD", "DTYPE_SIZES",
-    "FILE_PREFIX", "INDEX_NAME", "MAP", "REASONS", "REPACK", "REQUIRED_METADATA",
-    "STALE_TEMP_SECONDS", "CorruptSidecar", "Header", "Key", "MappedSidecar", "SidecarInfo",
-    "TensorEntry", "TensorPlan", "Verdict", "check_target", "default_sidecar_path", "file_name", "find_sidecars",
-    "fingerprint", "glob_pattern", "inspect", "key_from_metadata", "missing", "open_sidecar",
-    "ranks_of", "read_header", "sidecar_metadata", "source_key", "sweep_temp_files",
+    "COLD_POLICIES",
+    "CONFIG_NAME",
+    "DATA_ALIGN",
+    "DEFAULT_COLD_THRESHOLD",
+    "DTYPE_SIZES",
+    "FILE_PREFIX",
+    "INDEX_NAME",
+    "MAP",
+    "REASONS",
+    "REPACK",
+    "REQUIRED_METADATA",
+    "STALE_TEMP_SECONDS",
+    "Action",
+    "CorruptSidecar",
+    "Header",
+    "Key",
+    "MappedSidecar",
+    "Reason",
+    "SidecarInfo",
+    "TensorEntry",
+    "TensorShape",
+    "Verdict",
+    "check_target",
+    "default_sidecar_path",
+    "file_name",
+    "find_sidecars",
+    "fingerprint",
+    "glob_pattern",
+    "inspect",
+    "key_from_metadata",
+    "missing",
+    "open_sidecar",
+    "ranks_of",
+    "read_header",
+    "sidecar_metadata",
+    "source_key",
+    "sweep_temp_files",
     "write_sidecar",
 ]  # fmt: skip

@@ -1,7 +1,7 @@
 """The sidecar file format: header parsing, soundness, and the one canonical data layout.
 
 A sidecar is a safetensors file (any `safetensors` reader loads it). Tensors are laid out in
-plan order *grouped by element size* (8-byte dtypes first), so every zero-copy view is
+layout order *grouped by element size* (8-byte dtypes first), so every zero-copy view is
 naturally aligned; the header JSON is padded with spaces so data starts on DATA_ALIGN, and so
 the final header (with the measured pack seconds) fits in the space reserved before any tensor
 was written. Soundness = a parseable header whose every tensor lies where the writer puts it,
@@ -32,7 +32,7 @@ REQUIRED_METADATA = (
 
 
 @dataclass(frozen=True)
-class TensorPlan:
+class TensorShape:
     """One tensor the packer will produce: known before any tensor is packed."""
 
     name: str
@@ -93,17 +93,17 @@ def encode_header(entries: dict[str, dict], metadata: dict[str, str], size: int 
     return struct.pack("<Q", size) + body + b" " * (size - len(body))
 
 
-def layout(plan: list[TensorPlan]) -> tuple[dict[str, dict], list[tuple[TensorPlan, int]]]:
-    """Header entries (in plan order) and each plan entry's data offset, size-aligned."""
-    names = [p.name for p in plan]
+def layout(shapes: list[TensorShape]) -> tuple[dict[str, dict], list[tuple[TensorShape, int]]]:
+    """Header entries (in layout order) and each entry's data offset, size-aligned."""
+    names = [p.name for p in shapes]
     if len(names) != len(set(names)):
         dup = sorted({n for n in names if names.count(n) > 1})
-        raise ValueError(f"duplicate tensor names in plan: {dup[:5]}")
+        raise ValueError(f"duplicate tensor names: {dup[:5]}")
     if "__metadata__" in names:
         raise ValueError("'__metadata__' is not a tensor name")
     offsets: dict[str, int] = {}
     pos = 0
-    for p in sorted(plan, key=lambda p: -DTYPE_SIZES[p.dtype]):  # stable: plan order kept
+    for p in sorted(shapes, key=lambda p: -DTYPE_SIZES[p.dtype]):  # stable: layout order kept
         offsets[p.name] = pos
         pos += p.nbytes
     entries = {
@@ -112,9 +112,9 @@ def layout(plan: list[TensorPlan]) -> tuple[dict[str, dict], list[tuple[TensorPl
             "shape": list(p.shape),
             "data_offsets": [offsets[p.name], offsets[p.name] + p.nbytes],
         }
-        for p in plan
+        for p in shapes
     }
-    return entries, [(p, offsets[p.name]) for p in plan]
+    return entries, [(p, offsets[p.name]) for p in shapes]
 
 
 def pread_exact(fd: int, n: int, offset: int) -> bytes:
@@ -215,7 +215,7 @@ def sound_header(fd: int, size: int) -> tuple[Header, Key, float, float]:
     # order). Any other placement is corruption that every other check would pass, such as two
     # same-shape tensors with swapped offsets, which would serve each other's bytes.
     try:
-        canonical, _ = layout([TensorPlan(e.name, e.dtype, e.shape) for e in header.entries])
+        canonical, _ = layout([TensorShape(e.name, e.dtype, e.shape) for e in header.entries])
     except ValueError as e:
         raise CorruptSidecar(str(e)) from None
     for e in header.entries:

@@ -26,10 +26,11 @@ from typing import TYPE_CHECKING
 
 from store.checkpoint import DTYPE_SIZES
 from store.fingerprint import Key
-from store.sidecar.format import Header, TensorPlan
+from store.sidecar.format import Header, TensorShape
 from store.sidecar.verdict import (
     DEFAULT_COLD_THRESHOLD,
     MAP,
+    Reason,
     Verdict,
     check_args,
     judge,
@@ -125,7 +126,7 @@ def open_sidecar(
     *,
     expected_key: Key | None = None,
     expected_names: Collection[str] | None = None,
-    expected_plan: Iterable[TensorPlan] | None = None,
+    expected_tensors: Iterable[TensorShape] | None = None,
     cold_threshold: float = DEFAULT_COLD_THRESHOLD,
     cold_policy: str = "auto",
     residency_method: str | None = None,
@@ -148,7 +149,7 @@ def open_sidecar(
     try:
         verdict, header = judge(
             fd, path, expected_key=expected_key, expected_names=expected_names,
-            expected_plan=expected_plan,
+            expected_tensors=expected_tensors,
             cold_threshold=cold_threshold, cold_policy=cold_policy,
             residency_method=residency_method,
         )  # fmt: skip
@@ -158,13 +159,13 @@ def open_sidecar(
         try:
             mm = mmap.mmap(fd, verdict.size_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         except (OSError, ValueError) as e:
-            verdict = repack(path, "corrupt", f"cannot map ({e})", size_bytes=verdict.size_bytes)
+            verdict = repack(path, Reason.CORRUPT, f"cannot map ({e})", size_bytes=verdict.size_bytes)
             log.warning("%s", verdict.line())
             return verdict, None
         reason = watch.changed()
         if reason:  # changed between the open and the map: what we judged is not what is there
             mm.close()
-            verdict = repack(path, "corrupt", f"changed while loading: {reason}",
+            verdict = repack(path, Reason.CORRUPT, f"changed while loading: {reason}",
                              size_bytes=verdict.size_bytes)  # fmt: skip
             log.warning("%s", verdict.line())
             return verdict, None

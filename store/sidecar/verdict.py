@@ -1,7 +1,7 @@
 """Verdicts: MAP the sidecar, or REPACK from the checkpoint — and why — with the cold policy.
 
 `inspect` judges without mapping (no torch): the console and `dsv4 sidecar status` use it, and
-the launch plan calls it with the LIVE source key and the plan's tensor names.
+the launch plan calls it with the LIVE source key and the packed layout's tensors.
 `expected_key=None` judges a sidecar on its own: the key is recomputed from the checkpoint dir
 and the settings the sidecar records. Checks run cheapest and most decisive first; nothing a
 file contains makes them raise.
@@ -14,20 +14,41 @@ import os
 import time
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 from store import pagecache, safeio
 from store.errors import UserError
 from store.fingerprint import Key, diff, fingerprint
-from store.sidecar.format import CorruptSidecar, Header, TensorPlan, sound_header
+from store.sidecar.format import CorruptSidecar, Header, TensorShape, sound_header
 from store.sidecar.key import change_text, recompute_key
 from store.units import format_size
 
 log = logging.getLogger("store.sidecar")
 
-MAP, REPACK = "MAP", "REPACK"
-REASONS = ("missing", "stale", "cold", "corrupt", "names", "shapes", "source")
+class Action(StrEnum):
+    """What a launch does with its sidecar."""
+
+    MAP = "MAP"  # map it: the packed weights are its pages
+    REPACK = "REPACK"  # pack from the checkpoint instead (the reason says why)
+
+
+class Reason(StrEnum):
+    """Why a launch repacks: the only words a REPACK verdict says it with."""
+
+    MISSING = "missing"  # no sidecar at the path
+    STALE = "stale"  # packed from a checkpoint, packer or layout that has changed since (never usable again)
+    COLD = "cold"  # valid, but not in the page cache, and the cold policy says repack
+    CORRUPT = "corrupt"  # unreadable, unsound, or changed while being loaded
+    NAMES = "names"  # another tensor set than the packed layout's
+    SHAPES = "shapes"  # the layout's tensors with other dtypes or shapes
+    SOURCE = "source"  # the checkpoint it was packed from cannot be read (says nothing about the file)
+    DISABLED = "disabled"  # --no-sidecar
+
+
+MAP, REPACK = Action.MAP, Action.REPACK
+REASONS = tuple(Reason)
 COLD_POLICIES = ("reject", "read", "auto")
 DEFAULT_COLD_THRESHOLD = 0.9
 
@@ -36,8 +57,8 @@ DEFAULT_COLD_THRESHOLD = 0.9
 class Verdict:
     """MAP the sidecar, or REPACK from the checkpoint — and why, in data and in one sentence."""
 
-    action: str  # MAP | REPACK
-    reason: str  # "" for MAP; missing | stale | cold | corrupt | names | shapes | source
+    action: Action
+    reason: Reason | str  # "" for MAP
     detail: str
     path: str
     residency: float | None = None
@@ -82,7 +103,7 @@ class Verdict:
         }
 
 
-def repack(path: Path, reason: str, detail: str, **kw: Any) -> Verdict:
+def repack(path: Path, reason: Reason, detail: str, **kw: Any) -> Verdict:
     return Verdict(REPACK, reason, detail, str(path), **kw)
 
 
@@ -96,20 +117,20 @@ def _names_detail(absent: set[str], extra: set[str]) -> str:
         parts.append(f"{len(absent)} missing ({some(absent)})")
     if extra:
         parts.append(f"{len(extra)} extra ({some(extra)})")
-    return "tensor names differ from the plan: " + "; ".join(parts)
+    return "tensor names differ from the packed layout: " + "; ".join(parts)
 
 
-def _shape_detail(header: Header, plan: dict[str, TensorPlan]) -> str:
-    """'' when every tensor the plan names has the planned dtype and shape; else the first few."""
+def _shape_detail(header: Header, shapes: dict[str, TensorShape]) -> str:
+    """'' when every tensor the layout names has its dtype and shape; else the first few."""
     bad = [
-        f"{e.name} is {e.dtype}{list(e.shape)}, the plan says {p.dtype}{list(p.shape)}"
+        f"{e.name} is {e.dtype}{list(e.shape)}, the layout says {p.dtype}{list(p.shape)}"
         for e in header.entries
-        if (p := plan.get(e.name)) is not None and (e.dtype, e.shape) != (p.dtype, p.shape)
+        if (p := shapes.get(e.name)) is not None and (e.dtype, e.shape) != (p.dtype, p.shape)
     ]
     if not bad:
         return ""
     more = f"; … ({len(bad) - 2} more)" if len(bad) > 2 else ""
-    return "tensors differ from the plan: " + "; ".join(bad[:2]) + more
+    return "tensors differ from the packed layout: " + "; ".join(bad[:2]) + more
 
 
 def judge(
@@ -118,7 +139,7 @@ def judge(
     *,
     expected_key: Key | None,
     expected_names: Collection[str] | None,
-    expected_plan: Iterable[TensorPlan] | None = None,
+    expected_tensors: Iterable[TensorShape] | None = None,
     cold_threshold: float,
     cold_policy: str,
     residency_method: str | None,
@@ -137,7 +158,7 @@ def judge(
     try:
         header, stored, created, pack_seconds = sound_header(fd, size)
     except CorruptSidecar as e:
-        return repack(path, "corrupt", str(e), **facts), None
+        return repack(path, Reason.CORRUPT, str(e), **facts), None
     facts.update(tensors=len(header.entries), created=created, pack_seconds=pack_seconds)
 
     if expected_key is None:
@@ -145,21 +166,21 @@ def judge(
             expected_key = recompute_key(stored, header.metadata, path)
         except UserError as e:
             # the checkpoint is unreadable: that says nothing about this file, so not "stale"
-            return repack(path, "source", f"source checkpoint unreadable: {e}", **facts), header
+            return repack(path, Reason.SOURCE, f"source checkpoint unreadable: {e}", **facts), header
     if fingerprint(expected_key) != header.metadata["source_fingerprint"]:
         changes = tuple(change_text(c) for c in diff(stored, expected_key))
         detail = "changed: " + "; ".join(changes)
-        return repack(path, "stale", detail, changes=changes, **facts), header
-    plan = {p.name: p for p in expected_plan} if expected_plan is not None else None
-    if expected_names is None and plan is not None:
-        expected_names = set(plan)
+        return repack(path, Reason.STALE, detail, changes=changes, **facts), header
+    shapes = {p.name: p for p in expected_tensors} if expected_tensors is not None else None
+    if expected_names is None and shapes is not None:
+        expected_names = set(shapes)
     if expected_names is not None:
         absent, extra = set(expected_names) - header.names, header.names - set(expected_names)
         if absent or extra:
-            return repack(path, "names", _names_detail(absent, extra), **facts), header
-    differ = _shape_detail(header, plan) if plan is not None else ""
+            return repack(path, Reason.NAMES, _names_detail(absent, extra), **facts), header
+    differ = _shape_detail(header, shapes) if shapes is not None else ""
     if differ:
-        return repack(path, "shapes", differ, **facts), header
+        return repack(path, Reason.SHAPES, differ, **facts), header
     return residency_verdict(path, res, cold_threshold, cold_policy, facts), header
 
 
@@ -178,7 +199,7 @@ def residency_verdict(
         return Verdict(MAP, "", f"valid and hot ({pct})", str(path), **facts)
     below = f"{pct} < {cold_threshold:.0%} threshold"
     if cold_policy == "reject":
-        return repack(path, "cold", f"{below}; cold policy reject", **facts)
+        return repack(path, Reason.COLD, f"{below}; cold policy reject", **facts)
     if cold_policy == "read":
         detail = f"{below}; cold policy read: mapping and reading it"
         return Verdict(MAP, "", detail, str(path), cold_read=True, **facts)
@@ -196,7 +217,7 @@ def residency_verdict(
     if read_s <= pack_s:
         detail = f"{below}; cold policy auto reads it: {why}"
         return Verdict(MAP, "", detail, str(path), cold_read=True, **facts)
-    return repack(path, "cold", f"{below}; cold policy auto repacks: {why}", **facts)
+    return repack(path, Reason.COLD, f"{below}; cold policy auto repacks: {why}", **facts)
 
 
 MISSING_DETAIL = "no sidecar at this path; prepack to create it"
@@ -204,7 +225,7 @@ MISSING_DETAIL = "no sidecar at this path; prepack to create it"
 
 def missing(path: Path | str, detail: str = MISSING_DETAIL) -> Verdict:
     """The verdict on a sidecar that does not exist (one shape for every caller)."""
-    return repack(Path(path), "missing", detail)
+    return repack(Path(path), Reason.MISSING, detail)
 
 
 def open_checked(path: Path) -> int | Verdict:
@@ -218,7 +239,7 @@ def open_checked(path: Path) -> int | Verdict:
     except FileNotFoundError:
         return missing(path)
     except OSError as e:
-        return repack(path, "corrupt", f"cannot open ({e.strerror}); check the file")
+        return repack(path, Reason.CORRUPT, f"cannot open ({e.strerror}); check the file")
 
 
 def check_args(cold_threshold: float, cold_policy: str) -> None:
@@ -233,7 +254,7 @@ def inspect(
     *,
     expected_key: Key | None = None,
     expected_names: Collection[str] | None = None,
-    expected_plan: Iterable[TensorPlan] | None = None,
+    expected_tensors: Iterable[TensorShape] | None = None,
     cold_threshold: float = DEFAULT_COLD_THRESHOLD,
     cold_policy: str = "auto",
     residency_method: str | None = None,
@@ -242,7 +263,7 @@ def inspect(
     this is a query; the loading path (`open_sidecar`) is what logs decisions.
 
     `expected_key=None` judges staleness against the checkpoint the sidecar records.
-    `expected_plan` (the planned TensorPlans) also checks every tensor's dtype and shape and
+    `expected_tensors` (the expected TensorShapes) also checks every tensor's dtype and shape and
     implies `expected_names` when that is not given.
     """
     check_args(cold_threshold, cold_policy)
@@ -253,7 +274,7 @@ def inspect(
     try:
         verdict, _ = judge(
             opened, path, expected_key=expected_key, expected_names=expected_names,
-            expected_plan=expected_plan,
+            expected_tensors=expected_tensors,
             cold_threshold=cold_threshold, cold_policy=cold_policy,
             residency_method=residency_method,
         )  # fmt: skip

@@ -1,15 +1,15 @@
 """The sidecar's streaming writer, and the sweep of crashed writers' staging files.
 
-What the packer calls (runtime/prepack.py):
+What the packer calls (runtime/weights/prepack.py):
 
     key  = source_key(model_dir, format=F, packer_version=V, ranks=R, layout=L)  # BEFORE packing
-    plan = [TensorPlan(t.name, t.dtype, t.shape) for t in pack_plan.tensors.values()]
-    info = write_sidecar(path, plan, runtime.pack.stream(ckpt, pack_plan),
+    shapes = [TensorShape(t.name, t.dtype, t.shape) for t in packed.tensors.values()]
+    info = write_sidecar(path, shapes, runtime.weights.pack.stream(ckpt, packed),
                          metadata=sidecar_metadata(key, model_dir), mode_from=a_shard)
 
 The stream may yield whole tensors `(name, tensor)` or slices of stacked ones
 `(name, leading_index, slice)`, in any order, so the packer streams one layer at a time and
-never assembles a stacked tensor in memory. Each slice is checked against the plan, written at
+never assembles a stacked tensor in memory. Each slice is checked against the layout, written at
 its precomputed offset (`pwrite`), and released; a slice given twice, or missing at the end,
 aborts the write (nothing is published). `metadata["pack_seconds"]`, when given, is kept;
 otherwise the writer records the wall time from the first tensor asked for to the last written.
@@ -36,7 +36,7 @@ from store.errors import UserError
 from store.fingerprint import diff, fingerprint
 from store.sidecar import checksum
 from store.sidecar.files import check_target, sweep_temp_files
-from store.sidecar.format import REQUIRED_METADATA, TensorPlan, encode_header, is_int, layout
+from store.sidecar.format import REQUIRED_METADATA, TensorShape, encode_header, is_int, layout
 from store.sidecar.key import change_text, key_from_metadata, recompute_key
 from store.units import format_size
 
@@ -78,7 +78,7 @@ def _write_tensor(fd: int, tensor: torch.Tensor, offset: int, u8: torch.dtype) -
 class _Coverage:
     """Which slices of each planned tensor have been written: each exactly once, all of them."""
 
-    def __init__(self, placed: list[tuple[TensorPlan, int]]) -> None:
+    def __init__(self, placed: list[tuple[TensorShape, int]]) -> None:
         self.placed = {p.name: (p, offset) for p, offset in placed}
         self.depth: dict[str, int] = {}
         self.written: dict[str, set[tuple[int, ...]]] = {}
@@ -86,9 +86,9 @@ class _Coverage:
     def locate(
         self, name: str, index: tuple[int, ...], tensor: Any, dtypes: dict
     ) -> tuple[int, int]:
-        """(data offset, byte count) of this slice, after checking it against the plan."""
+        """(data offset, byte count) of this slice, after checking it against the layout."""
         if name not in self.placed:
-            raise ValueError(f"tensor stream yielded {name!r}, which is not in the plan")
+            raise ValueError(f"tensor stream yielded {name!r}, which is not in the layout")
         p, offset = self.placed[name]
         k = len(index)
         lead, rest = p.shape[:k], p.shape[k:]
@@ -102,9 +102,9 @@ class _Coverage:
         if index in seen:
             raise ValueError(f"{name}: slice {index} yielded twice")
         if tensor.dtype != dtypes[p.dtype]:
-            raise ValueError(f"{name}: dtype {tensor.dtype} but the plan says {p.dtype}")
+            raise ValueError(f"{name}: dtype {tensor.dtype} but the layout says {p.dtype}")
         if tuple(tensor.shape) != rest:
-            raise ValueError(f"{name}{list(index)}: shape {tuple(tensor.shape)}, plan says {rest}")
+            raise ValueError(f"{name}{list(index)}: shape {tuple(tensor.shape)}, the layout says {rest}")
         seen.add(index)
         nbytes = math.prod(rest) * DTYPE_SIZES[p.dtype]
         flat = 0
@@ -131,7 +131,7 @@ def _part(item: tuple) -> tuple[str, tuple[int, ...], Any]:
 
 def write_sidecar(
     path: Path | str,
-    plan: list[TensorPlan],
+    shapes: list[TensorShape],
     tensors: Iterable[Part],
     *,
     metadata: dict[str, str],
@@ -143,9 +143,9 @@ def write_sidecar(
     """Stream `tensors` into a sidecar at `path`, published in one rename.
 
     Items are `(name, tensor)` for a whole planned tensor or `(name, index, slice)` for the
-    slice at leading index `index` of a stacked one (`runtime.pack.stream` yields these), in
-    any order; each is checked against the plan and written at its offset as it arrives, and
-    every slice must come exactly once. The header comes from the plan and is written before
+    slice at leading index `index` of a stacked one (`runtime.weights.pack.stream` yields these), in
+    any order; each is checked against the layout and written at its offset as it arrives, and
+    every slice must come exactly once. The header comes from the packed layout and is written before
     the first item is consumed; only one item is held at a time. The file gets `mode_from`'s permission bits (a checkpoint
     shard), else 0644 & ~umask. A crash leaves only a staging file, which later writers sweep.
 
@@ -170,17 +170,17 @@ def write_sidecar(
     mode = stat.S_IMODE(os.stat(mode_from).st_mode) if mode_from is not None else None
     swept = tuple(sweep_temp_files(path.parent))
 
-    plan = list(plan)
-    entries, placed = layout(plan)
+    shapes = list(shapes)
+    entries, placed = layout(shapes)
     meta = dict(metadata)
     meta.setdefault("created", f"{time.time():.3f}")
     keep_pack_seconds = "pack_seconds" in meta
     meta.setdefault("pack_seconds", "0")
-    data_bytes = sum(p.nbytes for p in plan)
+    data_bytes = sum(p.nbytes for p in shapes)
     meta.update(checksum.placeholder(data_bytes))  # same length as the final digests
     header = encode_header(entries, meta, None)
     if len(header) - 8 > MAX_HEADER_BYTES:
-        raise ValueError(f"plan header of {len(header)} bytes exceeds {MAX_HEADER_BYTES}")
+        raise ValueError(f"header of {len(header)} bytes exceeds {MAX_HEADER_BYTES}")
     total = len(header) + data_bytes
 
     from store.sidecar.loader import torch_dtypes
@@ -243,7 +243,7 @@ def write_sidecar(
     return SidecarInfo(
         path,
         total,
-        len(plan),
+        len(shapes),
         float(meta["pack_seconds"]),
         metadata["source_fingerprint"],
         swept,
