@@ -19,11 +19,27 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import IO, Any
 
 VERSION = 1
-PHASES = ("check", "programs", "weights", "upload", "kv", "validate", "serve")
+
+
+class Phase(StrEnum):
+    """The phases of a launch, in order: the only place they are named."""
+
+    CHECK = "check"
+    PROGRAMS = "programs"
+    WEIGHTS = "weights"
+    UPLOAD = "upload"
+    KV = "kv"
+    VALIDATE = "validate"
+    SERVE = "serve"
+
+
+PHASES = tuple(Phase)
+REGISTRATION = PHASES[:-1]  # every rank runs these before serving; the plan predicts their seconds
 KINDS = ("start", "progress", "end", "log", "error")
 
 

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import psutil
 import torch
 
+from runtime.launch.budget import Memory
+from runtime.launch.hardware import resolve_device
 from store.errors import UserError
 from store.units import format_size
 
@@ -26,16 +27,6 @@ class DeviceError(UserError):
 
 class OutOfMemory(RuntimeError):
     """An allocation that does not fit; KV sizing catches it and halves."""
-
-
-@dataclass(frozen=True)
-class Memory:
-    total: int
-    free: int
-    used: int
-
-    def to_json(self) -> dict[str, int]:
-        return {"total": self.total, "free": self.free, "used": self.used}
 
 
 Progress = Callable[[int, int], None]
@@ -54,10 +45,7 @@ class Device:
 
     def memory(self) -> Memory:
         vm = psutil.virtual_memory()
-        if self.cap is None:
-            return Memory(vm.total, vm.available, vm.total - vm.available)
-        free = max(0, min(self.cap - self.allocated, vm.available))
-        return Memory(self.cap, free, self.cap - free)
+        return Memory(vm.total, vm.available, vm.total - vm.available, "cpu").capped(self.cap, "cpu", self.allocated)
 
     def upload(self, tensors: dict[str, torch.Tensor], progress: Progress | None = None) -> dict[str, torch.Tensor]:
         """Place tensors on the device. On cpu they already are: zero-copy, whether mapped
@@ -101,10 +89,7 @@ class _Accelerator(Device):
 
     def memory(self) -> Memory:
         free, total = self._mod().mem_get_info(self.index)
-        if self.cap is not None:
-            total = min(total, self.cap)
-            free = min(free, total)
-        return Memory(total, free, total - free)
+        return Memory(total, free, total - free, self.describe()).capped(self.cap, self.kind)
 
     def upload(self, tensors: dict[str, torch.Tensor], progress: Progress | None = None) -> dict[str, torch.Tensor]:
         total = sum(t.nbytes for t in tensors.values())
@@ -157,9 +142,9 @@ def _npu_available() -> bool:
 
 
 def get_device(name: str = "auto", cap: int | None = None, index: int = 0) -> Device:
-    """auto picks npu > cuda > cpu; `index`: which accelerator (a rank's LOCAL_RANK)."""
-    if name == "auto":
-        name = "npu" if _npu_available() else "cuda" if torch.cuda.is_available() else "cpu"
+    """The device `name` means (auto: `runtime.launch.hardware.resolve_device`, the resolver the
+    plan and the console use too); `index`: which accelerator (a rank's LOCAL_RANK)."""
+    name = resolve_device(name)
     if name == "cpu":
         return Device(cap=cap)
     if name == "cuda":

@@ -1,62 +1,39 @@
 """The plan of the next launch: one truth for the console, the CLI and registration.
 
-`make_plan(model_dir, settings)` says, before anything acts, what a launch with these settings
-would do: every program's live key, fingerprint and kernel-cache state (HIT, MISS, STALE naming
-the changed component, CORRUPT), the sidecar verdict against the *live* source key and packer
-(MAP, or REPACK with reason and residency), the KV budget, and the predicted seconds per phase
-from the launch history. It imports no torch: program signatures and keys derive from the config,
-the pack plan and the project's source files. Registration computes this plan first and acts on
-it; `dsv4 plan` prints it; the console renders it; purge deletes only what it calls stale or
-corrupt. A plan over broken inputs is still a plan: each part says what is wrong in one line.
+`make_plan(spec)` says, before anything acts, what a launch of this `LaunchSpec` would do: every
+program's live key, fingerprint and kernel-cache state (HIT, MISS, STALE naming the changed
+component, CORRUPT, UNTRUSTED, EAGER), the sidecar verdict against the *live* source key and
+packed layout (MAP, or REPACK with reason and residency), the KV budget of every rank
+(`runtime.launch.budget`), how `--ready auto` resolves, and the predicted seconds per phase from
+the launch history. It imports no torch: program signatures and keys derive from the config, the
+packed layout and the project's source files. Registration makes this plan first and carries it
+through its phases — the config, layout and program specs built here, and the bytes of every HIT
+verified here, are the ones the launch uses; `dsv4 plan` prints it; the console renders it; purge
+deletes only what it calls stale or corrupt. A plan over broken inputs is still a plan: each part
+says what is wrong in one line.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from runtime.events import REGISTRATION, Phase
+from runtime.launch import history as records
+from runtime.launch.spec import LaunchSpec
+from runtime.programs.outcome import Outcome
 from store.errors import UserError
 from store.fingerprint import fingerprint
-
-HIT, MISS, STALE, CORRUPT, EAGER, UNTRUSTED = "HIT", "MISS", "STALE", "CORRUPT", "EAGER", "UNTRUSTED"
-PHASES = ("check", "programs", "weights", "upload", "kv", "validate")
-MISS_PATHS = {"stale": STALE, "corrupt": CORRUPT, "untrusted": UNTRUSTED}  # a cache miss's kind → path
-
-
-def miss_path(kind: str) -> str:
-    """The path a launch takes for a program the cache did not hit, by the miss's kind."""
-    return MISS_PATHS.get(kind, MISS)
-
-
-# KV slots a service asks for (fewer when memory is short): the most sequences one decode step
-# batches. Programs take up to MAX_SLOTS (`--max-slots` is bounded by it).
-DEFAULT_MAX_SLOTS, MAX_SLOTS = 32, 4096
-
-
-@dataclass(frozen=True)
-class Settings:
-    """What a launch is asked to do (the launch options a plan depends on)."""
-
-    backend: str = "auto"  # aoti | export | eager | auto
-    device: str = "auto"
-    ranks: int = 1
-    max_seq: int = 1024
-    max_slots: int = DEFAULT_MAX_SLOTS
-    kernel_cache_dir: Path | None = None
-    use_sidecar: bool = True
-    cold_policy: str = "auto"
-    memory_utilization: float = 0.9
-    device_memory: int | None = None
+from store.sidecar.verdict import MAP, REPACK, Reason
 
 
 @dataclass
 class ProgramPlan:
     program: str
-    state: str  # HIT | MISS | STALE | CORRUPT | UNTRUSTED | EAGER
+    state: Outcome
     fingerprint: str | None
     reason: str = ""
     entry: str | None = None  # the entry a HIT loads, or the corrupt entry a launch would replace
@@ -64,101 +41,109 @@ class ProgramPlan:
 
 @dataclass
 class Plan:
-    model: str
-    settings: Settings
-    device: str = "cpu"
-    backend: str = "aoti"
+    spec: LaunchSpec
+    device: str = "cpu"  # resolved (never auto)
+    backend: str = "aoti"  # resolved (never auto)
     programs: list[ProgramPlan] = field(default_factory=list)
     sidecar: dict[str, Any] = field(default_factory=dict)
     kv: dict[str, Any] = field(default_factory=dict)
     predicted: dict[str, float | None] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)  # one line each; a launch would fail on them
     seconds: float = 0.0  # how long making the plan took
-    keys: dict[str, Any] = field(default_factory=dict, repr=False)  # program → live Key (not in JSON)
+    # What a launch acts on, built once here (never in the JSON):
+    config: Any = field(default=None, repr=False)  # runtime.model.config.DeepSeekV4Config
+    layout: Any = field(default=None, repr=False)  # runtime.weights.layout.PackedLayout
+    catalog: Any = field(default=None, repr=False)  # runtime.programs.catalog.ModelPrograms
+    keys: dict[str, Any] = field(default_factory=dict, repr=False)  # program → live Key
+    cache: Any = field(default=None, repr=False)  # the KernelCache the states were judged in
+    hits: dict[str, Any] = field(default_factory=dict, repr=False)  # program → verified Hit (kept bytes)
 
-    def states(self) -> dict[str, str]:
+    @property
+    def model(self) -> str:
+        return str(self.spec.model)
+
+    def states(self) -> dict[str, Outcome]:
         return {p.program: p.state for p in self.programs}
 
     def all_hit(self) -> bool:
         """No program would compile (every one HIT, or eager)."""
-        return all(p.state in (HIT, EAGER) for p in self.programs)
+        return not any(p.state.compiles for p in self.programs)
 
     def weights_path(self) -> str:
-        return "MAP" if self.sidecar.get("verdict") == "MAP" else "REPACK"
+        return MAP if self.sidecar.get("verdict") == MAP else REPACK
+
+    @property
+    def ready(self) -> str:
+        """`--ready` as this launch takes it: auto is early when programs would compile and one
+        rank serves (early serves one rank only), compiled otherwise."""
+        if self.spec.ready != "auto":
+            return self.spec.ready
+        early = not self.all_hit() and self.spec.ranks == 1 and self.backend != "eager"
+        return "early" if early else "compiled"
 
     def to_json(self) -> dict[str, Any]:
-        settings = asdict(self.settings)
-        settings["kernel_cache_dir"] = str(self.settings.kernel_cache_dir or "")
+        spec = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self.spec).items()}
         return {
-            "model": self.model, "settings": settings, "device": self.device, "backend": self.backend,
+            "model": self.model, "spec": spec, "device": self.device, "backend": self.backend, "ready": self.ready,
             "programs": [asdict(p) for p in self.programs], "sidecar": self.sidecar, "kv": self.kv,
             "predicted": self.predicted, "problems": self.problems, "seconds": round(self.seconds, 4),
         }
 
 
-def resolve_device(name: str) -> str:
-    """`auto` → npu > cuda > cpu, decided without torch (driver device nodes + torch_npu)."""
-    if name != "auto":
-        return name
-    if importlib.util.find_spec("torch_npu") is not None and Path("/dev/davinci0").exists():
-        return "npu"
-    if Path("/dev/nvidia0").exists() or Path("/dev/nvidiactl").exists():
-        return "cuda"
-    return "cpu"
-
-
 def resolve_backend(backend: str, device: str) -> str:
-    from runtime.program_spec import default_backend
+    from runtime.programs.spec import default_backend
 
     return default_backend(device) if backend == "auto" else backend
 
 
-def model_programs(model_dir: Path | str, settings: Settings, pack_plan=None):
+def model_programs(spec: LaunchSpec, layout=None):
     """The deployment's programs (specs, variants, dims) from config.json alone."""
-    from runtime.config import load_config
-    from runtime.model_programs import build_programs
-    from runtime.pack_plan import PackPlan
+    from runtime.model.config import load_config
+    from runtime.programs.catalog import build_programs
+    from runtime.weights.layout import PackedLayout
 
-    if pack_plan is None:
-        config = load_config(model_dir)
-        pack_plan = PackPlan(config, settings.ranks)
-    return build_programs(pack_plan.config, pack_plan, settings.max_seq)
+    if layout is None:
+        layout = PackedLayout(load_config(spec.model), spec.ranks)
+    return build_programs(layout.config, layout, spec.max_seq)
 
 
-def program_keys(model_dir: Path | str, settings: Settings) -> dict[str, Any]:
+def program_keys(spec: LaunchSpec) -> dict[str, Any]:
     """Live cache keys of every program this model needs (what `cache ls --model` judges by)."""
-    from runtime.program_spec import program_key
+    from runtime.launch.hardware import resolve_device
+    from runtime.programs.spec import program_key
 
-    device = resolve_device(settings.device)
-    backend = resolve_backend(settings.backend, device)
+    device = resolve_device(spec.device)
+    backend = resolve_backend(spec.backend, device)
     if backend == "eager":
         backend = "export"  # eager launches cache nothing; judge entries as the export key
-    return {n: program_key(s, backend, device) for n, s in model_programs(model_dir, settings).specs.items()}
+    return {n: program_key(s, backend, device) for n, s in model_programs(spec).specs.items()}
 
 
-def make_plan(model_dir: Path | str, settings: Settings | None = None, *,
-              history: list[dict[str, Any]] | None = None) -> Plan:
-    """The plan of the next launch of `model_dir` with `settings`. Never raises for bad inputs."""
+def make_plan(spec: LaunchSpec, *, history: list[dict[str, Any]] | None = None,
+              keep_verified: bool = False) -> Plan:
+    """The plan of the next launch of `spec` (its model resolved). Never raises for bad inputs.
+    `keep_verified`: keep each HIT's verified bytes in `plan.hits`, for the launch to load."""
+    from runtime.launch.hardware import resolve_device
+
     started = time.perf_counter()
-    settings = settings or Settings()
-    plan = Plan(str(model_dir), settings)
-    plan.device = resolve_device(settings.device)
-    plan.backend = resolve_backend(settings.backend, plan.device)
-    programs = layout = None
+    plan = Plan(spec)
+    plan.device = resolve_device(spec.device)
+    plan.backend = resolve_backend(spec.backend, plan.device)
     try:
-        from runtime.config import load_config
-        from runtime.pack_plan import PackPlan
+        from runtime.model.config import load_config
+        from runtime.weights.layout import PackedLayout
 
-        layout = PackPlan(load_config(model_dir), settings.ranks)
-        programs = model_programs(model_dir, settings, layout)
+        plan.config = load_config(spec.model)
+        plan.layout = PackedLayout(plan.config, spec.ranks)
+        plan.catalog = model_programs(spec, plan.layout)
     except (UserError, ValueError, OSError) as e:
         plan.problems.append(f"check: {e}")
-    if programs is not None:
-        plan.programs = _program_states(programs, plan)
-        plan.kv = _kv(programs, settings, plan.device)
+    if plan.catalog is not None:
+        plan.programs = judge_programs(plan, keep_verified)
+        plan.kv = _kv(plan)
         if plan.kv.get("problem"):
             plan.problems.append(f"kv: {plan.kv['problem']}")
-    plan.sidecar = _sidecar(model_dir, settings, layout)
+    plan.sidecar = _sidecar(plan)
     if history is None:
         from store.history import read_history
 
@@ -169,119 +154,95 @@ def make_plan(model_dir: Path | str, settings: Settings | None = None, *,
     return plan
 
 
-def _program_states(programs, plan: Plan) -> list[ProgramPlan]:
-    from runtime.program_spec import program_key
+def judge_programs(plan: Plan, keep_verified: bool) -> list[ProgramPlan]:
+    """Each program of `plan.catalog` in the plan's kernel cache: its live key (`plan.keys`) and
+    state, probed with full verification (same-size corruption is CORRUPT here); `keep_verified`
+    keeps every HIT's verified bytes (`plan.hits`) for the launch to load."""
+    from runtime.programs.spec import program_key
     from store.kernel_cache import KernelCache
     from store.paths import kernel_cache_dir
 
+    specs = plan.catalog.specs
     if plan.backend == "eager":
-        return [ProgramPlan(n, EAGER, None, "eager backend: nothing cached") for n in programs.specs]
+        return [ProgramPlan(n, Outcome.EAGER, None, "eager backend: nothing cached") for n in specs]
     try:
-        cache = KernelCache(plan.settings.kernel_cache_dir or kernel_cache_dir())
+        plan.cache = KernelCache(kernel_cache_dir(plan.spec.kernel_cache_dir))
     except (UserError, OSError) as e:
-        return [ProgramPlan(n, UNTRUSTED, None, str(e)) for n in programs.specs]
+        return [ProgramPlan(n, Outcome.UNTRUSTED, None, str(e)) for n in specs]
     out = []
-    for name, spec in programs.specs.items():
+    for name, spec in specs.items():
         key = plan.keys[name] = program_key(spec, plan.backend, plan.device)
         try:
-            found = cache.probe(name, key)
+            found = plan.cache.probe(name, key)
         except (UserError, OSError) as e:
-            out.append(ProgramPlan(name, UNTRUSTED, fingerprint(key), str(e)))
+            out.append(ProgramPlan(name, Outcome.UNTRUSTED, fingerprint(key), str(e)))
             continue
         if found.hit:
-            out.append(ProgramPlan(name, HIT, found.fingerprint, "", str(found.path)))
+            out.append(ProgramPlan(name, Outcome.HIT, found.fingerprint, "", str(found.path)))
+            if keep_verified:
+                plan.hits[name] = found
             continue
-        state = miss_path(found.kind)
-        entry = str(cache.base / name / found.fingerprint) if state in (CORRUPT, UNTRUSTED) else None
+        state = Outcome.of_miss(found.kind)
+        entry = str(plan.cache.base / name / found.fingerprint) if state in (Outcome.CORRUPT, Outcome.UNTRUSTED) \
+            else None
         out.append(ProgramPlan(name, state, found.fingerprint, found.reason, entry))
     return out
 
 
-def _sidecar(model_dir: Path | str, settings: Settings, layout) -> dict[str, Any]:
-    from runtime.prepack import judge
+def _sidecar(plan: Plan) -> dict[str, Any]:
+    from runtime.weights.prepack import judge
     from store import sidecar
 
-    path = sidecar.default_sidecar_path(model_dir, settings.ranks)
-    if not settings.use_sidecar:
-        return {"path": str(path), "verdict": "REPACK", "reason": "disabled", "detail": "--no-sidecar"}
+    spec = plan.spec
+    path = sidecar.default_sidecar_path(spec.model, spec.ranks)
+    if not spec.use_sidecar:
+        return {"path": str(path), "verdict": REPACK, "reason": Reason.DISABLED, "detail": "--no-sidecar"}
     try:
-        if layout is None:
+        if plan.layout is None:
             raise UserError("the checkpoint's config does not load (see check)")
-        return judge(model_dir, settings.ranks, cold_policy=settings.cold_policy, plan=layout).to_json()
+        return judge(spec.model, spec.ranks, cold_policy=spec.cold_policy, packed=plan.layout).to_json()
     except (UserError, ValueError, OSError) as e:
-        return {"path": str(path), "verdict": "REPACK", "reason": "source", "detail": str(e)}
+        return {"path": str(path), "verdict": REPACK, "reason": Reason.SOURCE, "detail": str(e)}
 
 
-def host_memory(cap: int | None = None) -> dict[str, int]:
-    """Host memory as the cpu device sees it (total, free, used), capped like --device-memory."""
-    import psutil
+def _kv(plan: Plan) -> dict[str, Any]:
+    """Every rank's KV budget on this host's devices, read now (runtime.launch.budget)."""
+    from runtime.launch.budget import launch_kv
+    from runtime.launch.hardware import read_memory
+    from runtime.programs.catalog import kv_slot_bytes
 
-    vm = psutil.virtual_memory()
-    if cap is None:
-        return {"total": vm.total, "free": vm.available, "used": vm.total - vm.available}
-    free = max(0, min(cap, vm.available))
-    return {"total": cap, "free": free, "used": cap - free}
-
-
-def kv_budget(memory: dict[str, int], slot_bytes: int, utilization: float, max_slots: int,
-              share: int = 1) -> dict[str, Any]:
-    """budget = (total × utilization − used) / share; slots = what fits, up to max_slots
-    (registration's rule). `share`: the ranks of one service that split this memory (cpu)."""
-    budget = (int(memory["total"] * utilization) - memory["used"]) // share
-    slots = min(max_slots, budget // slot_bytes) if budget > 0 and slot_bytes > 0 else 0
-    out: dict[str, Any] = {**memory, "utilization": utilization, "budget": budget,
-                           "slot_bytes": slot_bytes, "slots": slots, **({"ranks": share} if share > 1 else {})}
-    if slots < 1:
-        out["problem"] = (f"not even one KV slot fits: a slot needs {slot_bytes} bytes, the budget is "
-                          f"{max(budget, 0)} bytes (total × {utilization} − used)")
-    return out
-
-
-def _kv(programs, settings: Settings, device: str) -> dict[str, Any]:
-    from runtime.model_programs import kv_slot_bytes
-
-    slot = kv_slot_bytes(programs)
-    if device != "cpu":  # device memory needs the device runtime: registration measures it
-        return {"slot_bytes": slot, "slots": None, "max_seq": settings.max_seq,
-                "detail": f"{device} memory is measured at launch"}
-    # every rank holds every sequence's KV; on one cpu host the ranks split its memory
-    return {**kv_budget(host_memory(settings.device_memory), slot, settings.memory_utilization,
-                        settings.max_slots, settings.ranks), "max_seq": settings.max_seq}
+    spec = plan.spec
+    slot = kv_slot_bytes(plan.catalog)
+    reading = read_memory(plan.device, spec.device_memory)
+    if reading.error:
+        return {"slot_bytes": slot, "slots": None, "max_seq": spec.max_seq, "ranks": spec.ranks,
+                "detail": f"{reading.error}; the launch measures it"}
+    kv = launch_kv(plan.device, reading.devices, spec.ranks, slot, spec.memory_utilization, spec.max_slots,
+                   spec.max_seq)
+    return {**kv.to_json(), "source": reading.source}
 
 
 def _predict(plan: Plan, history: list[dict[str, Any]]) -> dict[str, float | None]:
     """Seconds per phase, from the newest successful launch of this model with as many ranks
-    that took the same paths (programs all HIT or not, weights MAP or REPACK); None where none did."""
+    that took the same paths (compiled nothing or compiled, weights MAP or REPACK); None where none did."""
     mine = [r for r in history if r.get("model") == plan.model and r.get("outcome") == "ok"
-            and r.get("ranks", 1) == plan.settings.ranks]
-    all_hit = plan.all_hit()
+            and r.get("ranks", 1) == plan.spec.ranks]
+    compiles = not plan.all_hit()
     weights = plan.weights_path()
     out: dict[str, float | None] = {}
-    for phase in PHASES:
+    for phase in REGISTRATION:
         value = None
         for record in reversed(mine):
-            phases = record.get("phases") or {}
-            counts = (phases.get("programs") or {}).get("counts") or {}
-            if phase == "programs" and (not counts.get("MISS") and not counts.get("STALE")) != all_hit:
+            if phase == Phase.PROGRAMS and records.recompiled(record) != compiles:
                 continue
-            if phase == "weights" and (phases.get("weights") or {}).get("path") != weights:
+            if phase == Phase.WEIGHTS and records.weights_path(record) != weights:
                 continue
-            seconds = (phases.get(phase) or {}).get("seconds")
+            seconds = ((record.get("phases") or {}).get(phase) or {}).get("seconds")
             if isinstance(seconds, int | float):
                 value = float(seconds)
                 break
         out[phase] = value
-    if out.get("weights") is None:
-        key = "predicted_read_s" if weights == "MAP" else "predicted_pack_s"
-        out["weights"] = plan.sidecar.get(key)
+    if out.get(Phase.WEIGHTS) is None:
+        key = "predicted_read_s" if weights == MAP else "predicted_pack_s"
+        out[Phase.WEIGHTS] = plan.sidecar.get(key)
     return out
-
-
-def plan_for_launch(options) -> Plan:
-    """The plan of a `LaunchOptions` (registration and `dsv4 serve`)."""
-    return make_plan(options.model_dir, settings_of(options))
-
-
-def settings_of(options) -> Settings:
-    return Settings(**{f: getattr(options, f) for f in Settings.__dataclass_fields__ if hasattr(options, f)})
-

@@ -1,7 +1,7 @@
 """Rank processes of one service: who this process is, the rendezvous, and the per-step link.
 
 A service of N ranks is N processes (one per device), started by `dsv4 serve --ranks N` (its
-launcher, `runtime.rank_launcher`) or by `torchrun` (`--nnodes 2 …` across hosts): each reads
+launcher, `runtime.serve.rank_launcher`) or by `torchrun` (`--nnodes 2 …` across hosts): each reads
 RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT. Two channels:
 
 - the **rendezvous store** (a TCPStore: torchrun's agent or our launcher hosts it, else rank

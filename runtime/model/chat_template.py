@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from runtime.tokenizer import ASSISTANT_TOKEN, BOS_TOKEN, EOS_TOKEN, THINK_END, USER_TOKEN
+from runtime.model.tokenizer import ASSISTANT_TOKEN, BOS_TOKEN, EOS_TOKEN, THINK_END, USER_TOKEN
 
 ROLES = ("system", "user", "assistant")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from runtime.config import CSA, HCA, DeepSeekV4Config
+from runtime.model.config import CSA, HCA, DeepSeekV4Config
 
 
 @dataclass(frozen=True)

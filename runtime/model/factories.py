@@ -1,6 +1,6 @@
 """The model's program functions, as factories over JSON captures (torch).
 
-`runtime.model_programs` names these as "runtime.program_fns:<factory>" with the captures as
+`runtime.programs.catalog` names these as "runtime.model.factories:<factory>" with the captures as
 data, so the launch plan computes every key without importing this module; each program
 closes over its captures only (checked when it is built), so they are all in its key.
 """
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from runtime import model
-from runtime.dims import Dims
+from runtime.model import forward as model
+from runtime.model.dims import Dims
 
 
 def layer(dims: dict, kind: str, ratio: int, hash_routed: bool, cache_names: list[str],

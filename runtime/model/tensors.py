@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from runtime.config import CSA, HCA, DeepSeekV4Config
+from runtime.model.config import CSA, HCA, DeepSeekV4Config
 from store.checkpoint import TensorSpec
 
 FP8, FP4, BF16, F32, I64 = "fp8", "fp4", "bf16", "f32", "i64"

@@ -1,7 +1,7 @@
 """Tokenizers: the checkpoint's `tokenizer.json` (Hugging Face `tokenizers`), else UTF-8 bytes.
 
 Real DeepSeek V4 checkpoints ship a byte-level BPE `tokenizer.json`; `dsv4 synth` writes one
-too (runtime.synth_tokenizer), so the synthetic presets take the same path. A checkpoint
+too (runtime.synth.tokenizer), so the synthetic presets take the same path. A checkpoint
 without one falls back to the byte tokenizer (ids = bytes shifted past bos/eos) with a
 warning. A tokenizer.json that does not load, or whose ids do not fit the model's vocabulary,
 is one line (TokenizerError) at registration's check phase, never a traceback mid-request.

@@ -1,6 +1,6 @@
 """Preparing programs through the kernel cache: HIT (load verified bytes) or compile and publish.
 
-Specs and keys are `runtime.program_spec`'s (torch-free); this module imports torch only inside
+Specs and keys are `runtime.programs.spec`'s (torch-free); this module imports torch only inside
 the functions that compile or load, so `dsv4 cache ls` and the launch plan stay torch-free.
 
     prepared = prepare(spec, cache=KernelCache(kernel_cache_dir()), backend="auto")
@@ -18,14 +18,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from runtime.program_spec import (
+from runtime.programs.spec import (
     CONFIG_COMPONENTS,
     ProgramSpec,
     build_function,
     default_backend,
     program_key,
 )
-from runtime.toolchain import toolchain_components
+from runtime.programs.toolchain import toolchain_components
 from store.kernel_cache import Hit, KernelCache, Reference
 
 ARTIFACT = "program.pt2"
@@ -54,6 +54,7 @@ class Prepared:
     seconds: float
     run: Callable[..., Any] = field(repr=False)
     miss_kind: str = ""  # absent | stale | corrupt | unknown | untrusted ("" for a HIT)
+    artifact_bytes: int = 0  # the bytes loaded (0: eager, or not loaded)
 
 
 def prepare(
@@ -72,8 +73,9 @@ def prepare(
     key = program_key(spec, backend, device)
     build = functools.partial(_build, spec, backend, device)
     if cache is None:
-        run = _load(backend, _build_bytes(build))
-        return Prepared(spec.name, backend, None, "uncached", "no kernel cache", _since(started), run)
+        data = _build_bytes(build)
+        return Prepared(spec.name, backend, None, "uncached", "no kernel cache", _since(started), _load(backend, data),
+                        artifact_bytes=len(data))
     fetched = cache.get_or_build(spec.name, key, build, config_components=CONFIG_COMPONENTS)
     if not load:  # a compile worker: published is done; the parent loads
         return Prepared(spec.name, backend, fetched.hit.fingerprint, _outcome(fetched.built, fetched.hit),
@@ -96,7 +98,23 @@ def prepare(
         _since(started),
         run,
         fetched.miss.kind if fetched.miss else "",
+        len(fetched.hit.data(ARTIFACT)),
     )
+
+
+def load_verified(spec: ProgramSpec, hit: Hit, *, cache: KernelCache, backend: str, device: str = "cpu") -> Prepared:
+    """A program from a HIT whose bytes were verified already (the launch plan's probe): loaded
+    from those very bytes, the entry never read again, the hit recorded. Bytes that do not load
+    get the entry quarantined and the program prepared afresh (`prepare`: a compile)."""
+    started = time.perf_counter()
+    data = hit.data(ARTIFACT)
+    try:
+        run = _load(backend, data)
+    except Exception as e:
+        cache.reject(hit, f"{type(e).__name__}: {e}")
+        return prepare(spec, cache=cache, backend=backend, device=device)
+    cache.record_hit(hit)
+    return Prepared(spec.name, backend, hit.fingerprint, "hit", "", _since(started), run, artifact_bytes=len(data))
 
 
 def _outcome(built: bool, hit: Hit) -> str:

@@ -1,7 +1,7 @@
 """The model's programs as specs: one per (layer variant × mode), plus embed, head and MTP input.
 
-Torch-free: signatures come from the config and the pack plan's shapes, the functions are named
-("runtime.program_fns:<factory>") with their captures as data, so the launch plan computes every
+Torch-free: signatures come from the config and the packed layout's shapes, the functions are named
+("runtime.model.factories:<factory>") with their captures as data, so the launch plan computes every
 program's key in a process that never imports torch. A layer variant is (kind, compress ratio,
 routing): layers that share it share one program, because weights are inputs.
 """
@@ -10,18 +10,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runtime.config import SLIDING, DeepSeekV4Config
-from runtime.dims import Dims, cache_shapes
-from runtime.pack_plan import EXPERTS, PackPlan
-from runtime.plan import MAX_SLOTS
-from runtime.program_spec import DynamicDim, ProgramSpec, TensorSpec
+from runtime.launch.spec import MAX_SLOTS
+from runtime.model.config import SLIDING, DeepSeekV4Config
+from runtime.model.dims import Dims, cache_shapes
+from runtime.programs.spec import DynamicDim, ProgramSpec, TensorSpec
+from runtime.weights.layout import EXPERTS, PackedLayout
 
 PREFILL, DECODE = "prefill", "decode"
 MODES = (PREFILL, DECODE)
 # A prefill is one sequence's tokens (T ≤ max_seq); a decode step packs rows of many sequences,
 # each in its own cache slot: up to MAX_SLOTS slots, two rows each (MTP verify).
 MAX_DECODE_ROWS = 2 * MAX_SLOTS
-FNS = "runtime.program_fns"
+FNS = "runtime.model.factories"
 TOP_HEAD = ("hc_head_base", "hc_head_fn", "hc_head_scale", "norm.weight", "head.weight")
 MTP_INPUT = ("e_proj.qscale", "e_proj.qweight", "enorm.weight", "h_proj.qscale", "h_proj.qweight", "hnorm.weight")
 # safetensors dtype → torch dtype name (what a TensorSpec holds)
@@ -52,16 +52,16 @@ def layer_variants(config: DeepSeekV4Config) -> dict[str, LayerVariant]:
     return out
 
 
-def weight_shapes(plan: PackPlan) -> dict[str, dict[str, tuple[str, tuple[int, ...]]]]:
-    """Group → weight key → (dtype, shape) of the views `runtime.weights.packed_views` gives the
+def weight_shapes(packed: PackedLayout) -> dict[str, dict[str, tuple[str, tuple[int, ...]]]]:
+    """Group → weight key → (dtype, shape) of the views `runtime.weights.views.packed_views` gives the
     programs (a stacked tensor indexed by layer; the routed experts of one rank), without tensors."""
     out: dict[str, dict[str, tuple[str, tuple[int, ...]]]] = {}
-    for group, params in plan.groups:
+    for group, params in packed.groups:
         w: dict[str, tuple[str, tuple[int, ...]]] = {}
         for p in params:
-            slot = plan.slots[p.name]
+            slot = packed.slots[p.name]
             for name in slot.names:
-                t = plan.tensors[name]
+                t = packed.tensors[name]
                 # routed experts [ranks, layers, E/r, …] → one rank's [E/r, …]
                 shape = t.shape[2:] if slot.rule.group == EXPERTS else t.shape[len(slot.index):]
                 w.setdefault(slot.relative(name), (_DTYPE_NAMES[t.dtype], tuple(shape)))
@@ -81,15 +81,15 @@ class ModelPrograms:
     expert_parallel: bool = False  # ranks > 1: layers take `expert_base`, return FFN parts (model.ffn_out)
 
 
-def build_programs(config: DeepSeekV4Config, plan: PackPlan, max_seq: int) -> ModelPrograms:
+def build_programs(config: DeepSeekV4Config, packed: PackedLayout, max_seq: int) -> ModelPrograms:
     d = Dims.of(config, max_seq)
     dims = d.to_json()
-    shapes = weight_shapes(plan)
+    shapes = weight_shapes(packed)
     variants = layer_variants(config)
     tokens_dim, rows_dim = DynamicDim("T", 1, max_seq), DynamicDim("B", 1, MAX_DECODE_ROWS)
     slots_dim = DynamicDim("S", 1, MAX_SLOTS)
-    layout = {"ranks": plan.ranks, "max_seq": max_seq}
-    parallel = plan.ranks > 1
+    layout = {"ranks": packed.ranks, "max_seq": max_seq}
+    parallel = packed.ranks > 1
     specs: dict[str, ProgramSpec] = {}
     cache_names: dict[str, tuple[str, ...]] = {}
     weight_names: dict[str, tuple[str, ...]] = {}

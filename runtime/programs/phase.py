@@ -8,87 +8,109 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from runtime.events import Emitter
-from runtime.plan import miss_path
+from runtime.events import Emitter, Phase
+from runtime.programs.outcome import Outcome
 from store.errors import UserError
 from store.units import format_size
 
 if TYPE_CHECKING:
-    from runtime.compile_pool import Compiled
+    from runtime.programs.pool import Compiled
 
 
 class CompileFailed(UserError):
     """A program that must be compiled before serving (`--ready compiled`) did not compile."""
 
 
-def _path_taken(prepared) -> str:
-    """HIT, or MISS / STALE (a cached entry of that program was built by another toolchain)."""
+def _path_taken(prepared) -> Outcome:
+    """HIT, or why not (MISS, STALE: a cached entry of that program was built by another toolchain, …)."""
     if prepared.outcome == "hit":
-        return "HIT"
+        return Outcome.HIT
     if prepared.outcome == "eager":
-        return "EAGER"
-    return miss_path(prepared.miss_kind)
+        return Outcome.EAGER
+    return Outcome.of_miss(prepared.miss_kind)
 
 
-def prepare_programs(programs, options, device_kind: str, emitter: Emitter,
-                     phase: str = "programs", stop: threading.Event | None = None, load: bool = True):
-    """Every program ready to run: HITs load (verified); missing ones compile in a pool of worker
-    processes (`options.jobs`, longest first, within a memory floor), each loading as soon as it
-    publishes. With `options.ready == "early"` the missing ones run eager meanwhile and swap in
-    as they publish (`TieredRunners`); otherwise this returns when all are loaded. `load=False`
-    (`dsv4 compile`) only makes sure every program is published. Returns (runners, results)."""
-    from runtime.program_spec import program_key
-    from runtime.programs import prepare
-    from runtime.tiers import COMPILED, EAGER, TieredRunners
-    from store.kernel_cache import KernelCache
-    from store.paths import kernel_cache_dir
+@dataclass
+class Prepared:
+    """The programs phase's result: the runner table, each program's record, and what it cost."""
 
-    backend, specs = options.backend, list(programs.specs.values())
+    runners: Any  # runtime.programs.tiers.TieredRunners (or a dict of eager runners)
+    results: list[dict[str, Any]]
+    artifact_bytes: int = 0  # bytes of the artifacts loaded (each hashed once, by the plan or a lookup)
+
+
+def prepare_programs(plan, emitter: Emitter, *, stop: threading.Event | None = None, load: bool = True,
+                     phase: str = Phase.PROGRAMS) -> Prepared:
+    """Every program of the plan ready to run. The plan's HITs load from the bytes its probe
+    verified (`plan.hits`; never read again); the others compile in a pool of worker processes
+    (`--jobs`, longest first, within a memory floor), each loading as soon as it publishes — a
+    MISS that another process published since the plan was made loads at once. With the plan's
+    `ready == "early"` the missing ones run eager meanwhile and swap in as they publish
+    (`TieredRunners`); otherwise this returns when all are loaded. `load=False` (`dsv4 compile`)
+    only makes sure every program is published."""
+    from runtime.programs.build import prepare
+    from runtime.programs.tiers import COMPILED, EAGER, TieredRunners
+
+    backend, device = plan.backend, plan.device
+    specs = list(plan.catalog.specs.values())
+    planned = {p.program: p for p in plan.programs}
     results: dict[str, dict[str, Any]] = {}
+    loaded_bytes = [0]
 
-    def record(name: str, outcome: str, seconds: float, fingerprint: str | None, reason: str,
+    def record(name: str, outcome: Outcome, seconds: float, fingerprint: str | None, reason: str,
                tier: str = COMPILED) -> None:
         results[name] = {"program": name, "outcome": outcome, "tier": tier, "seconds": round(seconds, 4),
                          "backend": backend, "fingerprint": fingerprint, "reason": reason}
         emitter.emit(phase, "progress", done=len(results), total=len(specs), unit="programs", detail=results[name])
 
+    def done(runners) -> Prepared:
+        return Prepared(runners, [results[s.name] for s in specs], loaded_bytes[0])
+
     if backend == "eager":
         runners = {}
         for spec in specs:
-            runners[spec.name] = prepare(spec, cache=None, backend="eager", device=device_kind).run
-            record(spec.name, "EAGER", 0.0, None, "eager backend", EAGER)
-        return runners, [results[s.name] for s in specs]
-    cache = KernelCache(options.kernel_cache_dir or kernel_cache_dir())
-    probes = {s.name: cache.probe(s.name, program_key(s, backend, device_kind)) for s in specs}
-    missing = [s for s in specs if not probes[s.name].hit]
-    pool = _pool(options, cache.root, device_kind, emitter, phase, stop)
+            runners[spec.name] = prepare(spec, cache=None, backend="eager", device=device).run
+            record(spec.name, Outcome.EAGER, 0.0, None, "eager backend", EAGER)
+        return done(runners)
+    cache = _trusted_cache(plan)
+    hits = dict(plan.hits) if load else {}
+    for spec in specs:  # published since the plan was made (another launch, or rank 0 of this one)
+        if planned[spec.name].state in (Outcome.MISS, Outcome.STALE):
+            found = cache.probe(spec.name, plan.keys[spec.name])
+            if found.hit:
+                hits[spec.name] = found
+    missing = [s for s in specs if planned[s.name].state != Outcome.HIT and s.name not in hits]
+    pool = _pool(plan, cache.root, emitter, phase, stop)
     if not load:
         compiled = _run_pool(pool, missing, emitter, phase) if missing else {}
         for spec in specs:
-            done = compiled.get(spec.name)
-            _raise_if_failed(spec, done)
-            record(spec.name, done.path_taken if done else "HIT", done.seconds if done else 0.0,
-                   probes[spec.name].fingerprint, probes[spec.name].reason if done else "")
-        return TieredRunners({}, {}), [results[s.name] for s in specs]
+            result = compiled.get(spec.name)
+            _raise_if_failed(spec, result)
+            record(spec.name, result.path_taken if result else Outcome.HIT, result.seconds if result else 0.0,
+                   planned[spec.name].fingerprint, planned[spec.name].reason if result else "")
+        return done(TieredRunners({}, {}))
 
-    def load_one(spec, done: Compiled | None = None) -> Callable[..., Any]:
-        """A HIT, or a program the pool has just published (`done`), loaded verified."""
-        prepared = _load(spec, cache, backend, device_kind)
-        record(spec.name, done.path_taken if done else _path_taken(prepared),
-               prepared.seconds + (done.seconds if done else 0.0), prepared.fingerprint,
-               probes[spec.name].reason if done else prepared.reason)
+    def load_one(spec, compiled: Compiled | None = None) -> Callable[..., Any]:
+        """A HIT (from its verified bytes), or a program the pool has just published (`compiled`:
+        a verified lookup of the entry it wrote)."""
+        prepared = _load(spec, cache, backend, device, hits.get(spec.name) if compiled is None else None)
+        loaded_bytes[0] += prepared.artifact_bytes
+        reason = planned[spec.name].reason if compiled else prepared.reason
+        record(spec.name, compiled.path_taken if compiled else _path_taken(prepared),
+               prepared.seconds + (compiled.seconds if compiled else 0.0), prepared.fingerprint, reason)
         return prepared.run
 
-    early = options.ready == "early" and bool(missing)
+    early = plan.ready == "early" and bool(missing)
     if early:
         runners, tiers = {}, {}
         for spec in specs:
             if spec in missing:
-                runners[spec.name], tiers[spec.name] = prepare(spec, cache=None, backend="eager", device=device_kind).run, EAGER
-                record(spec.name, miss_path(probes[spec.name].kind), 0.0, None, probes[spec.name].reason, EAGER)
+                runners[spec.name], tiers[spec.name] = prepare(spec, cache=None, backend="eager", device=device).run, EAGER
+                record(spec.name, planned[spec.name].state, 0.0, None, planned[spec.name].reason, EAGER)
             else:
                 runners[spec.name], tiers[spec.name] = load_one(spec), COMPILED
     else:
@@ -98,8 +120,23 @@ def prepare_programs(programs, options, device_kind: str, emitter: Emitter,
         phase, f"{name}: compiled tier swapped in", program=name, tier=COMPILED))
     if early:
         threading.Thread(target=_compile_in_background, name="compile-pool", daemon=True,
-                         args=(pool, missing, cache, backend, device_kind, table, emitter, phase)).start()
-    return table, [results[s.name] for s in specs]
+                         args=(pool, missing, cache, backend, device, table, emitter, phase)).start()
+    return done(table)
+
+
+def _trusted_cache(plan):
+    """The plan's kernel cache, once more checked for trust: a root that is not ours (or turned
+    untrusted since the plan) is one line before any program is loaded from it."""
+    from store.kernel_cache import KernelCache, UntrustedCacheError
+    from store.paths import kernel_cache_dir
+
+    if plan.cache is None:
+        untrusted = next((p.reason for p in plan.programs if p.state == Outcome.UNTRUSTED), "")
+        if untrusted:
+            raise UntrustedCacheError(untrusted)
+        return KernelCache(kernel_cache_dir(plan.spec.kernel_cache_dir))
+    plan.cache.check_trust()
+    return plan.cache
 
 
 def _loader() -> ThreadPoolExecutor:
@@ -133,13 +170,16 @@ def _load_while_compiling(pool, specs: list, missing: list, load: Callable[..., 
             raise
 
 
-def _load(spec, cache, backend: str, device_kind: str):
-    """`prepare` (a verified load of the published entry), never beside a compile that runs in
-    this process (the pool's serial fallback): torch does not allow the two at once."""
-    from runtime.compile_pool import IN_PROCESS_TORCH
-    from runtime.programs import prepare
+def _load(spec, cache, backend: str, device_kind: str, hit=None):
+    """A verified load: of the HIT's bytes the plan verified (`hit`), else of the published entry
+    (`prepare`: one verified lookup); never beside a compile that runs in this process (the pool's
+    serial fallback), as torch does not allow the two at once."""
+    from runtime.programs.build import load_verified, prepare
+    from runtime.programs.pool import IN_PROCESS_TORCH
 
     with IN_PROCESS_TORCH:
+        if hit is not None:
+            return load_verified(spec, hit, cache=cache, backend=backend, device=device_kind)
         return prepare(spec, cache=cache, backend=backend, device=device_kind)
 
 
@@ -172,14 +212,13 @@ def _available() -> int:
     return psutil.virtual_memory().available
 
 
-def _pool(options, root: Path, device_kind: str, emitter: Emitter, phase: str,
-          stop: threading.Event | None):
-    from runtime.compile_pool import CompilePool, default_jobs
+def _pool(plan, root: Path, emitter: Emitter, phase: str, stop: threading.Event | None):
+    from runtime.programs.pool import CompilePool, default_jobs
 
     def on_event(program: str, state: str, detail: dict[str, Any]) -> None:
         emitter.log(phase, f"{program}: {state}", program=program, state=state, **detail)
 
-    return CompilePool(root, options.backend, device_kind, options.jobs or default_jobs(),
+    return CompilePool(root, plan.backend, plan.device, plan.spec.jobs or default_jobs(),
                        on_event=on_event, stop=stop or threading.Event())
 
 

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from runtime.compile_worker import spec_to_json
+from runtime.programs.outcome import Outcome
+from runtime.programs.worker import spec_to_json
 
 log = logging.getLogger(__name__)
 DEFAULT_RSS = 1 << 30  # expected peak of a compile never measured on this host
@@ -66,11 +67,9 @@ class Compiled:
     miss_kind: str = ""  # why it was not cached: absent | stale | corrupt | …
 
     @property
-    def path_taken(self) -> str:
+    def path_taken(self) -> Outcome:
         """What this launch found for the program: HIT (published by another meanwhile) or why not."""
-        from runtime.plan import miss_path
-
-        return "HIT" if self.outcome == "hit" else miss_path(self.miss_kind)
+        return Outcome.HIT if self.outcome == "hit" else Outcome.of_miss(self.miss_kind)
 
 
 OnDone = Callable[[Compiled], None]
@@ -119,8 +118,8 @@ class CompilePool:
             return done
 
     def _serial(self, specs: list[Any], on_done: OnDone) -> None:
-        from runtime.compile_worker import peak_rss_bytes
-        from runtime.programs import prepare
+        from runtime.programs.build import prepare
+        from runtime.programs.worker import peak_rss_bytes
         from store.kernel_cache import KernelCache
 
         cache = KernelCache(self.cache_root)
@@ -182,9 +181,9 @@ class CompilePool:
     def _spawn(self, spec) -> subprocess.Popen:
         job = {"spec": spec_to_json(spec), "cache_root": str(self.cache_root), "backend": self.backend,
                "device": self.device}
-        proc = subprocess.Popen([sys.executable, "-m", "runtime.compile_worker"], stdin=subprocess.PIPE,
+        proc = subprocess.Popen([sys.executable, "-m", "runtime.programs.worker"], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                cwd=Path(__file__).resolve().parents[1], start_new_session=True)
+                                cwd=Path(__file__).resolve().parents[2], start_new_session=True)
         proc.stdin.write(json.dumps(job))
         proc.stdin.close()
         return proc

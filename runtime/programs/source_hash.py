@@ -22,7 +22,7 @@ from typing import Any
 
 from store.fingerprint import UNKNOWN, sha256_hex
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 _VENV = PROJECT_ROOT / ".venv"
 
 
@@ -195,7 +195,7 @@ def _dotted(node: ast.AST) -> list[str] | None:
 
 def _refs(module: _Module, node: ast.AST) -> list[tuple[_Module, str, ast.AST]]:
     """The project units `node` names: its own module's globals, and names reached through
-    imports (`model.block`, `from runtime.dims import Dims`)."""
+    imports (`model.block`, `from runtime.model.dims import Dims`)."""
     found = []
     for sub in _walk_code(node):
         if isinstance(sub, ast.Attribute | ast.Name):

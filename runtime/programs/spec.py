@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from types import FunctionType, ModuleType
 from typing import Any
 
-from runtime.source_hash import source_components
-from runtime.toolchain import toolchain_components
+from runtime.programs.source_hash import source_components
+from runtime.programs.toolchain import toolchain_components
 from store.errors import UserError
 from store.fingerprint import Key, canonical_json
 

@@ -42,15 +42,17 @@ def toolchain_components(device: str, backend: str = "aoti") -> list[tuple[str, 
 
 
 def _torch_version() -> str:
-    return _torch_version_file().get("__version__", UNKNOWN)
+    return torch_build().get("__version__", UNKNOWN)
 
 
 def _torch_git_version() -> str:
-    return _torch_version_file().get("git_version", UNKNOWN)
+    return torch_build().get("git_version", UNKNOWN)
 
 
 @functools.cache
-def _torch_version_file() -> dict[str, str]:
+def torch_build() -> dict[str, str]:
+    """torch/version.py's string fields (`__version__`, `git_version`, `cuda` on a CUDA build,
+    `hip` on ROCm), read as text: what the installed torch is, without importing it."""
     # torch/version.py read as text (what torch.__version__ comes from): finding the package's
     # spec does not import it, so `dsv4 cache ls` stays torch-free.
     spec = importlib.util.find_spec("torch")
@@ -64,9 +66,14 @@ def _torch_version_file() -> dict[str, str]:
 
 
 def device_capability(device: str) -> Any:
-    """CPU ISA flags / CUDA compute capability / NPU SoC name; UNKNOWN if undeterminable."""
+    """CPU ISA flags / CUDA compute capability / NPU SoC name; UNKNOWN if undeterminable.
+
+    CUDA's comes from NVML when nvidia-ml-py is installed (the `cuda` extra), so a process
+    without torch (the console's plan) computes the same keys as the launch; torch otherwise."""
     if device == "cpu":
         return {"machine": platform.machine(), "flags": _cpu_flags()}
+    if device == "cuda" and (capability := _nvml_capability()) is not None:
+        return capability
     try:
         import torch
 
@@ -80,6 +87,24 @@ def device_capability(device: str) -> Any:
     except Exception:
         return UNKNOWN
     return UNKNOWN
+
+
+@functools.cache
+def _nvml_capability() -> str | None:
+    """Device 0's compute capability through NVML (what torch.cuda.get_device_capability says)."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+        try:
+            major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(pynvml.nvmlDeviceGetHandleByIndex(0))
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:
+        return None
+    return f"sm_{major}{minor}"
 
 
 @functools.cache

@@ -1,4 +1,4 @@
-"""One compile in its own process: `python -m runtime.compile_worker` reads a job (JSON) on stdin,
+"""One compile in its own process: `python -m runtime.programs.worker` reads a job (JSON) on stdin,
 compiles the program through the kernel cache's normal path (lock, staging, one rename), and
 prints one JSON line: outcome, seconds and this process's peak RSS.
 
@@ -15,7 +15,7 @@ import time
 import warnings
 from typing import Any
 
-from runtime.program_spec import DynamicDim, ProgramSpec, TensorSpec
+from runtime.programs.spec import DynamicDim, ProgramSpec, TensorSpec
 
 
 def spec_to_json(spec: ProgramSpec) -> dict[str, Any]:
@@ -40,7 +40,7 @@ def peak_rss_bytes() -> int:
 def main() -> int:
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch's, once per compile otherwise
     job = json.loads(sys.stdin.read())
-    from runtime.programs import prepare
+    from runtime.programs.build import prepare
     from store.kernel_cache import KernelCache
 
     started = time.perf_counter()

@@ -1,5 +1,7 @@
-"""The HTTP service: /health, /metrics and the OpenAI surface (/v1/models, /v1/completions,
-/v1/chat/completions, each whole or streamed as SSE).
+"""Serving: the `dsv4 serve` process (`main`, and `rank_launcher` for `--ranks N`), the engine
+over the programs and KV slots (`engine`, `batcher`, `scheduler`), and the HTTP service —
+/health, /metrics and the OpenAI surface (/v1/models, /v1/completions, /v1/chat/completions,
+each whole or streamed as SSE).
 
 FastAPI + uvicorn. What a client sends can never make it answer 5xx: bodies are capped (413
 beyond `Limits.max_body_bytes`, refused from Content-Length before a byte is read), parsed and
@@ -7,8 +9,8 @@ tokenized off the event loop (so /health answers during a large one), and every 
 4xx naming the field (api). A request waits at most `Limits.queue_timeout` seconds for a slot
 (503 with Retry-After); a client that disconnects has its job cancelled, which frees the slot
 within one decode step. Every response is counted by endpoint and status in /metrics (499 =
-the client went away first). Requests go to a runtime.scheduler.Scheduler; the service never
-holds an engine.
+the client went away first). Requests go to a runtime.serve.scheduler.Scheduler; the service
+never holds an engine.
 
     api        request bodies → validated requests, or ApiError
     http       safe JSON, status counting, capped bodies, disconnect watching
@@ -16,9 +18,6 @@ holds an engine.
     metrics    the Prometheus registry
     app        the routes
     server     bind (before registration) and serve (until a drained SIGTERM/SIGINT)
+
+Importing this package imports nothing (the rank launcher needs no torch and no FastAPI).
 """
-
-from runtime.service.app import DEFAULT_MAX_BODY, DEFAULT_QUEUE_TIMEOUT, Limits, create_app
-from runtime.service.server import bind, serve, url_of
-
-__all__ = ["DEFAULT_MAX_BODY", "DEFAULT_QUEUE_TIMEOUT", "Limits", "bind", "create_app", "serve", "url_of"]

@@ -20,10 +20,9 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from runtime import chat_template
-from runtime.scheduler import Cancelled, QueueTimeout, Sampling, Scheduler
-from runtime.service.api import ApiError, limit_tokens, parse_chat, parse_completion
-from runtime.service.http import (
+from runtime.model import chat_template
+from runtime.serve.api import ApiError, limit_tokens, parse_chat, parse_completion
+from runtime.serve.http import (
     CLIENT_GONE,
     ClientGone,
     CountStatuses,
@@ -32,8 +31,9 @@ from runtime.service.http import (
     read_body,
     until_disconnect,
 )
-from runtime.service.metrics import Metrics
-from runtime.service.responses import ChatShape, CompletionShape, TextRun, sse
+from runtime.serve.metrics import Metrics
+from runtime.serve.responses import ChatShape, CompletionShape, TextRun, sse
+from runtime.serve.scheduler import Cancelled, QueueTimeout, Sampling, Scheduler
 
 DEFAULT_MAX_BODY = 4 << 20  # 4 MiB: ~1M tokens of text; far past any context served here
 DEFAULT_QUEUE_TIMEOUT = 30.0
@@ -52,7 +52,7 @@ class Limits:
 
 
 def create_app(launched, limits: Limits = Limits(), scheduler: Scheduler | None = None) -> FastAPI:
-    """An app serving `launched` (runtime.registration.Launched) through `scheduler` (by
+    """An app serving `launched` (runtime.launch.registration.Launched) through `scheduler` (by
     default continuous batching over every KV slot of launched.engine)."""
     app = FastAPI(title="dsv4", version="1", default_response_class=SafeJSONResponse)
     scheduler = scheduler or Scheduler(launched.engine, limits.queue_timeout, limits.max_batch, limits.speculative)
@@ -61,7 +61,7 @@ def create_app(launched, limits: Limits = Limits(), scheduler: Scheduler | None 
     scheduler.on_token = metrics.generated.inc
     app.add_middleware(CountStatuses, count=metrics.count_response)
     tokenizer, vocab = launched.tokenizer, launched.config.vocab_size
-    model_dir = launched.options.model_dir
+    model_dir = launched.spec.model
     model_id = model_dir.name
     created = int(time.time())
     max_seq = launched.programs.dims.max_seq

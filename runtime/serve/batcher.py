@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.engine import sample
+from runtime.serve.engine import sample
 
 log = logging.getLogger(__name__)
 GREEDY_BELOW = 1e-5  # temperatures below this sample like 0 (their limit), never divide by ~0

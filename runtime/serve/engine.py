@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime import model
-from runtime.dims import WINDOW_CACHES, cache_shapes
-from runtime.model_programs import DECODE, PREFILL, TOP_HEAD, ModelPrograms
-from runtime.weights import ModelWeights
+from runtime.model import forward as model
+from runtime.model.dims import WINDOW_CACHES, cache_shapes
+from runtime.programs.catalog import DECODE, PREFILL, TOP_HEAD, ModelPrograms
+from runtime.weights.views import ModelWeights
 
 Runner = Callable[..., object]
 Batch = Sequence[tuple[int, Sequence[int] | torch.Tensor]]  # (slot, tokens to append)
@@ -67,7 +67,7 @@ class Engine:
         weights). Without runners the engine calls the model's functions directly with weight
         dicts: the eager path, and the only one the float reference weights can take.
 
-        `group` (runtime.ranks.Group): this engine is one rank of an expert-parallel service.
+        `group` (runtime.launch.ranks.Group): this engine is one rank of an expert-parallel service.
         Its weights hold only this rank's routed experts; rank 0 leads (each call that changes
         state is sent to the others first), the others run the same calls (`ranks.follow`),
         and each layer's routed output is summed over the ranks."""

@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from runtime.service.api import ApiError
+from runtime.serve.api import ApiError
 
 CLIENT_GONE = 499  # nginx's "client closed request": counted, never seen by the client
 ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/models/{model}", "/v1/completions",

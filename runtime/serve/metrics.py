@@ -23,7 +23,7 @@ class Metrics:
         phase = Gauge("dsv4_registration_phase_seconds", "Registration phase durations", ["phase"], registry=r)
         for name, rec in (launched.phases or {}).items():
             phase.labels(name).set(rec.get("seconds", 0.0))
-        programs = Gauge("dsv4_program_cache_programs", "Programs by cache outcome at launch", ["outcome"], registry=r)
+        programs = Gauge("dsv4_kernel_cache_programs", "Programs by cache outcome at launch", ["outcome"], registry=r)
         for outcome, n in ((launched.phases.get("programs") or {}).get("counts") or {}).items():
             programs.labels(outcome).set(n)
         weights = launched.phases.get("weights") or {}

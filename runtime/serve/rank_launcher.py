@@ -23,7 +23,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
-from runtime.ranks import RankEnv, first_wins, open_store, phase_of, read
+from runtime.launch.ranks import RankEnv, first_wins, open_store, phase_of, read
 
 STOP_TIMEOUT_S = 10.0  # after a failure, or rank 0's end, the other ranks have this long to exit
 POLL_S = 0.1

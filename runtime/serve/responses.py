@@ -9,7 +9,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from runtime.tokenizer import IncrementalDecoder
+from runtime.model.tokenizer import IncrementalDecoder
 
 
 class StopMatcher:

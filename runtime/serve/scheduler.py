@@ -2,7 +2,7 @@
 
 The service never holds the engine. It submits a `Job` (prompt ids + sampling), waits for it to
 start, reads its tokens and may cancel it. Continuous batching: one engine thread
-(`runtime.batcher`) runs every active sequence's next token in one decode step (one call per
+(`runtime.serve.batcher`) runs every active sequence's next token in one decode step (one call per
 program); admitted jobs' prompts join the next step (a long one prefills in a step of its own
 first), and finished ones leave without stalling the rest. A job holds one of the engine's KV
 slots from admission to its end.
@@ -113,11 +113,11 @@ class Scheduler:
 
     `max_batch` caps how many sequences run at once (default: every slot); 1 is the
     one-sequence-per-step engine, kept as the bench's baseline. `speculative`: MTP drafts,
-    verified by the main model (runtime.batcher)."""
+    verified by the main model (runtime.serve.batcher)."""
 
     def __init__(self, engine, queue_timeout: float = 30.0, max_batch: int | None = None,
                  speculative: bool = False, **batcher_options):
-        from runtime.batcher import Batcher  # torch: only where an engine runs
+        from runtime.serve.batcher import Batcher  # torch: only where an engine runs
 
         if engine.slots < 1 or (max_batch is not None and max_batch < 1):
             raise ValueError("a scheduler needs at least one engine slot")
@@ -216,7 +216,7 @@ class Scheduler:
         return self.batcher.stats.to_json()
 
     def _serve(self) -> None:
-        from runtime.batcher import Running
+        from runtime.serve.batcher import Running
 
         active: list = []
         while True:

@@ -6,7 +6,7 @@ import socket
 import threading
 import time
 
-from runtime.service.app import Limits, create_app
+from runtime.serve.app import Limits, create_app
 from store.errors import UserError
 
 

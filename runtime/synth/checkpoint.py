@@ -19,10 +19,10 @@ from typing import Any
 import torch
 from safetensors.torch import save as st_save
 
-from runtime.config import DeepSeekV4Config, from_dict
-from runtime.synth_tokenizer import train_tokenizer_json
-from runtime.tensors import BF16, F32, FP4, FP8, I64, Param, params_by_group, stored_tensors
-from runtime.tokenizer import TOKENIZER_NAME
+from runtime.model.config import DeepSeekV4Config, from_dict
+from runtime.model.tensors import BF16, F32, FP4, FP8, I64, Param, params_by_group, stored_tensors
+from runtime.model.tokenizer import TOKENIZER_NAME
+from runtime.synth.tokenizer import train_tokenizer_json
 from store.atomic import fsync_dir, staged_file, write_bytes_atomic
 from store.checkpoint import CONFIG_NAME, INDEX_NAME
 from store.errors import UserError

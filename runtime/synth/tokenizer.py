@@ -17,7 +17,7 @@ import os
 from collections.abc import Iterator
 from importlib import resources
 
-from runtime.tokenizer import SPECIAL_TOKENS
+from runtime.model.tokenizer import SPECIAL_TOKENS
 
 CORPUS = "data/tokenizer_corpus.txt"
 
@@ -38,7 +38,7 @@ def _no_parallelism() -> Iterator[None]:
 
 
 def corpus_lines() -> list[str]:
-    return resources.files("runtime").joinpath(CORPUS).read_text(encoding="utf-8").splitlines()
+    return resources.files("runtime.synth").joinpath(CORPUS).read_text(encoding="utf-8").splitlines()
 
 
 def train_tokenizer_json(vocab_size: int) -> str:

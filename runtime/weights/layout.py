@@ -1,6 +1,6 @@
-"""The packed layout as data, without torch: `RULES`, and the `PackPlan` of every packed name,
+"""The packed layout as data, without torch: `RULES`, and the `PackedLayout` of every packed name,
 dtype and shape a config implies. The launch plan, the program keys and the sidecar contract
-are computed from it in processes that never import torch; `runtime.pack` applies it.
+are computed from it in processes that never import torch; `runtime.weights.pack` applies it.
 
 Quantised weights keep the checkpoint's numbers exactly (QUANT): `<family>.qweight` [.., in, out]
 holds FP8 weights as stored (F8_E4M3) and FP4 weights as int8 codes 2·e2m1 (every e2m1 value
@@ -17,8 +17,8 @@ import re
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
-from runtime.config import ConfigError, DeepSeekV4Config
-from runtime.tensors import BF16, F32, FP4, FP8, I64, Param, params_by_group
+from runtime.model.config import ConfigError, DeepSeekV4Config
+from runtime.model.tensors import BF16, F32, FP4, FP8, I64, Param, params_by_group
 
 PACKER_VERSION = "2"
 PACK_FORMAT = "dsv4-packed"
@@ -169,7 +169,7 @@ def _packed_shapes(config: DeepSeekV4Config, rule: Rule, p: Param,
     return [("", _ST_DTYPE[p.fmt], (*lead, *p.shape))]
 
 
-class PackPlan:
+class PackedLayout:
     """Every packed tensor and, for every checkpoint parameter, the slot it fills."""
 
     def __init__(self, config: DeepSeekV4Config, ranks: int = 1):

@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from store.sidecar import MAP, REPACK
+
 Progress = Callable[[int, int, str], None]  # (groups done, groups total, group name)
 Log = Callable[[str], None]
 
@@ -33,50 +35,50 @@ class WeightLoader(Protocol):
 @dataclass
 class RepackCheckpoint:
     ckpt: Any
-    pack_plan: Any
+    packed: Any  # runtime.weights.layout.PackedLayout
     reason: str
     detail: str
     rank: int | None = None  # one rank of several: pack its routed experts only
-    path: str = "REPACK"
+    path: str = REPACK
 
     def load(self, progress: Progress, log: Log) -> LoadedWeights:
-        from runtime.pack import pack_in_memory
+        from runtime.weights.pack import pack_in_memory
 
-        tensors = pack_in_memory(self.ckpt, self.pack_plan, progress, self.rank)
-        return LoadedWeights(tensors, {"path": "REPACK", "reason": self.reason, "detail": self.detail})
+        tensors = pack_in_memory(self.ckpt, self.packed, progress, self.rank)
+        return LoadedWeights(tensors, {"path": REPACK, "reason": self.reason, "detail": self.detail})
 
 
 @dataclass
 class MapSidecar:
     model_dir: Any
     ranks: int
-    pack_plan: Any
+    packed: Any  # runtime.weights.layout.PackedLayout
     cold_policy: str
     ckpt: Any
     rank: int | None = None  # one rank of several: views of the shared tensors and its experts only
-    path: str = "MAP"
+    path: str = MAP
 
     def load(self, progress: Progress, log: Log) -> LoadedWeights:
-        from runtime.pack import rank_slice
-        from runtime.prepack import open_prepacked
+        from runtime.weights.pack import rank_slice
+        from runtime.weights.prepack import open_prepacked
 
         verdict, mapped = open_prepacked(self.model_dir, self.ranks, cold_policy=self.cold_policy,
-                                         plan=self.pack_plan)
+                                         packed=self.packed)
         log(verdict.line())
         if mapped is None:  # changed since the plan was made: repack, saying why
-            return RepackCheckpoint(self.ckpt, self.pack_plan, verdict.reason, verdict.detail,
+            return RepackCheckpoint(self.ckpt, self.packed, verdict.reason, verdict.detail,
                                     self.rank).load(progress, log)
         tensors = dict(mapped.tensors)
         if self.rank is not None:
-            tensors = rank_slice(self.pack_plan, tensors, self.rank)
-        return LoadedWeights(tensors, {"path": "MAP", "reason": "", "detail": verdict.detail,
+            tensors = rank_slice(self.packed, tensors, self.rank)
+        return LoadedWeights(tensors, {"path": MAP, "reason": "", "detail": verdict.detail,
                                        "residency": verdict.residency}, mapped.close, mapped)
 
 
-def loader_for(plan, options, ckpt, pack_plan) -> WeightLoader:
+def loader_for(plan, ckpt, rank: int = 0) -> WeightLoader:
     """The loader the plan's sidecar verdict calls for (one rank's share when ranks > 1)."""
-    sidecar = plan.sidecar
-    rank = options.rank if options.ranks > 1 else None
-    if sidecar.get("verdict") == "MAP":
-        return MapSidecar(options.model_dir, options.ranks, pack_plan, options.cold_policy, ckpt, rank)
-    return RepackCheckpoint(ckpt, pack_plan, sidecar.get("reason", ""), sidecar.get("detail", ""), rank)
+    sidecar, spec = plan.sidecar, plan.spec
+    share = rank if spec.ranks > 1 else None
+    if sidecar.get("verdict") == MAP:
+        return MapSidecar(spec.model, spec.ranks, plan.layout, spec.cold_policy, ckpt, share)
+    return RepackCheckpoint(ckpt, plan.layout, sidecar.get("reason", ""), sidecar.get("detail", ""), share)

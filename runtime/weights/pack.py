@@ -1,7 +1,7 @@
 """Packing: checkpoint tensors → the serving layout the programs consume (and sidecars hold).
 
 `RULES` is the one table of packing: one row per tensor family, naming the transform and the
-group the family is stacked in. It is also the sidecar's tensor-name contract: `plan()` derives
+group the family is stacked in. It is also the sidecar's tensor-name contract: `PackedLayout` derives
 every packed name, dtype and shape from it and the config, before any weight is read.
 
 Layout (PACK_LAYOUT, recorded in the sidecar key):
@@ -28,8 +28,9 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from runtime.config import DeepSeekV4Config
-from runtime.pack_plan import (  # noqa: F401 - the layout's names, re-exported for packers
+from runtime.model.config import DeepSeekV4Config
+from runtime.model.tensors import FP4, FP8, Param
+from runtime.weights.layout import (  # noqa: F401 - the layout's names, re-exported for packers
     EXPERTS,
     I32,
     KEEP,
@@ -38,14 +39,13 @@ from runtime.pack_plan import (  # noqa: F401 - the layout's names, re-exported 
     PACKER_VERSION,
     QUANT,
     RULES,
+    PackedLayout,
     PackedTensor,
-    PackPlan,
     Rule,
     Slot,
     T,
     rule_for,
 )
-from runtime.tensors import FP4, FP8, Param
 from store.checkpoint import Checkpoint
 from store.quant import dequant_fp4, dequant_fp8_block, fp4_doubled_int8
 
@@ -89,17 +89,17 @@ Part = tuple[str, tuple[int, ...], torch.Tensor]  # (packed name, leading index,
 LayerProgress = Callable[[int, int, str], None]  # (groups done, groups total, group name)
 
 
-def stream(ckpt: Checkpoint, plan: PackPlan, progress: LayerProgress | None = None,
+def stream(ckpt: Checkpoint, packed: PackedLayout, progress: LayerProgress | None = None,
            rank: int | None = None) -> Iterator[Part]:
     """Packed slices, one checkpoint group (top, layer, MTP layer) at a time; with `rank`, of
     the routed experts only that rank's (the others are not even read)."""
-    total = len(plan.groups)
-    for i, (group, plist) in enumerate(plan.groups):
+    total = len(packed.groups)
+    for i, (group, plist) in enumerate(packed.groups):
         for p in plist:
-            slot = plan.slots[p.name]
+            slot = packed.slots[p.name]
             if rank is not None and slot.rule.group == EXPERTS and slot.index[0] != rank:
                 continue
-            for name, tensor in zip(slot.names, pack_param(ckpt, plan.config, p, slot.rule), strict=True):
+            for name, tensor in zip(slot.names, pack_param(ckpt, packed.config, p, slot.rule), strict=True):
                 yield name, slot.index, tensor
         if progress:
             progress(i + 1, total, group)
@@ -109,21 +109,21 @@ _TORCH = {"I8": torch.int8, "F32": torch.float32, "BF16": torch.bfloat16, "I32":
           "I64": torch.int64, "U8": torch.uint8, "F8_E4M3": torch.float8_e4m3fn}
 
 
-def pack_in_memory(ckpt: Checkpoint, plan: PackPlan, progress: LayerProgress | None = None,
+def pack_in_memory(ckpt: Checkpoint, packed: PackedLayout, progress: LayerProgress | None = None,
                    rank: int | None = None) -> dict[str, torch.Tensor]:
     """The no-sidecar path: the whole packed layout as host tensors; with `rank`, the routed
     experts of that rank only (shaped as `rank_slice` cuts them from a whole layout)."""
     out = {t.name: torch.empty((1, *t.shape[1:]) if rank is not None and t.rule.group == EXPERTS else t.shape,
-                               dtype=_TORCH[t.dtype]) for t in plan.tensors.values()}
-    for name, index, part in stream(ckpt, plan, progress, rank):
-        if rank is not None and plan.tensors[name].rule.group == EXPERTS:
+                               dtype=_TORCH[t.dtype]) for t in packed.tensors.values()}
+    for name, index, part in stream(ckpt, packed, progress, rank):
+        if rank is not None and packed.tensors[name].rule.group == EXPERTS:
             index = (0, *index[1:])
         out[name][index] = part
     return out
 
 
-def rank_slice(plan: PackPlan, tensors: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
+def rank_slice(packed: PackedLayout, tensors: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
     """One rank's share of a packed layout: every shared tensor, and of each rank-major routed
     expert tensor `[ranks, layers, E/r, …]` only `[rank:rank+1]` — one contiguous byte range."""
-    return {n: t[rank:rank + 1] if plan.tensors[n].rule.group == EXPERTS else t for n, t in tensors.items()}
+    return {n: t[rank:rank + 1] if packed.tensors[n].rule.group == EXPERTS else t for n, t in tensors.items()}
 

@@ -1,9 +1,9 @@
 """Prepack: pack a checkpoint once into a sidecar, and judge a sidecar as the loader would.
 
-The packing rules are `runtime.pack`'s; the file format, writer and verdicts are
+The packing rules are `runtime.weights.pack`'s; the file format, writer and verdicts are
 `store.sidecar`'s. This module joins them: the live key (format, packer version, ranks and
 layout as this packer would write them, plus the checkpoint's config, index and shards) and the
-expected tensor names (from the pack plan), so a sidecar written by an older packer, for other
+expected tensor names (from the packed layout), so a sidecar written by an older packer, for other
 ranks, or with another tensor set reads as REPACK with the reason — not only a changed
 checkpoint.
 """
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from runtime import pack_plan as layout
-from runtime.config import load_config
+from runtime.model.config import load_config
+from runtime.weights import layout
 from store import sidecar
 from store.checkpoint import Checkpoint
 from store.errors import UserError
@@ -38,14 +38,14 @@ def sidecar_key(model_dir: Path | str, ranks: int) -> Key:
     )
 
 
-def pack_plan(model_dir: Path | str, ranks: int) -> layout.PackPlan:
+def packed_layout(model_dir: Path | str, ranks: int) -> layout.PackedLayout:
     """Every packed tensor of `model_dir` for `ranks`, from config.json alone (no weights read)."""
-    return layout.PackPlan(load_config(model_dir), ranks)
+    return layout.PackedLayout(load_config(model_dir), ranks)
 
 
-def sidecar_plan(plan: layout.PackPlan) -> list[sidecar.TensorPlan]:
-    """The pack plan as the sidecar sees it: each tensor's name, dtype and shape."""
-    return [sidecar.TensorPlan(t.name, t.dtype, t.shape) for t in plan.tensors.values()]
+def sidecar_tensors(packed: layout.PackedLayout) -> list[sidecar.TensorShape]:
+    """The packed layout as the sidecar sees it: each tensor's name, dtype and shape."""
+    return [sidecar.TensorShape(t.name, t.dtype, t.shape) for t in packed.tensors.values()]
 
 
 def _checkpoint_dir(model_dir: Path | str) -> Path:
@@ -106,11 +106,11 @@ def prepack(
     writes each slice at its offset and drops it. Refuses to replace an existing file unless
     `force`. Staging files of crashed writers in the target dir are swept (`info.swept`).
     """
-    from runtime.pack import stream  # torch: only packing needs it
+    from runtime.weights.pack import stream  # torch: only packing needs it
 
     model_dir = _checkpoint_dir(model_dir)
     key = sidecar_key(model_dir, ranks)  # BEFORE packing starts
-    plan = pack_plan(model_dir, ranks)
+    packed = packed_layout(model_dir, ranks)
     path = (
         Path(out).expanduser()
         if out is not None
@@ -122,7 +122,7 @@ def prepack(
         raise UserError(f"{path} already exists; pass --force to replace it")
     ckpt = Checkpoint.open(model_dir)
     shards = ckpt.shard_paths()
-    tensor_plan = sidecar_plan(plan)
+    tensors = sidecar_tensors(packed)
 
     start = time.monotonic()
     spent = [0.0]
@@ -130,7 +130,7 @@ def prepack(
 
     def report() -> None:
         if progress is not None:
-            progress(PrepackProgress(state["layer"], len(plan.groups), state["group"],
+            progress(PrepackProgress(state["layer"], len(packed.groups), state["group"],
                                      state["done"], state["total"], time.monotonic() - start))  # fmt: skip
 
     def on_layer(done: int, total: int, group: str) -> None:
@@ -144,8 +144,8 @@ def prepack(
     try:
         return sidecar.write_sidecar(
             path,
-            tensor_plan,
-            _timed(stream(ckpt, plan, on_layer), spent),
+            tensors,
+            _timed(stream(ckpt, packed, on_layer), spent),
             metadata=sidecar.sidecar_metadata(key, model_dir),
             mode_from=shards[0] if shards else None,
             force=force,
@@ -164,18 +164,18 @@ def judge(
     cold_policy: str = "auto",
     cold_threshold: float = sidecar.DEFAULT_COLD_THRESHOLD,
     residency_method: str | None = None,
-    plan: layout.PackPlan | None = None,
+    packed: layout.PackedLayout | None = None,
 ) -> sidecar.Verdict:
     """The verdict loading would give the sidecar at `path` (default: beside the checkpoint):
-    against the live key and the plan's tensor names, so a new packer version or layout, other
-    ranks and a different tensor set are REPACK too, not only a changed checkpoint. A caller
-    that already built the pack plan passes it."""
+    against the live key and the packed layout's tensors, so a new packer version or layout,
+    other ranks and a different tensor set are REPACK too, not only a changed checkpoint. A
+    caller that already built the layout passes it (`packed`)."""
     model_dir = _checkpoint_dir(model_dir)
-    plan = plan if plan is not None else pack_plan(model_dir, ranks)
+    packed = packed if packed is not None else packed_layout(model_dir, ranks)
     return sidecar.inspect(
         path if path is not None else sidecar.default_sidecar_path(model_dir, ranks),
         expected_key=sidecar_key(model_dir, ranks),
-        expected_plan=sidecar_plan(plan),
+        expected_tensors=sidecar_tensors(packed),
         cold_policy=cold_policy,
         cold_threshold=cold_threshold,
         residency_method=residency_method,
@@ -189,17 +189,17 @@ def open_prepacked(
     *,
     cold_policy: str = "auto",
     cold_threshold: float = sidecar.DEFAULT_COLD_THRESHOLD,
-    plan: layout.PackPlan | None = None,
+    packed: layout.PackedLayout | None = None,
 ) -> tuple[sidecar.Verdict, sidecar.MappedSidecar | None]:
     """Judge and, on MAP, map the sidecar (`store.sidecar.open_sidecar` with the live key and
     names); on REPACK the caller packs from the checkpoint (`pack.pack_in_memory`). A caller
-    that already built the plan (registration) passes it instead of having it built again."""
+    that already built the layout (registration, from its plan) passes it (`packed`)."""
     model_dir = _checkpoint_dir(model_dir)
-    plan = plan if plan is not None else pack_plan(model_dir, ranks)
+    packed = packed if packed is not None else packed_layout(model_dir, ranks)
     return sidecar.open_sidecar(
         path if path is not None else sidecar.default_sidecar_path(model_dir, ranks),
         expected_key=sidecar_key(model_dir, ranks),
-        expected_plan=sidecar_plan(plan),
+        expected_tensors=sidecar_tensors(packed),
         cold_policy=cold_policy,
         cold_threshold=cold_threshold,
     )

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runtime.pack import EXPERTS, I32, KEEP, QUANT, PackPlan, T, dequantize
-from runtime.tensors import Param
+from runtime.model.tensors import Param
+from runtime.weights.pack import EXPERTS, I32, KEEP, QUANT, PackedLayout, T, dequantize
 from store.checkpoint import Checkpoint
 
 TOP = "top"
@@ -39,12 +39,12 @@ class ModelWeights:
         return total
 
 
-def packed_views(plan: PackPlan, tensors: dict[str, torch.Tensor]) -> ModelWeights:
+def packed_views(packed: PackedLayout, tensors: dict[str, torch.Tensor]) -> ModelWeights:
     out = ModelWeights()
-    for group, params in plan.groups:
+    for group, params in packed.groups:
         w: dict[str, torch.Tensor] = {}
         for p in params:
-            slot = plan.slots[p.name]
+            slot = packed.slots[p.name]
             for name in slot.names:
                 key = slot.relative(name)
                 if key in w:
@@ -58,12 +58,12 @@ def packed_views(plan: PackPlan, tensors: dict[str, torch.Tensor]) -> ModelWeigh
     return out
 
 
-def _reference_tensor(ckpt: Checkpoint, plan: PackPlan, p: Param) -> tuple[str, torch.Tensor]:
-    slot = plan.slots[p.name]
+def _reference_tensor(ckpt: Checkpoint, packed: PackedLayout, p: Param) -> tuple[str, torch.Tensor]:
+    slot = packed.slots[p.name]
     rule = slot.rule
     if rule.transform == QUANT:
         key = slot.relative(slot.names[0]).removesuffix(".qweight") + ".weight"
-        return key, dequantize(ckpt, plan.config, p).t()
+        return key, dequantize(ckpt, packed.config, p).t()
     key = slot.relative(slot.names[0])
     raw = ckpt.read(p.name)
     if rule.transform == T:
@@ -74,17 +74,17 @@ def _reference_tensor(ckpt: Checkpoint, plan: PackPlan, p: Param) -> tuple[str, 
     return key, raw.float()
 
 
-def reference_views(ckpt: Checkpoint, plan: PackPlan) -> ModelWeights:
+def reference_views(ckpt: Checkpoint, packed: PackedLayout) -> ModelWeights:
     """Float weights straight from the checkpoint (FP8/FP4 dequantised with their block scales):
     no stacking, no packed layout. The packed path keeps the same numbers, so it must match
     this view to float rounding; any layout or packing bug shows as a difference."""
     out = ModelWeights()
-    for group, params in plan.groups:
+    for group, params in packed.groups:
         w: dict[str, torch.Tensor] = {}
         experts: dict[str, list[torch.Tensor]] = {}
         for p in params:
-            key, value = _reference_tensor(ckpt, plan, p)
-            if plan.slots[p.name].rule.group == EXPERTS:
+            key, value = _reference_tensor(ckpt, packed, p)
+            if packed.slots[p.name].rule.group == EXPERTS:
                 experts.setdefault(key, []).append(value)  # params come in expert order
             else:
                 w[key] = value

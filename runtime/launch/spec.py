@@ -1,0 +1,260 @@
+"""One launch as a value: the `LaunchSpec`, its flags, and its argv.
+
+Every setting of a launch is one field of `LaunchSpec`, described once in `FLAGS` (flag, help,
+default, allowed range): `add_flags` puts a command's flags on its parser, `from_args` reads
+them back (one line and exit 1 for a value out of range), `argv` turns a spec into the very
+flags that command parses. The plan, registration, the `dsv4 serve` process, the rank launcher
+and the console all take this value, so what the console shows and does is what the launch
+does. Torch-free (the console imports it).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from store.errors import UserError
+from store.units import format_size, parse_size
+
+# KV slots a service asks for (fewer when memory is short): the most sequences one decode step
+# batches. Programs take up to MAX_SLOTS (`--max-slots` is bounded by it).
+MAX_SLOTS = 4096
+
+# The commands that take launch settings; each takes the fields its FLAGS entry names.
+SERVE, COMPILE, PLAN, CONSOLE, PREPACK, CACHE, SIDECAR_PURGE = (
+    "serve", "compile", "plan", "console", "prepack", "cache", "sidecar purge")
+LAUNCH = (SERVE, CONSOLE)  # the whole spec: the console launches what `dsv4 serve` would
+READY_CHOICES = ("compiled", "early", "auto")
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """What one launch is asked to do. Defaults here are the only place they are written."""
+
+    model: Path | None = None  # None: the embedded default checkpoint
+    kernel_cache_dir: Path | None = None  # None: $DSV4_KERNEL_CACHE_DIR, else the user cache dir
+    backend: str = "auto"
+    device: str = "auto"
+    ranks: int = 1
+    max_seq: int = 1024
+    max_slots: int = 32
+    max_batch: int | None = None  # None: every KV slot
+    memory_utilization: float = 0.9
+    device_memory: int | None = None
+    use_sidecar: bool = True
+    cold_policy: str = "auto"
+    ready: str = "compiled"
+    jobs: int | None = None  # None: the CPUs this process may use, capped by memory
+    speculative: str = "auto"
+    validate_tokens: int = 8
+    max_body: int = 4 << 20
+    queue_timeout: float = 30.0
+    host: str = "127.0.0.1"
+    port: int = 8000
+    master_port: int | None = None
+    rendezvous_timeout: float = 60.0
+    events: str | None = None
+
+    def with_(self, **changes: Any) -> LaunchSpec:
+        return replace(self, **changes)
+
+    def argv(self, command: str) -> list[str]:
+        """The flags of `command` that say this spec (defaults left out); `from_args` of them
+        gives this spec back."""
+        out: list[str] = []
+        for flag in FLAGS:
+            if command not in flag.commands:
+                continue
+            value = getattr(self, flag.field)
+            if flag.field == "model":
+                if value is not None:
+                    out += [str(value)] if command not in NAMED_MODEL else ["--model", str(value)]
+                continue
+            if value == default_of(flag, command):
+                continue
+            if flag.negate:
+                out.append(flag.flag)  # the one non-default value of a switch
+            else:
+                out += [flag.flag, flag.show(value)]
+        return out
+
+    def check(self) -> None:
+        """One line for a setting out of range or settings that cannot go together."""
+        for flag in FLAGS:
+            value = getattr(self, flag.field)
+            if flag.lo is not None and value is not None and not (flag.lo <= value <= flag.hi):
+                raise UserError(f"{flag.flag} {flag.show(value)} is out of range; allowed "
+                                f"{flag.allowed or f'{flag.lo}..{flag.hi}'}")
+        if self.ready == "early" and self.ranks > 1:
+            raise UserError("--ready early serves one rank only (each rank would compile the same programs); "
+                            "use --ready compiled (or auto) with --ranks")
+        if self.events not in (None, "-"):
+            events = Path(self.events)
+            if not events.parent.is_dir():
+                raise UserError(f"--events {self.events}: directory {events.parent} does not exist; create it "
+                                f"or choose another path")
+            if events.exists() and not events.is_file():  # appending to a FIFO would block for a reader
+                raise UserError(f"--events {self.events}: not a regular file; choose another path")
+
+
+DEFAULTS = LaunchSpec()
+DEFAULTS_OF = {f.name: getattr(DEFAULTS, f.name) for f in fields(LaunchSpec)}
+NAMED_MODEL = (CONSOLE, CACHE)  # commands that take `--model DIR` instead of a positional MODEL_DIR
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+@dataclass(frozen=True)
+class Flag:
+    field: str
+    flag: str
+    help: str
+    commands: tuple[str, ...]
+    type: Callable[[str], Any] | None = None
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+    lo: float | None = None
+    hi: float | None = None
+    allowed: str = ""  # the allowed range in words, when lo..hi says it badly
+    negate: bool = False  # a switch that sets the field to False (`--no-sidecar`)
+    defaults: dict[str, Any] = field(default_factory=dict)  # command → its own default, if it differs
+
+    def show(self, value: Any) -> str:
+        return str(value)
+
+
+ALL = (SERVE, COMPILE, PLAN, CONSOLE, CACHE)
+PLANNED = (SERVE, PLAN, CONSOLE)
+FLAGS: tuple[Flag, ...] = (
+    Flag("model", "MODEL_DIR", "checkpoint directory (default: the embedded synthetic checkpoint, made on first "
+         "run)", (*ALL, PREPACK, SIDECAR_PURGE), type=Path),
+    Flag("kernel_cache_dir", "--kernel-cache-dir", "kernel cache root (default: $DSV4_KERNEL_CACHE_DIR, else the "
+         "user cache dir)", ALL, type=Path, metavar="DIR"),
+    Flag("backend", "--backend", "aoti (AOTInductor, default on cpu/cuda), export (torch.export; npu), eager "
+         "(no kernel cache); default %(default)s", ALL, choices=("auto", "aoti", "export", "eager")),
+    Flag("device", "--device", "cpu, cuda or npu; auto (the default): npu > cuda > cpu, as this host has them", ALL,
+         choices=("auto", "cpu", "cuda", "npu")),
+    Flag("ranks", "--ranks", "expert-parallel rank processes, one per device (default 1; under torchrun "
+         "WORLD_SIZE)", (*ALL, PREPACK, SIDECAR_PURGE), type=int, metavar="N", lo=1, hi=4096),
+    Flag("max_seq", "--max-seq", f"context length per KV slot (default {DEFAULTS.max_seq})", ALL, type=int, metavar="N",
+         lo=16, hi=1 << 24),
+    Flag("max_slots", "--max-slots", f"KV slots: at most this many sequences decode together (default {DEFAULTS.max_slots}; "
+         "fewer if memory is short)", (SERVE, PLAN, CONSOLE), type=int, metavar="N", lo=1, hi=MAX_SLOTS),
+    Flag("max_batch", "--max-batch", "sequences that decode together in one step (default: every KV slot; 1: one "
+         "at a time)", LAUNCH, type=int, metavar="N", lo=1, hi=MAX_SLOTS),
+    Flag("memory_utilization", "--memory-utilization", f"fraction of device memory the service may use (KV "
+         f"budget = total × this − used; default {DEFAULTS.memory_utilization})", PLANNED, type=float, metavar="F", lo=1e-3, hi=1.0,
+         allowed="above 0 up to 1"),
+    Flag("device_memory", "--device-memory", "cap device memory, e.g. 8G (on cpu: host memory)", PLANNED,
+         type=_size, metavar="SIZE", lo=1, hi=1 << 60, allowed="at least 1 byte"),
+    Flag("use_sidecar", "--no-sidecar", "always pack from the checkpoint, never map a sidecar", PLANNED,
+         negate=True),
+    Flag("cold_policy", "--cold-policy", "a valid sidecar not in the page cache: reject (repack), read it, or "
+         "auto (whichever is predicted faster); default %(default)s", PLANNED,
+         choices=("reject", "read", "auto")),
+    Flag("ready", "--ready", "compiled: serve once every program is compiled; early: serve on the eager tier at "
+         "once and swap each program in as it compiles (one rank only); auto: early when the plan misses "
+         "programs and one rank serves, else compiled (default %(default)s)", (*LAUNCH, PLAN), choices=READY_CHOICES,
+         defaults={CONSOLE: "auto"}),
+    Flag("jobs", "--jobs", "compile missing programs in N worker processes (default: the CPUs this process "
+         "may use, capped by memory)", (SERVE, COMPILE, CONSOLE), type=int, metavar="N", lo=1, hi=1024),
+    Flag("speculative", "--speculative", "mtp: the MTP layer drafts a token that the main model verifies in "
+         "the same step (greedy requests; tokens unchanged); auto: mtp on a real checkpoint with an MTP "
+         "layer, off on synthetic ones (default %(default)s)", LAUNCH, choices=("auto", "mtp", "off")),
+    Flag("validate_tokens", "--validate-tokens", f"greedy decode steps of the validate phase (default {DEFAULTS.validate_tokens})", LAUNCH,
+         type=int, metavar="N", lo=1, hi=4096),
+    Flag("max_body", "--max-body", f"largest request body accepted, larger is 413 (default {format_size(DEFAULTS.max_body)})", LAUNCH,
+         type=_size, metavar="SIZE", lo=1024, hi=1 << 40, allowed="1K..1T"),
+    Flag("queue_timeout", "--queue-timeout", f"seconds a request waits for a free slot before 503 + Retry-After "
+         f"(default {DEFAULTS.queue_timeout:g})", LAUNCH, type=float, metavar="SECONDS", lo=0.001, hi=86400,
+         allowed="above 0 up to 86400 seconds"),
+    Flag("host", "--host", f"listen address (default {DEFAULTS.host}: loopback only)", LAUNCH, metavar="ADDR"),
+    Flag("port", "--port", f"listen port (default {DEFAULTS.port}; 0: any free port)", LAUNCH, type=int, metavar="N",
+         lo=0, hi=65535, allowed="0..65535 (0: any free port)"),
+    Flag("master_port", "--master-port", "--ranks N: port of the ranks' rendezvous on 127.0.0.1 (default "
+         "$MASTER_PORT, else any free port)", LAUNCH, type=int, metavar="P", lo=1, hi=65535),
+    Flag("rendezvous_timeout", "--rendezvous-timeout", f"seconds every rank has to join, and to reach each "
+         f"registration sync point (default {DEFAULTS.rendezvous_timeout:g})", LAUNCH, type=float, metavar="SECONDS", lo=0.1, hi=86400,
+         allowed="above 0 up to 86400 seconds"),
+    Flag("events", "--events", "write progress events as JSON lines to FILE (- for stdout)",
+         (SERVE, COMPILE, PREPACK), metavar="FILE|-"),
+)
+
+
+FLAGS_BY_FIELD = {f.field: f for f in FLAGS}
+
+
+def default_of(flag: Flag, command: str) -> Any:
+    return flag.defaults.get(command, DEFAULTS_OF[flag.field])
+
+
+def flags_of(command: str) -> list[Flag]:
+    return [f for f in FLAGS if command in f.commands]
+
+
+def add_flags(parser: argparse.ArgumentParser, command: str, *, model_help: str | None = None,
+              model_required: bool = False) -> None:
+    """Put `command`'s launch flags on `parser` (dest = the spec's field names)."""
+    for flag in flags_of(command):
+        default = default_of(flag, command)
+        if flag.field == "model":
+            text = model_help or flag.help
+            if command in NAMED_MODEL:
+                parser.add_argument("--model", dest="model", type=Path, metavar="DIR", help=text)
+            else:
+                parser.add_argument("model", metavar="MODEL_DIR", type=Path, help=text,
+                                    **({} if model_required else {"nargs": "?"}))
+            continue
+        if flag.negate:
+            parser.add_argument(flag.flag, dest=flag.field, action="store_false", help=flag.help)
+            continue
+        kw: dict[str, Any] = {"dest": flag.field, "help": flag.help, "default": default}
+        if flag.field == "ranks":
+            kw["default"] = None  # unset: 1, or WORLD_SIZE under torchrun (`from_args(world=…)`)
+        if flag.type is not None:
+            kw["type"] = flag.type
+        if flag.choices is not None:
+            kw["choices"] = flag.choices
+        if flag.metavar is not None:
+            kw["metavar"] = flag.metavar
+        parser.add_argument(flag.flag, **kw)
+
+
+def from_args(args: argparse.Namespace, command: str, *, world: int | None = None) -> LaunchSpec:
+    """The spec `command`'s parsed flags say (fields the command has no flag for keep their
+    defaults), checked: one line for a value out of range. `world`: WORLD_SIZE under torchrun,
+    which an unset --ranks takes and a set one must equal."""
+    values = {f.field: getattr(args, f.field) for f in flags_of(command) if hasattr(args, f.field)}
+    ranks = values.get("ranks")
+    if world is not None:
+        if ranks not in (None, world):
+            raise UserError(f"--ranks {ranks} but WORLD_SIZE={world} (torchrun's ranks); drop --ranks or make "
+                            f"them agree")
+        ranks = world
+    values["ranks"] = 1 if ranks is None else ranks
+    spec = LaunchSpec(**values)
+    spec.check()
+    return spec
+
+
+def parser_for(command: str) -> argparse.ArgumentParser:
+    """A parser of `command`'s launch flags alone (the round-trip test, and `parse`)."""
+    parser = argparse.ArgumentParser(prog=f"dsv4 {command}", add_help=False)
+    add_flags(parser, command)
+    return parser
+
+
+def parse(argv: Sequence[str], command: str) -> LaunchSpec:
+    """`argv` (launch flags of `command` only) → the spec: `argv`'s inverse."""
+    return from_args(parser_for(command).parse_args(list(argv)), command)
+
+
+__all__ = ["DEFAULTS", "FLAGS", "LaunchSpec", "add_flags", "from_args", "parse"]

@@ -1,0 +1,140 @@
+"""The model's building blocks: norms, dequantising matmul weights, RoPE, and the
+hyper-connections (Sinkhorn mixing) around every block. See `runtime.model.forward` for the
+conventions these follow."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from runtime.model.dims import Dims
+
+NORM_EPS = 1e-6
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + NORM_EPS)
+    return y if weight is None else y * weight.float()
+
+
+def weight(w: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """A matmul weight [.., in, out] as float32: a packed one dequantised per block from the
+    checkpoint's numbers (qweight · 2^(qscale - 127), qscale one E8M0 byte per block), or a float
+    one as is. Block sizes follow from the shapes: the packer stores whole blocks only."""
+    q = w.get(name + ".qweight")
+    if q is None:
+        return w[name + ".weight"].float()
+    e = w[name + ".qscale"]
+    *lead, i, o = q.shape
+    gi, go = e.shape[-2], e.shape[-1]
+    scale = torch.exp2(e.float() - 127.0).reshape(*lead, gi, 1, go, 1)
+    return (q.float().reshape(*lead, gi, i // gi, go, o // go) * scale).reshape(*lead, i, o)
+
+
+# A weight whose float copy would be larger than this is dequantised and multiplied a few output
+# columns at a time. One float copy of small's output head is 128 MiB, allocated afresh (and
+# page-faulted) on every call: 5× the matmul itself; a chunk of a few MiB is reused from the
+# allocator and stays in cache. At most MAX_CHUNKS, so a traced program stays small: more chunks in the
+# routed experts' dense path halved its time but doubled small's cold compile, so it has none.
+CHUNK_ELEMENTS = 1 << 20
+MAX_CHUNKS = 16
+
+
+def _chunk(count: int, unit_elements: int, align: int = 1) -> int:
+    """Units (of `unit_elements` floats each) per chunk of `count`: about CHUNK_ELEMENTS floats,
+    at most MAX_CHUNKS chunks, a multiple of `align`."""
+    size = max(CHUNK_ELEMENTS // unit_elements, -(-count // MAX_CHUNKS), 1)
+    return -(-size // align) * align
+
+
+def linear(w: dict[str, torch.Tensor], name: str, x: torch.Tensor) -> torch.Tensor:
+    """x @ W for a packed or a float weight, both stored [in, out]; a large one by column chunks."""
+    q, scale = w.get(name + ".qweight"), w.get(name + ".qscale")
+    i, o = (w[name + ".weight"] if q is None else q).shape[-2:]
+    block = 1 if q is None else o // scale.shape[-1]  # output columns per scale block
+    step = _chunk(o, i, block)
+    if step >= o:
+        return x @ weight(w, name)
+
+    def columns(c: int) -> dict[str, torch.Tensor]:  # output columns c..c+step, whole scale blocks
+        if q is None:
+            return {name + ".weight": w[name + ".weight"][..., c:c + step]}
+        return {name + ".qweight": q[..., c:c + step], name + ".qscale": scale[..., c // block:(c + step) // block]}
+
+    return torch.cat([x @ weight(columns(c), name) for c in range(0, o, step)], dim=-1)
+
+
+def rope_inv_freq(d: Dims, compressed: bool) -> torch.Tensor:
+    """Inverse frequencies [rope_dim / 2]: plain `rope_theta` on sliding layers; on compressed
+    layers `compress_rope_theta`, with YaRN's ramp between extrapolated and interpolated
+    frequencies when the config asks for it (cos/sin are not rescaled: V4 uses no mscale)."""
+    dim = d.rope_dim
+    base = d.compress_rope_theta if compressed else d.rope_theta
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    inv = 1.0 / pos_freqs
+    if not compressed or d.rope_factor == 1.0:
+        return inv
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(d.rope_original_max / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(d.rope_beta_fast)), 0)
+    high = min(math.ceil(correction_dim(d.rope_beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (high frequencies), 0: interpolate (low frequencies)
+    return (1.0 / (d.rope_factor * pos_freqs)) * (1 - keep) + inv * keep
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate adjacent pairs (2i, 2i+1) of the trailing 2·len(inv_freq) channels by
+    position·inv_freq[i] (the inverse rotation with `inverse`); x [S, D] or [S, H, D]."""
+    half = inv_freq.shape[0]
+    ang = positions.float()[:, None] * inv_freq[None, :]  # [S, half]
+    ang = ang.reshape(ang.shape[0], *([1] * (x.dim() - 2)), half)  # broadcast over heads
+    cos, sin = ang.cos(), ang.sin()
+    if inverse:
+        sin = -sin
+    keep, r = x[..., : x.shape[-1] - 2 * half], x[..., x.shape[-1] - 2 * half:]
+    r = r.reshape(*r.shape[:-1], half, 2)
+    r0, r1 = r[..., 0], r[..., 1]
+    rotated = torch.stack((r0 * cos - r1 * sin, r0 * sin + r1 * cos), dim=-1).flatten(-2)
+    return torch.cat((keep, rotated), dim=-1)
+
+
+def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """Row softmax + eps, then alternate column and row normalisation (columns first)."""
+    m = torch.softmax(logits, dim=-1) + eps
+    m = m / (m.sum(-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        m = m / (m.sum(-1, keepdim=True) + eps)
+        m = m / (m.sum(-2, keepdim=True) + eps)
+    return m
+
+
+def hc_pre(d: Dims, w: dict[str, torch.Tensor], which: str, x: torch.Tensor):
+    """Hyper-connection mix: X [T, hc, D] → block input [T, D], post weights, combine matrix."""
+    t = x.shape[0]
+    mix = rms_norm(x.reshape(t, d.hc * d.hidden)) @ w[f"hc_{which}_fn"].float()  # [T, (2+hc)·hc]
+    scale, base = w[f"hc_{which}_scale"].float(), w[f"hc_{which}_base"].float()
+    hc = d.hc
+    pre = torch.sigmoid(mix[:, :hc] * scale[0] + base[:hc]) + d.hc_eps
+    post = 2.0 * torch.sigmoid(mix[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])
+    comb = (mix[:, 2 * hc:] * scale[2] + base[2 * hc:]).reshape(t, hc, hc)
+    comb = sinkhorn(comb, d.sinkhorn_iters, d.hc_eps)
+    inp = (pre[:, :, None] * x).sum(1)
+    return inp, post, comb
+
+
+def hc_post(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """New streams: comb^T · X + post ⊗ y (stream k receives Σ_j comb[j, k] · x_j)."""
+    return torch.bmm(comb.transpose(1, 2), x) + post[:, :, None] * y[:, None, :]
+
+
+def hc_head(d: Dims, w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    t = x.shape[0]
+    mix = rms_norm(x.reshape(t, d.hc * d.hidden)) @ w["hc_head_fn"].float()
+    weights = torch.sigmoid(mix * w["hc_head_scale"].float()[0] + w["hc_head_base"].float()) + d.hc_eps
+    return (weights[:, :, None] * x).sum(1)

@@ -1,0 +1,251 @@
+"""The `dsv4 serve` process: register, then serve HTTP until SIGTERM or SIGINT, failing closed.
+
+One process of one rank, or (with `--ranks N` outside torchrun) the launcher of N rank
+processes (`runtime.serve.rank_launcher`). The port is taken before registration, SIGTERM
+stops like Ctrl-C, a fault prints a traceback instead of a bare "Bus error", and the service
+announces itself in the runtime registry (every console of this user sees it). Once serving,
+anything that makes generation unsafe — the mapped sidecar changed, a rank was lost — fails
+closed: 503 with the reason for a moment, the launch history records it, then a drained exit 1.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import NoReturn
+
+from runtime.events import Emitter, Event, Phase, Sink, open_sink
+from runtime.launch.spec import SERVE, LaunchSpec
+from store.errors import UserError
+
+FAIL_CLOSED_GRACE_S = 1.0  # 503s saying why, then drain and stop (well inside a lease-break time)
+
+
+def speculation(choice: str, model_dir: Path) -> bool:
+    """--speculative → whether MTP drafts; `mtp` on a checkpoint without an MTP layer: one line."""
+    from runtime.model.config import load_config, synthetic_preset
+
+    if choice == "off":
+        return False
+    has_mtp = load_config(model_dir).num_nextn_predict_layers > 0
+    if choice == "mtp" and not has_mtp:
+        raise UserError(f"--speculative mtp: {model_dir} has no MTP layer (num_nextn_predict_layers 0); use off")
+    if choice == "mtp":
+        return True
+    return has_mtp and synthetic_preset(model_dir) is None
+
+
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
+
+
+def run(spec: LaunchSpec, rank_env=None, display: Callable[[], tuple[Sink, Callable[[], None]]] | None = None) -> int:
+    """`dsv4 serve` of `spec` (its model resolved). `rank_env`: this process is one rank (under
+    torchrun or our launcher). `display()`: a terminal sink for registration's progress, and its
+    stop (only when events do not go to stdout)."""
+    speculative = speculation(spec.speculative, spec.model)
+    if spec.ranks > 1:
+        check_ranks(spec, rank_env)
+        if rank_env is None:
+            return launch_ranks(spec)
+    rank_env = rank_env if spec.ranks > 1 else None
+    rank = rank_env.rank if rank_env is not None else 0
+    sinks: list[Sink] = []
+    if spec.events:
+        try:
+            sinks.append(open_sink(spec.events))
+        except OSError as e:
+            raise UserError(f"--events {spec.events}: cannot open ({e.strerror}); choose another path") from None
+    if rank > 0:
+        return _follow(spec, rank_env, Emitter(*sinks, rank=rank))
+    from runtime.launch.registration import register
+    from runtime.serve.server import bind
+
+    # the port first: one in use is one line now, not after every registration phase
+    sock = bind(spec.host, spec.port)
+    shown = display() if display is not None and spec.events != "-" else None
+    if shown:
+        sinks.append(shown[0])
+    emitter = Emitter(*sinks, rank=0 if rank_env is not None else None)
+    signal.signal(signal.SIGTERM, _interrupt)  # during registration, and re-raised by uvicorn after its drain
+    never_silent()
+    started = time.time()
+    from store.services import Announcement
+
+    events_file = "" if spec.events in (None, "-") else str(Path(spec.events).resolve())
+    announced = Announcement(str(spec.model), events_file)
+    atexit.register(announced.withdraw)
+    try:
+        launched = register(spec, emitter, rank_env=rank_env)
+    except BaseException:
+        sock.close()
+        raise
+    finally:
+        if shown:
+            shown[1]()
+    return _serve(launched, sock, emitter, announced, started, speculative)
+
+
+def _serve(launched, sock, emitter: Emitter, announced, started: float, speculative: bool) -> int:
+    from runtime.serve.app import Limits
+    from runtime.serve.server import serve
+
+    spec = launched.spec
+    emitter.emit(Phase.SERVE, "start", detail={"host": spec.host, "port": sock.getsockname()[1]})
+    t0 = time.perf_counter()
+
+    def ready(url: str) -> None:
+        seconds = time.perf_counter() - t0
+        launched.phases[Phase.SERVE] = {"seconds": round(seconds, 4), "url": url}
+        emitter.emit(Phase.SERVE, "end", seconds=seconds, detail={"url": url})
+        launched.record(started, "ok", url=url)
+        announced.serving(url)
+        if spec.events != "-":
+            print(f"serving {spec.model} at {url} (Ctrl-C or SIGTERM to stop)", file=sys.stderr)
+
+    failing = threading.Lock()
+
+    def fail_closed(reason: str) -> None:
+        """Stop generating (503 with the reason), record it, drain and exit non-zero. For a
+        changed sidecar: the writer waiting on our lease proceeds only once nothing reads the
+        mapping any more; for a lost rank: every rank of the service stops."""
+        if not failing.acquire(blocking=False):
+            return  # the first reason holds
+        launched.failure = reason
+        emitter.emit(Phase.SERVE, "error", message=reason)
+        launched.record(started, "error", reason, failed_phase=Phase.SERVE)
+        threading.Timer(FAIL_CLOSED_GRACE_S, os.kill, (os.getpid(), signal.SIGTERM)).start()
+
+    def sidecar_changed(reason: str) -> None:
+        fail_closed(f"sidecar {launched.mapped.path} changed under the service: {reason}")
+
+    stop_watching = launched.mapped.notify(sidecar_changed) if launched.mapped is not None else None
+    if launched.group is not None:  # a rank that died, or a collective that failed: the service stops
+        launched.group.on_lost = fail_closed
+        launched.group.watch(fail_closed)
+    limits = Limits(max_body_bytes=spec.max_body, queue_timeout=spec.queue_timeout, max_batch=spec.max_batch,
+                    speculative=speculative)
+
+    def stats(engine: dict) -> None:
+        rate = "" if engine["acceptance"] is None else f", MTP acceptance {engine['acceptance']:.0%}"
+        emitter.log(Phase.SERVE, f"{engine['steps']} decode steps, mean batch {engine['mean_batch']}{rate}",
+                    engine=engine)
+
+    try:
+        serve(launched, sock, limits, on_ready=ready, on_stats=stats)
+    except KeyboardInterrupt:
+        # uvicorn drains on SIGTERM/SIGINT, then re-raises the signal under the handler it
+        # found (KeyboardInterrupt for both): once serving, that is a clean, drained stop
+        if Phase.SERVE not in launched.phases:
+            raise
+    finally:
+        if stop_watching is not None:
+            stop_watching()
+    if launched.failure:
+        launched.close()  # unmap, and release the lease: the waiting writer may go on now
+        hint = "launch again" if launched.mapped is None else "run `dsv4 sidecar status`, then launch again"
+        raise UserError(f"{launched.failure}; stopped serving ({hint})")
+    emitter.emit(Phase.SERVE, "log", message="stopped: drained and released device memory")
+    return 0
+
+
+def run_rank(run_it: Callable[[], int]) -> NoReturn:
+    """One rank process of several, to its end: its result said the way `dsv4` says it (one line
+    for a UserError), the atexit handlers run (the registry entry is withdrawn), then out with
+    `os._exit`. The interpreter's own teardown is skipped on purpose: torch.distributed's C++
+    threads abort it now and then ("terminate called without an active exception"), which
+    turned a drained, clean stop into a crash."""
+    try:
+        code = run_it()
+    except UserError as e:
+        print(f"dsv4 serve: {e}", file=sys.stderr)
+        code = e.exit_code
+    except KeyboardInterrupt:
+        print("dsv4 serve: interrupted", file=sys.stderr)
+        code = 130
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(int(code or 0))
+
+
+def check_ranks(spec: LaunchSpec, rank_env) -> None:
+    """One line for rank settings that cannot work, before any rank starts."""
+    from runtime.launch.hardware import accelerator_count, resolve_device
+    from runtime.model.config import load_config
+
+    load_config(spec.model).check_ranks(spec.ranks)
+    device = resolve_device(spec.device)
+    if device != "cpu" and rank_env is None:  # under torchrun each rank checks its LOCAL_RANK's device
+        count = accelerator_count(device)
+        if spec.ranks > count:
+            raise UserError(f"--ranks {spec.ranks} but this host has {count} {device} device(s); one rank per "
+                            f"device: run at most {count} ranks here (torchrun --nnodes for more hosts)")
+
+
+def launch_ranks(spec: LaunchSpec) -> int:
+    """`dsv4 serve --ranks N`: N rank processes of this same spec (runtime.serve.rank_launcher)."""
+    from runtime.launch import history
+    from runtime.launch.registration import resolved
+    from runtime.serve.rank_launcher import launch
+    from runtime.serve.server import bind
+
+    bind(spec.host, spec.port).close()  # the port in use is one line now, not after N registrations
+    port = spec.master_port if spec.master_port is not None else int(os.environ.get("MASTER_PORT", 0) or 0)
+    started = time.time()
+
+    def died(rank: int, phase: str, line: str) -> None:
+        """The launcher's line, in the events too, with the rank and its phase (the console
+        fails that rank's phase, whichever rank is gone); the history records the launch when
+        rank 0 is the one gone (it cannot)."""
+        if spec.events:
+            with contextlib.suppress(OSError):
+                open_sink(spec.events)(Event(Phase.SERVE, "error", message=line, detail={"rank": rank, "phase": phase}))
+        if rank == 0:
+            device, backend = resolved(spec)
+            history.append(spec, {}, started, "error", line, device=device, backend=backend,
+                           extra={"failed_phase": Phase.SERVE, "rank": rank})
+
+    return launch(["serve", *spec.argv(SERVE)], spec.ranks, "127.0.0.1", port, spec.rendezvous_timeout, died)
+
+
+def _follow(spec: LaunchSpec, rank_env, emitter: Emitter) -> int:
+    """A rank other than 0: register (every phase, as rank 0 leads), then run each engine call
+    rank 0 sends until it stops the service. Killed at once by SIGTERM; an abort anywhere in the
+    service (a rank died, rank 0 failed) ends this rank at once with the reason."""
+    from runtime.launch.ranks import follow
+    from runtime.launch.registration import register
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher or torchrun stops ranks, not the terminal
+    signal.signal(signal.SIGTERM, _interrupt)
+    never_silent()
+    launched = register(spec, emitter, rank_env=rank_env, record=False)
+
+    def aborted(reason: str) -> None:
+        print(f"dsv4 serve: rank {rank_env.rank} stopping: {reason}", file=sys.stderr, flush=True)
+        os._exit(1)  # blocked in a collective: nothing else would return
+
+    launched.group.watch(aborted)
+    launched.group.set_phase(Phase.SERVE)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    follow(launched.engine, launched.group, until="stop")
+    launched.close()
+    return 0
+
+
+def never_silent() -> None:
+    """A fault (SIGBUS on a mapping changed behind our back) prints a traceback to stderr
+    instead of a bare "Bus error"; SIGIO tells us a writer wants our sidecar (its read lease)."""
+    import faulthandler
+
+    from store.sidecar.watch import install_sigio_handler
+
+    faulthandler.enable()
+    install_sigio_handler()

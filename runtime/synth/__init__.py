@@ -1,0 +1,1 @@
+"""Synthetic DeepSeek V4 checkpoints (real names, dtypes and formats at shrunk dims) and their tokenizer."""
