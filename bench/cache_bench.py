@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from runtime.program_spec import DynamicDim, ProgramSpec, TensorSpec, program_key
-from runtime.programs import prepare
+from runtime.programs.build import prepare
+from runtime.programs.spec import DynamicDim, ProgramSpec, TensorSpec, program_key
 from store.fingerprint import Key
 from store.kernel_cache import KernelCache
 
@@ -132,8 +132,8 @@ def _run_phase(name: str, cache_dir: Path, inductor_dir: Path) -> dict[str, Any]
 
 
 def _synthetic_cache(root: Path, n: int) -> KernelCache:
-    from runtime.program_spec import CONFIG_COMPONENTS
-    from runtime.toolchain import toolchain_components
+    from runtime.programs.spec import CONFIG_COMPONENTS
+    from runtime.programs.toolchain import toolchain_components
 
     cache = KernelCache(root, durable=False)  # synthetic: fsync would only time the disk
     toolchain = dict(toolchain_components("cpu"))
@@ -151,7 +151,7 @@ def _synthetic_cache(root: Path, n: int) -> KernelCache:
 
 
 def _time_ls(n: int) -> dict[str, Any]:
-    from runtime.programs import reference
+    from runtime.programs.build import reference
 
     with tempfile.TemporaryDirectory(prefix="dsv4-bench-ls-") as tmp:
         cache = _synthetic_cache(Path(tmp) / "programs", n)

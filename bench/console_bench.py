@@ -49,7 +49,7 @@ def measure(idle_seconds: float = 30.0, interval: float = 2.0) -> dict[str, Any]
                        env=env, check=True, capture_output=True)
         master, slave = pty.openpty()
         fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", SIZE[0], SIZE[1], 0, 0))
-        argv = [sys.executable, "-m", "console.app", "--readonly", "--model", str(model),
+        argv = [sys.executable, "-m", "console.tui.app", "--readonly", "--model", str(model),
                 "--interval", str(interval)]
         t0 = time.perf_counter()
         proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True,
@@ -93,7 +93,6 @@ def residency_fallback(interval: float = 2.0, refreshes: int = 300) -> dict[str,
     unscheduled sample (what each refresh used to cost), then the console's schedule
     (`store.pagecache.schedule`, as `dsv4-console` sets it) over `refreshes` refreshes of
     `interval` seconds: real CPU time of the probes over the refreshes' (simulated) wall time."""
-    from console.collectors import RESIDENCY_SHARE
     from store import pagecache
 
     with tempfile.TemporaryDirectory(prefix="dsv4-console-bench-") as tmp:
@@ -106,7 +105,7 @@ def residency_fallback(interval: float = 2.0, refreshes: int = 300) -> dict[str,
             pagecache.residency(fd, method="mincore")
             one = time.thread_time() - t0
             now = [0.0]
-            pagecache.schedule(RESIDENCY_SHARE, clock=lambda: now[0])
+            pagecache.schedule(pagecache.REFRESH_SHARE, clock=lambda: now[0])
             try:
                 taken, c0 = set(), time.thread_time()
                 for _ in range(refreshes):

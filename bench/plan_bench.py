@@ -22,8 +22,8 @@ TARGETS = {"small": 0.5, "v4-flash": 2.0}
 def header_only_checkpoint(root: Path, raw_config: dict[str, Any]) -> int:
     """A checkpoint whose one shard is a sparse file of the right size with a real header:
     contract checks and plans read only headers, so even V4-Flash costs no disk. Returns bytes."""
-    from runtime.config import from_dict
-    from runtime.tensors import expected_tensors
+    from runtime.model.config import from_dict
+    from runtime.model.tensors import expected_tensors
 
     specs = expected_tensors(from_dict(raw_config))
     root.mkdir(parents=True)
@@ -55,7 +55,7 @@ def _time_plan(model: Path, cache: Path, runs: int) -> tuple[list[float], dict[s
 
 def main(runs: int = 5, as_json: bool = False) -> int:
     from bench.report import print_json, print_table
-    from runtime.synth import V4_FLASH, preset_config_dict
+    from runtime.synth.checkpoint import V4_FLASH, preset_config_dict
 
     rows, report = [], {}
     with tempfile.TemporaryDirectory(prefix="dsv4-bench-plan-") as tmp:

@@ -25,35 +25,31 @@ byte per 4 KiB page, best of 3), projected onto V4-Flash: each rank maps the sha
 1/N of the routed experts of the 322.8 GiB sidecar, the expert share taken from V4-Flash's
 packed layout (its real tensor shapes). Ratios are against N = 1 of the same run; nothing is
 asserted but the pass/miss of the memory target is printed.
+
+Starting, driving and stopping the services is `bench.ranks_services`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import mmap
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from bench.ranks_services import Service, memory_of, prepack, run_load, serving
+
 RANKS = (1, 2, 4)
 PAGE = 4096
-MAX_SEQ, MAX_SLOTS = 256, 16
 LOADS = {1: 4, 16: 32}  # concurrent clients → requests sent
 SIDECAR_SHARE = 0.05  # per extra rank: at most this much of the sidecar, plus that rank's KV
 V4_FLASH_SIDECAR_BYTES = round(322.8 * (1 << 30))  # the seed's measured sidecar: 84.6 M pages
 V4_FLASH_RANKS = (1, 2, 4, 8)
-START_TIMEOUT_S = 3600.0  # a cold launch of the small preset compiles every program on 2 cores
-STOP_TIMEOUT_S = 60.0
 MAP_RUNS = 3
 
 
@@ -86,12 +82,12 @@ def v4_flash_projection(per_page_s: float, expert_share: float, sidecar_bytes: i
 
 def v4_flash_expert_share() -> tuple[float, int]:
     """The routed experts' share of V4-Flash's packed layout, and that layout's size in bytes."""
-    from runtime.config import from_dict
-    from runtime.pack_plan import EXPERTS, PackPlan
-    from runtime.synth import V4_FLASH
+    from runtime.model.config import from_dict
+    from runtime.synth.checkpoint import V4_FLASH
+    from runtime.weights.layout import EXPERTS, PackedLayout
     from store.checkpoint import DTYPE_SIZES
 
-    plan = PackPlan(from_dict(V4_FLASH, source="V4-Flash"), ranks=1)
+    plan = PackedLayout(from_dict(V4_FLASH, source="V4-Flash"), ranks=1)
     total = plan.total_bytes()
     experts = sum(DTYPE_SIZES[t.dtype] * math.prod(t.shape) for t in plan.tensors.values()
                   if t.rule.group == EXPERTS)
@@ -129,145 +125,12 @@ def summarize_launch(lines: Sequence[str], started: float) -> dict[str, Any]:
             "ranks": [{k: v for k, v in ranks[k].items() if k not in ("first", "last")} for k in sorted(ranks)]}
 
 
-# ---- running services ----
-
-@dataclass
-class Service:
-    proc: subprocess.Popen
-    url: str
-    started: float  # time.time() just before the process started
-    events: Path
-    ranks: int
-    left_behind: list[int] = field(default_factory=list)  # sessions still running after the stop
-
-    def rank_pids(self) -> list[int]:
-        """The rank processes: the launcher's children for N > 1, the process itself for N = 1."""
-        import psutil
-
-        if self.ranks == 1:
-            return [self.proc.pid]
-        children = psutil.Process(self.proc.pid).children()
-        return [c.pid for c in sorted(children, key=lambda c: int(c.environ().get("RANK", 0)))]
-
-    def summary(self) -> dict[str, Any]:
-        return summarize_launch(self.events.read_text().splitlines(), self.started)
+def launch_summary(service: Service) -> dict[str, Any]:
+    """`summarize_launch` of a running service's events so far."""
+    return summarize_launch(service.events.read_text().splitlines(), service.started)
 
 
-@contextlib.contextmanager
-def serving(model: Path, cache: Path, run_dir: Path, backend: str, ranks: int) -> Iterator[Service]:
-    """`dsv4 serve --ranks N` until the `serve` `end` event; stopped by SIGTERM (drained) on the
-    way out, and on any error every process of it is killed: nothing is left behind."""
-    run_dir.mkdir(parents=True)
-    events, log = run_dir / "events.jsonl", run_dir / "serve.log"
-    started = time.time()
-    with open(log, "wb") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "console.cli", "serve", str(model), "--ranks", str(ranks), "--backend", backend,
-             "--kernel-cache-dir", str(cache), "--device", "cpu", "--port", "0", "--max-seq", str(MAX_SEQ),
-             "--max-slots", str(MAX_SLOTS), "--queue-timeout", "3600", "--events", str(events)],
-            stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
-    seen: set[int] = set()  # every rank pid ever seen, to kill them should the launcher go first
-    stopped = None
-    try:
-        url = _wait_ready(proc, events, log, seen)
-        service = Service(proc, url, started, events, ranks)
-        seen.update(service.rank_pids())
-        yield service
-        _stop(proc, STOP_TIMEOUT_S)
-        stopped = service
-    finally:
-        left = _kill(proc, seen)
-        if stopped is not None and left:  # a clean stop should have ended every process of it
-            stopped.left_behind = left
-            print(f"{run_dir.name}: process groups {left} still ran after the stop; killed", file=sys.stderr)
-
-
-def _wait_ready(proc: subprocess.Popen, events: Path, log: Path, seen: set[int]) -> str:
-    import psutil
-
-    deadline, offset, pending = time.monotonic() + START_TIMEOUT_S, 0, b""
-    while time.monotonic() < deadline:
-        with contextlib.suppress(psutil.Error):
-            seen.update(c.pid for c in psutil.Process(proc.pid).children())
-        if events.exists():
-            with open(events, "rb") as f:
-                f.seek(offset)
-                chunk = f.read()
-            offset += len(chunk)
-            *lines, pending = (pending + chunk).split(b"\n")  # a rank may be mid-line
-            for line in lines:
-                e = json.loads(line)
-                if e.get("kind") == "error":
-                    raise RuntimeError(f"rank {e.get('rank') or 0}, phase {e['phase']}: {e.get('message')}")
-                if e.get("phase") == "serve" and e.get("kind") == "end":
-                    return e["detail"]["url"]
-        if proc.poll() is not None:
-            raise RuntimeError(f"dsv4 serve exited with code {proc.returncode} before serving:\n"
-                               f"{log.read_text(errors='replace')[-2000:]}")
-        time.sleep(0.2)
-    raise RuntimeError(f"dsv4 serve was not ready within {START_TIMEOUT_S:g} s (log: {log})")
-
-
-def _stop(proc: subprocess.Popen, timeout: float) -> None:
-    """SIGTERM: rank 0 drains HTTP, then stops the other ranks; the launcher reaps them."""
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=timeout)
-
-
-def _kill(proc: subprocess.Popen, ranks: set[int]) -> list[int]:
-    """Kill whatever of this service still runs: its session (the launcher, or rank 0 and its
-    compile workers) and each rank's own session. The sessions that still had a process."""
-    left = []
-    for pgid in (proc.pid, *sorted(ranks)):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, signal.SIGKILL)
-            left.append(pgid)
-    proc.wait()
-    return left
-
-
-def _load(url: str, clients: int, requests: int) -> dict[str, Any]:
-    """`requests` streamed greedy completions, `clients` at a time: completion tokens per second."""
-    from bench.service_bench import _request
-
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(clients) as pool:
-        results = list(pool.map(lambda i: _request(url, i), range(requests)))
-    wall = time.perf_counter() - t0
-    tokens = sum(r[2] for r in results)
-    return {"clients": clients, "requests": requests, "tokens": tokens, "wall_s": round(wall, 3),
-            "tokens_per_s": round(tokens / wall, 1)}
-
-
-def _memory(service: Service, sidecar: Path) -> dict[str, Any]:
-    """PSS and RSS of each rank process, and the PSS of its mapping of the sidecar: summed over
-    the ranks, that is what the weights cost the host (one page-cache copy when not duplicated)."""
-    import psutil
-
-    per_rank = []
-    for pid in service.rank_pids():
-        proc = psutil.Process(pid)
-        m = proc.memory_full_info()
-        maps = [g for g in proc.memory_maps(grouped=True) if g.path == str(sidecar)]
-        # RSS of the mapping: the sidecar pages this rank has mapped (its share of them: PSS)
-        per_rank.append({"pid": pid, "pss": m.pss, "rss": m.rss, "sidecar_pss": sum(g.pss for g in maps),
-                         "sidecar_rss": sum(g.rss for g in maps)})
-    launcher = psutil.Process(service.proc.pid).memory_full_info().pss if service.ranks > 1 else None
-    return {"per_rank": per_rank, "total_pss": sum(r["pss"] for r in per_rank),
-            "sidecar_pss": sum(r["sidecar_pss"] for r in per_rank), "launcher_pss": launcher}
-
-
-def _prepack(model: Path, ranks: int) -> tuple[float, Path]:
-    from store.sidecar.name import default_sidecar_path
-
-    t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "console.cli", "prepack", str(model), "--ranks", str(ranks)],
-                       capture_output=True, text=True)
-    seconds = time.perf_counter() - t0
-    if r.returncode != 0:
-        raise RuntimeError(f"dsv4 prepack --ranks {ranks} failed:\n{r.stderr[-2000:]}")
-    return seconds, default_sidecar_path(model, ranks)
-
+# ---- mapping cost, in this process ----
 
 def page_cost(path: Path, runs: int = MAP_RUNS) -> dict[str, float]:
     """Seconds per 4 KiB page to map `path` (hot in the page cache) read-only and touch one byte
@@ -292,7 +155,7 @@ def page_cost(path: Path, runs: int = MAP_RUNS) -> dict[str, float]:
 # ---- the bench ----
 
 def measure(preset: str, backend: str, ranks: Sequence[int], progress: Callable[[str], None]) -> dict[str, Any]:
-    from runtime.synth import synthesize
+    from runtime.synth.checkpoint import synthesize
     from store.pagecache import warm
 
     runs: dict[int, dict[str, Any]] = {}
@@ -305,21 +168,21 @@ def measure(preset: str, backend: str, ranks: Sequence[int], progress: Callable[
             run: dict[str, Any] = runs.setdefault(n, {})
             progress(f"N={n} cold: no sidecar for {n}, programs from the shared cache or compiled …")
             with serving(model, cache, tmp / f"r{n}-cold", backend, n) as service:
-                run["cold"] = service.summary()
+                run["cold"] = launch_summary(service)
             run["left_behind"] = service.left_behind
             progress(f"N={n}: dsv4 prepack --ranks {n} …")
-            run["prepack_s"], sidecars[n] = _prepack(model, n)
+            run["prepack_s"], sidecars[n] = prepack(model, n)
             run["sidecar_bytes"] = sidecars[n].stat().st_size
             warm(sidecars[n], remember=False)
             progress(f"N={n} hot: mapping the hot sidecar …")
             with serving(model, cache, tmp / f"r{n}-hot", backend, n) as service:
-                _load(service.url, 1, 1)  # warm-up
+                run_load(service.url, 1, 1)  # warm-up
                 run["decode"] = {}
                 for clients, requests in LOADS.items():
                     progress(f"N={n} hot: {requests} requests, {clients} at a time …")
-                    run["decode"][clients] = _load(service.url, clients, requests)
-                run["hot"] = service.summary()
-                run["memory"] = _memory(service, sidecars[n].resolve())
+                    run["decode"][clients] = run_load(service.url, clients, requests)
+                run["hot"] = launch_summary(service)
+                run["memory"] = memory_of(service, sidecars[n].resolve())
             run["left_behind"] += service.left_behind
         path = sidecars[ranks[0]]
         warm(path, remember=False)
@@ -358,7 +221,7 @@ def parse_ranks(text: str, experts: int) -> tuple[list[int], list[str]]:
 def main(preset: str = "small", backend: str = "export", ranks: str = ",".join(map(str, RANKS)),
          json_output: bool = False) -> int:
     from bench.report import print_json
-    from runtime.synth import preset_config_dict
+    from runtime.synth.checkpoint import preset_config_dict
 
     chosen, skipped = parse_ranks(ranks, preset_config_dict(preset)["n_routed_experts"])
     for line in skipped:

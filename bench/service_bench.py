@@ -103,15 +103,15 @@ def step_times(model_dir: Path, steps: int = 40) -> dict[int, float]:
     """Median single-sequence decode step (seconds) after a 200-token prompt, eager, per max_seq."""
     import torch
 
-    from runtime.config import load_config
-    from runtime.engine import Engine
-    from runtime.model_programs import build_programs
-    from runtime.pack import PackPlan, pack_in_memory
-    from runtime.weights import packed_views
+    from runtime.model.config import load_config
+    from runtime.programs.catalog import build_programs
+    from runtime.serve.engine import Engine
+    from runtime.weights.pack import PackedLayout, pack_in_memory
+    from runtime.weights.views import packed_views
     from store.checkpoint import Checkpoint
 
     config = load_config(model_dir)
-    plan = PackPlan(config, ranks=1)
+    plan = PackedLayout(config, ranks=1)
     weights = packed_views(plan, pack_in_memory(Checkpoint.open(model_dir), plan))
     out = {}
     for max_seq in (256, 4096):
@@ -127,7 +127,7 @@ def step_times(model_dir: Path, steps: int = 40) -> dict[int, float]:
 
 
 def measure(backend: str, progress=print) -> dict[str, Any]:
-    from runtime.synth import synthesize
+    from runtime.synth.checkpoint import synthesize
 
     rows = {}
     with tempfile.TemporaryDirectory(prefix="dsv4-bench-service-") as tmp:

@@ -33,9 +33,9 @@ MAX_SEQ = 256
 
 def _child(setup: str, model_dir: str, cache_dir: str, backend: str) -> dict[str, Any]:
     """Run one registration in this process and return its phase records and total seconds."""
-    from runtime import program_prep
     from runtime.events import Emitter
-    from runtime.registration import LaunchOptions, register
+    from runtime.launch.registration import LaunchOptions, register
+    from runtime.programs import phase as program_prep
 
     if setup == "peer":
         program_prep.prepare_programs = _torch_compile_programs
@@ -51,7 +51,9 @@ def _child(setup: str, model_dir: str, cache_dir: str, backend: str) -> dict[str
     ttft = time.perf_counter() - t1
     out = {"setup": setup, "total": total, "tokens": launched.validation_tokens, "ttft": ttft, "first": first,
            "phases": {p: launched.phases[p]["seconds"] for p in PHASES}, "pool": pool,
-           "programs": launched.phases["programs"].get("counts"), "weights": launched.phases["weights"].get("path")}
+           "programs": launched.phases["programs"].get("counts"), "weights": launched.phases["weights"].get("path"),
+           "verified_bytes": launched.phases["programs"].get("verified_bytes"),
+           "artifact_bytes": launched.phases["programs"].get("artifact_bytes")}
     while launched.tiers is not None and hasattr(launched.tiers, "status") and \
             launched.tiers.status().startswith("compiling"):
         time.sleep(0.5)  # (early) let the background compiles finish before this process exits
@@ -59,16 +61,17 @@ def _child(setup: str, model_dir: str, cache_dir: str, backend: str) -> dict[str
     return out
 
 
-def _torch_compile_programs(programs, options, device_kind, emitter, phase="programs", **_):
+def _torch_compile_programs(plan, emitter, *, phase="programs", **_):
     """The peer: torch.compile each program function and run it once on example inputs, so the
     compile (served from Inductor's own on-disk caches when warm) happens inside the phase."""
     import torch
 
-    from runtime.program_spec import build_function
-    from runtime.programs import example_inputs
+    from runtime.programs.build import example_inputs
+    from runtime.programs.phase import Prepared
+    from runtime.programs.spec import build_function
 
     runners, results = {}, []
-    specs = list(programs.specs.values())
+    specs = list(plan.catalog.specs.values())
     for i, spec in enumerate(specs, start=1):
         t0 = time.perf_counter()
         fn = torch.compile(build_function(spec), dynamic=bool(spec.dims))
@@ -78,7 +81,7 @@ def _torch_compile_programs(programs, options, device_kind, emitter, phase="prog
         results.append({"program": spec.name, "outcome": "TORCH.COMPILE", "seconds": time.perf_counter() - t0,
                         "backend": "torch.compile", "fingerprint": None, "reason": ""})
         emitter.emit(phase, "progress", done=i, total=len(specs), unit="programs", detail=results[-1])
-    return runners, results
+    return Prepared(runners, results)
 
 
 def _valid_inputs(spec, inputs):
@@ -113,8 +116,8 @@ RATIOS = {  # name → (numerator set-up, denominator set-up, figure)
 
 def measure(preset: str, backend: str, progress=print, setups: tuple[str, ...] = SETUPS) -> list[dict[str, Any]]:
     """The chosen set-ups, in SETUPS order (warm and hot run after a cold one fills the cache)."""
-    from runtime.prepack import prepack
-    from runtime.synth import synthesize
+    from runtime.synth.checkpoint import synthesize
+    from runtime.weights.prepack import prepack
     from store.pagecache import warm
 
     steps = {
@@ -191,6 +194,11 @@ def main(preset: str = "small", backend: str = "aoti", json_output: bool = False
                   f"largest compile RSS {pool['peak_rss'] / gib:.2f} GiB")
     for r in rows:
         print(f"{r['setup']}: first token right after ready {r['ttft'] * 1000:.0f} ms")
+    for r in rows:
+        verified, loaded = r.get("verified_bytes"), r.get("artifact_bytes")
+        if loaded:
+            print(f"{r['setup']}: sha256 over {verified / 2**20:.1f} MiB of kernel-cache artifacts for "
+                  f"{loaded / 2**20:.1f} MiB loaded ({verified / loaded:.2f}× each byte)")
     for k, target in TARGETS.items():
         if k in result["ratios"]:
             print(f"{k}: {result['ratios'][k]:.2f}× (target ≥ {target}×) {'met' if result['met'][k] else 'MISSED'}")

@@ -8,6 +8,9 @@ import sys
 
 ENVIRONMENT = """environment:
   DSV4_KERNEL_CACHE_DIR  kernel cache root (default <user cache dir>/dsv4-console/programs)
+  DSV4_KERNEL_CACHE_MAX_SIZE
+                         the kernel cache's size limit: `dsv4 cache gc` evicts down to it, the
+                         console shows the disk used against it (default 10G)
   DSV4_DATA_DIR          where the embedded default checkpoint lives (<user data dir>/dsv4-console)
   DSV4_DEFAULT_PRESET    preset of the embedded default checkpoint (tiny|small|medium; default small)
   DSV4_STATE_DIR         launch history, service registry and detached service logs

@@ -14,13 +14,13 @@ from store.errors import UserError
 
 # Each module exposes `register(subparsers)`; order is the order of `dsv4 --help`.
 GROUPS = (
-    "console.cmd_model",
-    "console.cmd_plan",
-    "console.cmd_cache",
-    "console.cmd_sidecar",
-    "console.cmd_serve",
-    "console.cmd_prepack",
-    "console.cmd_bench",
+    "console.cli.model",
+    "console.cli.plan",
+    "console.cli.cache",
+    "console.cli.sidecar",
+    "console.cli.serve",
+    "console.cli.prepack",
+    "console.cli.bench",
 )
 
 
@@ -64,7 +64,6 @@ def _completion(parser: argparse.ArgumentParser, shell: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    args.argv = list(argv) if argv is not None else sys.argv[1:]  # what rank processes are started with
     try:
         code = args.func(args)
     except UserError as e:
@@ -81,6 +80,3 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     return int(code or 0)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

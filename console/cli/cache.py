@@ -1,6 +1,6 @@
 """`dsv4 cache ls|verify|purge|gc|why`: the kernel cache as an operator sees it.
 
-States are judged against this environment: `runtime.programs.reference()` computes the
+States are judged against this environment: `runtime.programs.build.reference()` computes the
 toolchain without importing torch, plus the live keys of the registered programs.
 """
 
@@ -12,15 +12,17 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
-from console.output import confirm, print_json, print_table
+from console.about import ENVIRONMENT
+from console.cli.output import confirm, print_json, print_table
+from runtime.launch.spec import CACHE, add_flags, from_args
 from store import kernel_cache as kc
 from store.errors import UserError
-from store.paths import kernel_cache_dir
+from store.paths import DEFAULT_KERNEL_CACHE_MAX_SIZE, kernel_cache_dir, kernel_cache_limit
 from store.units import format_age, format_size, parse_size
 
 PURGE_SELECTIONS = {
     "stale": lambda e: e.state == kc.STALE,
-    "corrupt": lambda e: e.state == kc.CORRUPT,
+    "corrupt": lambda e: e.state in (kc.CORRUPT, kc.QUARANTINED),
     "partial": lambda e: e.state == kc.PARTIAL,
     "all": lambda e: True,
 }
@@ -49,7 +51,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     purge.add_argument("--yes", action="store_true", help="do not ask for confirmation")
 
     gc = _action(sub, "gc", _gc, "evict least recently used entries down to a size")
-    gc.add_argument("--max-size", required=True, metavar="SIZE", help="e.g. 10G, 512M")
+    gc.add_argument("--max-size", metavar="SIZE", help="e.g. 10G, 512M (default $DSV4_KERNEL_CACHE_MAX_SIZE, "
+                    f"else {DEFAULT_KERNEL_CACHE_MAX_SIZE})")
 
     _action(sub, "adopt", _adopt, "mark a kernel cache made by an older dsv4 (no marker yet) as one")
 
@@ -58,16 +61,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _action(sub: argparse._SubParsersAction, name: str, func: Callable, help: str) -> argparse.ArgumentParser:
-    p = sub.add_parser(name, help=help, description=help[0].upper() + help[1:] + ".")
-    p.add_argument("--kernel-cache-dir", type=Path, default=None, metavar="DIR",
-                   help="kernel cache root (default: $DSV4_KERNEL_CACHE_DIR or the user cache dir)")
+    p = sub.add_parser(name, help=help, description=help[0].upper() + help[1:] + ". Entries are judged "
+                       "against this host's toolchain (--device); with --model also against the live keys of "
+                       "that checkpoint's programs for the launch the other flags describe.",
+                       epilog=ENVIRONMENT, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_flags(p, CACHE, model_help="judge entries against the live keys of this checkpoint's programs, as a "
+              "launch with the same --backend, --ranks and --max-seq would")
     # The old name, kept working for scripts; not advertised.
     p.add_argument("--cache-dir", type=Path, dest="kernel_cache_dir", help=argparse.SUPPRESS)
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "npu"), help="device whose toolchain is current")
-    p.add_argument("--model", type=Path, default=None, metavar="DIR",
-                   help="judge entries against the live keys of this checkpoint's programs (imports torch)")
-    p.add_argument("--backend", default="auto", choices=("auto", "aoti", "export"), help="with --model: the backend")
-    p.add_argument("--max-seq", type=int, default=1024, help="with --model: the context length serve uses")
     p.set_defaults(func=func)
     return p
 
@@ -81,15 +82,16 @@ def _cache(args: argparse.Namespace) -> kc.KernelCache:
 
 
 def _reference(args: argparse.Namespace) -> kc.Reference:
-    from runtime.programs import reference
+    from runtime.launch.hardware import resolve_device
+    from runtime.programs.build import reference
 
-    ref = reference(device=args.device)
-    if args.model is None:
+    spec = from_args(args, CACHE)
+    ref = reference(device=resolve_device(spec.device))
+    if spec.model is None:
         return ref
-    from runtime.plan import Settings, program_keys
+    from runtime.launch.plan import program_keys
 
-    keys = program_keys(args.model, Settings(backend=args.backend, device=args.device, max_seq=args.max_seq))
-    return kc.Reference(components=ref.components, keys={**ref.keys, **keys})
+    return kc.Reference(components=ref.components, keys={**ref.keys, **program_keys(spec)})
 
 
 def _rows(entries: list[kc.Entry], now: float) -> list[list[str]]:
@@ -155,9 +157,9 @@ def _verify(args: argparse.Namespace) -> int:
 def _purge(args: argparse.Namespace) -> int:
     if args.model is not None and args.selection in ("stale", "corrupt") and not args.program:
         # delete only what the plan of this checkpoint calls stale or corrupt
-        from console.cmd_plan import run_purge
+        from console.cli.plan import run_purge
 
-        return run_purge(args, "program")
+        return run_purge(args, "program", CACHE)
     cache = _cache(args)
     needs_reference = args.selection == "stale"
     entries = cache.inventory(_reference(args) if needs_reference else None)
@@ -183,10 +185,13 @@ def _purge(args: argparse.Namespace) -> int:
 
 
 def _gc(args: argparse.Namespace) -> int:
-    try:
-        max_size = parse_size(args.max_size)
-    except ValueError as e:
-        raise UserError(str(e)) from None
+    if args.max_size is None:
+        max_size = kernel_cache_limit()
+    else:
+        try:
+            max_size = parse_size(args.max_size)
+        except ValueError as e:
+            raise UserError(f"--max-size {args.max_size}: {e}") from None
     cache = _cache(args)
     removed = cache.gc(max_size)
     for e in removed:

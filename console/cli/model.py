@@ -7,8 +7,8 @@ import sys
 import time
 from pathlib import Path
 
-from console.output import print_json, print_table
-from console.progress import byte_progress
+from console.cli.output import print_json, print_table
+from console.cli.progress import byte_progress
 from store.units import format_size
 
 
@@ -33,7 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_synth(args: argparse.Namespace) -> int:
-    from runtime.synth import synthesize
+    from runtime.synth.checkpoint import synthesize
 
     if args.shards is not None and args.shards < 1:
         from store.errors import UserError
@@ -52,7 +52,7 @@ def resolve_model_dir(model_dir: Path | None) -> Path:
     """An explicit MODEL_DIR, or the embedded default synthetic checkpoint (made on first run)."""
     if model_dir is not None:
         return model_dir
-    from runtime.synth import default_model_dir, ensure_default_model
+    from runtime.synth.checkpoint import default_model_dir, ensure_default_model
 
     with byte_progress(f"creating default model at {default_model_dir()}") as progress:
         path, created = ensure_default_model(progress=progress)
@@ -62,9 +62,9 @@ def resolve_model_dir(model_dir: Path | None) -> Path:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from runtime.config import load_config
-    from runtime.tensors import expected_tensors
-    from runtime.tokenizer import load_tokenizer
+    from runtime.model.config import load_config
+    from runtime.model.tensors import expected_tensors
+    from runtime.model.tokenizer import load_tokenizer
     from store.checkpoint import Checkpoint, check_contract
 
     root = resolve_model_dir(args.model_dir)

@@ -1,49 +1,40 @@
-"""`dsv4 plan`: what the next launch will do, and why (runtime.plan, torch-free)."""
+"""`dsv4 plan`: what the next launch will do, and why (runtime.launch.plan, torch-free)."""
 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-from console.output import confirm, print_json, print_table
+from console.about import ENVIRONMENT
+from console.cli.output import confirm, print_json, print_table
+from runtime.launch.spec import PLAN, SIDECAR_PURGE, add_flags, from_args
 from store.units import format_size
-
-
-def add_launch_settings(p: argparse.ArgumentParser) -> None:
-    """The settings a plan depends on; `dsv4 serve` takes the same ones."""
-    p.add_argument("--backend", default="auto", choices=("auto", "aoti", "export", "eager"))
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda", "npu"))
-    p.add_argument("--ranks", type=int, default=1)
-    p.add_argument("--max-seq", type=int, default=1024)
-    p.add_argument("--kernel-cache-dir", type=Path, default=None,
-                   help="kernel cache root (default $DSV4_KERNEL_CACHE_DIR, else the user cache dir)")
-    p.add_argument("--no-sidecar", dest="use_sidecar", action="store_false")
-    p.add_argument("--cold-policy", default="auto", choices=("reject", "read", "auto"))
-    p.add_argument("--memory-utilization", type=float, default=0.9)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="what the next launch will do: each program's cache state, the "
-                       "sidecar verdict, the KV budget, predicted seconds per phase")
-    p.add_argument("model", nargs="?", type=Path, help="checkpoint dir (default: the embedded default)")
-    add_launch_settings(p)
-    p.add_argument("--json", action="store_true")
+                       "sidecar verdict, the KV budget, predicted seconds per phase",
+                       description="What `dsv4 serve` with the same flags would do, torch-free: each program "
+                       "HIT / MISS / STALE (naming the changed component) / CORRUPT, the sidecar MAP or REPACK "
+                       "and why, every rank's KV budget, how --ready auto resolves, and the predicted seconds "
+                       "per phase from the launch history. Exit 1 when the plan has a problem.",
+                       epilog=ENVIRONMENT, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_flags(p, PLAN, model_help="checkpoint dir (default: the embedded default)")
+    p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     p.set_defaults(func=cmd_plan)
 
 
-def settings_from(args: argparse.Namespace):
-    from runtime.plan import Settings
+def spec_of(args: argparse.Namespace, command: str):
+    """The command's launch spec, its model the given dir or the embedded default's (not made here)."""
+    from store.paths import default_model_dir
 
-    return Settings(backend=args.backend, device=args.device, ranks=args.ranks, max_seq=args.max_seq,
-                    kernel_cache_dir=args.kernel_cache_dir, use_sidecar=args.use_sidecar,
-                    cold_policy=args.cold_policy, memory_utilization=args.memory_utilization)
+    spec = from_args(args, command)
+    return spec.with_(model=spec.model or default_model_dir())
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from runtime.plan import make_plan
-    from store.paths import default_model_dir
+    from runtime.launch.plan import make_plan
 
-    plan = make_plan(args.model or default_model_dir(), settings_from(args))
+    plan = make_plan(spec_of(args, PLAN))
     if args.json:
         print_json(plan.to_json())
         return 1 if plan.problems else 0
@@ -54,8 +45,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
           f"{s.get('detail', '')}  [{s.get('path')}]")
     kv = plan.kv
     if kv.get("slots") is not None:
-        print(f"kv: {kv['slots']} slots of {format_size(kv['slot_bytes'])} within a budget of "
-              f"{format_size(max(0, kv['budget']))}")
+        capped = f" (fits {kv['fits']}; --max-slots {kv['max_slots']})" if kv["fits"] > kv["slots"] else ""
+        per = " per rank" if kv.get("ranks", 1) > 1 else ""
+        print(f"kv: {kv['slots']} slots of {format_size(kv['slot_bytes'])}{capped} within a budget of "
+              f"{format_size(max(0, kv['budget']))}{per}")
+    elif kv.get("detail"):
+        print(f"kv: {kv['detail']}")
+    print(f"ready: {plan.ready}" + (" (--ready auto)" if plan.spec.ready == "auto" else ""))
     predicted = ", ".join(f"{k} {v:.2f} s" for k, v in plan.predicted.items() if v is not None)
     print(f"predicted: {predicted or 'no comparable launch in the history'}")
     for problem in plan.problems:
@@ -73,23 +69,19 @@ def register_sidecar_purge(sub: argparse._SubParsersAction) -> None:
                        description="Delete the checkpoint's sidecar only when the plan of the next launch "
                        "calls it stale, corrupt or of another tensor set; a sidecar that would MAP, is "
                        "only cold, or whose checkpoint cannot be read is never deleted.")
-    p.add_argument("model", nargs="?", type=Path, help="checkpoint dir (default: the embedded default)")
-    p.add_argument("--ranks", type=int, default=1)
+    add_flags(p, SIDECAR_PURGE, model_help="checkpoint dir (default: the embedded default)")
     p.add_argument("--json", action="store_true", help="print what was (or would be) deleted as JSON")
     add_purge_arguments(p)
-    p.set_defaults(func=lambda args: run_purge(args, "sidecar"))
+    p.set_defaults(func=lambda args: run_purge(args, "sidecar", SIDECAR_PURGE))
 
 
-def run_purge(args: argparse.Namespace, kind: str) -> int:
-    """Delete the `kind` targets (program | sidecar) the plan of args.model calls stale or corrupt."""
-    from runtime import purge
-    from runtime.plan import Settings, make_plan
-    from store.paths import default_model_dir
+def run_purge(args: argparse.Namespace, kind: str, command: str) -> int:
+    """Delete the `kind` targets (program | sidecar) the plan of the command's spec calls stale
+    or corrupt."""
+    from runtime.launch import purge
+    from runtime.launch.plan import make_plan
 
-    settings = Settings(ranks=getattr(args, "ranks", None) or 1, max_seq=getattr(args, "max_seq", 1024),
-                        backend=getattr(args, "backend", "auto"), device=getattr(args, "device", "auto"),
-                        kernel_cache_dir=getattr(args, "cache_dir", None) or getattr(args, "kernel_cache_dir", None))
-    plan = make_plan(args.model or default_model_dir(), settings)
+    plan = make_plan(spec_of(args, command))
     chosen = [t for t in purge.targets(plan) if t.kind == kind]
     if getattr(args, "json", False) and (args.dry_run or not chosen):
         print_json([t.to_json() for t in chosen])

@@ -7,7 +7,8 @@ import sys
 import time
 from pathlib import Path
 
-from console.progress import byte_progress
+from console.cli.progress import byte_progress
+from runtime.launch.spec import PREPACK, add_flags, from_args
 from store.units import format_size
 
 DESCRIPTION = """\
@@ -26,31 +27,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("model_dir", metavar="MODEL_DIR", type=Path, help="checkpoint directory")
-    p.add_argument(
-        "--ranks", type=int, default=1, help="ranks the experts are split over (default 1)"
-    )
+    add_flags(p, PREPACK, model_help="checkpoint directory", model_required=True)
     p.add_argument("--out", type=Path, metavar="PATH", help="sidecar file or directory to write to")
     p.add_argument("--force", action="store_true", help="replace an existing sidecar")
-    p.add_argument("--events", metavar="FILE|-", default=None,
-                   help="also write progress as runtime.events JSON lines (phase prepack)")
     p.set_defaults(func=cmd_prepack)
 
 
 def cmd_prepack(args: argparse.Namespace) -> int:
-    from runtime.prepack import PrepackProgress, prepack
+    from runtime.weights.prepack import PrepackProgress, prepack
 
+    spec = from_args(args, PREPACK)
     t0 = time.monotonic()
-    emit = _event_sink(args.events)
-    emit("start", detail={"model": str(args.model_dir)})
-    with byte_progress(f"prepack {args.model_dir.name}") as update:
+    emit = _event_sink(spec.events)
+    emit("start", detail={"model": str(spec.model)})
+    with byte_progress(f"prepack {spec.model.name}") as update:
 
         def progress(p: PrepackProgress) -> None:
             update(p.bytes_done, p.bytes_total, f"layer {p.layer}/{p.layers} {p.group}")
             emit("progress", done=p.bytes_done, total=p.bytes_total, unit="bytes",
                  detail={"group": f"layer {p.layer}/{p.layers} {p.group}"})
 
-        info = prepack(args.model_dir, ranks=args.ranks, out=args.out, force=args.force,
+        info = prepack(spec.model, ranks=spec.ranks, out=args.out, force=args.force,
                        progress=progress)  # fmt: skip
     seconds = time.monotonic() - t0
     for leftover in info.swept:

@@ -1,9 +1,9 @@
 """`dsv4 sidecar status`: the prepacked weight sidecar as an operator sees it (warm, verify and
-evict are console/cmd_sidecar_read.py; purge acts on the plan: console/cmd_plan.py).
+evict are console/cli/sidecar_read.py; purge acts on the plan: console/cli/plan.py).
 
 Verdicts come from `store.sidecar.inspect`, which reads headers, never tensors. `status` of a
 sidecar FILE stays torch-free (judged against the settings it records); `status` of a
-checkpoint DIR asks the packer (`runtime.prepack.judge`, which imports torch) for the live key
+checkpoint DIR asks the packer (`runtime.weights.prepack.judge`, which imports torch) for the live key
 and tensor names, exactly as loading would. `dsv4 prepack` writes sidecars.
 """
 
@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from console import cmd_sidecar_read as read
-from console.cmd_sidecar_read import percent
+from console.cli import sidecar_read as read
+from console.cli.sidecar_read import percent
 from store import sidecar
 from store.errors import UserError
 from store.units import format_age, format_size
@@ -106,7 +106,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     evict.add_argument("--json", action="store_true", help="print one JSON object")
     evict.set_defaults(func=lambda args: read.evict(args, _existing(args)))
 
-    from console.cmd_plan import register_sidecar_purge  # the plan decides what is stale
+    from console.cli.plan import register_sidecar_purge  # the plan decides what is stale
 
     register_sidecar_purge(sub)
 
@@ -174,11 +174,11 @@ def _status(args: argparse.Namespace) -> int:
         "leftover_temp_files": [str(p) for p in leftovers],
     }
     if args.json:
-        from console.output import print_json
+        from console.cli.output import print_json
 
         print_json(data)
         return 0
-    from console.output import print_table
+    from console.cli.output import print_table
 
     rows = [
         ("verdict", verdict.action + (f" ({verdict.reason})" if verdict.reason else "")),
@@ -208,8 +208,8 @@ def _judge_live(
         ranks = sidecar.ranks_of(path)
         if ranks is None:
             return None, f"{RECORDED} (pass --ranks to judge it as loading would)"
-    from runtime.config import ConfigError
-    from runtime.prepack import judge
+    from runtime.model.config import ConfigError
+    from runtime.weights.prepack import judge
 
     try:
         verdict = judge(

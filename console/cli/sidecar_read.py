@@ -2,7 +2,7 @@
 
 `warm` reads it sequentially so the next launch finds it hot, checking every data chunk's
 checksum as it goes (store.sidecar.checksum); `verify` only checks; `evict` drops its pages.
-The target is resolved by console.cmd_sidecar; these functions get the path.
+The target is resolved by console.cli.sidecar; these functions get the path.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def warm(args: argparse.Namespace, path: Path) -> int:
                    detail={"file": path.name, "verified": None if verified is None else verified.ok,
                            "verified_at": None if verified is None else time.time()}))  # fmt: skip
     if args.json:
-        from console.output import print_json
+        from console.cli.output import print_json
 
         extra = {} if verified is None else {"verify": verified.to_json()}
         print_json({**result.to_json(), "recorded_bytes_per_s": recorded, **extra})
@@ -125,7 +125,7 @@ def verify(args: argparse.Namespace, path: Path) -> int:
         raise UserError(f"{path}: corrupt ({e}); repack it with `dsv4 prepack --force`") from None
     seconds = time.monotonic() - start
     if args.json:
-        from console.output import print_json
+        from console.cli.output import print_json
 
         print_json({"path": str(path), "seconds": seconds, **result.to_json()})
     elif result.ok:
@@ -143,7 +143,7 @@ def evict(args: argparse.Namespace, path: Path) -> int:
     except OSError as e:
         raise UserError(f"{path}: cannot evict ({e.strerror}); check the file") from None
     if args.json:
-        from console.output import print_json
+        from console.cli.output import print_json
 
         print_json({"path": str(path), "residency": after.fraction, **after.to_json()})
         return 0

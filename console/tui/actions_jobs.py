@@ -1,6 +1,6 @@
 """The console's long cache actions (first-run create, prepack, warm, purge): `dsv4 …` worker
 processes whose progress (done/total, elapsed, ETA, what now) shows in the Sidecars pane, with
-a notification when each ends. A mixin of `console.app.Dsv4Console`."""
+a notification when each ends. A mixin of `console.tui.app.Dsv4Console`."""
 
 from __future__ import annotations
 
@@ -9,14 +9,16 @@ from typing import Any
 
 from textual import work
 
-from console import fmt
-from console.collectors import default_preset
-from console.eta import Progress, program_seconds
-from console.launch_state import ProgramStates
-from console.pane_sidecars import SidecarsPane
-from console.screen_confirm import ConfirmScreen
-from console.workers import Worker, dsv4
+from console.tui import fmt
+from console.tui.data.collectors import default_preset
+from console.tui.data.eta import Progress, program_seconds
+from console.tui.data.launch_state import ProgramStates
+from console.tui.panes.programs import ProgramsPane
+from console.tui.panes.sidecars import SidecarsPane
+from console.tui.screens.confirm import ConfirmScreen
+from console.tui.workers import Worker, dsv4
 from runtime.events import Event
+from runtime.launch.spec import COMPILE, PREPACK
 from store.checkpoint import INDEX_NAME
 
 
@@ -33,9 +35,9 @@ class JobActions:
         return False
 
     def _model_ready(self) -> bool:
-        if (self.settings.model_dir / INDEX_NAME).is_file():
+        if (self.spec.model / INDEX_NAME).is_file():
             return True
-        self.notify(f"no checkpoint at {self.settings.model_dir}", severity="error")
+        self.notify(f"no checkpoint at {self.spec.model}", severity="error")
         return False
 
     def _start(self, name: str, argv: list[str], progress: Progress | None = None) -> Worker:
@@ -108,7 +110,7 @@ class JobActions:
         if self._busy("create"):
             return
         self.log_line("console", f"creating the embedded default checkpoint ({default_preset()}) at "
-                                 f"{self.settings.model_dir}")
+                                 f"{self.spec.model}")
         w = self._start("create", dsv4("check"), Progress(f"creating the default {default_preset()} "
                                                           "checkpoint (first run)"))
         self.run_worker(self._finish(w, "default checkpoint"), group="jobs")
@@ -122,11 +124,10 @@ class JobActions:
     def _do_prepack(self) -> None:
         if self._busy("prepack") or not self._model_ready():
             return
-        argv = dsv4("prepack", str(self.settings.model_dir), "--ranks", str(self.settings.ranks),
-                    "--events", "-")
+        argv = dsv4("prepack", *self.spec.with_(events="-").argv(PREPACK))
         from store import sidecar as sc  # lazily: keeps the console's first paint fast
 
-        existing = sc.default_sidecar_path(self.settings.model_dir, self.settings.ranks)
+        existing = sc.default_sidecar_path(self.spec.model, self.spec.ranks)
 
         def go(extra: list[str]) -> None:
             w = self._start("prepack", [*argv, *extra], Progress("prepack", "bytes", rate=self._pack_rate()))
@@ -149,8 +150,8 @@ class JobActions:
         from store import pagecache
         from store import sidecar as sc
 
-        s = self.settings
-        path = sc.default_sidecar_path(s.model_dir, s.ranks)
+        s = self.spec
+        path = sc.default_sidecar_path(s.model, s.ranks)
         if path.is_file():
             known = pagecache.read_throughput()
             argv = dsv4("sidecar", "warm", str(path), "--events", "-")
@@ -159,8 +160,7 @@ class JobActions:
                 return
         else:
             self.log_line("console", f"warm: no sidecar at {path}; prepack first (p). Compiling programs only")
-        argv = dsv4("compile", str(s.model_dir), "--kernel-cache-dir", str(s.kernel_cache_dir),
-                    "--device", s.device, "--backend", s.backend, "--max-seq", str(s.max_seq), "--events", "-")
+        argv = dsv4("compile", *s.with_(events="-").argv(COMPILE))  # exactly the programs a launch of s needs
         planned = self.snapshot.programs.entries if self.snapshot else ()
         p = Progress("compile", "programs", items=program_seconds(planned))
         await self._finish(self._start("warm", argv, p), "warm (compile)")
@@ -168,41 +168,51 @@ class JobActions:
     def _do_purge(self) -> None:
         self._purge_ask()
 
+    def _purge_scope(self) -> str:
+        """What `x` purges: in the kernel cache view, every entry that can never be used again;
+        elsewhere what the plan of this checkpoint calls stale or corrupt (runtime.launch.purge)."""
+        from runtime.launch import purge
+
+        return purge.CACHE if self._main(ProgramsPane).viewing_cache is True else purge.PLAN
+
     @work(thread=True, group="purge")
     def _purge_ask(self) -> None:
-        """A fresh plan of this checkpoint, and what it calls stale or corrupt: each file and why."""
-        from runtime import purge
+        """A fresh plan of this checkpoint, and what the purge rules allow: each file and why."""
+        from runtime.launch import purge
 
+        scope = self.call_from_thread(self._purge_scope)
         plan, _ = self.collectors.plan()
-        chosen = purge.targets(plan) if plan is not None else []
-        self.call_from_thread(self._purge_confirm, plan, chosen)
+        chosen = purge.targets(plan, scope) if plan is not None else []
+        self.call_from_thread(self._purge_confirm, plan, chosen, scope)
 
-    def _purge_confirm(self, plan, chosen: list) -> None:
+    def _purge_confirm(self, plan, chosen: list, scope: str = "plan") -> None:
+        which = ("that the plan of this checkpoint calls stale or corrupt" if scope == "plan" else
+                 "that the kernel cache calls stale, corrupt, quarantined or abandoned")
         if not chosen:
-            self.notify("nothing to purge: the plan calls no program entry or sidecar stale or corrupt")
+            self.notify(f"nothing to purge: no program entry or sidecar {which.removeprefix('that ')}")
             return
         nbytes = sum(t.size_bytes for t in chosen)
         programs = sum(t.kind == "program" for t in chosen)
         lines = [f"{programs} program entries and {len(chosen) - programs} sidecars, {fmt.size(nbytes)}, "
-                 "that the plan of this checkpoint calls stale or corrupt:"]
+                 f"{which}:"]
         lines += [f"  {t.path}\n    {t.reason} ({fmt.size(t.size_bytes)})" for t in chosen[:20]]
         if len(chosen) > 20:
             lines.append(f"  … and {len(chosen) - 20} more")
 
         def confirmed(yes: bool | None) -> None:
             if yes:
-                self._purge(plan, chosen)
+                self._purge(plan, chosen, scope)
             else:
                 self.log_line("console", "purge: cancelled, nothing deleted")
 
         self.push_screen(ConfirmScreen("Delete these?", "\n".join(lines)), confirmed)
 
     @work(thread=True, group="purge")
-    def _purge(self, plan, chosen: list) -> None:
-        from runtime import purge
+    def _purge(self, plan, chosen: list, scope: str) -> None:
+        from runtime.launch import purge
 
-        try:  # deletes only what a fresh look at the plan still calls stale or corrupt
-            done = purge.purge(plan, chosen)
+        try:  # deletes only what a fresh look still allows
+            done = purge.purge(plan, chosen, scope)
         except Exception as e:
             self.call_from_thread(self.notify, f"purge: {e}", title="failed", severity="error")
             return

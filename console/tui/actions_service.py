@@ -3,7 +3,7 @@
 A launch runs detached (own session, output in files under the state dir) so "Leave running"
 leaves it running for real; a console that starts while one of its services runs re-attaches
 to it. Every way out (q, ctrl+q, the palette's Quit) goes through one quit dialog.
-A mixin of `console.app.Dsv4Console`."""
+A mixin of `console.tui.app.Dsv4Console`."""
 
 from __future__ import annotations
 
@@ -14,13 +14,14 @@ from typing import Any
 
 from textual import work
 
-from console.detached import Detached
-from console.launch_state import LaunchState
-from console.pane_services import ServicesPane
-from console.screen_confirm import ConfirmScreen
-from console.screen_quit import LEAVE, STOP, QuitScreen
-from console.workers import dsv4
+from console.tui.data.launch_state import LaunchState
+from console.tui.detached import Detached
+from console.tui.panes.services import ServicesPane
+from console.tui.screens.confirm import ConfirmScreen
+from console.tui.screens.quit import LEAVE, STOP, QuitScreen
+from console.tui.workers import dsv4
 from runtime.events import Event
+from runtime.launch.spec import SERVE
 from store import services
 
 STOP_POLL = 0.1
@@ -34,7 +35,7 @@ class ServiceActions:
 
     def _same_model_services(self) -> list[dict[str, Any]]:
         snap = self.snapshot.services.services if self.snapshot else ()
-        return [s for s in snap if s["model"] == str(self.settings.model_dir)]
+        return [s for s in snap if s["model"] == str(self.spec.model)]
 
     def _do_launch(self) -> None:
         if self.service and self.service.running:
@@ -48,21 +49,15 @@ class ServiceActions:
             self._launch()
             return
         names = "\n".join(f"  pid {s['pid']} {s['url'] or s['state']}" for s in serving)
-        self.push_screen(ConfirmScreen("Launch a second copy?", f"{self.settings.model_dir} is already being "
+        self.push_screen(ConfirmScreen("Launch a second copy?", f"{self.spec.model} is already being "
                                        f"served:\n{names}\nA second copy needs its own port and memory."),
                          lambda yes: self._launch() if yes else None)
 
     def _launch(self) -> None:
-        s = self.settings
         log, events = services.output_paths(time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}")
-        argv = dsv4("serve", str(s.model_dir), "--events", str(events), "--host", self.host,
-                    "--port", str(self.port), "--kernel-cache-dir", str(s.kernel_cache_dir), "--device", s.device,
-                    "--memory-utilization", str(s.memory_utilization), "--backend", s.backend,
-                    "--max-seq", str(s.max_seq), "--ranks", str(s.ranks))
-        # programs the plan misses: serve at once on the eager tier, compiled ones swap in
-        planned = self.snapshot.programs.entries if self.snapshot else ()
-        missing = any(e.get("state") not in ("HIT", "EAGER") for e in planned)
-        argv += ["--ready", "early" if missing else "compiled"]
+        # every setting the console was started with; --ready auto (its default) lets the launch's
+        # own plan decide: the eager tier at once when programs would compile and one rank serves
+        argv = dsv4("serve", *self.spec.with_(events=str(events)).argv(SERVE))
         self.launch = self.new_launch()
         self.status = ""
         self.service = Detached("launch", argv, on_event=self._on_event, on_line=self._on_line,

@@ -1,7 +1,7 @@
 """`dsv4-console`: the Textual operations console (kernel cache, sidecars, services, host,
 device, registration, log) with the long actions run as `dsv4 …` worker processes.
 
-Collectors (console.collectors) return snapshots off the UI thread; panes render them. Every
+Collectors (console.tui.data.collectors) return snapshots off the UI thread; panes render them. Every
 mutating action goes through one guard (`action_mutate`), which `--readonly` closes. No torch:
 the workers import it, the console never does.
 """
@@ -22,23 +22,23 @@ from textual.css.query import NoMatches
 from textual.screen import Screen
 from textual.widgets import Footer, Input, Static
 
-from console.actions_jobs import JobActions
-from console.actions_service import ServiceActions
-from console.app_args import DEFAULT_HOST, DEFAULT_PORT
-from console.collectors import Collectors, Settings, Snapshot, default_model_dir
-from console.launch_state import LaunchState
-from console.pane_device import DevicePane
-from console.pane_host import HostPane
-from console.pane_log import LogPane
-from console.pane_programs import ProgramsPane
-from console.pane_registration import RegistrationPane
-from console.pane_services import ServicesPane
-from console.pane_sidecars import SidecarsPane
-from console.screen_detail import DetailScreen
-from console.screen_help import HelpScreen
-from console.screen_history import HistoryScreen
-from console.tables import PaneTable
+from console.tui.actions_jobs import JobActions
+from console.tui.actions_service import ServiceActions
+from console.tui.data.collectors import Collectors, Snapshot, default_model_dir
+from console.tui.data.launch_state import LaunchState
+from console.tui.panes.device import DevicePane
+from console.tui.panes.host import HostPane
+from console.tui.panes.log import LogPane
+from console.tui.panes.programs import ProgramsPane
+from console.tui.panes.registration import RegistrationPane
+from console.tui.panes.services import ServicesPane
+from console.tui.panes.sidecars import SidecarsPane
+from console.tui.screens.detail import DetailScreen
+from console.tui.screens.help import HelpScreen
+from console.tui.screens.history import HistoryScreen
+from console.tui.tables import PaneTable
 from runtime.events import Event
+from runtime.launch.spec import LaunchSpec
 from store.checkpoint import INDEX_NAME
 
 MUTATING = frozenset({"prepack", "purge", "warm", "launch", "stop", "create"})
@@ -58,6 +58,8 @@ class Dsv4Console(JobActions, ServiceActions, App):
                 tooltip="filter every pane's rows and the log (esc closes)"),
         Binding("z", "zoom", "Zoom", id="zoom", tooltip="maximise the focused pane (again: restore)"),
         Binding("h", "history", "History", id="history", show=False, tooltip="past launches, newest first"),
+        Binding("c", "kernel_cache", "Kernel cache", id="kernel-cache", show=False,
+                tooltip="Programs pane: next launch's programs ↔ the kernel cache's entries"),
         Binding("ctrl+s", "save_log", "Save log", id="save-log", show=False,
                 tooltip="write the log to a file under the state dir"),
         Binding("p", "mutate('prepack')", "Prepack", id="prepack",
@@ -65,22 +67,25 @@ class Dsv4Console(JobActions, ServiceActions, App):
         Binding("w", "mutate('warm')", "Warm", id="warm",
                 tooltip="read the sidecar into the page cache, then compile"),
         Binding("x", "mutate('purge')", "Purge", id="purge",
-                tooltip="delete what the plan calls stale or corrupt (asks; lists why)"),
+                tooltip="delete what the plan calls stale or corrupt; in the kernel cache view, every entry "
+                "that can never be used again (asks; lists why)"),
         Binding("l", "mutate('launch')", "Launch", id="launch",
                 tooltip="dsv4 serve on --host/--port, detached (see Registration)"),
         Binding("s", "mutate('stop')", "Stop", id="stop",
                 tooltip="stop the selected service (SIGTERM, SIGKILL after a timeout)"),
     ]
 
-    def __init__(self, settings: Settings, *, collectors: Any | None = None, readonly: bool = False,
+    def __init__(self, spec: LaunchSpec, *, collectors: Any | None = None, readonly: bool = False,
                  interval: float = 2.0, watch: bool = True, create_default: bool = True,
-                 stop_timeout: float = 10.0, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT):
+                 stop_timeout: float = 10.0):
+        """`spec`: what the console was started with (its model and kernel cache dir resolved):
+        every action it starts carries it (`w` compiles for it, `l` launches it, `p` packs for its
+        ranks, `x` purges by its plan)."""
         super().__init__()
-        self.settings = settings
-        self.collectors = collectors or Collectors(settings)
+        self.spec = spec
+        self.collectors = collectors or Collectors(spec)
         self.readonly, self.interval, self.watch_files = readonly, interval, watch
         self.create_default, self.stop_timeout = create_default, stop_timeout
-        self.host, self.port = host, port
         self.snapshot: Snapshot | None = None
         self.jobs: dict[str, Any] = {}
         self.progress: dict = {}
@@ -143,20 +148,21 @@ class Dsv4Console(JobActions, ServiceActions, App):
             self._show_registration()
 
     def _needs_default(self) -> bool:
-        return (self.settings.model_dir == default_model_dir()
-                and not (self.settings.model_dir / INDEX_NAME).is_file())
+        return self.spec.model == default_model_dir() and not (self.spec.model / INDEX_NAME).is_file()
 
     def _topbar(self) -> None:
-        s = self.settings
+        s = self.spec
         device = getattr(self.collectors, "device_kind", s.device)
-        parts = [f"[b]dsv4-console[/]  model [b]{s.model_dir}[/]", f"device {device}", f"backend {s.backend}"]
+        parts = [f"[b]dsv4-console[/]  model [b]{s.model}[/]", f"device {device}", f"backend {s.backend}"]
+        if s.ranks > 1:
+            parts.append(f"ranks {s.ranks}")
         if self.readonly:
             parts.append("[b reverse] READ-ONLY [/]")
         if self.service and self.service.running:
             url = self.launch.url if self.launch and self.launch.url else "registering"
             parts.append(f"[green]service pid {self.service.pid} {url}[/]")
         else:
-            parts.append(f"[dim]l binds {self.host}:{self.port}[/]")
+            parts.append(f"[dim]l binds {s.host}:{s.port}[/]")
         running = [n for n, w in self.jobs.items() if w.running and w is not self.service]
         if running:
             parts.append(f"[yellow]working: {', '.join(running)}[/]")
@@ -195,8 +201,8 @@ class Dsv4Console(JobActions, ServiceActions, App):
         def changed(part: str) -> bool:
             return force or old is None or getattr(old, part) != getattr(snap, part)
 
-        if changed("programs"):
-            self._main(ProgramsPane).show(snap.programs, snap.ts, self.needle)
+        if changed("programs") or changed("cache"):
+            self._main(ProgramsPane).show(snap.programs, snap.cache, snap.ts, self.needle)
         if changed("sidecars"):
             self._main(SidecarsPane).show(snap.sidecars, snap.ts, self.needle)
         self._main(ServicesPane).show(snap.services, snap.ts, self.needle)
@@ -232,7 +238,7 @@ class Dsv4Console(JobActions, ServiceActions, App):
     def _watch_paths(self) -> tuple[str, ...]:
         from store.paths import state_dir
 
-        candidates = (self.settings.kernel_cache_dir, self.settings.model_dir, state_dir())
+        candidates = (self.spec.kernel_cache_dir, self.spec.model, state_dir())
         return tuple(str(p) for p in candidates if p.is_dir())
 
     def _rearm_watch(self) -> None:
@@ -294,6 +300,12 @@ class Dsv4Console(JobActions, ServiceActions, App):
     def action_history(self) -> None:
         history = self.collectors.history() if hasattr(self.collectors, "history") else []
         self.push_screen(HistoryScreen(history))
+
+    def action_kernel_cache(self) -> None:
+        pane = self._main(ProgramsPane)
+        table = pane.toggle()
+        if table is not None:
+            table.focus()
 
     def action_zoom(self) -> None:
         screen = self.screen
@@ -369,7 +381,7 @@ class Dsv4Console(JobActions, ServiceActions, App):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from console.app_args import run
+    from console.tui.args import run
 
     return run(argv, Dsv4Console)
 

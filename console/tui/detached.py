@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
-from console.workers import STDERR_TAIL, STOP_TIMEOUT, LineFilter
+from console.tui.workers import STDERR_TAIL, STOP_TIMEOUT, LineFilter
 from runtime.events import Event, EventError, parse
 from store import services
 
@@ -27,7 +27,7 @@ POLL = 0.2  # seconds between tail reads: fast enough for a progress bar, idle o
 
 
 class Detached:
-    """Same face as `console.workers.Worker` (name, pid, running, run, stop, failure)."""
+    """Same face as `console.tui.workers.Worker` (name, pid, running, run, stop, failure)."""
 
     def __init__(self, name: str, argv: list[str], *, on_event: Callable[[Detached, Event], None],
                  on_line: Callable[[Detached, str, str], None], log: Path, events: Path,

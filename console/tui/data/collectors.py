@@ -1,7 +1,7 @@
 """Collectors: plain Python that returns immutable snapshots of what the console shows.
 
 The Programs, Sidecars and Registration panes render the plan of the next launch
-(`runtime.plan`, torch-free, kept by `console.plan_watch`): nothing here judges a cache or
+(`runtime.launch.plan`, torch-free, kept by `console.tui.data.plan_watch`): nothing here judges a cache or
 predicts a program outcome itself. Nothing imports torch or opens a device context. Panes only
 render these snapshots, `--once --json` prints them (the plan under `plan`), and tests feed
 fake ones. Every collector turns its own failure into an `error` string on its snapshot.
@@ -16,51 +16,32 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from console.collect_host import (
-    DeviceSnapshot,
-    HostCollector,
-    HostSnapshot,
-    collect_device,
-    resolve_device_kind,
-)
-from console.collect_services import ServicesSnapshot, collect_services
-from console.plan_watch import PlanWatch
-from runtime.events import PHASES
-from runtime.plan import DEFAULT_MAX_SLOTS
+from console.tui.data.cache import CacheSnapshot
+from console.tui.data.host import DeviceSnapshot, HostCollector, HostSnapshot, collect_device
+from console.tui.data.plan_watch import PlanWatch
+from console.tui.data.services import ServicesSnapshot, collect_services
+from runtime.launch.history import is_warm, launch_seconds
+from runtime.launch.spec import LaunchSpec
+from runtime.programs.outcome import Outcome
 from store.paths import default_model_dir, default_preset, kernel_cache_dir  # noqa: F401
+from store.sidecar.verdict import MAP, REPACK
 from store.units import format_size
 
-# the mincore fallback may use this share of a core (store.pagecache.schedule): 1.5 %, so that with
-# the first sample counted in, a few minutes of refreshes stay within the 2 % target
-RESIDENCY_SHARE = 0.015
 RESIDENCY_DRIFT = 0.02  # a fresh sample this far from the plan's re-plans (hot/cold may have flipped)
-SCHEMA_VERSION = 2  # 2: the plan under `plan`; programs are the plan's, not the cache inventory
-STATES = ("HIT", "MISS", "STALE", "CORRUPT", "UNTRUSTED", "EAGER")
+SCHEMA_VERSION = 3  # 3: the launch spec under `settings`, the kernel cache's contents under `cache`
 
 
-@dataclass(frozen=True)
-class Settings:
-    """What the console was started with (the CLI flags, resolved)."""
+def resolved(spec: LaunchSpec) -> LaunchSpec:
+    """The console's launch spec with its paths resolved (the embedded default model, the kernel
+    cache dir the environment names): what every action it starts is told, explicitly."""
+    return spec.with_(model=Path(spec.model) if spec.model else default_model_dir(),
+                      kernel_cache_dir=kernel_cache_dir(spec.kernel_cache_dir))
 
-    model_dir: Path
-    kernel_cache_dir: Path
-    device: str = "auto"
-    memory_utilization: float = 0.9
-    backend: str = "auto"
-    ranks: int = 1
-    max_seq: int = 1024
-    max_slots: int = DEFAULT_MAX_SLOTS
 
-    @classmethod
-    def make(cls, model_dir: Path | None = None, kernel_cache: Path | None = None, **kw: Any) -> Settings:
-        return cls(model_dir or default_model_dir(), kernel_cache_dir(kernel_cache), **kw)
-
-    def for_plan(self):
-        from runtime.plan import Settings as PlanSettings
-
-        return PlanSettings(backend=self.backend, device=self.device, ranks=self.ranks, max_seq=self.max_seq,
-                            max_slots=self.max_slots, kernel_cache_dir=self.kernel_cache_dir,
-                            memory_utilization=self.memory_utilization)
+def console_spec(model: Path | str | None = None, kernel_cache: Path | str | None = None, **kw: Any) -> LaunchSpec:
+    """`resolved(LaunchSpec(…))`, for the console's tests and tools."""
+    return resolved(LaunchSpec(model=Path(model) if model else None,
+                               kernel_cache_dir=Path(kernel_cache) if kernel_cache else None, **kw))
 
 
 @dataclass(frozen=True)
@@ -72,7 +53,7 @@ class ProgramsSnapshot:
 
     def totals(self) -> dict[str, Any]:
         counts = Counter(e["state"] for e in self.entries)
-        return {"programs": len(self.entries), "by_state": {s: counts[s] for s in STATES if counts[s]}}
+        return {"programs": len(self.entries), "by_state": {s.value: counts[s] for s in Outcome if counts[s]}}
 
 
 @dataclass(frozen=True)
@@ -103,12 +84,13 @@ class Snapshot:
     device: DeviceSnapshot
     registration: RegistrationSnapshot
     services: ServicesSnapshot = field(default_factory=ServicesSnapshot)
-    plan: dict[str, Any] | None = None  # runtime.plan.Plan.to_json()
+    plan: dict[str, Any] | None = None  # runtime.launch.plan.Plan.to_json()
+    cache: CacheSnapshot = field(default_factory=CacheSnapshot)  # every entry under the kernel cache root
 
     def to_json(self) -> dict[str, Any]:
         return {"v": SCHEMA_VERSION, "ts": self.ts, "settings": self.settings, "plan": self.plan,
                 **{k: dataclasses.asdict(getattr(self, k))
-                   for k in ("programs", "sidecars", "services", "host", "device", "registration")}}
+                   for k in ("programs", "cache", "sidecars", "services", "host", "device", "registration")}}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -121,8 +103,8 @@ def programs_of(plan: dict[str, Any], root: Path) -> ProgramsSnapshot:
 
 def next_launch(verdict: dict[str, Any]) -> str:
     """What the next launch does with its sidecar, in words (from the plan's verdict)."""
-    if verdict.get("verdict") == "MAP":
-        return "MAP (cold: reads uncached bytes)" if verdict.get("cold_read") else "MAP"
+    if verdict.get("verdict") == MAP:
+        return f"{MAP} (cold: reads uncached bytes)" if verdict.get("cold_read") else MAP
     return f"REPACK ({verdict.get('reason') or '?'})"
 
 
@@ -132,7 +114,7 @@ def sidecars_of(plan: dict[str, Any], model_dir: Path, now: float) -> SidecarsSn
     judged = plan.get("sidecar") or {}
     if not judged:
         return SidecarsSnapshot(str(model_dir), error="; ".join(plan.get("problems", [])) or "no plan")
-    defaults = {"verdict": "REPACK", "reason": "", "detail": "", "residency": None, "residency_method": None,
+    defaults = {"verdict": REPACK, "reason": "", "detail": "", "residency": None, "residency_method": None,
                 "size_bytes": 0}  # a plan over a broken checkpoint says less: the pane still has every key
     rows = [{**defaults, **judged, "sampled_at": judged.get("sampled_at") or now,
              "next_launch": next_launch(judged), "wanted": True}]
@@ -156,41 +138,33 @@ def _size(path: Path) -> int:
         return 0
 
 
-def launch_seconds(record: dict[str, Any]) -> float:
-    return sum(float(p.get("seconds") or 0) for k, p in record.get("phases", {}).items() if k in PHASES)
-
-
-def is_warm(record: dict[str, Any]) -> bool:
-    phases = record.get("phases", {})
-    counts = phases.get("programs", {}).get("counts", {})
-    return (record.get("outcome") == "ok" and not counts.get("MISS") and not counts.get("STALE")
-            and phases.get("weights", {}).get("path") == "MAP")
-
-
-def predict(settings: Settings, history: list[dict[str, Any]], plan: dict[str, Any],
+def predict(spec: LaunchSpec, history: list[dict[str, Any]], plan: dict[str, Any],
             device: DeviceSnapshot) -> RegistrationSnapshot:
     """The plan's path for each phase in words, with the launches it is compared with."""
-    mine = [r for r in history if r.get("model") == str(settings.model_dir)]
+    mine = [r for r in history if r.get("model") == str(spec.model)]
     warm = [r for r in mine if is_warm(r)]
     pred: dict[str, str] = {}
     problems = plan.get("problems", [])
     check = next((p for p in problems if p.startswith("check:")), "")
     pred["check"] = f"FAIL: {check[6:].strip()}" if check else "contract check"
     counts = Counter(p["state"] for p in plan.get("programs", ()))
-    pred["programs"] = " ".join(f"{s} {counts[s]}" for s in STATES if counts[s]) or "-"
+    pred["programs"] = " ".join(f"{s} {counts[s]}" for s in Outcome if counts[s]) or "-"
+    if plan.get("ready") == "early" and counts:
+        pred["programs"] += " (eager until compiled: --ready early)"
     pred["weights"] = next_launch(plan["sidecar"]) if plan.get("sidecar") else "-"
     pred["upload"] = "zero-copy (cpu)" if device.kind == "cpu" else "copy to device"
     kv = plan.get("kv") or {}
     if kv.get("problem"):
         pred["kv"] = f"FAIL: {kv['problem']}"
     elif kv.get("slots") is not None:
-        pred["kv"] = f"{kv['slots']} slots of {format_size(kv['slot_bytes'])}"
+        pred["kv"] = f"{kv['slots']} slots of {format_size(kv['slot_bytes'])}" + (
+            " per rank" if kv.get("ranks", 1) > 1 else "")
     else:
         pred["kv"] = kv.get("detail", "-")
     pred["validate"] = "decode check"
     pred["serve"] = "HTTP"
     predicted = dict(plan.get("predicted") or {})
-    basis = "the plan of the next launch (runtime.plan)"
+    basis = "the plan of the next launch (runtime.launch.plan)"
     if not any(v is not None for v in predicted.values()):
         basis += "; no comparable launch in the history for seconds"
     return RegistrationSnapshot(mine[-1] if mine else None, min(warm, key=launch_seconds) if warm else None,
@@ -219,13 +193,15 @@ def _sample(path: str | None):
 
 
 class Collectors:
-    """Every pane's snapshot for one set of settings; the console calls `snapshot()` off the UI."""
+    """Every pane's snapshot for one launch spec; the console calls `snapshot()` off the UI."""
 
-    def __init__(self, settings: Settings):
-        self.settings = settings
-        self.device_kind = resolve_device_kind(settings.device)
+    def __init__(self, spec: LaunchSpec):
+        from runtime.launch.hardware import resolve_device
+
+        self.spec = spec
+        self.device_kind = resolve_device(spec.device)
         self.host = HostCollector()
-        self.plans = PlanWatch(settings.model_dir, settings.for_plan(), settings.kernel_cache_dir)
+        self.plans = PlanWatch(spec)
         self._history: list[dict[str, Any]] = []
         self._history_stamp: tuple[int, int] | None = None
 
@@ -266,13 +242,13 @@ class Collectors:
                                     "sampled_at": res.sampled_at}}
 
     def snapshot(self) -> Snapshot:
-        s = self.settings
+        s = self.spec
         now = time.time()
         history = self.history()
         plan = self._residency(history)
-        device = collect_device(self.device_kind, s.memory_utilization, (plan.get("kv") or {}).get("slot_bytes"),
-                                s.ranks)
+        device = collect_device(s, self.device_kind, (plan.get("kv") or {}).get("slot_bytes"))
         settings = {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(s).items()}
         settings["device"] = self.device_kind
-        return Snapshot(now, settings, programs_of(plan, s.kernel_cache_dir), sidecars_of(plan, s.model_dir, now),
-                        self.host(), device, predict(s, history, plan, device), collect_services(), plan)
+        return Snapshot(now, settings, programs_of(plan, s.kernel_cache_dir), sidecars_of(plan, s.model, now),
+                        self.host(), device, predict(s, history, plan, device), collect_services(), plan,
+                        self.plans.cache)

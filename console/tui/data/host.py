@@ -1,13 +1,11 @@
 """Host and device collectors: CPU, load, memory, page cache, disk rates (psutil) and device
-memory with the KV budget (meminfo, NVML or `npu-smi`; never a device context, never torch)."""
+memory with every rank's KV budget (`runtime.launch.hardware` reads meminfo, NVML or `npu-smi`;
+`runtime.launch.budget` sizes it; never a device context, never torch)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
-import re
-import shutil
-import subprocess
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -36,10 +34,14 @@ class DeviceSnapshot:
     kind: str
     source: str  # meminfo | nvml | npu-smi
     utilization: float
-    devices: tuple[dict[str, Any], ...] = ()  # name, total, used, free, budget, warning; ranks, rank_budget
-    slot_bytes: int | None = None  # one KV slot, from the last launch of this model
-    error: str = ""
+    devices: tuple[dict[str, Any], ...] = ()  # name, total, used, free
+    budgets: tuple[dict[str, Any], ...] = ()  # per rank: KvBudget.to_json() (device, budget, fits, slots, …)
+    slot_bytes: int | None = None  # one KV slot (the plan's)
+    slots: int | None = None  # what the launch takes: the fewest any rank holds, --max-slots at most
+    fits: int | None = None  # what the memory holds, without the --max-slots cap
+    max_slots: int = 32
     ranks: int = 1  # the launch's rank processes (the console's --ranks)
+    error: str = ""  # the devices could not be read (never "cpu" instead)
     warning: str = ""  # about the devices as a whole (more ranks than devices)
 
 
@@ -79,95 +81,22 @@ class HostCollector:
                             {k: tuple(v) for k, v in self._history.items()})
 
 
-def resolve_device_kind(device: str) -> str:
-    """`auto` → npu if npu-smi is on PATH, cuda if NVML answers, else cpu (never a device context)."""
-    if device != "auto":
-        return device
-    if shutil.which("npu-smi"):
-        return "npu"
-    if _nvml_devices() is not None:
-        return "cuda"
-    return "cpu"
+def collect_device(spec, kind: str, slot_bytes: int | None) -> DeviceSnapshot:
+    """used / free / total per device and every rank's KV budget, by the rule the plan and
+    registration's kv phase apply (`runtime.launch.budget.launch_kv`, on the memory read now), so
+    the pane's slots are the plan's and a starving budget shows before launch."""
+    from runtime.launch.budget import launch_kv
+    from runtime.launch.hardware import read_memory
 
-
-def _nvml_devices() -> list[tuple[str, int, int]] | None:
-    """[(name, total, used)] through NVML, or None when pynvml is absent or no driver answers."""
-    try:
-        import pynvml  # optional: nvidia-ml-py
-    except ImportError:
-        return None
-    try:
-        pynvml.nvmlInit()
-        try:
-            out = []
-            for i in range(pynvml.nvmlDeviceGetCount()):
-                h = pynvml.nvmlDeviceGetHandleByIndex(i)
-                mem = pynvml.nvmlDeviceGetMemoryInfo(h)
-                name = pynvml.nvmlDeviceGetName(h)
-                out.append((f"cuda:{i} {name.decode() if isinstance(name, bytes) else name}",
-                            int(mem.total), int(mem.used)))
-            return out
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:
-        return None
-
-
-# `npu-smi info` prints, per NPU, a row whose HBM column reads "used / total" in MB.
-_NPU_ROW = re.compile(r"^\|\s*(\d+)\s+(\S+)\s*\|")
-_NPU_HBM = re.compile(r"(\d+)\s*/\s*(\d+)\s*\|?\s*$")
-
-
-def _npu_devices() -> list[tuple[str, int, int]] | None:
-    try:
-        text = subprocess.run(["npu-smi", "info"], capture_output=True, text=True, timeout=5).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    out, current = [], None
-    for line in text.splitlines():
-        m = _NPU_ROW.match(line)
-        if m:
-            current = f"npu:{m.group(1)} {m.group(2)}"
-            continue
-        hbm = _NPU_HBM.search(line)
-        if current and hbm:
-            used, total = int(hbm.group(1)) << 20, int(hbm.group(2)) << 20
-            out.append((current, total, used))
-            current = None
-    return out or None
-
-
-def collect_device(kind: str, utilization: float, slot_bytes: int | None, ranks: int = 1) -> DeviceSnapshot:
-    """used / free / total per device and the KV budget (total × utilization − used), the same
-    formula registration's kv phase applies, so a starving budget shows before launch.
-
-    With several ranks, each rank sizes its own KV: on cpu they share host memory (each gets
-    the budget / ranks); on cuda/npu rank r is device r (a device without a rank gets none)."""
-    if kind == "cuda":
-        found, source = _nvml_devices(), "nvml"
-    elif kind == "npu":
-        found, source = _npu_devices(), "npu-smi"
-    else:
-        vm = psutil.virtual_memory()
-        found, source = [("cpu (host memory)", vm.total, vm.total - vm.available)], "meminfo"
-    if found is None:
-        return DeviceSnapshot(kind, source, utilization, error=f"{source} did not answer", ranks=ranks)
-    rows = []
-    for i, (name, total, used) in enumerate(found):
-        budget = int(total * utilization) - used
-        sharing = ranks if kind == "cpu" else 1 if ranks == 1 or i < ranks else 0
-        mine = budget // sharing if sharing else budget
-        warning = ""  # a device no rank uses sizes no KV cache: nothing to warn about
-        if sharing and budget <= 0:
-            warning = (f"residual usage leaves no KV budget (total × {utilization} − used ≤ 0): "
-                       "the launch would fail at kv")
-        elif sharing and slot_bytes and mine < slot_bytes:
-            warning = ("budget is below one KV slot" + (" per rank" if sharing > 1 else "")
-                       + ": the launch would fail at kv")
-        rows.append({"name": name, "total": total, "used": used, "free": max(0, total - used),
-                     "budget": budget, "slots": (mine // slot_bytes) if slot_bytes and mine > 0 else None,
-                     "warning": warning, "ranks": sharing, "rank_budget": mine})
-    short = ""
-    if kind != "cpu" and ranks > len(found):
-        short = f"{ranks} ranks need one {kind} device each, {len(found)} found"
-    return DeviceSnapshot(kind, source, utilization, tuple(rows), slot_bytes, ranks=ranks, warning=short)
+    reading = read_memory(kind, spec.device_memory)
+    base = {"kind": kind, "source": reading.source, "utilization": spec.memory_utilization,
+            "ranks": spec.ranks, "max_slots": spec.max_slots, "slot_bytes": slot_bytes}
+    if reading.error:
+        return DeviceSnapshot(**base, error=reading.error)
+    devices = tuple({"name": m.name, "total": m.total, "used": m.used, "free": m.free} for m in reading.devices)
+    if not slot_bytes:
+        return DeviceSnapshot(**base, devices=devices)
+    kv = launch_kv(kind, reading.devices, spec.ranks, slot_bytes, spec.memory_utilization, spec.max_slots,
+                   spec.max_seq)
+    return DeviceSnapshot(**base, devices=devices, budgets=tuple(b.to_json() for b in kv.per_rank),
+                          slots=kv.slots, fits=kv.fits, warning=kv.missing)

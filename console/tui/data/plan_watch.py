@@ -1,7 +1,8 @@
-"""The plan of the next launch (runtime.plan, torch-free) as the console keeps it: recomputed
-only when one of its inputs changed (the checkpoint dir, the kernel cache tree, the launch
-history) or when it is older than MAX_AGE (page-cache residency moves on its own), so an idle
-refresh costs a few stat calls, not a plan."""
+"""The plan of the next launch (runtime.launch.plan, torch-free) as the console keeps it, and the
+kernel cache's contents judged against it: recomputed only when one of their inputs changed (the
+checkpoint dir, the kernel cache tree, the launch history) or when the plan is older than
+MAX_AGE (page-cache residency moves on its own), so an idle refresh costs a few stat calls, not a
+plan."""
 
 from __future__ import annotations
 
@@ -45,13 +46,18 @@ def stamp(model_dir: Path, cache_dir: Path, history: Path) -> tuple:
 
 
 class PlanWatch:
-    """`get()` → (the Plan, its JSON form), recomputed only when needed."""
+    """`get()` → (the Plan, its JSON form), recomputed only when needed; `cache`: the kernel
+    cache's contents as of that plan."""
 
-    def __init__(self, model_dir: Path, settings: Any, cache_dir: Path, clock=time.monotonic):
-        self.model_dir, self.settings, self.cache_dir = model_dir, settings, cache_dir
+    def __init__(self, spec: Any, clock=time.monotonic):
+        from console.tui.data.cache import CacheSnapshot
+
+        self.spec = spec
+        self.model_dir, self.cache_dir = spec.model, spec.kernel_cache_dir
         self.clock = clock
         self.plan: Any = None
         self.json: dict[str, Any] | None = None
+        self.cache = CacheSnapshot(str(self.cache_dir))
         self._stamp: tuple | None = None
         self._made = 0.0
         self.computed = 0  # how many plans were made (the bench and tests read it)
@@ -70,13 +76,15 @@ class PlanWatch:
         self.json = None
 
     def _make(self, history: list[dict[str, Any]] | None) -> None:
-        from runtime.plan import make_plan
+        from console.tui.data.cache import collect_cache
+        from runtime.launch.plan import make_plan
 
         self._made = self.clock()
         self.computed += 1
         try:
-            self.plan = make_plan(self.model_dir, self.settings, history=history)
+            self.plan = make_plan(self.spec, history=history)
             self.json = self.plan.to_json()
+            self.cache = collect_cache(self.plan)
         except Exception as e:  # make_plan says what is wrong in its parts; this is our own bug
             self.plan = None
             self.json = {"model": str(self.model_dir), "programs": [], "sidecar": {}, "kv": {}, "predicted": {},

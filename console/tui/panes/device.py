@@ -1,5 +1,7 @@
-"""Device pane: used / free / total per device and the KV budget, with the starvation warning;
-with several ranks, whose budget each line is (per rank on cpu, one rank per device otherwise)."""
+"""Device pane: used / free / total per device and each rank's KV budget (the plan's rule,
+`runtime.launch.budget`): what the memory fits and what the launch takes (--max-slots caps
+it), with the starvation warning; on cpu the ranks share host memory, on accelerators rank r
+owns device r."""
 
 from __future__ import annotations
 
@@ -8,25 +10,35 @@ from typing import Any
 from textual.app import ComposeResult
 from textual.widgets import Static
 
-from console import fmt
-from console.collectors import DeviceSnapshot
-from console.pane import Pane
+from console.tui import fmt
+from console.tui.data.host import DeviceSnapshot
+from console.tui.panes.base import Pane
 
 
-def kv_line(snap: DeviceSnapshot, index: int, d: dict[str, Any]) -> str:
-    """`KV budget 6.0 GiB (6144 KV slots of 1.0 MiB)`; `… per rank × 2 ranks (N KV slots each)`
-    when ranks share host memory; `rank 1 on cuda:1  KV budget …` when each rank has a device."""
-    warn = f"  [b red]⚠ {d['warning']}[/]" if d["warning"] else ""
-    sharing = d.get("ranks", 1)
-    budget = f"KV budget [b]{fmt.size(max(d.get('rank_budget', d['budget']), 0))}[/]"
-    if sharing > 1:
-        slots = f" ({d['slots']} KV slots each)" if d["slots"] is not None else ""
-        return f"{budget} per rank × {sharing} ranks{slots}{warn}"
-    slots = f" ({d['slots']} KV slots of {fmt.size(snap.slot_bytes)})" if d["slots"] is not None else ""
-    if snap.ranks > 1:
-        device = d["name"].split()[0]
-        return f"rank {index} on {device}  {budget}{slots}{warn}" if sharing else f"[dim]{device}: no rank[/]"
-    return f"{budget}{slots}{warn}"
+def slots_text(b: dict[str, Any], each: str = "") -> str:
+    """`fits 3994 slots · launch takes 32 (--max-slots)`, or just the slots it takes."""
+    if b["fits"] > b["slots"]:
+        return f"{each}fits {b['fits']} slots · launch takes {b['slots']} (--max-slots)"
+    return f"{each}{b['slots']} slots"
+
+
+def kv_lines(snap: DeviceSnapshot) -> list[str]:
+    """One line per rank's budget (one line for ranks that share host memory): what fits, what
+    the launch takes, and a warning when the launch would fail at kv."""
+    if not snap.budgets:
+        return [] if snap.slot_bytes else ["[dim]KV budget: no slot size yet (the plan has none)[/]"]
+    lines = []
+    shared = snap.kind == "cpu" and snap.ranks > 1
+    for b in snap.budgets[:1] if shared else snap.budgets:
+        warn = f"  [b red]⚠ {b['problem']}: the launch would fail at kv[/]" if b["problem"] else ""
+        budget = f"KV budget [b]{fmt.size(max(b['budget'], 0))}[/]"
+        if shared:
+            lines.append(f"{budget} × {snap.ranks} ranks · {slots_text(b, 'each ')}{warn}")
+        elif snap.ranks > 1:
+            lines.append(f"rank {b['rank']} on {b['device'].split()[0]}  {budget} · {slots_text(b)}{warn}")
+        else:
+            lines.append(f"{budget} · {slots_text(b)}{warn}")
+    return lines
 
 
 class DevicePane(Pane):
@@ -37,14 +49,17 @@ class DevicePane(Pane):
         self.border_title = "Device"
 
     def show(self, snap: DeviceSnapshot) -> None:
-        lines = [kv_line(snap, i, d) for i, d in enumerate(snap.devices)]  # first: a collapsed pane keeps it
+        lines = kv_lines(snap)  # first: a collapsed pane keeps it
         if snap.warning:
             lines.insert(0, f"[b red]⚠ {snap.warning}[/]")
         if snap.error:
             lines.insert(0, f"[red]{snap.error}[/]")
-        lines.append(f"[dim]{snap.kind} via {snap.source}, utilization {snap.utilization}[/]")
+        slot = f", one KV slot {fmt.size(snap.slot_bytes)}" if snap.slot_bytes else ""
+        lines.append(f"[dim]{snap.kind} via {snap.source}, utilization {snap.utilization}{slot}[/]")
+        owned = {b["device"] for b in snap.budgets}
         for d in snap.devices:
             used = d["used"] / d["total"] if d["total"] else 0.0
-            lines.append(f"[b]{d['name']}[/]  {fmt.bar(used, 16)} used")
+            idle = "" if snap.kind == "cpu" or d["name"] in owned else "  [dim]no rank[/]"
+            lines.append(f"[b]{d['name']}[/]  {fmt.bar(used, 16)} used{idle}")
             lines.append(f"  used {fmt.size(d['used'])}  free {fmt.size(d['free'])}  total {fmt.size(d['total'])}")
         self.query_one("#device-text", Static).update("\n".join(lines))

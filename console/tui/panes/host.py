@@ -5,9 +5,9 @@ from __future__ import annotations
 from textual.app import ComposeResult
 from textual.widgets import Sparkline, Static
 
-from console import fmt
-from console.collectors import HostSnapshot
-from console.pane import Pane
+from console.tui import fmt
+from console.tui.data.collectors import HostSnapshot
+from console.tui.panes.base import Pane
 
 
 class HostPane(Pane):

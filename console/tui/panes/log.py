@@ -11,7 +11,7 @@ from rich.markup import escape
 from textual.app import ComposeResult
 from textual.widgets import RichLog
 
-from console.pane import Pane
+from console.tui.panes.base import Pane
 
 MAX_LINES = 2000
 

@@ -1,4 +1,7 @@
-"""Programs pane: the kernel cache inventory judged against this environment."""
+"""Programs pane, two views one key (`c`) apart: the next launch's programs (the plan: HIT
+loads, MISS/STALE/CORRUPT compiles, and why), and the kernel cache's contents (every entry
+under the root, judged against that plan and this toolchain, with size, age and hits, the disk
+it takes against the gc limit). Enter shows a row's full key, entry and manifest."""
 
 from __future__ import annotations
 
@@ -7,43 +10,106 @@ from typing import Any
 from textual.app import ComposeResult
 from textual.widgets import Static
 
-from console.collectors import ProgramsSnapshot
-from console.pane import Pane
-from console.tables import Column, PaneTable, title
+from console.tui import fmt
+from console.tui.data.cache import CacheSnapshot
+from console.tui.data.collectors import ProgramsSnapshot
+from console.tui.panes.base import Pane
+from console.tui.tables import Column, PaneTable, title
 
 STATE_STYLE = {"HIT": "green", "MISS": "cyan", "STALE": "yellow", "CORRUPT": "red", "UNTRUSTED": "red",
-               "EAGER": "dim"}
+               "EAGER": "dim", "current": "green", "other-layout": "cyan", "stale": "yellow", "corrupt": "red",
+               "partial": "dim", "quarantined": "red"}
 COLUMNS = (
     Column("program", "program", 26, essential=True),
     Column("state", "next launch", 11, essential=True),
     Column("fingerprint", "fp", 12),
     Column("reason", "why", 40),
 )
+CACHE_COLUMNS = (  # what decides a purge first: the state and why, then use, then identity
+    Column("program", "program", 24, essential=True),
+    Column("state", "state", 12, essential=True),
+    Column("size_bytes", "size", 9, essential=True),
+    Column("reason", "why", 34),
+    Column("hits", "hits", 5),
+    Column("last_used", "last hit", 9),
+    Column("created", "age", 6),
+    Column("fingerprint", "fp", 12),
+)
+
+
+def styled(state: str) -> str:
+    style = STATE_STYLE.get(state, "")
+    return f"[{style}]{state}[/]" if style else state
 
 
 class ProgramsPane(Pane):
-    """The plan's programs: what the next launch does with each (HIT loads, MISS/STALE/CORRUPT
-    compiles) and why; Enter shows the full key's fingerprint, the entry and its manifest."""
+    """The plan's programs, or (`c`) the kernel cache's contents."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.now = 0.0
+        self.viewing_cache = False
+        self._shown: tuple[ProgramsSnapshot, CacheSnapshot, str] | None = None
 
     def compose(self) -> ComposeResult:
         yield PaneTable("programs", COLUMNS, self._cells, id="programs-table")
+        cache = PaneTable("cache", CACHE_COLUMNS, self._cache_cells, id="cache-table")
+        cache.display = False
+        yield cache
         yield Static(id="programs-totals", classes="totals")
 
     def on_mount(self) -> None:
         self.border_title = "Programs"
 
     def _cells(self, e: dict[str, Any]) -> dict[str, str]:
-        style = STATE_STYLE.get(e["state"], "")
-        return {"program": e["program"], "state": f"[{style}]{e['state']}[/]" if style else e["state"],
+        return {"program": e["program"], "state": styled(e["state"]),
                 "fingerprint": (e.get("fingerprint") or "")[:12], "reason": e.get("reason") or ""}
 
-    def show(self, snap: ProgramsSnapshot, now: float, needle: str = "") -> None:
-        shown, total = self.query_one(PaneTable).set_rows(snap.entries, needle)
-        self.border_title = title("Programs", shown, total, needle)
-        states = ", ".join(f"{n} {s}" for s, n in snap.totals()["by_state"].items())
-        text = (states or "no programs") + f"  [dim]{snap.root}[/]"
-        if snap.error:
-            text += f"\n[red]{snap.error}[/]"
-        elif snap.warning:
-            text += f"\n[yellow]{snap.warning}[/]"
+    def _cache_cells(self, e: dict[str, Any]) -> dict[str, str]:
+        return {"program": e["program"], "state": styled(e["state"]), "size_bytes": fmt.size(e["size_bytes"]),
+                "fingerprint": (e.get("fingerprint") or "")[:12],
+                "created": fmt.ago(e["created"], self.now).removesuffix(" ago"), "hits": str(e["hits"]),
+                "last_used": fmt.ago(e["last_used"], self.now) if e["hits"] else "never",
+                "reason": e.get("reason") or ""}
+
+    def toggle(self) -> PaneTable:
+        """Switch views; returns the table now shown (the caller focuses it)."""
+        self.viewing_cache = not self.viewing_cache
+        self.query_one("#programs-table", PaneTable).display = not self.viewing_cache
+        self.query_one("#cache-table", PaneTable).display = self.viewing_cache
+        if self._shown is not None:
+            self.show(*self._shown[:2], self.now, self._shown[2])
+        return self.query_one("#cache-table" if self.viewing_cache else "#programs-table", PaneTable)
+
+    def show(self, snap: ProgramsSnapshot, cache: CacheSnapshot, now: float, needle: str = "") -> None:
+        self.now, self._shown = now, (snap, cache, needle)
+        programs = self.query_one("#programs-table", PaneTable).set_rows(snap.entries, needle)
+        entries = self.query_one("#cache-table", PaneTable).set_rows(cache.entries, needle)
+        if self.viewing_cache:
+            self.border_title = title("Kernel cache", *entries, needle, "entries") + " [dim](c: programs)[/]"
+            text = self._cache_totals(cache)
+        else:
+            self.border_title = title("Programs", *programs, needle) + " [dim](c: kernel cache)[/]"
+            states = ", ".join(f"{n} {s}" for s, n in snap.totals()["by_state"].items())
+            text = (states or "no programs") + f"  [dim]{snap.root}[/]"
+            if snap.error:
+                text += f"\n[red]{snap.error}[/]"
+            elif snap.warning:
+                text += f"\n[yellow]{snap.warning}[/]"
         self.query_one("#programs-totals", Static).update(text)
+
+    @staticmethod
+    def _cache_totals(cache: CacheSnapshot) -> str:
+        """`45 entries · 123 MiB of 10.0 GiB gc limit · disk free 50 GiB · x deletes 5 (12 MiB)`."""
+        if cache.error:
+            return f"[red]{cache.error}[/]"
+        share = f" ({cache.total_bytes / cache.limit_bytes:.0%})" if cache.limit_bytes else ""
+        parts = [f"{len(cache.entries)} entries", f"{fmt.size(cache.total_bytes)} of {fmt.size(cache.limit_bytes)} "
+                 f"gc limit{share}"]
+        if cache.disk_free is not None:
+            parts.append(f"disk free {fmt.size(cache.disk_free)}")
+        unusable = [e for e in cache.entries if e.get("purgeable")]
+        if unusable:
+            parts.append(f"x deletes {len(unusable)} ({fmt.size(sum(e['size_bytes'] for e in unusable))})")
+        states = ", ".join(f"{s} {n}" for s, n in cache.by_state().items())
+        return " · ".join(parts) + (f"\n{states}  [dim]{cache.root}[/]" if states else f"  [dim]{cache.root}[/]")

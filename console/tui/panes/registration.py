@@ -11,13 +11,14 @@ from typing import Any
 from textual.app import ComposeResult
 from textual.widgets import Static
 
-from console import fmt
-from console.collectors import RegistrationSnapshot, launch_seconds
-from console.eta import Progress
-from console.launch_state import DONE, FAILED, RUNNING, LaunchState, path_taken
-from console.pane import Pane
-from console.tables import Column, PaneTable
+from console.tui import fmt
+from console.tui.data.collectors import RegistrationSnapshot
+from console.tui.data.eta import Progress
+from console.tui.data.launch_state import DONE, FAILED, RUNNING, LaunchState, path_taken
+from console.tui.panes.base import Pane
+from console.tui.tables import Column, PaneTable
 from runtime.events import PHASES
+from runtime.launch.history import launch_seconds
 
 STATE_MARK = {DONE: "[green]✓[/]", FAILED: "[red]✗[/]", RUNNING: "[yellow]…[/]"}
 COLUMNS = (

@@ -9,10 +9,10 @@ from typing import Any
 from textual.app import ComposeResult
 from textual.widgets import Static
 
-from console import fmt
-from console.collect_services import ServicesSnapshot
-from console.pane import Pane
-from console.tables import Column, PaneTable, title
+from console.tui import fmt
+from console.tui.data.services import ServicesSnapshot
+from console.tui.panes.base import Pane
+from console.tui.tables import Column, PaneTable, title
 
 COLUMNS = (
     Column("pid", "pid", 7, essential=True),

@@ -9,10 +9,11 @@ from typing import Any
 from textual.app import ComposeResult
 from textual.widgets import ProgressBar, Static
 
-from console import fmt
-from console.collectors import SidecarsSnapshot
-from console.pane import Pane
-from console.tables import Column, PaneTable, title
+from console.tui import fmt
+from console.tui.data.collectors import SidecarsSnapshot
+from console.tui.panes.base import Pane
+from console.tui.tables import Column, PaneTable, title
+from store.sidecar.verdict import MAP
 
 COLUMNS = (
     Column("name", "sidecar", 26, essential=True),
@@ -40,7 +41,7 @@ class SidecarsPane(Pane):
         self.query_one(ProgressBar).display = False
 
     def _cells(self, s: dict[str, Any]) -> dict[str, str]:
-        color = "green" if s["verdict"] == "MAP" else "yellow"
+        color = "green" if s["verdict"] == MAP else "yellow"
         verdict = s["verdict"] + (f" ({s['reason']})" if s["reason"] else "")
         return {"name": Path(s["path"]).name, "next_launch": f"[{color}]{s['next_launch']}[/]",
                 "verdict": verdict, "residency": fmt.bar(s["residency"], 4),

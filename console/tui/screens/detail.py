@@ -16,11 +16,11 @@ from textual.widgets import Static
 MAX_MANIFEST_BYTES = 1 << 20
 
 
-def _manifest(row: dict[str, Any]) -> str:
+def _manifest(entry: str | None) -> str:
     """A program entry's manifest (the full key), bounded: never a multi-GB read."""
-    if not row.get("entry"):
+    if not entry:
         return ""
-    path = Path(row["entry"]) / "manifest.json"
+    path = Path(entry) / "manifest.json"
     try:
         if not path.is_file() or path.stat().st_size > MAX_MANIFEST_BYTES:
             return ""
@@ -57,8 +57,8 @@ def describe(pane: str, row: dict[str, Any]) -> str:
     lines = [f"[b]{escape(str(k))}[/]  {escape(str(v))}" for k, v in row.items() if k not in hidden]
     if "cmdline" in row:
         lines.append(f"[b]cmdline[/]  {escape(' '.join(row['cmdline']))}")
-    if pane == "programs":
-        manifest = _manifest(row)
+    if pane in ("programs", "cache"):
+        manifest = _manifest(row.get("entry") if pane == "programs" else row.get("path"))
         lines += ["", "[b]manifest.json[/]", escape(manifest) if manifest else "[dim](unreadable or absent)[/]"]
     if pane == "sidecars":
         key = _source_key(row)

@@ -13,11 +13,11 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Input, Static
 
-from console import fmt
-from console.collectors import launch_seconds
-from console.launch_state import path_taken
-from console.screen_detail import DetailScreen
-from console.tables import Column, PaneTable, title
+from console.tui import fmt
+from console.tui.data.collectors import launch_seconds
+from console.tui.data.launch_state import path_taken
+from console.tui.screens.detail import DetailScreen
+from console.tui.tables import Column, PaneTable, title
 
 COLUMNS = (
     Column("started", "started", 14, essential=True),

@@ -1,0 +1,1 @@
+"""`dsv4-console`: the Textual app (app, panes, screens, the data collectors behind them)."""

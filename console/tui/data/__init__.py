@@ -1,0 +1,1 @@
+"""What the panes show: collectors returning immutable snapshots (no Textual, no torch)."""

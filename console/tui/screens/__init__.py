@@ -1,0 +1,1 @@
+"""Modal screens: confirm, details, help, history, quit."""
