@@ -25,7 +25,7 @@ def _isolated_user_dirs(tmp_path_factory, monkeypatch):
 @pytest.fixture(scope="session")
 def tiny_ckpt_ro(tmp_path_factory) -> Path:
     """A tiny checkpoint shared by the whole session: never modify it (use `tiny_ckpt`)."""
-    from runtime.synth import synthesize
+    from runtime.synth.checkpoint import synthesize
 
     return synthesize("tiny", tmp_path_factory.mktemp("tiny") / "ckpt", seed=0)
 
@@ -44,18 +44,19 @@ MAX_SEQ = 64  # small fixed-size KV caches keep every test launch cheap
 def launch(model_dir, *, backend="export", cache_dir=None, history=False, **kw):
     """Run registration in-process; returns (Launched, events)."""
     from runtime.events import Emitter
-    from runtime.registration import LaunchOptions, register
+    from runtime.launch.registration import register
+    from runtime.launch.spec import LaunchSpec
 
     events = []
-    options = LaunchOptions(Path(model_dir), kernel_cache_dir=cache_dir, backend=backend, device="cpu",
-                            max_seq=kw.pop("max_seq", MAX_SEQ), history=history, **kw)
-    launched = register(options, Emitter(events.append))
+    spec = LaunchSpec(Path(model_dir), kernel_cache_dir=cache_dir, backend=backend, device="cpu",
+                      max_seq=kw.pop("max_seq", MAX_SEQ), **kw)
+    launched = register(spec, Emitter(events.append), record=history)
     return launched, events
 
 
 @pytest.fixture(scope="session")
 def cold_export_launch(tiny_ckpt_ro, tmp_path_factory):
-    """One cold launch (empty program cache, no sidecar) with the export backend; its cache
+    """One cold launch (empty kernel cache, no sidecar) with the export backend; its cache
     directory is warm afterwards and shared (read-mostly) by later tests."""
     cache_dir = tmp_path_factory.mktemp("programs")
     launched, events = launch(tiny_ckpt_ro, cache_dir=cache_dir)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from console.collect_services import ServicesSnapshot
-from console.collectors import (
+from pathlib import Path
+
+from console.tui.data.cache import CacheSnapshot
+from console.tui.data.collectors import (
     DeviceSnapshot,
     HostSnapshot,
     ProgramsSnapshot,
@@ -11,8 +13,24 @@ from console.collectors import (
     SidecarsSnapshot,
     Snapshot,
 )
+from console.tui.data.services import ServicesSnapshot
+from runtime.launch.budget import Memory, launch_kv
+from runtime.launch.spec import LaunchSpec
 
 NOW = 1_800_000_000.0
+SPEC = LaunchSpec(Path("/models/tiny"), kernel_cache_dir=Path("/cache"), device="cpu", backend="eager", max_seq=64)
+
+
+def device_snapshot(used: int = 8 << 30, total: int = 16 << 30, spec: LaunchSpec = SPEC, kind: str = "cpu",
+                    devices: list[Memory] | None = None, slot_bytes: int = 1 << 20) -> DeviceSnapshot:
+    """The Device pane's data for a host whose devices have these memories (default: a cpu host
+    with `used` of `total` bytes in use), by the budget rule the plan applies."""
+    devices = devices or [Memory(total, total - used, used, "cpu (host memory)")]
+    kv = launch_kv(kind, devices, spec.ranks, slot_bytes, spec.memory_utilization, spec.max_slots, spec.max_seq)
+    rows = tuple({"name": m.name, "total": m.total, "used": m.used, "free": m.free} for m in devices)
+    return DeviceSnapshot(kind, "meminfo" if kind == "cpu" else "nvml", spec.memory_utilization, rows,
+                          tuple(b.to_json() for b in kv.per_rank), slot_bytes, kv.slots, kv.fits, spec.max_slots,
+                          spec.ranks, warning=kv.missing)
 
 
 def _program(program: str, fp: str, state: str, reason: str = "", entry: bool = True) -> dict:
@@ -46,15 +64,12 @@ def snapshot(*, starving: bool = False) -> Snapshot:
     history = tuple(float(x) for x in (5, 10, 80, 40, 20, 15, 90, 60, 30, 10))
     host = HostSnapshot(23.5, (20.0, 27.0), (0.5, 0.7, 0.9), 16 << 30, 9 << 30, 4 << 30, 12e6, 3e6,
                         {"cpu": history, "mem_available": history, "read": history, "write": history})
-    budget = -(1 << 30) if starving else (6 << 30)
-    warning = "residual usage leaves no KV budget (total × 0.9 − used ≤ 0): the launch would fail at kv" if starving else ""
-    device = DeviceSnapshot("cpu", "meminfo", 0.9, ({
-        "name": "cpu (host memory)", "total": 16 << 30, "used": 8 << 30, "free": 8 << 30, "budget": budget,
-        "slots": None if starving else 6144, "warning": warning},), 1 << 20)
+    device = device_snapshot(used=(16 << 30) if starving else (8 << 30))
     registration = RegistrationSnapshot(_record(2.5, weights="REPACK", pid=4101), _record(0.4, pid=4002), {
         "check": "contract check", "programs": "HIT 1 MISS 1 STALE 1 CORRUPT 1", "weights": "MAP",
-        "upload": "zero-copy (cpu)", "kv": "4 slots of 1.0 MiB", "validate": "decode check", "serve": "HTTP"},
-        "the plan of the next launch (runtime.plan)", None,
+        "upload": "zero-copy (cpu)", "validate": "decode check", "serve": "HTTP",
+        "kv": f"{device.slots} slots of 1.0 MiB" if device.slots else f"FAIL: {device.budgets[0]['problem']}"},
+        "the plan of the next launch (runtime.launch.plan)", None,
         {"check": 0.05, "programs": 0.4, "weights": 0.2, "upload": 0.01, "kv": 0.01, "validate": 0.3})
     services = ServicesSnapshot(({
         "pid": 4242, "create_time": NOW - 3725, "cmdline": ["python", "-m", "console.cli", "serve", "/models/tiny"],
@@ -63,9 +78,34 @@ def snapshot(*, starving: bool = False) -> Snapshot:
         "v": 1, "from_console": True, "health": "ok",
         "engine": {"steps": 812, "mean_batch": 12.4, "acceptance": 0.61}},))
     plan = {"model": "/models/tiny", "programs": list(programs.entries), "sidecar": sidecars.sidecars[0],
-            "kv": {"slots": 4, "slot_bytes": 1 << 20}, "predicted": registration.predicted, "problems": []}
-    return Snapshot(NOW, {"model_dir": "/models/tiny"}, programs, sidecars, host, device, registration, services,
-                    plan)
+            "kv": {"slots": device.slots, "fits": device.fits, "slot_bytes": 1 << 20, "max_slots": 32},
+            "predicted": registration.predicted, "problems": []}
+    return Snapshot(NOW, {"model": "/models/tiny"}, programs, sidecars, host, device, registration, services,
+                    plan, cache_snapshot())
+
+
+def _entry(program: str, fp: str, state: str, reason: str, size: int, age: float, hits: int,
+           purgeable: bool = False) -> dict:
+    where = f"/cache/quarantine/{program}--{fp * 8}--1--abcd1234" if state == "quarantined" else \
+        f"/cache/v1/{program}/{fp * 32}"
+    return {"program": program, "fingerprint": fp * 32, "state": state, "reason": reason, "size_bytes": size,
+            "created": NOW - age, "last_used": NOW - age / 2 if hits else NOW - age, "hits": hits, "path": where,
+            "busy": False, "purgeable": purgeable}
+
+
+def cache_snapshot() -> CacheSnapshot:
+    """Every state an entry can be in, as the kernel cache view lists them."""
+    entries = (
+        _entry("layer.sliding.prefill", "a1", "current", "", 3 << 20, 7200, 12),
+        _entry("layer.sliding.prefill", "e5", "other-layout", "layout: {'max_seq': 1024} → {'max_seq': 64}",
+               3 << 20, 86400 * 3, 40),
+        _entry("layer.sliding.decode", "b2", "stale", "torch 2.12.0 → 2.13.0", 2 << 20, 86400 * 9, 3, True),
+        _entry("head", "c3", "corrupt", "program.pt2 does not match its sha256", 1 << 20, 600, 0, True),
+        _entry("layer.csa.prefill", "d4", "partial", "staging dir of pid 77 on host, age 2h (writer gone)",
+               1 << 19, 7200, 0, True),
+        _entry("embed", "f6", "quarantined", "quarantined: load failed: RuntimeError", 1 << 18, 3600, 0, True),
+    )
+    return CacheSnapshot("/cache", entries, sum(e["size_bytes"] for e in entries), 10 << 30, 50 << 30)
 
 
 class FakeCollectors:
@@ -86,11 +126,7 @@ class FakeCollectors:
 
 def fake_app(**kw):
     """The console over fake collectors: no worker, no watcher, no default checkpoint."""
-    from pathlib import Path
+    from console.tui.app import Dsv4Console
 
-    from console.app import Dsv4Console
-    from console.collectors import Settings
-
-    settings = Settings(Path("/models/tiny"), Path("/cache"), device="cpu", backend="eager", max_seq=64)
-    return Dsv4Console(settings, collectors=kw.pop("collectors", FakeCollectors()), watch=False,
+    return Dsv4Console(SPEC, collectors=kw.pop("collectors", FakeCollectors()), watch=False,
                        create_default=False, interval=0, **kw)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.program_spec import DynamicDim, ProgramSpec, TensorSpec
+from runtime.programs.spec import DynamicDim, ProgramSpec, TensorSpec
 
 
 def _gate(scores: torch.Tensor) -> torch.Tensor:

@@ -8,12 +8,12 @@ import pytest
 import torch
 from engine_fakes import CountingEngine
 
-from runtime.config import load_config
-from runtime.engine import Engine
-from runtime.model_programs import build_programs
-from runtime.pack import PackPlan, pack_in_memory
-from runtime.scheduler import Sampling, Scheduler
-from runtime.weights import packed_views
+from runtime.model.config import load_config
+from runtime.programs.catalog import build_programs
+from runtime.serve.engine import Engine
+from runtime.serve.scheduler import Sampling, Scheduler
+from runtime.weights.pack import PackedLayout, pack_in_memory
+from runtime.weights.views import packed_views
 from store.checkpoint import Checkpoint
 
 # short prompts pack beside the decoding rows; the 150-token one prefills alone first
@@ -24,7 +24,7 @@ LENGTHS = [12, 5, 14, 9, 20, 3]
 @pytest.fixture(scope="module")
 def tiny(tiny_ckpt_ro):
     config = load_config(tiny_ckpt_ro)
-    plan = PackPlan(config, ranks=1)
+    plan = PackedLayout(config, ranks=1)
     return build_programs(config, plan, max_seq=256), packed_views(plan, pack_in_memory(Checkpoint.open(tiny_ckpt_ro), plan))
 
 

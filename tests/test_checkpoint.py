@@ -5,8 +5,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from runtime.config import load_config
-from runtime.tensors import expected_tensors
+from runtime.model.config import load_config
+from runtime.model.tensors import expected_tensors
 from store.checkpoint import INDEX_NAME, Checkpoint, CheckpointError, check_contract, family
 
 

@@ -12,18 +12,19 @@ import torch
 from conftest import MAX_SEQ, launch
 
 from console.cli import main as cli
-from runtime.compile_pool import CompilePool
-from runtime.plan import Settings, model_programs
-from runtime.program_spec import ProgramSpec, build_function
-from runtime.programs import prepare
-from runtime.tiers import COMPILED, EAGER, TieredRunners
+from runtime.launch.plan import model_programs
+from runtime.launch.spec import LaunchSpec
+from runtime.programs.build import prepare
+from runtime.programs.pool import CompilePool
+from runtime.programs.spec import ProgramSpec, build_function
+from runtime.programs.tiers import COMPILED, EAGER, TieredRunners
 from store.kernel_cache import KernelCache
 
 pytestmark = pytest.mark.slow
 
 
 def _specs(model_dir, *names):
-    programs = model_programs(model_dir, Settings(max_seq=MAX_SEQ))
+    programs = model_programs(LaunchSpec(model_dir, max_seq=MAX_SEQ))
     return [programs.specs[n] for n in names]
 
 
@@ -140,7 +141,7 @@ def test_tokens_do_not_depend_on_the_tier_even_across_a_swap_mid_generation(tiny
 
 def test_a_failed_compile_stays_eager_with_one_warning(tmp_path):
     from runtime.events import Emitter
-    from runtime.program_prep import _compile_in_background
+    from runtime.programs.phase import _compile_in_background
 
     dying = ProgramSpec("dying", "tests.sample_programs:dies", sp.spec().inputs, sp.spec().dims, captures={"hidden": 8})
     fine = ProgramSpec("mlp", "tests.sample_programs:scaled_mlp", sp.spec().inputs, sp.spec().dims)

@@ -2,8 +2,8 @@ import json
 
 import pytest
 
-from runtime.config import CSA, HCA, RANGES, SLIDING, ConfigError, from_dict, load_config
-from runtime.synth import PRESETS, V4_FLASH, preset_config_dict
+from runtime.model.config import CSA, HCA, RANGES, SLIDING, ConfigError, from_dict, load_config
+from runtime.synth.checkpoint import PRESETS, V4_FLASH, preset_config_dict
 
 
 def test_v4_flash_derived_facts():

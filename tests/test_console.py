@@ -11,13 +11,13 @@ import time
 from pathlib import Path
 
 import pytest
-from console_fakes import FakeCollectors, fake_app, snapshot
+from console_fakes import SPEC, FakeCollectors, fake_app, snapshot
 from textual.widgets import DataTable
 
-from console.app import MUTATING, Dsv4Console
-from console.collectors import Settings, collect_device, default_model_dir, predict
-from console.launch_state import DONE, LaunchState
-from console.screen_confirm import ConfirmScreen
+from console.tui.app import MUTATING, Dsv4Console
+from console.tui.data.collectors import collect_device, default_model_dir, predict
+from console.tui.data.launch_state import DONE, LaunchState
+from console.tui.screens.confirm import ConfirmScreen
 from runtime.events import PHASES, Event
 
 REPO = Path(__file__).resolve().parents[1]
@@ -55,25 +55,26 @@ async def test_panes_render_the_snapshot_and_filter_narrows_rows():
 
 
 def test_collect_device_warns_when_residual_usage_starves_the_kv_cache():
-    snap = collect_device("cpu", 0.01, slot_bytes=1 << 20)  # 1 % of host memory is below what is in use
-    assert snap.devices[0]["budget"] <= 0
-    assert "the launch would fail at kv" in snap.devices[0]["warning"]
-    ok = collect_device("cpu", 0.95, slot_bytes=1)
-    assert ok.devices[0]["warning"] == "" and ok.devices[0]["slots"] > 0
+    # 1 % of host memory is below what is in use
+    snap = collect_device(SPEC.with_(memory_utilization=0.01), "cpu", slot_bytes=1 << 20)
+    assert snap.budgets[0]["budget"] <= 0
+    assert "residual usage leaves no KV budget" in snap.budgets[0]["problem"] and snap.slots == 0
+    ok = collect_device(SPEC.with_(memory_utilization=0.95), "cpu", slot_bytes=1)
+    assert ok.budgets[0]["problem"] == "" and ok.slots == SPEC.max_slots < ok.fits
 
 
 def test_prediction_renders_the_plan_and_names_the_launches_it_compares_with():
     s = snapshot()
-    settings = Settings(Path("/models/tiny"), Path("/cache"), backend="auto")
+    spec = SPEC.with_(backend="auto")
     history = [s.registration.previous, s.registration.best_warm]
-    pred = predict(settings, history, s.plan, s.device)
+    pred = predict(spec, history, s.plan, s.device)
     assert pred.prediction["programs"] == "HIT 1 MISS 1 STALE 1 CORRUPT 1"
     assert pred.prediction["weights"] == "MAP"
-    assert pred.prediction["kv"] == "4 slots of 1.0 MiB"
+    assert pred.prediction["kv"] == "32 slots of 1.0 MiB"
     assert pred.predicted == s.plan["predicted"]
     assert pred.best_warm is not None and pred.previous is history[-1]
     starving = {**s.plan, "kv": {"problem": "not even one KV slot fits"}, "problems": ["check: config.json: bad"]}
-    pred = predict(settings, [], starving, s.device)
+    pred = predict(spec, [], starving, s.device)
     assert pred.prediction["kv"].startswith("FAIL") and pred.prediction["check"] == "FAIL: config.json: bad"
 
 
@@ -88,25 +89,27 @@ def test_launch_state_follows_events_to_serving():
 
 
 def test_default_model_dir_is_the_runtime_one():
-    from runtime.synth import default_model_dir as runtime_default
+    from runtime.synth.checkpoint import default_model_dir as runtime_default
 
     assert default_model_dir() == runtime_default()
 
 
 def test_once_json_prints_every_pane(tmp_path, tiny_ckpt_ro):
-    out = subprocess.run([sys.executable, "-m", "console.app", "--once", "--json", "--model", str(tiny_ckpt_ro),
+    out = subprocess.run([sys.executable, "-m", "console.tui.app", "--once", "--json", "--model", str(tiny_ckpt_ro),
                           "--kernel-cache-dir", str(tmp_path / "programs"), "--device", "cpu"],
                          cwd=REPO, capture_output=True, text=True, timeout=60, check=True)
     data = json.loads(out.stdout)
-    assert data["v"] == 2
-    assert set(data) >= {"settings", "plan", "programs", "sidecars", "services", "host", "device", "registration"}
+    assert data["v"] == 3
+    assert set(data) >= {"settings", "plan", "programs", "cache", "sidecars", "services", "host", "device",
+                         "registration"}
     assert data["sidecars"]["sidecars"][0]["next_launch"] == "REPACK (missing)"
     assert data["plan"]["sidecar"]["reason"] == "missing"
     assert {p["state"] for p in data["plan"]["programs"]} == {"MISS"}  # an empty cache
     assert data["programs"]["entries"] == data["plan"]["programs"]  # the pane renders the plan
     assert {"cpu_percent", "per_core", "load", "mem_available", "page_cache", "disk_read_bps"} <= set(data["host"])
-    device = data["device"]["devices"][0]
-    assert {"total", "used", "free", "budget", "warning"} <= set(device)
+    device, budget = data["device"]["devices"][0], data["device"]["budgets"][0]
+    assert {"total", "used", "free"} <= set(device) and {"budget", "fits", "slots", "problem"} <= set(budget)
+    assert data["device"]["slots"] == data["plan"]["kv"]["slots"]  # one budget: the pane says what the plan does
     assert set(data["registration"]["prediction"]) == set(PHASES)
 
 
@@ -115,12 +118,11 @@ def test_console_never_imports_torch(tmp_path, tiny_ckpt_ro):
     script = textwrap.dedent(f"""
         import asyncio, sys
         from pathlib import Path
-        from console.app import Dsv4Console
-        from console.collectors import Settings
+        from console.tui.app import Dsv4Console
+        from console.tui.data.collectors import console_spec
 
         async def main():
-            app = Dsv4Console(Settings(Path({str(tiny_ckpt_ro)!r}), Path({str(tmp_path / "programs")!r})),
-                              interval=0.2)
+            app = Dsv4Console(console_spec({str(tiny_ckpt_ro)!r}, {str(tmp_path / "programs")!r}), interval=0.2)
             async with app.run_test() as pilot:
                 for _ in range(300):  # the first snapshot is collected after the first paint
                     if app.snapshot is not None:
@@ -129,6 +131,8 @@ def test_console_never_imports_torch(tmp_path, tiny_ckpt_ro):
                 assert app.snapshot is not None
                 await pilot.press("question_mark")
                 await pilot.press("escape")
+                await pilot.press("c")  # the kernel cache's contents
+                await pilot.pause(0.2)
                 await pilot.press("r")
                 await pilot.pause(0.3)
         asyncio.run(main())
@@ -144,8 +148,8 @@ async def test_launching_a_model_that_is_already_served_asks_first(tiny_ckpt_ro)
     snap = snapshot()
     row = {**snap.services.services[0], "model": str(tiny_ckpt_ro), "from_console": False}
     snap = dataclasses.replace(snap, services=dataclasses.replace(snap.services, services=(row,)))
-    settings = Settings(tiny_ckpt_ro, Path("/cache"), device="cpu", backend="eager", max_seq=64)
-    app = Dsv4Console(settings, collectors=FakeCollectors(snap), watch=False, create_default=False, interval=0)
+    app = Dsv4Console(SPEC.with_(model=tiny_ckpt_ro), collectors=FakeCollectors(snap), watch=False,
+                      create_default=False, interval=0)
     async with app.run_test() as pilot:
         await pilot.pause()
         await pilot.press("l")
@@ -158,7 +162,7 @@ async def test_launching_a_model_that_is_already_served_asks_first(tiny_ckpt_ro)
 
 
 def test_a_running_launch_says_which_program_it_prepares_now_and_how_long_is_left():
-    from console.pane_registration import phase_progress
+    from console.tui.panes.registration import phase_progress
 
     order = [f"program.{i}" for i in range(20)]
     state = LaunchState(order=order, predicted={"programs": 40.0})
@@ -185,7 +189,7 @@ def test_compile_pool_log_events_give_done_total_and_what_compiles_now():
 
 
 def test_registration_shows_programs_by_tier_until_every_swap():
-    from console.launch_state import LaunchState
+    from console.tui.data.launch_state import LaunchState
     from runtime.events import Event
 
     launch = LaunchState()

@@ -15,12 +15,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-from console.app import Dsv4Console
-from console.collectors import Settings, default_model_dir
-from console.detached import Detached
-from console.launch_state import DONE
-from console.screen_confirm import ConfirmScreen
-from console.screen_quit import QuitScreen
+from console.tui.app import Dsv4Console
+from console.tui.data.collectors import console_spec, default_model_dir
+from console.tui.data.launch_state import DONE
+from console.tui.detached import Detached
+from console.tui.screens.confirm import ConfirmScreen
+from console.tui.screens.quit import QuitScreen
 from runtime.events import PHASES
 from store import pagecache, sidecar
 from store.fingerprint import Key
@@ -39,8 +39,8 @@ async def until(pilot, condition, what: str) -> None:
 
 
 def console(model_dir: Path, cache_dir: Path, **kw) -> Dsv4Console:
-    settings = Settings(model_dir, cache_dir, device="cpu", backend="eager", max_seq=64)
-    return Dsv4Console(settings, watch=False, interval=0.5, stop_timeout=20, port=0, **kw)
+    spec = console_spec(model_dir, cache_dir, device="cpu", backend="eager", max_seq=64, port=0)
+    return Dsv4Console(spec, watch=False, interval=0.5, stop_timeout=20, **kw)
 
 
 def done(app: Dsv4Console, name: str) -> bool:
@@ -72,11 +72,11 @@ async def test_prepack_then_warm_makes_the_sidecar_map_hot(tiny_ckpt, tmp_path):
 
 
 async def test_purge_deletes_only_what_the_plan_calls_stale_or_corrupt_after_listing_each(tiny_ckpt_ro, tmp_path):
-    from runtime.plan import Settings as PlanSettings
-    from runtime.plan import program_keys
+    from runtime.launch.plan import program_keys
 
     cache = KernelCache(tmp_path / "programs")
-    keys = program_keys(tiny_ckpt_ro, PlanSettings(backend="export", device="cpu", max_seq=64))
+    spec = console_spec(tiny_ckpt_ro, cache.root, device="cpu", backend="export", max_seq=64, port=0)
+    keys = program_keys(spec)
     hit, stale, corrupt = list(keys)[:3]
     cache.publish(hit, keys[hit], {"program.pt2": b"h" * 4096})
     foreign = Key.of([(n, "2.99.0" if n == "torch" else v) for n, v in keys[stale].components])
@@ -84,8 +84,7 @@ async def test_purge_deletes_only_what_the_plan_calls_stale_or_corrupt_after_lis
     cache.publish(corrupt, keys[corrupt], {"program.pt2": b"c" * 4096})
     manifest = next(e.path for e in cache.inventory() if e.program == corrupt) / "manifest.json"
     manifest.write_text("{not json")
-    settings = Settings(tiny_ckpt_ro, cache.root, device="cpu", backend="export", max_seq=64)
-    app = Dsv4Console(settings, watch=False, interval=0.5, port=0, create_default=False)
+    app = Dsv4Console(spec, watch=False, interval=0.5, create_default=False)
     async with app.run_test() as pilot:
         await until(pilot, lambda: app.snapshot is not None, "first snapshot")
         states = {p["program"]: p["state"] for p in app.snapshot.plan["programs"]}
@@ -101,6 +100,46 @@ async def test_purge_deletes_only_what_the_plan_calls_stale_or_corrupt_after_lis
         await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), "confirm")
         await pilot.press("y")
         await until(pilot, lambda: [e.program for e in cache.inventory()] == [hit], "purge")
+
+
+async def test_the_kernel_cache_view_lists_every_entry_and_x_there_deletes_only_the_unusable(tiny_ckpt_ro, tmp_path):
+    """`c`: every entry under the root with its state against this launch (current, another
+    layout naming the component, stale naming the change, quarantined); `x` there lists and
+    deletes only what can never be used again."""
+    from runtime.launch.plan import program_keys
+    from runtime.programs.spec import CONFIG_COMPONENTS
+
+    cache = KernelCache(tmp_path / "programs")
+    spec = console_spec(tiny_ckpt_ro, cache.root, device="cpu", backend="export", max_seq=64, port=0)
+    keys = program_keys(spec)
+    other = program_keys(spec.with_(max_seq=128))  # another launch's layout: never purged
+    current, layout, stale, broken = list(keys)[:4]
+    def publish(program, key, data):  # as a compile publishes: naming its configuration components
+        return cache.publish(program, key, {"program.pt2": data}, config_components=CONFIG_COMPONENTS)
+
+    publish(current, keys[current], b"h" * 4096)
+    publish(layout, other[layout], b"o" * 4096)
+    publish(stale, Key.of([(n, "2.99.0" if n == "torch" else v) for n, v in keys[stale].components]), b"s" * 4096)
+    hit = publish(broken, keys[broken], b"b" * 4096)
+    cache.reject(hit, "injected: does not load")  # quarantined
+    app = Dsv4Console(spec, watch=False, interval=0.5, create_default=False)
+    async with app.run_test(size=(200, 50)) as pilot:
+        await until(pilot, lambda: app.snapshot is not None and app.snapshot.cache.entries, "first snapshot")
+        await pilot.press("c")
+        table = app.query_one("#cache-table")
+        assert table.display and app.focused is table
+        rows = {(r["program"], r["state"]): r for r in table.rows_shown}
+        assert set(rows) == {(current, "current"), (layout, "other-layout"), (stale, "stale"),
+                             (broken, "quarantined")}
+        assert "max_seq" in rows[(layout, "other-layout")]["reason"]
+        assert "torch" in rows[(stale, "stale")]["reason"]
+        await pilot.press("x")
+        await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), "confirm")
+        assert "2 program entries and 0 sidecars" in app.screen.body and "torch 2.99.0" in app.screen.body
+        await pilot.press("y")
+        await until(pilot, lambda: sorted(e.program for e in cache.inventory()) == sorted([current, layout]), "purge")
+        await pilot.press("c")
+        assert app.query_one("#programs-table").display
 
 
 async def test_launch_streams_every_phase_survives_the_console_and_a_new_console_stops_it(tiny_ckpt_ro, tmp_path):
@@ -133,7 +172,7 @@ async def test_launch_streams_every_phase_survives_the_console_and_a_new_console
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-    from runtime.registration import read_history
+    from store.history import read_history
 
     assert read_history()[-1]["outcome"] == "ok"
 
@@ -194,7 +233,7 @@ async def test_a_failing_worker_is_reported_and_the_console_keeps_working(tiny_c
 async def test_first_run_creates_the_embedded_default_with_progress(tmp_path, monkeypatch):
     monkeypatch.setenv("DSV4_DEFAULT_PRESET", "tiny")
     target = default_model_dir()
-    app = Dsv4Console(Settings.make(kernel_cache=tmp_path / "programs", backend="eager"), watch=False, interval=0.5)
+    app = Dsv4Console(console_spec(kernel_cache=tmp_path / "programs", backend="eager"), watch=False, interval=0.5)
     async with app.run_test() as pilot:
         await until(pilot, lambda: "create" in app.jobs, "create started")
         assert "creating the default" in str(app.query_one("#sidecars-job").render())

@@ -4,14 +4,17 @@ a line per rank with the slowest named, a rank's failure shown; single-process l
 from __future__ import annotations
 
 import pytest
-from console_fakes import fake_app
+from console_fakes import SPEC, device_snapshot, fake_app
 from textual.widgets import Static
 
-from console.collect_host import DeviceSnapshot, collect_device
-from console.launch_state import DONE, FAILED, PENDING, RUNNING, LaunchState
-from console.pane_device import DevicePane
-from console.pane_registration import rank_lines
+from console.tui.data.host import DeviceSnapshot, collect_device
+from console.tui.data.launch_state import DONE, FAILED, PENDING, RUNNING, LaunchState
+from console.tui.panes.device import DevicePane, slots_text
+from console.tui.panes.registration import rank_lines
 from runtime.events import PHASES, Event, parse
+from runtime.launch.budget import Memory
+from runtime.launch.spec import MAX_SLOTS
+from store.units import format_size
 
 REGISTER = PHASES[:-1]  # every rank runs these; only rank 0 serves
 
@@ -166,32 +169,47 @@ async def _device_text(snap: DeviceSnapshot) -> list[str]:
 
 @pytest.mark.asyncio
 async def test_on_cpu_ranks_share_the_kv_budget():
-    one = collect_device("cpu", 0.95, slot_bytes=1 << 20)
-    two = collect_device("cpu", 0.95, slot_bytes=1 << 20, ranks=2)
-    (d1,), (d2,) = one.devices, two.devices
-    assert abs(d2["rank_budget"] - d1["budget"] // 2) < 64 << 20  # host memory moves between the two reads
-    assert d2["ranks"] == 2 and d2["slots"] == d2["rank_budget"] // (1 << 20)
+    spec = SPEC.with_(memory_utilization=0.95, max_slots=MAX_SLOTS)
+    one = collect_device(spec, "cpu", slot_bytes=1 << 20)
+    two = collect_device(spec.with_(ranks=2), "cpu", slot_bytes=1 << 20)
+    (b1,), (b2, b2_other) = one.budgets, two.budgets
+    assert abs(b2["budget"] - b1["budget"] // 2) < 64 << 20  # host memory moves between the two reads
+    assert b2["share"] == 2 and b2["fits"] == b2["budget"] // (1 << 20) and b2_other["rank"] == 1
     first = (await _device_text(two))[0]
-    assert " per rank × 2 ranks " in first and f"({d2['slots']} KV slots each)" in first
-    single = (await _device_text(one))[0]
-    assert single.startswith("KV budget") and "KV slots of 1.0 MiB" in single and "rank" not in single
+    assert " × 2 ranks · " in first and slots_text(b2, "each ") in first
+    assert "each fits" in first if b2["fits"] > b2["slots"] else f"each {b2['slots']} slots" in first
+    single = await _device_text(one)
+    assert single[0].startswith("KV budget") and " slots" in single[0] and "rank" not in single[0]
+    assert single[1].endswith("one KV slot 1.0 MiB")
+
+
+@pytest.mark.asyncio
+async def test_the_device_pane_says_what_fits_and_what_the_launch_takes():
+    snap = device_snapshot()  # 16 GiB, 8 GiB used: the budget holds thousands of slots, --max-slots caps
+    line = (await _device_text(snap))[0]
+    assert line == (f"KV budget {format_size(snap.budgets[0]['budget'])} · fits {snap.fits} slots "
+                    f"· launch takes {SPEC.max_slots} (--max-slots)")
+    assert snap.slots == SPEC.max_slots < snap.fits
 
 
 @pytest.mark.asyncio
 async def test_on_accelerators_each_rank_has_a_device_and_too_many_ranks_warn():
     gib = 1 << 30
-    rows = tuple({"name": f"cuda:{i} H100", "total": 80 * gib, "used": gib, "free": 79 * gib,
-                  "budget": 70 * gib, "rank_budget": 70 * gib, "slots": 70, "warning": "", "ranks": 1}
-                 for i in range(2))
-    snap = DeviceSnapshot("cuda", "nvml", 0.9, rows, gib, ranks=4, warning="4 ranks need one cuda device each, 2 found")
+    gpus = [Memory(80 * gib, 79 * gib, gib, f"cuda:{i} H100") for i in range(2)]
+    snap = device_snapshot(spec=SPEC.with_(ranks=4, memory_utilization=0.9, max_slots=100), kind="cuda",
+                           devices=gpus, slot_bytes=gib)
     text = await _device_text(snap)
     assert text[0] == "⚠ 4 ranks need one cuda device each, 2 found"
-    assert text[1] == "rank 0 on cuda:0  KV budget 70.0 GiB (70 KV slots of 1.0 GiB)"
+    assert text[1] == "rank 0 on cuda:0  KV budget 71.0 GiB · 71 slots"
     assert text[2].startswith("rank 1 on cuda:1  KV budget")
 
 
 def test_a_device_without_a_rank_sizes_no_kv_and_only_cpu_splits_the_budget():
-    cpu = collect_device("cpu", 0.95, slot_bytes=1 << 20, ranks=3)
-    assert cpu.warning == "" and cpu.devices[0]["ranks"] == 3
-    starving = collect_device("cpu", 0.01, slot_bytes=1 << 20, ranks=2)
-    assert "the launch would fail at kv" in starving.devices[0]["warning"]
+    cpu = collect_device(SPEC.with_(ranks=3, memory_utilization=0.95), "cpu", slot_bytes=1 << 20)
+    assert cpu.warning == "" and [b["share"] for b in cpu.budgets] == [3, 3, 3]
+    gib = 1 << 30
+    gpus = [Memory(80 * gib, 79 * gib, gib, f"cuda:{i} H100") for i in range(4)]
+    two = device_snapshot(spec=SPEC.with_(ranks=2), kind="cuda", devices=gpus, slot_bytes=gib)
+    assert [b["device"] for b in two.budgets] == ["cuda:0 H100", "cuda:1 H100"]  # cuda:2 and :3 have no rank
+    starving = collect_device(SPEC.with_(ranks=2, memory_utilization=0.01), "cpu", slot_bytes=1 << 20)
+    assert "residual usage leaves no KV budget" in starving.budgets[0]["problem"] and starving.slots == 0

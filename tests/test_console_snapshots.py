@@ -3,18 +3,14 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-from console_fakes import FakeCollectors, snapshot
+from console_fakes import SPEC, FakeCollectors, snapshot
 
-from console.app import Dsv4Console
-from console.collectors import Settings
+from console.tui.app import Dsv4Console
 
 
 def _app(**kw) -> Dsv4Console:
-    settings = Settings(Path("/models/tiny"), Path("/cache"), device="cpu", backend="eager", max_seq=64)
-    return Dsv4Console(settings, collectors=FakeCollectors(kw.pop("snap", None)), watch=False,
+    return Dsv4Console(SPEC, collectors=FakeCollectors(kw.pop("snap", None)), watch=False,
                        create_default=False, interval=0, **kw)
 
 
@@ -38,6 +34,10 @@ def test_help_screen(snap_compare):
 
 def test_detail_of_a_program_entry(snap_compare):
     assert snap_compare(_app(), press=["enter"], terminal_size=(100, 30))
+
+
+def test_kernel_cache_contents_one_key_away(snap_compare):
+    assert snap_compare(_app(), press=["c"], terminal_size=(200, 50))
 
 
 def test_filter_names_n_of_m_in_every_pane(snap_compare):

@@ -11,14 +11,14 @@ import pytest
 from console_fakes import NOW, FakeCollectors, fake_app
 from textual.widgets import RichLog, Static
 
-from console import fmt
-from console.app import MUTATING
-from console.eta import Progress
-from console.output import print_table
-from console.screen_detail import DetailScreen, describe
-from console.screen_history import HistoryScreen
-from console.tables import PaneTable
-from console.workers import LineFilter
+from console.cli.output import print_table
+from console.tui import fmt
+from console.tui.app import MUTATING
+from console.tui.data.eta import Progress
+from console.tui.screens.detail import DetailScreen, describe
+from console.tui.screens.history import HistoryScreen
+from console.tui.tables import PaneTable
+from console.tui.workers import LineFilter
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -170,8 +170,8 @@ def test_version_environment_and_completion():
                               check=True, timeout=60).stdout
 
     assert run("console.cli", "--version").startswith("dsv4 ")
-    assert run("console.app", "--version").startswith("dsv4-console ")
-    for module in ("console.cli", "console.app"):
+    assert run("console.tui.app", "--version").startswith("dsv4-console ")
+    for module in ("console.cli", "console.tui.app"):
         assert "DSV4_KERNEL_CACHE_DIR" in run(module, "--help") and "DSV4_STATE_DIR" in run(module, "--help")
     script = run("console.cli", "completion", "bash")
     assert "sidecar" in script and "serve" in script and "complete" in script
@@ -190,7 +190,7 @@ async def test_z_maximises_the_focused_pane_and_restores_it():
 
 
 def test_the_detail_of_a_sidecar_lists_the_source_key_it_was_packed_from(tiny_ckpt):
-    from runtime.prepack import prepack
+    from runtime.weights.prepack import prepack
     from store import sidecar
 
     prepack(tiny_ckpt, ranks=1)

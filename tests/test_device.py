@@ -4,7 +4,7 @@ stand-in accelerator module (no GPU/NPU here; the same code runs against torch.c
 import pytest
 import torch
 
-from runtime.device import Device, DeviceError, OutOfMemory, _Accelerator, get_device
+from runtime.launch.device import Device, DeviceError, OutOfMemory, _Accelerator, get_device
 
 
 def test_cpu_memory_and_cap():

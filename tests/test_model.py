@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from runtime.config import load_config
-from runtime.engine import Engine
-from runtime.model_programs import build_programs
-from runtime.pack import PackPlan, pack_in_memory
-from runtime.weights import packed_views, reference_views
+from runtime.model.config import load_config
+from runtime.programs.catalog import build_programs
+from runtime.serve.engine import Engine
+from runtime.weights.pack import PackedLayout, pack_in_memory
+from runtime.weights.views import packed_views, reference_views
 from store.checkpoint import Checkpoint
 
 TOKENS = torch.tensor([3, 17, 250, 9, 41, 42, 43, 100, 7, 7, 7, 300, 12, 13, 14, 15, 16, 90, 91, 92,
@@ -18,7 +18,7 @@ TOKENS = torch.tensor([3, 17, 250, 9, 41, 42, 43, 100, 7, 7, 7, 300, 12, 13, 14,
 def model(tiny_ckpt_ro):
     ck = Checkpoint.open(tiny_ckpt_ro)
     config = load_config(tiny_ckpt_ro)
-    plan = PackPlan(config, ranks=1)
+    plan = PackedLayout(config, ranks=1)
     programs = build_programs(config, plan, max_seq=64)
     return ck, plan, programs, packed_views(plan, pack_in_memory(ck, plan))
 
@@ -53,7 +53,7 @@ def test_chunked_weights_compute_the_same_model(model, monkeypatch):
     """A large weight is dequantised and multiplied a chunk of output columns at a time: tiny's
     are small, so force chunks of 2 K floats (every projection and the head split, FP8 ones
     along their scale blocks) and compare a prefill and a decode step with whole weights."""
-    from runtime import model as m
+    from runtime.model import ops as m
 
     _, _, programs, packed = model
     want_engine = Engine(programs, packed)

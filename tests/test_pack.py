@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from runtime.config import load_config
-from runtime.model import weight
-from runtime.pack import RULES, PackPlan, dequantize, pack_in_memory, rule_for
-from runtime.tensors import all_params
+from runtime.model.config import load_config
+from runtime.model.forward import weight
+from runtime.model.tensors import all_params
+from runtime.weights.pack import RULES, PackedLayout, dequantize, pack_in_memory, rule_for
 from store.checkpoint import Checkpoint
 
 
@@ -14,7 +14,7 @@ from store.checkpoint import Checkpoint
 def packed(tiny_ckpt_ro):
     ck = Checkpoint.open(tiny_ckpt_ro)
     config = load_config(tiny_ckpt_ro)
-    plan = PackPlan(config, ranks=2)
+    plan = PackedLayout(config, ranks=2)
     return ck, config, plan, pack_in_memory(ck, plan)
 
 
@@ -81,7 +81,7 @@ def test_plain_families(packed):
 
 def test_packing_is_deterministic(packed, tiny_ckpt_ro):
     _ck, config, _plan, tensors = packed
-    again = pack_in_memory(Checkpoint.open(tiny_ckpt_ro), PackPlan(config, ranks=2))
+    again = pack_in_memory(Checkpoint.open(tiny_ckpt_ro), PackedLayout(config, ranks=2))
     for n in tensors:
         assert torch.equal(tensors[n].view(torch.uint8), again[n].view(torch.uint8)), n
 
@@ -89,13 +89,13 @@ def test_packing_is_deterministic(packed, tiny_ckpt_ro):
 def test_weights_not_in_whole_blocks_are_refused_at_plan_time():
     """One scale per block needs whole blocks; a config that breaks that is one clear error
     from the (torch-free) plan, before anything is read or written."""
-    from runtime.config import ConfigError, from_dict
-    from runtime.synth import preset_config_dict
+    from runtime.model.config import ConfigError, from_dict
+    from runtime.synth.checkpoint import preset_config_dict
 
     raw = preset_config_dict("tiny")
     raw["quantization_config"]["weight_block_size"] = [48, 48]
     with pytest.raises(ConfigError, match="not whole blocks of 48x48"):
-        PackPlan(from_dict(raw))
+        PackedLayout(from_dict(raw))
 
 
 def test_unknown_family_has_no_rule():
@@ -104,7 +104,7 @@ def test_unknown_family_has_no_rule():
 
 
 def test_ranks_must_divide_experts(tiny_ckpt_ro):
-    from runtime.config import ConfigError
+    from runtime.model.config import ConfigError
 
     with pytest.raises(ConfigError):
-        PackPlan(load_config(tiny_ckpt_ro), ranks=3)
+        PackedLayout(load_config(tiny_ckpt_ro), ranks=3)

@@ -32,13 +32,13 @@ from safetensors.torch import save_file
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RMSNorm
 
-from runtime import model as M
-from runtime.config import CSA, HCA, SLIDING, DeepSeekV4Config, load_config
-from runtime.engine import Engine
-from runtime.model_programs import build_programs
-from runtime.pack import PackPlan, dequantize
-from runtime.tensors import I64, all_params
-from runtime.weights import reference_views
+from runtime.model import forward as M
+from runtime.model.config import CSA, HCA, SLIDING, DeepSeekV4Config, load_config
+from runtime.model.tensors import I64, all_params
+from runtime.programs.catalog import build_programs
+from runtime.serve.engine import Engine
+from runtime.weights.pack import PackedLayout, dequantize
+from runtime.weights.views import reference_views
 from store.checkpoint import Checkpoint
 
 MAX_SEQ = 128
@@ -103,7 +103,7 @@ def _load_peer(out: Path, config: DeepseekV4Config, tensors: dict[str, torch.Ten
 def setup(tiny_ckpt_ro, tmp_path_factory):
     ck = Checkpoint.open(tiny_ckpt_ro)
     c = load_config(tiny_ckpt_ro)
-    plan = PackPlan(c, ranks=1)
+    plan = PackedLayout(c, ranks=1)
     programs = build_programs(c, plan, max_seq=MAX_SEQ)
     weights = _float_weights(ck, c)
     base = tmp_path_factory.mktemp("peer")

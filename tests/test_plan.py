@@ -16,9 +16,11 @@ import pytest
 from conftest import MAX_SEQ, launch
 
 from console.cli import main as cli
-from runtime import pack_plan
-from runtime.plan import CORRUPT, HIT, MISS, STALE, Settings, make_plan
-from runtime.prepack import prepack
+from runtime.launch.plan import make_plan
+from runtime.launch.spec import LaunchSpec
+from runtime.programs.outcome import Outcome
+from runtime.weights import layout
+from runtime.weights.prepack import prepack
 from store import sidecar
 from store.fingerprint import Key
 from store.kernel_cache import KernelCache
@@ -27,8 +29,8 @@ pytestmark = pytest.mark.slow
 
 
 def _plan(model_dir: Path, cache_dir: Path, **kw):
-    return make_plan(model_dir, Settings(backend="export", device="cpu", max_seq=kw.pop("max_seq", MAX_SEQ),
-                                         kernel_cache_dir=cache_dir, **kw), history=[])
+    return make_plan(LaunchSpec(model_dir, backend="export", device="cpu", max_seq=kw.pop("max_seq", MAX_SEQ),
+                                kernel_cache_dir=cache_dir, **kw), history=[])
 
 
 def _launch_paths(model_dir: Path, cache_dir: Path, **kw) -> tuple[dict, str, str]:
@@ -61,9 +63,9 @@ def test_prediction_equals_outcome_under_every_perturbation(tiny_ckpt, tmp_path,
     model = tiny_ckpt
 
     plan = _assert_predicted(model, cache_dir)  # fresh
-    assert set(plan.states().values()) == {MISS} and plan.sidecar["reason"] == "missing"
+    assert set(plan.states().values()) == {Outcome.MISS} and plan.sidecar["reason"] == "missing"
     plan = _assert_predicted(model, cache_dir)  # warm programs
-    assert set(plan.states().values()) == {HIT}
+    assert set(plan.states().values()) == {Outcome.HIT}
 
     prepack(model)
     plan = _assert_predicted(model, cache_dir, cold_policy="read")  # warm + hot sidecar
@@ -82,11 +84,11 @@ def test_prediction_equals_outcome_under_every_perturbation(tiny_ckpt, tmp_path,
     config = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**config, "operator_note": "edited"}))
     plan = _assert_predicted(model, cache_dir)
-    assert plan.sidecar["reason"] == "stale" and set(plan.states().values()) == {HIT}
+    assert plan.sidecar["reason"] == "stale" and set(plan.states().values()) == {Outcome.HIT}
     prepack(model, force=True)
 
     with monkeypatch.context() as m:
-        m.setattr(pack_plan, "PACKER_VERSION", pack_plan.PACKER_VERSION + ".1")
+        m.setattr(layout, "PACKER_VERSION", layout.PACKER_VERSION + ".1")
         assert "packer_version" in _assert_predicted(model, cache_dir).sidecar["detail"]
 
     for policy in ("reject", "read", "auto"):  # evicted sidecar, under each cold policy
@@ -96,10 +98,10 @@ def test_prediction_equals_outcome_under_every_perturbation(tiny_ckpt, tmp_path,
     with monkeypatch.context() as m:  # an Inductor flag changes the toolchain: every entry STALE
         m.setenv("TORCHINDUCTOR_MAX_AUTOTUNE", "1")
         plan = _assert_predicted(model, cache_dir, cold_policy="read")
-        assert set(plan.states().values()) == {STALE}
+        assert set(plan.states().values()) == {Outcome.STALE}
 
     plan = _assert_predicted(model, cache_dir, max_seq=2 * MAX_SEQ, cold_policy="read")  # max_seq changed
-    assert set(plan.states().values()) == {MISS}
+    assert set(plan.states().values()) == {Outcome.MISS}
 
     path = sidecar.default_sidecar_path(model, 1)
     with open(path, "r+b") as f:  # header bytes corrupted
@@ -112,7 +114,7 @@ def test_prediction_equals_outcome_under_every_perturbation(tiny_ckpt, tmp_path,
     artifact = Path(victim.entry) / "program.pt2"
     artifact.write_bytes(artifact.read_bytes()[:-1] + b"!")  # one entry's artifact corrupted
     plan = _assert_predicted(model, cache_dir)
-    assert plan.states()[victim.program] == CORRUPT
+    assert plan.states()[victim.program] == Outcome.CORRUPT
 
     other = _plan(model, cache_dir).programs[1]  # one entry built by another toolchain
     entry = Path(other.entry)
@@ -122,7 +124,7 @@ def test_prediction_equals_outcome_under_every_perturbation(tiny_ckpt, tmp_path,
     cache.publish(other.program, foreign, {"program.pt2": (entry / "program.pt2").read_bytes()})
     cache.remove([e for e in cache.inventory() if e.fingerprint == other.fingerprint])
     plan = _assert_predicted(model, cache_dir)
-    assert plan.states()[other.program] == STALE
+    assert plan.states()[other.program] == Outcome.STALE
     assert "torch" in next(p.reason for p in plan.programs if p.program == other.program)
 
 
@@ -145,13 +147,13 @@ def test_plan_json_is_torch_free_and_says_what_is_wrong_in_one_line(tiny_ckpt, t
 
     (tiny_ckpt / "config.json").write_text("{not json")
     assert cli(["plan", str(tiny_ckpt), "--json", "--kernel-cache-dir", str(tmp_path / "kc")]) == 1
-    broken = make_plan(tiny_ckpt, Settings(kernel_cache_dir=tmp_path / "kc"), history=[])
+    broken = make_plan(LaunchSpec(tiny_ckpt, kernel_cache_dir=tmp_path / "kc"), history=[])
     assert broken.programs == [] and len(broken.problems) == 1 and "config.json" in broken.problems[0]
     assert broken.sidecar["verdict"] == "REPACK"
 
 
 def test_an_entry_the_plan_calls_corrupt_is_purged_even_though_its_listing_looks_current(tiny_ckpt_ro, tmp_path):
-    from runtime import purge
+    from runtime.launch import purge
 
     cache = KernelCache(tmp_path / "kc")
     plan = _plan(tiny_ckpt_ro, tmp_path / "kc")
@@ -160,8 +162,8 @@ def test_an_entry_the_plan_calls_corrupt_is_purged_even_though_its_listing_looks
     entry = next(e.path for e in cache.inventory() if e.program == name)
     (entry / "program.pt2").write_bytes(b"an artifacT")  # same size: only the sha256 tells
     plan = _plan(tiny_ckpt_ro, tmp_path / "kc")
-    assert plan.states()[name] == CORRUPT
+    assert plan.states()[name] == Outcome.CORRUPT
     targets = purge.targets(plan)
     assert [(t.kind, t.program) for t in targets] == [("program", name)] and "sha256" in targets[0].reason
     assert purge.purge(plan, targets) == targets
-    assert not entry.exists() and _plan(tiny_ckpt_ro, tmp_path / "kc").states()[name] == MISS
+    assert not entry.exists() and _plan(tiny_ckpt_ro, tmp_path / "kc").states()[name] == Outcome.MISS

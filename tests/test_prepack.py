@@ -22,9 +22,9 @@ import torch
 from safetensors.torch import load_file
 
 from console.cli import main as cli
-from runtime import pack
-from runtime import pack_plan as pack_plan_module
-from runtime.prepack import judge, open_prepacked, pack_plan, prepack, sidecar_key
+from runtime.weights import layout as layout_module
+from runtime.weights import pack
+from runtime.weights.prepack import judge, open_prepacked, packed_layout, prepack, sidecar_key
 from store import atomic, pagecache, sidecar
 from store.checkpoint import Checkpoint
 from store.sidecar import MAP, REPACK
@@ -47,7 +47,7 @@ def packed(tiny_ckpt_ro, tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor
     out = tmp_path_factory.mktemp("prepacked") / "tiny.r1.safetensors"
     prepack(tiny_ckpt_ro, out=out)
     with Checkpoint.open(tiny_ckpt_ro) as ckpt:
-        reference = pack.pack_in_memory(ckpt, pack_plan(tiny_ckpt_ro, 1))
+        reference = pack.pack_in_memory(ckpt, packed_layout(tiny_ckpt_ro, 1))
     return out, reference
 
 
@@ -112,23 +112,23 @@ def test_other_ranks_are_stale_naming_ranks(packed, tiny_ckpt_ro):
 
 def test_a_new_packer_version_is_stale_naming_it(packed, tiny_ckpt_ro, monkeypatch):
     path, _ = packed
-    old, new = pack_plan_module.PACKER_VERSION, str(int(pack_plan_module.PACKER_VERSION) + 1)
-    monkeypatch.setattr(pack_plan_module, "PACKER_VERSION", new)
+    old, new = layout_module.PACKER_VERSION, str(int(layout_module.PACKER_VERSION) + 1)
+    monkeypatch.setattr(layout_module, "PACKER_VERSION", new)
     verdict = judge(tiny_ckpt_ro, 1, path)
     assert (verdict.action, verdict.reason) == (REPACK, "stale")
     assert verdict.changes == (f"packer_version {old} → {new}",)
 
 
 def test_a_missing_tensor_is_repack_names(tiny_ckpt, tmp_path):
-    plan = pack_plan(tiny_ckpt, 1)
+    layout = packed_layout(tiny_ckpt, 1)
     dropped = "layers.attn.wq_a.qscale"
-    assert dropped in plan.tensors
-    tensor_plan = [sidecar.TensorPlan(t.name, t.dtype, t.shape)
-                   for t in plan.tensors.values() if t.name != dropped]  # fmt: skip
+    assert dropped in layout.tensors
+    shapes = [sidecar.TensorShape(t.name, t.dtype, t.shape)
+                   for t in layout.tensors.values() if t.name != dropped]  # fmt: skip
     key = sidecar_key(tiny_ckpt, 1)
     with Checkpoint.open(tiny_ckpt) as ckpt:
-        parts = (p for p in pack.stream(ckpt, plan) if p[0] != dropped)
-        path = sidecar.write_sidecar(tmp_path / "short.safetensors", tensor_plan, parts,
+        parts = (p for p in pack.stream(ckpt, layout) if p[0] != dropped)
+        path = sidecar.write_sidecar(tmp_path / "short.safetensors", shapes, parts,
                                      metadata=sidecar.sidecar_metadata(key, tiny_ckpt)).path  # fmt: skip
     verdict = judge(tiny_ckpt, 1, path)
     assert (verdict.action, verdict.reason) == (REPACK, "names")
@@ -142,19 +142,19 @@ def test_a_missing_tensor_is_repack_names(tiny_ckpt, tmp_path):
 KILLABLE = textwrap.dedent(
     """
     import sys, time
-    from runtime import pack
+    from runtime.weights import pack
     from console.cli import main
 
     K, real_stream = int(sys.argv[1]), pack.stream
 
-    def stream(ckpt, plan, progress=None):
+    def stream(ckpt, layout, progress=None):
         marked = False
         def on_layer(done, total, group):
             nonlocal marked
             if done == K:
                 print("MARK", flush=True)
                 marked = True
-        for item in real_stream(ckpt, plan, on_layer):
+        for item in real_stream(ckpt, layout, on_layer):
             if marked:
                 time.sleep(0.02)
             yield item
@@ -167,7 +167,7 @@ KILLABLE = textwrap.dedent(
 
 def test_sigkill_mid_write_leaves_no_sidecar_and_the_next_prepack_sweeps_and_succeeds(tiny_ckpt):
     final = sidecar.default_sidecar_path(tiny_ckpt, 1)
-    layers = len(pack_plan(tiny_ckpt, 1).groups)
+    layers = len(packed_layout(tiny_ckpt, 1).groups)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     rng = random.Random(4)
     for _trial in range(3):
@@ -236,8 +236,8 @@ def test_status_of_a_checkpoint_judges_as_loading_would(tiny_ckpt, capsys, monke
     assert data["verdict"] == MAP or data["reason"] == "cold"
     assert data["judged_against"].startswith("this packer's")
 
-    old = pack_plan_module.PACKER_VERSION
-    monkeypatch.setattr(pack_plan_module, "PACKER_VERSION", "999")
+    old = layout_module.PACKER_VERSION
+    monkeypatch.setattr(layout_module, "PACKER_VERSION", "999")
     assert cli(["sidecar", "status", str(tiny_ckpt), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert (data["verdict"], data["reason"]) == (REPACK, "stale")

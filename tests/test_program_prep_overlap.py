@@ -38,7 +38,7 @@ def waits_for(gate: str, seconds: float):
 def _spec(name: str, fn: str = "tests.sample_programs:scaled_mlp", **captures):
     import sample_programs as sp
 
-    from runtime.program_spec import ProgramSpec
+    from runtime.programs.spec import ProgramSpec
 
     return ProgramSpec(name, fn, sp.spec().inputs, sp.spec().dims, captures=captures or None)
 
@@ -49,14 +49,20 @@ def _gated(gate):
 
 def _prepare(tmp_path, specs, events: list, jobs: int = 2, on_event=lambda e: None):
     from runtime.events import Emitter
-    from runtime.program_prep import prepare_programs
+    from runtime.launch.plan import Plan, judge_programs
+    from runtime.launch.spec import LaunchSpec
+    from runtime.programs.phase import prepare_programs
 
     def sink(event):
         events.append(event)
         on_event(event)
 
-    options = SimpleNamespace(backend="export", jobs=jobs, ready="compiled", kernel_cache_dir=tmp_path / "kc")
-    return prepare_programs(SimpleNamespace(specs={s.name: s for s in specs}), options, "cpu", Emitter(sink))
+    plan = Plan(LaunchSpec(tmp_path, backend="export", device="cpu", jobs=jobs, kernel_cache_dir=tmp_path / "kc"),
+                device="cpu", backend="export")
+    plan.catalog = SimpleNamespace(specs={s.name: s for s in specs})  # sample programs, not the model's
+    plan.programs = judge_programs(plan, keep_verified=True)
+    prepared = prepare_programs(plan, Emitter(sink))
+    return prepared.runners, prepared.results
 
 
 def _loaded(event, program: str) -> bool:
@@ -98,10 +104,10 @@ def test_a_published_program_loads_while_another_still_compiles(tmp_path):
 def test_ready_early_stages_each_program_as_it_publishes(tmp_path):
     import sample_programs as sp
 
-    from runtime.compile_pool import CompilePool
     from runtime.events import Emitter
-    from runtime.program_prep import _compile_in_background
-    from runtime.tiers import COMPILED, EAGER, TieredRunners
+    from runtime.programs.phase import _compile_in_background
+    from runtime.programs.pool import CompilePool
+    from runtime.programs.tiers import COMPILED, EAGER, TieredRunners
     from store.kernel_cache import KernelCache
 
     gate = tmp_path / "gate"
@@ -127,7 +133,7 @@ def test_ready_early_stages_each_program_as_it_publishes(tmp_path):
 
 
 def test_a_failed_compile_raises_naming_it_and_stops_the_loader(tmp_path):
-    from runtime.program_prep import CompileFailed
+    from runtime.programs.phase import CompileFailed
 
     dying = _spec("dying", "tests.sample_programs:dies", hidden=8)
     with pytest.raises(CompileFailed) as failed:
@@ -142,8 +148,8 @@ def test_without_worker_processes_programs_compile_serially_and_still_load(tmp_p
     import sample_programs as sp
     import torch
 
-    from runtime.compile_pool import CompilePool
-    from runtime.programs import prepare
+    from runtime.programs.build import prepare
+    from runtime.programs.pool import CompilePool
     from store.kernel_cache import KernelCache
 
     monkeypatch.syspath_prepend(str(Path(__file__).parents[1]))  # compiles in this process import tests.*

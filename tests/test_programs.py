@@ -14,10 +14,11 @@ import sample_programs as sp
 import torch
 
 from console.cli import main as cli
-from runtime import program_spec, programs
-from runtime.program_spec import CaptureError, ProgramSpec, build_function, program_key
-from runtime.programs import ARTIFACT, prepare
-from runtime.source_hash import source_components
+from runtime.programs import build as programs
+from runtime.programs import spec as program_spec
+from runtime.programs.build import ARTIFACT, prepare
+from runtime.programs.source_hash import source_components
+from runtime.programs.spec import CaptureError, ProgramSpec, build_function, program_key
 from store.fingerprint import UNKNOWN, fingerprint
 from store.kernel_cache import QUARANTINE, KernelCache
 
@@ -123,12 +124,12 @@ def test_eager_backend_bypasses_the_cache(cache):
 
 
 def test_why_judges_a_model_program_by_its_live_key(cache, tiny_ckpt_ro, monkeypatch, capsys):
-    from runtime.config import load_config
-    from runtime.model_programs import build_programs
-    from runtime.pack_plan import PackPlan
+    from runtime.model.config import load_config
+    from runtime.programs.catalog import build_programs
+    from runtime.weights.layout import PackedLayout
 
     config = load_config(tiny_ckpt_ro)
-    spec = build_programs(config, PackPlan(config, 1), 64).specs["embed.decode"]
+    spec = build_programs(config, PackedLayout(config, 1), 64).specs["embed.decode"]
     prepare(spec, cache=cache, backend="export")
     args = ["cache", "why", "embed.decode", "--cache-dir", str(cache.root), "--model", str(tiny_ckpt_ro),
             "--max-seq", "64"]
@@ -141,7 +142,7 @@ def test_why_judges_a_model_program_by_its_live_key(cache, tiny_ckpt_ro, monkeyp
 CHILD = """
 import sys, torch
 import sample_programs as sp
-from runtime.programs import prepare
+from runtime.programs.build import prepare
 from store.kernel_cache import KernelCache
 prepared = prepare(sp.spec(), cache=KernelCache(sys.argv[1]), backend="export")
 print(prepared.outcome, flush=True)
@@ -246,8 +247,9 @@ def test_a_module_constant_the_program_reads_is_in_its_key(tmp_path):
 def test_model_program_keys_need_no_torch(tiny_ckpt_ro):
     code = (
         "import sys\n"
-        "from runtime.plan import Settings, program_keys\n"
-        f"keys = program_keys({str(tiny_ckpt_ro)!r}, Settings(max_seq=64, backend='export'))\n"
+        "from runtime.launch.plan import program_keys\n"
+        "from runtime.launch.spec import LaunchSpec\n"
+        f"keys = program_keys(LaunchSpec({str(tiny_ckpt_ro)!r}, max_seq=64, backend='export'))\n"
         "assert keys and 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)[:3]\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=TESTS.parent)

@@ -238,11 +238,10 @@ def test_two_torchrun_node_groups_form_one_service(tiny_ckpt_ro, tmp_path, one_r
 
 def test_more_ranks_than_devices_is_one_line(tiny_ckpt_ro, monkeypatch, capsys):
     """An accelerator host with two GPUs: a third rank has no device of its own."""
-    from console import cmd_serve
     from console.cli import main
 
-    monkeypatch.setattr("runtime.plan.resolve_device", lambda name: "cuda")
-    monkeypatch.setattr(cmd_serve, "accelerator_count", lambda device: 2)
+    monkeypatch.setattr("runtime.launch.hardware.resolve_device", lambda name: "cuda")
+    monkeypatch.setattr("runtime.launch.hardware.accelerator_count", lambda device: 2)
     assert main(["serve", str(tiny_ckpt_ro), "--port", "0", "--ranks", "4"]) != 0
     err = capsys.readouterr().err
     assert "--ranks 4 but this host has 2 cuda device(s)" in err and len(err.strip().splitlines()) == 1

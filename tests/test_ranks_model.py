@@ -8,11 +8,11 @@ import threading
 import pytest
 import torch
 
-from runtime.config import load_config
-from runtime.engine import Engine
-from runtime.model_programs import build_programs
-from runtime.pack import PackPlan, pack_in_memory, rank_slice
-from runtime.weights import packed_views
+from runtime.model.config import load_config
+from runtime.programs.catalog import build_programs
+from runtime.serve.engine import Engine
+from runtime.weights.pack import PackedLayout, pack_in_memory, rank_slice
+from runtime.weights.views import packed_views
 from store.checkpoint import Checkpoint
 
 PROMPT = [3, 17, 250, 9, 41, 8, 8, 1]
@@ -51,7 +51,7 @@ class ThreadRanks:
 
 def _logits(ckpt, ranks: int, steps: int = 4) -> list[torch.Tensor]:
     config = load_config(ckpt)
-    plan = PackPlan(config, ranks)
+    plan = PackedLayout(config, ranks)
     programs = build_programs(config, plan, max_seq=64)
     whole = pack_in_memory(Checkpoint.open(ckpt), plan)
     group = ThreadRanks(ranks)
@@ -90,7 +90,7 @@ def test_expert_parallel_ranks_sum_to_one_rank(tiny_ckpt_ro, ranks):
 
 def test_a_rank_holds_only_its_experts(tiny_ckpt_ro):
     config = load_config(tiny_ckpt_ro)
-    plan = PackPlan(config, 2)
+    plan = PackedLayout(config, 2)
     whole = pack_in_memory(Checkpoint.open(tiny_ckpt_ro), plan)
     own = pack_in_memory(Checkpoint.open(tiny_ckpt_ro), plan, rank=1)
     for name, t in whole.items():

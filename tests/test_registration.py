@@ -2,13 +2,15 @@
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import launch
 
 from runtime.events import PHASES, parse
-from runtime.registration import RegistrationError, read_history
+from runtime.launch.registration import RegistrationError
+from store.history import read_history
 
 
 def _ends(events):
@@ -20,6 +22,7 @@ def test_cold_launch_compiles_every_program_and_repacks(cold_export_launch):
     ends = _ends(events)
     counts = ends["programs"].detail["counts"]
     assert counts["MISS"] == len(launched.programs.specs) and counts["HIT"] == 0
+    assert set(counts) == {"HIT", "MISS", "STALE", "CORRUPT", "UNTRUSTED", "EAGER"}  # every outcome, as it happened
     assert ends["weights"].detail["path"] == "REPACK" and ends["weights"].detail["reason"] == "missing"
     assert ends["kv"].detail["slots"] >= 1
     assert len(launched.validation_tokens) == 8
@@ -63,9 +66,14 @@ def test_warm_launch_hits_programs_maps_sidecar_and_gives_identical_tokens(cold_
     assert ends["programs"].detail["counts"]["HIT"] == len(warm.programs.specs)
     assert ends["weights"].detail["path"] == "REPACK"
     assert warm.validation_tokens == cold.validation_tokens
+    # the plan verified every HIT; the launch loaded those very bytes: each artifact hashed once
+    programs = ends["programs"].detail
+    entries = [Path(p["entry"]) for p in ends["check"].detail["plan"]["programs"]]
+    artifacts = sum((entry / "program.pt2").stat().st_size for entry in entries)
+    assert programs["verified_bytes"] == programs["artifact_bytes"] == artifacts > 0
     warm.close()
     # prepack, then the weights are mapped from the sidecar
-    from runtime.prepack import prepack
+    from runtime.weights.prepack import prepack
     from store.pagecache import warm as warm_pages
 
     info = prepack(model_dir, ranks=1)
@@ -87,9 +95,7 @@ def test_history_record(tiny_ckpt_ro):
     launched, _ = launch(tiny_ckpt_ro, backend="eager", history=True)
     launched.close()
     # register() records failures itself; the serve command records successes when listening
-    from runtime.registration import append_history
-
-    append_history(launched.options, launched.phases, 0.0, "ok")
+    launched.record(0.0, "ok")
     record = read_history()[-1]
     assert record["outcome"] == "ok" and record["preset"] == "tiny" and record["backend"] == "eager"
     assert set(record["phases"]) >= {"check", "programs", "weights", "upload", "kv", "validate"}
@@ -109,7 +115,7 @@ def test_kv_too_small_is_one_clear_error(tiny_ckpt_ro):
 
 
 def test_kv_allocation_halves_on_failure(tiny_ckpt_ro, monkeypatch):
-    from runtime.device import Device, OutOfMemory
+    from runtime.launch.device import Device, OutOfMemory
 
     real = Device.allocate
     limit = {"bytes": None}
@@ -120,7 +126,7 @@ def test_kv_allocation_halves_on_failure(tiny_ckpt_ro, monkeypatch):
             raise OutOfMemory("injected: device fragmented")
         return t
 
-    from runtime.model_programs import kv_slot_bytes
+    from runtime.programs.catalog import kv_slot_bytes
 
     monkeypatch.setattr(Device, "allocate", flaky)
     launched, events = launch(tiny_ckpt_ro, backend="eager", max_slots=4, validate_tokens=2)

@@ -28,7 +28,7 @@ def test_serves_on_loopback_after_a_cache_hit_launch(server):
 
 def test_completion_from_token_ids_is_deterministic_and_matches_registration(server):
     url, _, cold = server
-    from runtime.registration import validation_prompt
+    from runtime.launch.registration import validation_prompt
 
     prompt = validation_prompt(cold.tokenizer)
     body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
@@ -40,7 +40,7 @@ def test_completion_from_token_ids_is_deterministic_and_matches_registration(ser
 
 
 def test_text_prompt_through_the_checkpoint_tokenizer(server, tiny_ckpt_ro):
-    from runtime.tokenizer import load_tokenizer
+    from runtime.model.tokenizer import load_tokenizer
 
     url, _, cold = server
     assert httpx.get(f"{url}/health").json()["tokenizer"] == "tokenizer.json"  # registration loads it
@@ -116,7 +116,7 @@ def test_metrics(server):
     httpx.post(f"{url}/v1/completions", json={"prompt": [1, 2], "max_tokens": 1}, timeout=60)
     text = httpx.get(f"{url}/metrics").text
     assert 'dsv4_registration_phase_seconds{phase="programs"}' in text
-    assert 'dsv4_program_cache_programs{outcome="HIT"}' in text
+    assert 'dsv4_kernel_cache_programs{outcome="HIT"}' in text
     assert 'dsv4_sidecar_verdict{path="REPACK",reason="missing"} 1.0' in text
     assert 'dsv4_requests_total{endpoint="/v1/completions",status="200"}' in text
     assert "dsv4_request_seconds_bucket" in text and 'dsv4_tokens_total{kind="completion"}' in text

@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import httpx
 from engine_fakes import CountingEngine
 
-from runtime.service import create_app
-from runtime.synth_tokenizer import train_tokenizer_json
-from runtime.tokenizer import load_tokenizer
+from runtime.model.tokenizer import load_tokenizer
+from runtime.serve.app import create_app
+from runtime.synth.tokenizer import train_tokenizer_json
 
 VOCAB, MAX_SEQ = 512, 64
 
@@ -20,7 +20,7 @@ def _launched(tmp_path: Path, slots: int = 2):
     (tmp_path / "tokenizer.json").write_text(train_tokenizer_json(VOCAB))
     tokenizer, _ = load_tokenizer(tmp_path, VOCAB)
     return SimpleNamespace(engine=CountingEngine(slots=slots, max_seq=MAX_SEQ), tokenizer=tokenizer,
-                           config=SimpleNamespace(vocab_size=VOCAB), options=SimpleNamespace(model_dir=tmp_path),
+                           config=SimpleNamespace(vocab_size=VOCAB), spec=SimpleNamespace(model=tmp_path),
                            programs=SimpleNamespace(dims=SimpleNamespace(max_seq=MAX_SEQ)), phases={})
 
 

@@ -1,5 +1,5 @@
 """Sidecar data is checkable (issue 11 item 4): per-chunk checksums written by the writer,
-checked by `dsv4 sidecar verify` and `warm`; a header that differs from the plan is REPACK."""
+checked by `dsv4 sidecar verify` and `warm`; a header that differs from the packed layout is REPACK."""
 
 from __future__ import annotations
 
@@ -37,9 +37,9 @@ def model_dir(tmp_path) -> Path:
     return d
 
 
-def plan(ts: dict[str, torch.Tensor]) -> list[sidecar.TensorPlan]:
+def plan(ts: dict[str, torch.Tensor]) -> list[sidecar.TensorShape]:
     names = {torch.float32: "F32", torch.int32: "I32", torch.bfloat16: "BF16"}
-    return [sidecar.TensorPlan(n, names[t.dtype], tuple(t.shape)) for n, t in ts.items()]
+    return [sidecar.TensorShape(n, names[t.dtype], tuple(t.shape)) for n, t in ts.items()]
 
 
 def write(model_dir: Path) -> Path:
@@ -120,14 +120,14 @@ def test_a_sidecar_without_checksums_says_so_in_one_line(model_dir, capsys):
 def test_a_header_whose_shapes_differ_from_the_plan_is_repack_naming_the_tensor(model_dir):
     path = write(model_dir)
     key = sidecar.source_key(model_dir, **SETTINGS)
-    want = [p if p.name != "small" else sidecar.TensorPlan("small", "I32", (5, 2)) for p in plan(tensors())]
-    verdict = sidecar.inspect(path, expected_key=key, expected_plan=want)
+    want = [p if p.name != "small" else sidecar.TensorShape("small", "I32", (5, 2)) for p in plan(tensors())]
+    verdict = sidecar.inspect(path, expected_key=key, expected_tensors=want)
     assert verdict.action == sidecar.REPACK and verdict.reason == "shapes"
-    assert "small is I32[10], the plan says I32[5, 2]" in verdict.detail
-    other = [p if p.name != "tail" else sidecar.TensorPlan("tail", "F16", (7,)) for p in plan(tensors())]
-    got, mapped = sidecar.open_sidecar(path, expected_key=key, expected_plan=other)
+    assert "small is I32[10], the layout says I32[5, 2]" in verdict.detail
+    other = [p if p.name != "tail" else sidecar.TensorShape("tail", "F16", (7,)) for p in plan(tensors())]
+    got, mapped = sidecar.open_sidecar(path, expected_key=key, expected_tensors=other)
     assert mapped is None and got.reason == "shapes" and "tail is BF16[7]" in got.detail
-    ok = sidecar.inspect(path, expected_key=key, expected_plan=plan(tensors()))
+    ok = sidecar.inspect(path, expected_key=key, expected_tensors=plan(tensors()))
     assert ok.action == sidecar.MAP
 
 

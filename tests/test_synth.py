@@ -3,8 +3,9 @@ import hashlib
 import pytest
 import torch
 
-from runtime.config import load_config
-from runtime.synth import (
+from runtime.model.config import load_config
+from runtime.model.tensors import expected_tensors
+from runtime.synth.checkpoint import (
     PRESETS,
     V4_FLASH,
     preset_config,
@@ -12,7 +13,6 @@ from runtime.synth import (
     synth_param,
     synthesize,
 )
-from runtime.tensors import expected_tensors
 from store.checkpoint import Checkpoint, check_contract
 from store.errors import UserError
 from store.quant import dequant_fp4, dequant_fp8_block
@@ -71,7 +71,7 @@ def test_real_names_dtypes_and_formats(tiny_ckpt_ro):
 
 def test_weights_are_quantisations_of_float_tensors(tiny_ckpt_ro):
     """Dequantising a stored weight gives back the generator's float tensor within format error."""
-    from runtime.tensors import all_params
+    from runtime.model.tensors import all_params
 
     c = load_config(tiny_ckpt_ro)
     ck = Checkpoint.open(tiny_ckpt_ro)
@@ -79,7 +79,7 @@ def test_weights_are_quantisations_of_float_tensors(tiny_ckpt_ro):
     torch_gen = torch.Generator()
     for name in ("layers.1.attn.wkv.weight", "layers.1.ffn.experts.3.w2.weight"):
         p = params[name]
-        from runtime.synth import _generator
+        from runtime.synth.checkpoint import _generator
 
         torch_gen = _generator(0, name)
         x = torch.randn(p.shape, generator=torch_gen) / (p.shape[-1] ** 0.5)
@@ -102,7 +102,7 @@ def test_refuses_non_empty_dir_without_force(tiny_ckpt, tmp_path):
 
 def _header_only_checkpoint(root, raw_config):
     from bench.plan_bench import header_only_checkpoint
-    from runtime.config import from_dict
+    from runtime.model.config import from_dict
 
     return from_dict(raw_config), header_only_checkpoint(root, raw_config)
 

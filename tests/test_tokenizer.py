@@ -7,11 +7,8 @@ import json
 import pytest
 from engine_fakes import CountingEngine
 
-from runtime.config import load_config
-from runtime.scheduler import Cancelled, QueueTimeout, Sampling, Scheduler
-from runtime.service.responses import StopMatcher
-from runtime.synth_tokenizer import train_tokenizer_json
-from runtime.tokenizer import (
+from runtime.model.config import load_config
+from runtime.model.tokenizer import (
     BOS_TOKEN,
     EOS_TOKEN,
     SPECIAL_TOKENS,
@@ -21,6 +18,9 @@ from runtime.tokenizer import (
     TokenizerError,
     load_tokenizer,
 )
+from runtime.serve.responses import StopMatcher
+from runtime.serve.scheduler import Cancelled, QueueTimeout, Sampling, Scheduler
+from runtime.synth.tokenizer import train_tokenizer_json
 
 
 def test_synth_writes_a_byte_level_bpe_with_the_presets_vocabulary(tiny_ckpt_ro):
@@ -30,9 +30,9 @@ def test_synth_writes_a_byte_level_bpe_with_the_presets_vocabulary(tiny_ckpt_ro)
     assert tok._tok.get_vocab_size() == config.vocab_size
     assert (tok.bos_id, tok.eos_id) == (0, 1)  # as config.json's bos/eos ids
     assert [tok.special_id(t) for t in SPECIAL_TOKENS] == list(range(len(SPECIAL_TOKENS)))
-    text = "DeepSeek V4 serves the program cache: héllo ✓"
+    text = "DeepSeek V4 serves the kernel cache: héllo ✓"
     assert tok.decode(tok.encode(text)) == text
-    assert len(tok.encode("the program cache")) < len("the program cache")  # merges were learned
+    assert len(tok.encode("the kernel cache")) < len("the kernel cache")  # merges were learned
 
 
 def test_training_is_deterministic_and_fills_a_large_vocabulary():

@@ -180,7 +180,7 @@ def test_a_malformed_quarantine_record_is_one_line_and_keeps_the_listing(tmp_pat
         assert cli(["cache", "ls", "--json", "--kernel-cache-dir", str(cache.root)]) == 0
     listed = json.loads(capsys.readouterr().out)
     assert sorted(e["program"] for e in listed) == ["other", "prog"]
-    [q] = [e for e in listed if e["state"] == CORRUPT]
+    [q] = [e for e in listed if e["state"] == "quarantined"]
     assert q["reason"].startswith("quarantined: ") and "\n" not in q["reason"] and len(q["reason"]) < 200
 
 

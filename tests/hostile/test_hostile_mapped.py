@@ -33,7 +33,7 @@ def mapped_pair(tmp_path):
     paths = []
     for fill in (1.0, 2.0):
         path = d / f"{fill:.0f}.safetensors"
-        plan = [sidecar.TensorPlan("w", "F32", (1024,))]
+        plan = [sidecar.TensorShape("w", "F32", (1024,))]
         sidecar.write_sidecar(path, plan, iter([("w", torch.full((1024,), fill))]),
                               metadata={**sidecar.sidecar_metadata(key, d), "created": "1"})
         paths.append(path)

@@ -17,7 +17,7 @@ import httpx
 import pytest
 from conftest import start_server
 
-from runtime.prepack import prepack
+from runtime.weights.prepack import prepack
 from store import sidecar
 
 pytestmark = pytest.mark.slow

@@ -34,7 +34,7 @@ def model_dir(tmp_path) -> Path:
 
 def write(model_dir: Path, path: Path, **kw) -> sidecar.SidecarInfo:
     key = sidecar.source_key(model_dir, **SETTINGS)
-    plan = [sidecar.TensorPlan("embed.weight", "F32", (4, 8))]
+    plan = [sidecar.TensorShape("embed.weight", "F32", (4, 8))]
     return sidecar.write_sidecar(path, plan, iter(TENSORS.items()),
                                  metadata=sidecar.sidecar_metadata(key, model_dir), **kw)
 

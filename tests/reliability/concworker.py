@@ -1,4 +1,4 @@
-"""Concurrent processes against one program cache root and one sidecar (test_rel_concurrency).
+"""Concurrent processes against one kernel cache root and one sidecar (test_rel_concurrency).
 
 usage: concworker.py launch WORKDIR N OUT_JSON   N processes: prepare 3 sample programs
                                                   (export) + an eager launch mapping the sidecar
@@ -57,9 +57,10 @@ def launch_mode(work: Path, n: int) -> dict:
     import sample_programs
 
     from runtime.events import Emitter
-    from runtime.prepack import prepack
-    from runtime.programs import prepare
-    from runtime.registration import LaunchOptions, register
+    from runtime.launch.registration import register
+    from runtime.launch.spec import LaunchSpec
+    from runtime.programs.build import prepare
+    from runtime.weights.prepack import prepack
     from store import pagecache
     from store.kernel_cache import KernelCache
 
@@ -70,8 +71,8 @@ def launch_mode(work: Path, n: int) -> dict:
     before = sidecar_path.read_bytes()
     # warm-up in the parent (a private cache): children inherit initialised export machinery
     prepare(sample_programs.spec("warmup"), cache=KernelCache(work / "warmup"), backend="export")
-    options = LaunchOptions(ckpt, backend="eager", device="cpu", max_seq=64, validate_tokens=4, history=False)
-    ref = register(options, Emitter())
+    spec = LaunchSpec(ckpt, backend="eager", device="cpu", max_seq=64, validate_tokens=4)
+    ref = register(spec, Emitter(), record=False)
     ref_tokens = ref.validation_tokens
     ref.close()
     outs = [work / f"out{i}.json" for i in range(n)]
@@ -85,7 +86,7 @@ def launch_mode(work: Path, n: int) -> dict:
                 "outcome": prepared.outcome,
                 "correct": bool(torch.allclose(prepared.run(*x), sample_programs.scaled_mlp(*x))),
             }
-        launched = register(options, Emitter())
+        launched = register(spec, Emitter(), record=False)
         result["weights"] = launched.phases["weights"]["path"]
         result["tokens_ok"] = launched.validation_tokens == ref_tokens
         launched.close()

@@ -38,7 +38,7 @@ torch.set_num_threads(1)
 
 from store import pagecache, sidecar  # noqa: E402
 from store.atomic import is_staging  # noqa: E402
-from store.kernel_cache import CORRUPT, CURRENT, PARTIAL, Hit, KernelCache  # noqa: E402
+from store.kernel_cache import CORRUPT, CURRENT, PARTIAL, QUARANTINED, Hit, KernelCache  # noqa: E402
 
 
 def fork_run(fn) -> int:
@@ -104,7 +104,7 @@ def staging_files(directory: Path) -> list[str]:
 
 
 class Prepack:
-    """`runtime.prepack.prepack(force=True)`: odd trials replace a valid sidecar, even ones
+    """`runtime.weights.prepack.prepack(force=True)`: odd trials replace a valid sidecar, even ones
     write where none exists."""
 
     def __init__(self, work: Path):
@@ -112,7 +112,7 @@ class Prepack:
         self.final = sidecar.default_sidecar_path(self.ckpt, 1)
 
     def run(self) -> None:
-        from runtime.prepack import prepack
+        from runtime.weights.prepack import prepack
 
         prepack(self.ckpt, force=True)
 
@@ -135,7 +135,7 @@ class Prepack:
         return sidecar_data_sha(self.final)
 
     def valid(self) -> bool:
-        from runtime.prepack import judge
+        from runtime.weights.prepack import judge
 
         try:
             ok_bytes = sidecar_data_sha(self.final) == self.ref
@@ -168,7 +168,7 @@ class Prepack:
 
 
 class Publish:
-    """`runtime.programs.prepare(spec, backend="export")` compiling and publishing a tiny
+    """`runtime.programs.build.prepare(spec, backend="export")` compiling and publishing a tiny
     sample program into a cache that already holds another (bystander) program."""
 
     def __init__(self, work: Path):
@@ -178,7 +178,7 @@ class Publish:
     def _prepare(self, name: str):
         import sample_programs
 
-        from runtime.programs import prepare
+        from runtime.programs.build import prepare
 
         return prepare(sample_programs.spec(name), cache=KernelCache(self.root), backend="export")
 
@@ -200,7 +200,7 @@ class Publish:
     def check(self, before: None) -> tuple[list[str], bool]:
         problems, lost = [], False
         for e in self.cache.inventory():
-            if e.state == CORRUPT:
+            if e.state in (CORRUPT, QUARANTINED):
                 problems.append(f"corrupt entry {e.program}/{e.fingerprint[:12]}: {e.reason}")
             if e.program == "mlp" and e.state == CURRENT and not self._verifies(e):
                 problems.append("a published mlp entry does not verify")
@@ -255,7 +255,7 @@ class Warm:
         pagecache.warm(self.path, remember=True)
 
     def setup(self) -> float:
-        from runtime.prepack import prepack
+        from runtime.weights.prepack import prepack
 
         assert run_to_end(lambda: prepack(self.ckpt, force=True)) == 0
         self.ref = sha(self.path)
@@ -304,16 +304,17 @@ class Launch:
 
     def run(self, record: bool = False) -> None:
         from runtime.events import Emitter
-        from runtime.registration import LaunchOptions, register
+        from runtime.launch.registration import register
+        from runtime.launch.spec import LaunchSpec
 
-        options = LaunchOptions(self.ckpt, backend="eager", device="cpu", max_seq=64, validate_tokens=2)
-        launched = register(options, Emitter())
+        spec = LaunchSpec(self.ckpt, backend="eager", device="cpu", max_seq=64, validate_tokens=2)
+        launched = register(spec, Emitter())
         if record:
             self.tokens.write_text(json.dumps(launched.validation_tokens))
         launched.close()
 
     def setup(self) -> float:
-        from runtime.prepack import prepack
+        from runtime.weights.prepack import prepack
 
         assert run_to_end(lambda: prepack(self.ckpt, force=True)) == 0
         pagecache.warm(self.path, remember=False)
@@ -328,7 +329,7 @@ class Launch:
         return None
 
     def check(self, before: None) -> tuple[list[str], bool]:
-        from runtime.registration import history_path, read_history
+        from store.history import history_path, read_history
 
         problems, lost = [], False
         if sha(self.path) != self.ref:

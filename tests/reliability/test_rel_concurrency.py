@@ -1,9 +1,9 @@
-"""Concurrency: 8 processes against one program cache root and one sidecar; purge under readers.
+"""Concurrency: 8 processes against one kernel cache root and one sidecar; purge under readers.
 
 The processes are forked from one parent (concworker.py) and released together. Launches use
 the eager backend (a cold export of the model's own programs takes most of a minute per
-process here); the program cache is exercised by three sample programs per process through
-`runtime.programs.prepare(backend="export")`, each compiled once per key across all 8.
+process here); the kernel cache is exercised by three sample programs per process through
+`runtime.programs.build.prepare(backend="export")`, each compiled once per key across all 8.
 """
 
 from __future__ import annotations

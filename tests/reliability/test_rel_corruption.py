@@ -118,7 +118,7 @@ def test_artifact_bytes(tmp_path_factory, m):
 
 @pytest.fixture(scope="module")
 def packed(tiny_ckpt_ro, tmp_path_factory):
-    from runtime.prepack import pack_plan, prepack, sidecar_key
+    from runtime.weights.prepack import packed_layout, prepack, sidecar_key
     from store import sidecar
 
     ckpt = tmp_path_factory.mktemp("corrupt-sidecar") / "ckpt"
@@ -127,11 +127,11 @@ def packed(tiny_ckpt_ro, tmp_path_factory):
     raw = info.path.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
     _, mapped = sidecar.open_sidecar(info.path, expected_key=sidecar_key(ckpt, 1),
-                                           expected_names=pack_plan(ckpt, 1).names(), cold_policy="read")
+                                           expected_names=packed_layout(ckpt, 1).names(), cold_policy="read")
     ref = {k: _tensor_sha(v)
            for k, v in mapped.tensors.items()}
     mapped.close()
-    return ckpt, info.path, raw, n, ref, sidecar_key(ckpt, 1), pack_plan(ckpt, 1).names()
+    return ckpt, info.path, raw, n, ref, sidecar_key(ckpt, 1), packed_layout(ckpt, 1).names()
 
 
 def _tensor_sha(t) -> str:
@@ -206,7 +206,7 @@ def ckpt_copy(tiny_ckpt_ro, tmp_path_factory):
 
 
 def _open_checkpoint(d: Path, name: str) -> None:
-    from runtime.config import ConfigError, load_config
+    from runtime.model.config import ConfigError, load_config
     from store.checkpoint import Checkpoint, CheckpointError
     from store.errors import UserError
 

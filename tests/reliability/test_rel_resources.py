@@ -79,7 +79,7 @@ def test_full_filesystem_prepack_is_one_clear_error_and_leaves_nothing(tiny_ckpt
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
             monkeypatch.setattr(os, "posix_fallocate", enospc)
-            from runtime.prepack import prepack
+            from runtime.weights.prepack import prepack
 
             full.mkdir(exist_ok=True)
             with pytest.raises(UserError, match="no space") as e:
@@ -94,13 +94,13 @@ def test_full_filesystem_prepack_is_one_clear_error_and_leaves_nothing(tiny_ckpt
     assert not lost
 
 
-def test_full_filesystem_program_cache_runs_uncached_and_keeps_valid_entries(tmp_path, tmp_path_factory,
+def test_full_filesystem_kernel_cache_runs_uncached_and_keeps_valid_entries(tmp_path, tmp_path_factory,
                                                                              monkeypatch):
     import sample_programs
     import torch
 
     import store.kernel_cache.publish as kc_publish
-    from runtime.programs import prepare
+    from runtime.programs.build import prepare
     from store.kernel_cache import Hit, KernelCache
 
     monkeypatch.setattr(kc_publish, "MIN_FREE_BYTES", 16 << 10)  # the threshold scaled to a 256k tmpfs
@@ -127,7 +127,7 @@ def test_full_filesystem_program_cache_runs_uncached_and_keeps_valid_entries(tmp
         key_hit = isinstance(cache.lookup("kept", _key(cache, "kept")), Hit)
     fallback = prepared.outcome == "uncached" and correct and states == [("kept", "current")]
     lost = int(again.outcome != "hit" or not key_hit)
-    record(tmp_path_factory, "resource: full filesystem (program cache)", injection=injection, trials=1,
+    record(tmp_path_factory, "resource: full filesystem (kernel cache)", injection=injection, trials=1,
            recovered=int(fallback), data_lost=lost, note="program compiled and run unpublished (outcome uncached)")
     assert prepared.outcome == "uncached" and correct
     assert states == [("kept", "current")]  # no partial entry, the valid one kept
@@ -148,7 +148,7 @@ EACCES_SCRIPT = textwrap.dedent(
     sys.path[:0] = [{repo!r}, {tests!r}]
     import os
     import torch, torch.export, torch._dynamo, sample_programs
-    from runtime.programs import prepare
+    from runtime.programs.build import prepare
     from store.errors import UserError
     from store.kernel_cache import KernelCache
     prepare(sample_programs.spec("warmup"), cache=None, backend="export")  # imports done as root
