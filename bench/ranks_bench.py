@@ -87,9 +87,9 @@ def v4_flash_expert_share() -> tuple[float, int]:
     from runtime.weights.layout import EXPERTS, PackedLayout
     from store.checkpoint import DTYPE_SIZES
 
-    plan = PackedLayout(from_dict(V4_FLASH, source="V4-Flash"), ranks=1)
-    total = plan.total_bytes()
-    experts = sum(DTYPE_SIZES[t.dtype] * math.prod(t.shape) for t in plan.tensors.values()
+    layout = PackedLayout(from_dict(V4_FLASH, source="V4-Flash"), ranks=1)
+    total = layout.total_bytes()
+    experts = sum(DTYPE_SIZES[t.dtype] * math.prod(t.shape) for t in layout.tensors.values()
                   if t.rule.group == EXPERTS)
     return experts / total, total
 
@@ -98,7 +98,7 @@ def summarize_launch(lines: Sequence[str], started: float) -> dict[str, Any]:
     """One launch's events → time to ready, and per rank: registration phases, programs counts,
     the weights and kv end details. The slowest rank is the one whose registration took longest
     (first event to its last registration `end`)."""
-    from bench.startup_bench import PHASES
+    from runtime.events import REGISTRATION as PHASES
 
     ranks: dict[int, dict[str, Any]] = {}
     ready = None
@@ -242,7 +242,7 @@ def main(preset: str = "small", backend: str = "export", ranks: str = ",".join(m
 
 def _print(result: dict[str, Any]) -> None:
     from bench.report import print_table
-    from bench.startup_bench import PHASES
+    from runtime.events import REGISTRATION as PHASES
     from store.units import format_size
 
     runs = result["runs"]

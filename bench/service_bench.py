@@ -106,16 +106,17 @@ def step_times(model_dir: Path, steps: int = 40) -> dict[int, float]:
     from runtime.model.config import load_config
     from runtime.programs.catalog import build_programs
     from runtime.serve.engine import Engine
-    from runtime.weights.pack import PackedLayout, pack_in_memory
+    from runtime.weights.layout import PackedLayout
+    from runtime.weights.pack import pack_in_memory
     from runtime.weights.views import packed_views
     from store.checkpoint import Checkpoint
 
     config = load_config(model_dir)
-    plan = PackedLayout(config, ranks=1)
-    weights = packed_views(plan, pack_in_memory(Checkpoint.open(model_dir), plan))
+    layout = PackedLayout(config, ranks=1)
+    weights = packed_views(layout, pack_in_memory(Checkpoint.open(model_dir), layout))
     out = {}
     for max_seq in (256, 4096):
-        engine = Engine(build_programs(config, plan, max_seq), weights)
+        engine = Engine(build_programs(config, layout, max_seq), weights)
         engine.forward(torch.arange(200) % config.vocab_size)
         times = []
         for i in range(steps):

@@ -26,31 +26,34 @@ import time
 from pathlib import Path
 from typing import Any
 
+from runtime.events import REGISTRATION
+
 TARGETS = {"hot_vs_cold": 20.0, "hot_vs_peer": 5.0, "jobs_n_vs_1": 1.7, "early_vs_compiled": 10.0}
-PHASES = ("check", "programs", "weights", "upload", "kv", "validate")
 MAX_SEQ = 256
 
 
 def _child(setup: str, model_dir: str, cache_dir: str, backend: str) -> dict[str, Any]:
     """Run one registration in this process and return its phase records and total seconds."""
     from runtime.events import Emitter
-    from runtime.launch.registration import LaunchOptions, register
-    from runtime.programs import phase as program_prep
+    from runtime.launch.registration import register
+    from runtime.launch.spec import LaunchSpec
+    from runtime.programs import phase as program_phase
 
     if setup == "peer":
-        program_prep.prepare_programs = _torch_compile_programs
-    options = LaunchOptions(Path(model_dir), kernel_cache_dir=Path(cache_dir), backend=backend, device="cpu",
-                            use_sidecar=setup == "hot", max_seq=MAX_SEQ, history=False,
-                            jobs=1 if setup == "cold-j1" else None, ready="early" if setup == "early" else "compiled")
+        program_phase.prepare_programs = _torch_compile_programs
+    spec = LaunchSpec(Path(model_dir), kernel_cache_dir=Path(cache_dir), backend=backend, device="cpu",
+                      use_sidecar=setup == "hot", max_seq=MAX_SEQ, jobs=1 if setup == "cold-j1" else None,
+                      ready="early" if setup == "early" else "compiled")
     pool: dict[str, Any] = {}
     t0 = time.perf_counter()
-    launched = register(options, Emitter(lambda e: pool.update(e.detail) if e.detail.get("pool") else None))
+    launched = register(spec, Emitter(lambda e: pool.update(e.detail) if e.detail.get("pool") else None),
+                        record=False)
     total = time.perf_counter() - t0
     t1 = time.perf_counter()
     first = list(launched.engine.generate([1, 2, 3, 4], 1))
     ttft = time.perf_counter() - t1
     out = {"setup": setup, "total": total, "tokens": launched.validation_tokens, "ttft": ttft, "first": first,
-           "phases": {p: launched.phases[p]["seconds"] for p in PHASES}, "pool": pool,
+           "phases": {p: launched.phases[p]["seconds"] for p in REGISTRATION}, "pool": pool,
            "programs": launched.phases["programs"].get("counts"), "weights": launched.phases["weights"].get("path"),
            "verified_bytes": launched.phases["programs"].get("verified_bytes"),
            "artifact_bytes": launched.phases["programs"].get("artifact_bytes")}
@@ -180,10 +183,10 @@ def main(preset: str = "small", backend: str = "aoti", json_output: bool = False
     table = []
     for r in rows:
         programs = " ".join(f"{k} {v}" for k, v in (r["programs"] or {}).items() if v) or "torch.compile"
-        table.append((r["setup"], *(f"{r['phases'][p]:.2f}" for p in PHASES), f"{r['total']:.2f}",
+        table.append((r["setup"], *(f"{r['phases'][p]:.2f}" for p in REGISTRATION), f"{r['total']:.2f}",
                       f"{cold / r['total']:.1f}×" if cold else "-", r["weights"], programs))
     print_table(f"registration to serve-ready — preset {preset}, backend {backend} (seconds)",
-                ("set-up", *PHASES, "total", "vs cold", "weights", "programs"), table)
+                ("set-up", *REGISTRATION, "total", "vs cold", "weights", "programs"), table)
     gib = 1 << 30
     for r in rows:
         pool = r.get("pool") or {}

@@ -24,8 +24,8 @@ LENGTHS = [12, 5, 14, 9, 20, 3]
 @pytest.fixture(scope="module")
 def tiny(tiny_ckpt_ro):
     config = load_config(tiny_ckpt_ro)
-    plan = PackedLayout(config, ranks=1)
-    return build_programs(config, plan, max_seq=256), packed_views(plan, pack_in_memory(Checkpoint.open(tiny_ckpt_ro), plan))
+    layout = PackedLayout(config, ranks=1)
+    return build_programs(config, layout, max_seq=256), packed_views(layout, pack_in_memory(Checkpoint.open(tiny_ckpt_ro), layout))
 
 
 def _alone(programs, weights, prompt, n, temperature=0.0, seed=0):

@@ -18,9 +18,9 @@ TOKENS = torch.tensor([3, 17, 250, 9, 41, 42, 43, 100, 7, 7, 7, 300, 12, 13, 14,
 def model(tiny_ckpt_ro):
     ck = Checkpoint.open(tiny_ckpt_ro)
     config = load_config(tiny_ckpt_ro)
-    plan = PackedLayout(config, ranks=1)
-    programs = build_programs(config, plan, max_seq=64)
-    return ck, plan, programs, packed_views(plan, pack_in_memory(ck, plan))
+    layout = PackedLayout(config, ranks=1)
+    programs = build_programs(config, layout, max_seq=64)
+    return ck, layout, programs, packed_views(layout, pack_in_memory(ck, layout))
 
 
 def _rel(a, b):
@@ -31,9 +31,9 @@ def test_packed_path_is_the_checkpoints_model(model):
     """The packed layout keeps the checkpoint's FP8 bytes, FP4 codes and E8M0 block scales, so
     packed logits equal the float reference (dequantised straight from the checkpoint) to float
     rounding, and every greedy argmax agrees: packing changes the layout, never the model."""
-    ck, plan, programs, packed = model
+    ck, layout, programs, packed = model
     got = Engine(programs, packed).forward(TOKENS).logits
-    want = Engine(programs, reference_views(ck, plan)).forward(TOKENS).logits
+    want = Engine(programs, reference_views(ck, layout)).forward(TOKENS).logits
     assert _rel(got, want) < 1e-5
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 

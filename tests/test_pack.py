@@ -14,23 +14,23 @@ from store.checkpoint import Checkpoint
 def packed(tiny_ckpt_ro):
     ck = Checkpoint.open(tiny_ckpt_ro)
     config = load_config(tiny_ckpt_ro)
-    plan = PackedLayout(config, ranks=2)
-    return ck, config, plan, pack_in_memory(ck, plan)
+    layout = PackedLayout(config, ranks=2)
+    return ck, config, layout, pack_in_memory(ck, layout)
 
 
 def test_every_checkpoint_parameter_has_exactly_one_rule(packed):
-    _, config, plan, _ = packed
-    assert set(plan.slots) == {p.name for p in all_params(config)}
-    used = {s.rule for s in plan.slots.values()}
+    _, config, layout, _ = packed
+    assert set(layout.slots) == {p.name for p in all_params(config)}
+    used = {s.rule for s in layout.slots.values()}
     assert used == set(RULES)  # no dead rows in the table
 
 
-def test_plan_matches_packed_tensors(packed):
-    _, _, plan, tensors = packed
-    assert set(tensors) == plan.names()
+def test_the_layout_matches_the_packed_tensors(packed):
+    _, _, layout, tensors = packed
+    assert set(tensors) == layout.names()
     dt = {"I8": torch.int8, "F32": torch.float32, "BF16": torch.bfloat16, "I32": torch.int32,
           "U8": torch.uint8, "F8_E4M3": torch.float8_e4m3fn}
-    for name, t in plan.tensors.items():
+    for name, t in layout.tensors.items():
         assert tuple(tensors[name].shape) == t.shape and tensors[name].dtype == dt[t.dtype], name
 
 
@@ -48,9 +48,9 @@ def _unpacked(tensors, slot):
 def test_packed_blocks_are_the_checkpoint_weight_exactly(packed, name, qdtype, block):
     """No requantisation: the packed codes with their E8M0 block scales dequantise to exactly
     the checkpoint's float weight (FP8 bytes as stored; FP4 codes doubled, scale halved)."""
-    ck, config, plan, tensors = packed
+    ck, config, layout, tensors = packed
     p = next(p for p in all_params(config) if p.name == name)
-    q, scale = _unpacked(tensors, plan.slots[name])
+    q, scale = _unpacked(tensors, layout.slots[name])
     assert q.dtype == qdtype and scale.dtype == torch.uint8
     assert scale.shape == (q.shape[0] // block[0], q.shape[1] // block[1])
     back = weight({"m.qweight": q, "m.qscale": scale}, "m").t()
@@ -58,23 +58,23 @@ def test_packed_blocks_are_the_checkpoint_weight_exactly(packed, name, qdtype, b
 
 
 def test_expert_slot_is_rank_major(packed):
-    _, config, plan, _ = packed
+    _, config, layout, _ = packed
     per_rank = config.n_routed_experts // 2
-    slot = plan.slots["layers.3.ffn.experts.5.w2.weight"]
+    slot = layout.slots["layers.3.ffn.experts.5.w2.weight"]
     assert slot.index == (5 // per_rank, 3, 5 % per_rank)
-    assert plan.tensors["layers.ffn.experts.w2.qweight"].shape[:3] == (2, config.num_hidden_layers, per_rank)
+    assert layout.tensors["layers.ffn.experts.w2.qweight"].shape[:3] == (2, config.num_hidden_layers, per_rank)
 
 
 def test_plain_families(packed):
-    ck, _config, plan, tensors = packed
-    gate = _unpacked(tensors, plan.slots["layers.1.ffn.gate.weight"])[0]
+    ck, _config, layout, tensors = packed
+    gate = _unpacked(tensors, layout.slots["layers.1.ffn.gate.weight"])[0]
     assert torch.equal(gate, ck.read("layers.1.ffn.gate.weight").t())
-    tid = _unpacked(tensors, plan.slots["layers.1.ffn.gate.tid2eid"])[0]
+    tid = _unpacked(tensors, layout.slots["layers.1.ffn.gate.tid2eid"])[0]
     assert tid.dtype == torch.int32 and torch.equal(tid.long(), ck.read("layers.1.ffn.gate.tid2eid"))
-    bias = _unpacked(tensors, plan.slots["layers.2.ffn.gate.bias"])[0]
+    bias = _unpacked(tensors, layout.slots["layers.2.ffn.gate.bias"])[0]
     assert torch.equal(bias, ck.read("layers.2.ffn.gate.bias"))
-    assert plan.slots["layers.2.ffn.gate.bias"].index == (0,)  # first score-routed layer
-    hca = _unpacked(tensors, plan.slots["layers.3.attn.compressor.wkv.weight"])[0]
+    assert layout.slots["layers.2.ffn.gate.bias"].index == (0,)  # first score-routed layer
+    hca = _unpacked(tensors, layout.slots["layers.3.attn.compressor.wkv.weight"])[0]
     assert torch.equal(hca, ck.read("layers.3.attn.compressor.wkv.weight").t())
     assert torch.equal(tensors["head.weight"], ck.read("head.weight").t())
 
@@ -88,7 +88,7 @@ def test_packing_is_deterministic(packed, tiny_ckpt_ro):
 
 def test_weights_not_in_whole_blocks_are_refused_at_plan_time():
     """One scale per block needs whole blocks; a config that breaks that is one clear error
-    from the (torch-free) plan, before anything is read or written."""
+    from the (torch-free) layout, before anything is read or written."""
     from runtime.model.config import ConfigError, from_dict
     from runtime.synth.checkpoint import preset_config_dict
 

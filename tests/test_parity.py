@@ -103,13 +103,13 @@ def _load_peer(out: Path, config: DeepseekV4Config, tensors: dict[str, torch.Ten
 def setup(tiny_ckpt_ro, tmp_path_factory):
     ck = Checkpoint.open(tiny_ckpt_ro)
     c = load_config(tiny_ckpt_ro)
-    plan = PackedLayout(c, ranks=1)
-    programs = build_programs(c, plan, max_seq=MAX_SEQ)
+    layout = PackedLayout(c, ranks=1)
+    programs = build_programs(c, layout, max_seq=MAX_SEQ)
     weights = _float_weights(ck, c)
     base = tmp_path_factory.mktemp("peer")
     main = {n: t for n, t in weights.items() if not n.startswith("mtp.")}
     peer = _load_peer(base / "main", peer_config(c), main)
-    return c, programs, reference_views(ck, plan), peer, weights, base
+    return c, programs, reference_views(ck, layout), peer, weights, base
 
 
 def _peer_prefill(peer: DeepseekV4ForCausalLM, tokens: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -51,15 +51,15 @@ class ThreadRanks:
 
 def _logits(ckpt, ranks: int, steps: int = 4) -> list[torch.Tensor]:
     config = load_config(ckpt)
-    plan = PackedLayout(config, ranks)
-    programs = build_programs(config, plan, max_seq=64)
-    whole = pack_in_memory(Checkpoint.open(ckpt), plan)
+    layout = PackedLayout(config, ranks)
+    programs = build_programs(config, layout, max_seq=64)
+    whole = pack_in_memory(Checkpoint.open(ckpt), layout)
     group = ThreadRanks(ranks)
     out: list = [None] * ranks
 
     def run(r: int) -> None:
-        own = pack_in_memory(Checkpoint.open(ckpt), plan, rank=r) if r % 2 else rank_slice(plan, whole, r)
-        engine = Engine(programs, packed_views(plan, own), slots=2, group=group.rank(r) if ranks > 1 else None)
+        own = pack_in_memory(Checkpoint.open(ckpt), layout, rank=r) if r % 2 else rank_slice(layout, whole, r)
+        engine = Engine(programs, packed_views(layout, own), slots=2, group=group.rank(r) if ranks > 1 else None)
         logits = [engine.forward(torch.tensor(PROMPT), slot=1).logits]
         for _ in range(steps):
             token = int(logits[-1][-1].argmax())
@@ -90,14 +90,14 @@ def test_expert_parallel_ranks_sum_to_one_rank(tiny_ckpt_ro, ranks):
 
 def test_a_rank_holds_only_its_experts(tiny_ckpt_ro):
     config = load_config(tiny_ckpt_ro)
-    plan = PackedLayout(config, 2)
-    whole = pack_in_memory(Checkpoint.open(tiny_ckpt_ro), plan)
-    own = pack_in_memory(Checkpoint.open(tiny_ckpt_ro), plan, rank=1)
+    layout = PackedLayout(config, 2)
+    whole = pack_in_memory(Checkpoint.open(tiny_ckpt_ro), layout)
+    own = pack_in_memory(Checkpoint.open(tiny_ckpt_ro), layout, rank=1)
     for name, t in whole.items():
-        if plan.tensors[name].rule.group == "experts":
+        if layout.tensors[name].rule.group == "experts":
             assert own[name].shape == (1, *t.shape[1:])
             assert torch.equal(own[name][0], t[1])  # rank 1's packed range, byte for byte
         else:
             assert torch.equal(own[name], t)
-    views = packed_views(plan, own)
+    views = packed_views(layout, own)
     assert views["layers.0"]["ffn.experts.w1.qweight"].shape[0] == config.n_routed_experts // 2
