@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
+from bench.synthetic_cache import synthetic_cache
 from runtime.programs.build import prepare
 from runtime.programs.spec import DynamicDim, ProgramSpec, TensorSpec, program_key
-from store.fingerprint import Key
 from store.kernel_cache import KernelCache
 
 HIDDEN, FFN, EXPERTS, TOP_K = 64, 128, 4, 2
@@ -131,30 +131,11 @@ def _run_phase(name: str, cache_dir: Path, inductor_dir: Path) -> dict[str, Any]
 # ls over synthetic entries (in process: no torch involved)
 
 
-def _synthetic_cache(root: Path, n: int) -> KernelCache:
-    from runtime.programs.spec import CONFIG_COMPONENTS
-    from runtime.programs.toolchain import toolchain_components
-
-    cache = KernelCache(root, durable=False)  # synthetic: fsync would only time the disk
-    toolchain = dict(toolchain_components("cpu"))
-    for i in range(n):
-        program, variant = f"layer{i % 50:02d}.decode", i // 50
-        torch_version = toolchain["torch"] if variant % 4 else "2.12.0"  # a quarter stale
-        key = [
-            ("backend", "aoti"),
-            ("layout", {"tp": variant}),
-            (f"source:{program}", f"{i:016x}"),
-            *{**toolchain, "torch": torch_version}.items(),
-        ]
-        cache.publish(program, Key.of(key), {"program.pt2": os.urandom(4096)}, config_components=CONFIG_COMPONENTS)
-    return cache
-
-
 def _time_ls(n: int) -> dict[str, Any]:
     from runtime.programs.build import reference
 
     with tempfile.TemporaryDirectory(prefix="dsv4-bench-ls-") as tmp:
-        cache = _synthetic_cache(Path(tmp) / "programs", n)
+        cache = synthetic_cache(Path(tmp) / "programs", n)
         runs = []
         for _ in range(5):
             started = time.perf_counter()

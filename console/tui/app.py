@@ -254,11 +254,15 @@ class Dsv4Console(JobActions, ServiceActions, App):
 
     @work(group="watch")
     async def _watch(self, paths: tuple[str, ...], stop: asyncio.Event) -> None:
-        """Another process changed a cache, a sidecar or the history: refresh at once."""
+        """Another process changed a cache, a sidecar or the history: plan again and refresh at
+        once (a refresh's own stamp sees structure only, not a file changed in place)."""
         from watchfiles import awatch
 
         with contextlib.suppress(Exception):
             async for _ in awatch(*paths, stop_event=stop, debounce=400, recursive=True):
+                plans = getattr(self.collectors, "plans", None)
+                if plans is not None:
+                    plans.invalidate()
                 self.refresh_now()
 
     # -- worker output ------------------------------------------------------------------------

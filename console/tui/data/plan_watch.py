@@ -1,8 +1,14 @@
 """The plan of the next launch (runtime.launch.plan, torch-free) as the console keeps it, and the
-kernel cache's contents judged against it: recomputed only when one of their inputs changed (the
-checkpoint dir, the kernel cache tree, the launch history) or when the plan is older than
-MAX_AGE (page-cache residency moves on its own), so an idle refresh costs a few stat calls, not a
-plan."""
+kernel cache's contents judged against it: recomputed only when one of their inputs changed or
+when the plan is older than MAX_AGE (page-cache residency moves on its own), so an idle refresh
+costs a few stat calls, not a plan.
+
+What a refresh stats: the checkpoint dir's files, the launch history, and the kernel cache's
+tree down to its entries (program/fingerprint dirs and their mtimes: an entry published,
+quarantined, removed or with a file added or deleted). A file changed in place inside an entry
+is the file watcher's to report (the console invalidates the plan on every change it sees), and
+MAX_AGE's otherwise: statting every file of a large cache on every refresh cost more than the
+rest of an idle console together (1,000 entries: 28 ms every 2 s)."""
 
 from __future__ import annotations
 
@@ -13,36 +19,37 @@ from pathlib import Path
 from typing import Any
 
 MAX_AGE = 30.0  # seconds: residency (hot/cold) changes without any file changing
-MAX_STATS = 20_000  # a cache tree larger than this is stamped by its directories only
+MAX_STATS = 20_000  # a cache tree larger than this is stamped by its upper directories only
+CACHE_DEPTH = 3  # listed: the root, v1, each program dir (its fingerprint dirs, not their files)
 
 
-def _entries(path: Path) -> list[tuple[str, int, int]]:
+def _entries(path: Path) -> list[tuple[str, int, int, bool]]:
+    """(name, size, mtime, is a real dir) of what `path` holds, sorted."""
     out = []
     with contextlib.suppress(OSError), os.scandir(path) as it:
         for e in it:
             with contextlib.suppress(OSError):
                 st = e.stat(follow_symlinks=False)
-                out.append((e.name, st.st_size, st.st_mtime_ns))
+                out.append((e.name, st.st_size, st.st_mtime_ns, e.is_dir(follow_symlinks=False)))
     return sorted(out)
 
 
 def _tree(root: Path, depth: int, budget: list[int]) -> tuple:
-    """(name, size, mtime) of every entry `depth` levels down (program/fingerprint/file)."""
+    """What `root` holds, and the dirs below it `depth` levels down."""
     rows = _entries(root)
     budget[0] -= len(rows)
     if depth <= 1 or budget[0] <= 0:
         return tuple(rows)
-    return tuple((name, size, mtime, _tree(root / name, depth - 1, budget)) for name, size, mtime in rows
-                 if (root / name).is_dir() and not (root / name).is_symlink()) + tuple(rows)
+    return tuple((name, _tree(root / name, depth - 1, budget)) for name, _, _, is_dir in rows if is_dir) + tuple(rows)
 
 
 def stamp(model_dir: Path, cache_dir: Path, history: Path) -> tuple:
-    """What the plan depends on, cheaply: changes whenever a plan input changes."""
+    """What the plan depends on, cheaply: changes whenever the structure of a plan input changes."""
     hist = None
     with contextlib.suppress(OSError):
         st = history.stat()
         hist = (st.st_size, st.st_mtime_ns)
-    return (tuple(_entries(model_dir)), _tree(cache_dir, 4, [MAX_STATS]), hist)
+    return (tuple(_entries(model_dir)), _tree(cache_dir, CACHE_DEPTH, [MAX_STATS]), hist)
 
 
 class PlanWatch:
