@@ -66,6 +66,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     from runtime.launch.phases import PhaseRecorder
     from runtime.launch.plan import make_plan
     from runtime.programs.phase import prepare_programs
+    from runtime.serve.main import interrupt
     from store.errors import UserError
 
     spec = launch_spec(args, COMPILE)
@@ -81,7 +82,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
                   file=sys.stderr, flush=True)
 
     phases = PhaseRecorder(Emitter(show, *([open_sink(spec.events)] if spec.events else [])))
-    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
     with phases.run(Phase.PROGRAMS, total=len(plan.catalog.specs), backend=plan.backend) as d:
         results = prepare_programs(plan, phases.emitter, load=False).results
         d.update(programs={r["program"]: r["outcome"] for r in results})
@@ -93,7 +94,3 @@ def cmd_compile(args: argparse.Namespace) -> int:
         print_table(None, ("program", "outcome", "seconds", "reason"),
                     [(r["program"], r["outcome"], f"{r['seconds']:.2f}", r["reason"]) for r in results])
     return 0
-
-
-def _interrupt(*_: object) -> None:
-    raise KeyboardInterrupt

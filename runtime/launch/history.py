@@ -39,11 +39,14 @@ def recompiled(record: dict[str, Any]) -> bool:
     """Whether the launch compiled any program (a MISS, STALE, CORRUPT or UNTRUSTED one). Read
     from each program's own outcome, so a launch that replaced a corrupt entry is never taken
     for one that only loaded."""
+    def compiles(outcome: str) -> bool:  # an outcome this version does not name: assume it did
+        return outcome not in Outcome.__members__ or Outcome(outcome).compiles
+
     outcomes = program_outcomes(record)
     if outcomes:
-        return any(o not in Outcome.__members__ or Outcome(o).compiles for o in outcomes.values())
+        return any(compiles(o) for o in outcomes.values())
     counts = ((record.get("phases") or {}).get("programs") or {}).get("counts") or {}
-    return any(n and (k not in Outcome.__members__ or Outcome(k).compiles) for k, n in counts.items())
+    return any(n and compiles(k) for k, n in counts.items())
 
 
 def weights_path(record: dict[str, Any]) -> str | None:

@@ -149,7 +149,7 @@ def make_plan(spec: LaunchSpec, *, history: list[dict[str, Any]] | None = None,
 
         with contextlib.suppress(OSError, UserError):
             history = read_history()
-    plan.predicted = _predict(plan, history or [])
+    plan.predicted = predict_seconds(plan, history or [])
     plan.seconds = time.perf_counter() - started
     return plan
 
@@ -222,7 +222,7 @@ def _kv(plan: Plan) -> dict[str, Any]:
     return {**kv.to_json(), "source": reading.source}
 
 
-def _predict(plan: Plan, history: list[dict[str, Any]]) -> dict[str, float | None]:
+def predict_seconds(plan: Plan, history: list[dict[str, Any]]) -> dict[str, float | None]:
     """Seconds per phase, from the newest successful launch of this model with as many ranks
     that took the same paths (compiled nothing or compiled, weights MAP or REPACK); None where none did."""
     mine = [r for r in history if r.get("model") == plan.model and r.get("outcome") == "ok"

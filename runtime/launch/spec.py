@@ -50,7 +50,7 @@ class LaunchSpec:
     jobs: int | None = None  # None: the CPUs this process may use, capped by memory
     speculative: str = "auto"
     validate_tokens: int = 8
-    max_body: int = 4 << 20
+    max_body: int = 4 << 20  # 4 MiB: ~1M tokens of text; far past any context served here
     queue_timeout: float = 30.0
     host: str = "127.0.0.1"
     port: int = 8000

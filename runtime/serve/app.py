@@ -20,6 +20,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from runtime.launch.spec import DEFAULTS
 from runtime.model import chat_template
 from runtime.serve.api import ApiError, limit_tokens, parse_chat, parse_completion
 from runtime.serve.http import (
@@ -35,20 +36,22 @@ from runtime.serve.metrics import Metrics
 from runtime.serve.responses import ChatShape, CompletionShape, TextRun, sse
 from runtime.serve.scheduler import Cancelled, QueueTimeout, Sampling, Scheduler
 
-DEFAULT_MAX_BODY = 4 << 20  # 4 MiB: ~1M tokens of text; far past any context served here
-DEFAULT_QUEUE_TIMEOUT = 30.0
 COMPLETION_DEFAULT_TOKENS = 16  # OpenAI's default for /v1/completions
 GENERATION_FAILED = "generation failed; the server log has the details"
 
 
 @dataclass(frozen=True)
 class Limits:
-    """What the service accepts, and how its engine thread batches."""
+    """What the service accepts, and how its engine thread batches (defaults: the launch spec's)."""
 
-    max_body_bytes: int = DEFAULT_MAX_BODY
-    queue_timeout: float = DEFAULT_QUEUE_TIMEOUT
-    max_batch: int | None = None  # sequences decoding together (None: every KV slot; 1: one at a time)
+    max_body_bytes: int = DEFAULTS.max_body
+    queue_timeout: float = DEFAULTS.queue_timeout
+    max_batch: int | None = DEFAULTS.max_batch  # sequences decoding together (None: every KV slot)
     speculative: bool = False  # MTP drafts verified by the main model (greedy requests)
+
+    @classmethod
+    def of(cls, spec, speculative: bool) -> Limits:
+        return cls(spec.max_body, spec.queue_timeout, spec.max_batch, speculative)
 
 
 def create_app(launched, limits: Limits = Limits(), scheduler: Scheduler | None = None) -> FastAPI:

@@ -42,7 +42,8 @@ def speculation(choice: str, model_dir: Path) -> bool:
     return has_mtp and synthetic_preset(model_dir) is None
 
 
-def _interrupt(*_: object) -> None:
+def interrupt(*_: object) -> None:
+    """A signal handler: SIGTERM stops like Ctrl-C."""
     raise KeyboardInterrupt
 
 
@@ -74,7 +75,7 @@ def run(spec: LaunchSpec, rank_env=None, display: Callable[[], tuple[Sink, Calla
     if shown:
         sinks.append(shown[0])
     emitter = Emitter(*sinks, rank=0 if rank_env is not None else None)
-    signal.signal(signal.SIGTERM, _interrupt)  # during registration, and re-raised by uvicorn after its drain
+    signal.signal(signal.SIGTERM, interrupt)  # during registration, and re-raised by uvicorn after its drain
     never_silent()
     started = time.time()
     from store.services import Announcement
@@ -130,8 +131,7 @@ def _serve(launched, sock, emitter: Emitter, announced, started: float, speculat
     if launched.group is not None:  # a rank that died, or a collective that failed: the service stops
         launched.group.on_lost = fail_closed
         launched.group.watch(fail_closed)
-    limits = Limits(max_body_bytes=spec.max_body, queue_timeout=spec.queue_timeout, max_batch=spec.max_batch,
-                    speculative=speculative)
+    limits = Limits.of(spec, speculative)
 
     def stats(engine: dict) -> None:
         rate = "" if engine["acceptance"] is None else f", MTP acceptance {engine['acceptance']:.0%}"
@@ -224,7 +224,7 @@ def _follow(spec: LaunchSpec, rank_env, emitter: Emitter) -> int:
     from runtime.launch.registration import register
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher or torchrun stops ranks, not the terminal
-    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
     never_silent()
     launched = register(spec, emitter, rank_env=rank_env, record=False)
 

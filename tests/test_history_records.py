@@ -1,0 +1,44 @@
+"""What a launch-history record says: every outcome as it happened, and only launches that
+compiled nothing predict the seconds of one that compiles nothing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from runtime.launch.history import is_warm, recompiled
+from runtime.launch.plan import Plan, ProgramPlan, predict_seconds
+from runtime.launch.spec import LaunchSpec
+from runtime.programs.outcome import Outcome, counts
+
+MODEL = Path("/models/tiny")
+
+
+def _record(programs: dict[str, str], seconds: float, weights: str = "MAP", **counts_) -> dict:
+    return {"model": str(MODEL), "outcome": "ok", "ranks": 1, "phases": {
+        "programs": {"seconds": seconds, "programs": programs, **({"counts": counts_} if counts_ else {})},
+        "weights": {"seconds": 0.2, "path": weights}}}
+
+
+def test_every_outcome_is_counted_zeros_included():
+    assert counts([Outcome.HIT, Outcome.CORRUPT, "HIT"]) == {"HIT": 2, "MISS": 0, "STALE": 0, "CORRUPT": 1,
+                                                            "UNTRUSTED": 0, "EAGER": 0}
+
+
+def test_a_launch_that_replaced_a_corrupt_entry_recompiled():
+    # counts of an older dsv4 named HIT/MISS/STALE/EAGER only: the per-program outcomes tell
+    corrupt = _record({"a": "CORRUPT", "b": "HIT"}, 9.0, HIT=1, MISS=0, STALE=0, EAGER=0)
+    assert recompiled(corrupt) and not is_warm(corrupt)
+    hot = _record({"a": "HIT", "b": "HIT"}, 0.1)
+    assert not recompiled(hot) and is_warm(hot)
+    assert not is_warm(_record({"a": "HIT"}, 0.1, weights="REPACK"))
+    assert recompiled({"phases": {"programs": {"counts": {"UNTRUSTED": 1, "HIT": 3}}}})
+
+
+def test_a_warm_prediction_is_never_based_on_a_launch_that_compiled():
+    plan = Plan(LaunchSpec(MODEL), programs=[ProgramPlan("a", Outcome.HIT, "f" * 64), ProgramPlan("b", Outcome.HIT, "e" * 64)],
+                sidecar={"verdict": "MAP"})
+    older_hot = _record({"a": "HIT", "b": "HIT"}, 0.1)
+    newer_corrupt = _record({"a": "CORRUPT", "b": "HIT"}, 9.0)
+    assert predict_seconds(plan, [older_hot, newer_corrupt])["programs"] == 0.1
+    plan.programs[0].state = Outcome.CORRUPT  # this launch will recompile: the compiling one is its peer
+    assert predict_seconds(plan, [older_hot, newer_corrupt])["programs"] == 9.0
