@@ -19,6 +19,7 @@ from console.tui.screens.confirm import ConfirmScreen
 from console.tui.workers import Worker, dsv4
 from runtime.events import Event
 from runtime.launch.spec import COMPILE, PREPACK
+from store import sidecar as sc
 from store.checkpoint import INDEX_NAME
 
 
@@ -125,8 +126,6 @@ class JobActions:
         if self._busy("prepack") or not self._model_ready():
             return
         argv = dsv4("prepack", *self.spec.with_(events="-").argv(PREPACK))
-        from store import sidecar as sc  # lazily: keeps the console's first paint fast
-
         existing = sc.default_sidecar_path(self.spec.model, self.spec.ranks)
 
         def go(extra: list[str]) -> None:
@@ -148,7 +147,6 @@ class JobActions:
 
     async def _warm(self) -> None:
         from store import pagecache
-        from store import sidecar as sc
 
         s = self.spec
         path = sc.default_sidecar_path(s.model, s.ranks)

@@ -23,6 +23,7 @@ from console.tui.data.services import ServicesSnapshot, collect_services
 from runtime.launch.history import is_warm, launch_seconds
 from runtime.launch.spec import LaunchSpec
 from runtime.programs.outcome import Outcome
+from store import sidecar as sc
 from store.paths import default_model_dir, default_preset, kernel_cache_dir  # noqa: F401
 from store.sidecar.verdict import MAP, REPACK
 from store.units import format_size
@@ -118,8 +119,6 @@ def sidecars_of(plan: dict[str, Any], model_dir: Path, now: float) -> SidecarsSn
                 "size_bytes": 0}  # a plan over a broken checkpoint says less: the pane still has every key
     rows = [{**defaults, **judged, "sampled_at": judged.get("sampled_at") or now,
              "next_launch": next_launch(judged), "wanted": True}]
-    from store import sidecar as sc  # lazily, in the collect thread: not on the first paint's path
-
     try:
         others = [p for p in sc.find_sidecars(model_dir) if str(p) != judged.get("path")]
     except OSError:
