@@ -38,10 +38,17 @@ def _program(program: str, fp: str, state: str, reason: str = "", entry: bool = 
             "entry": f"/cache/v1/{program}/{fp * 32}" if entry else None}
 
 
-def _record(seconds: float, outcome: str = "ok", weights: str = "MAP", pid: int = 4000) -> dict:
-    return {"model": "/models/tiny", "outcome": outcome, "pid": pid, "started": NOW - 600 + pid % 100, "phases": {
-        "check": {"seconds": 0.05}, "programs": {"seconds": seconds, "counts": {"HIT": 12},
-                                                  "programs": {"layer.sliding.prefill": "HIT"}},
+# what makes the fakes' launches alike (runtime.launch.history.SETTINGS)
+SETTINGS = {"model": "/models/tiny", "backend": "eager", "device": "cpu", "ranks": 1, "max_seq": 64,
+            "sidecar": True, "sidecar_path": "/models/tiny/dsv4-packed.r1.safetensors"}
+
+
+def record(seconds: float, outcome: str = "ok", weights: str = "MAP", pid: int = 4000, program: str = "HIT",
+           **settings) -> dict:
+    """A launch-history record of the fakes' settings (`settings` overrides some)."""
+    return {**SETTINGS, **settings, "outcome": outcome, "pid": pid, "started": NOW - 600 + pid % 100, "phases": {
+        "check": {"seconds": 0.05}, "programs": {"seconds": seconds, "counts": {program: 12},
+                                                  "programs": {"layer.sliding.prefill": program}},
         "weights": {"seconds": 0.2, "path": weights}, "upload": {"seconds": 0.01, "zero_copy": True},
         "kv": {"seconds": 0.01, "slots": 4, "slot_bytes": 1 << 20, "max_seq": 64},
         "validate": {"seconds": 0.3, "health": "ok"}, "serve": {"seconds": 0.1, "url": "http://127.0.0.1:1234"}}}
@@ -65,7 +72,7 @@ def snapshot(*, starving: bool = False) -> Snapshot:
     host = HostSnapshot(23.5, (20.0, 27.0), (0.5, 0.7, 0.9), 16 << 30, 9 << 30, 4 << 30, 12e6, 3e6,
                         {"cpu": history, "mem_available": history, "read": history, "write": history})
     device = device_snapshot(used=(16 << 30) if starving else (8 << 30))
-    registration = RegistrationSnapshot(_record(2.5, weights="REPACK", pid=4101), _record(0.4, pid=4002), {
+    registration = RegistrationSnapshot(record(2.5, pid=4101, program="MISS"), record(0.4, pid=4002), {
         "check": "contract check", "programs": "HIT 1 MISS 1 STALE 1 CORRUPT 1", "weights": "MAP",
         "upload": "zero-copy (cpu)", "validate": "decode check", "serve": "HTTP",
         "kv": f"{device.slots} slots of 1.0 MiB" if device.slots else f"FAIL: {device.budgets[0]['problem']}"},
@@ -79,7 +86,8 @@ def snapshot(*, starving: bool = False) -> Snapshot:
         "engine": {"steps": 812, "mean_batch": 12.4, "acceptance": 0.61}},))
     plan = {"model": "/models/tiny", "programs": list(programs.entries), "sidecar": sidecars.sidecars[0],
             "kv": {"slots": device.slots, "fits": device.fits, "slot_bytes": 1 << 20, "max_slots": 32},
-            "predicted": registration.predicted, "problems": []}
+            "predicted": registration.predicted, "problems": [],
+            "like": {"settings": SETTINGS, "compiles": True, "weights": "MAP"}}
     return Snapshot(NOW, {"model": "/models/tiny"}, programs, sidecars, host, device, registration, services,
                     plan, cache_snapshot())
 

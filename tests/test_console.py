@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from console_fakes import SPEC, FakeCollectors, fake_app, snapshot
+from console_fakes import SPEC, FakeCollectors, fake_app, record, snapshot
 from textual.widgets import DataTable
 
 from console.tui.app import MUTATING, Dsv4Console
@@ -64,15 +64,20 @@ def test_collect_device_warns_when_residual_usage_starves_the_kv_cache():
 
 
 def test_prediction_renders_the_plan_and_names_the_launches_it_compares_with():
+    """Only launches like the plan's are named: the same settings for best warm, the same paths
+    too for the one compared; an eager launch or another --max-seq never."""
     s = snapshot()
     spec = SPEC.with_(backend="auto")
-    history = [s.registration.previous, s.registration.best_warm]
+    like, warm = s.registration.previous, s.registration.best_warm
+    history = [like, warm, record(0.01, pid=4003, backend="export"), record(0.3, pid=4004, max_seq=512, program="MISS")]
     pred = predict(spec, history, s.plan, s.device)
     assert pred.prediction["programs"] == "HIT 1 MISS 1 STALE 1 CORRUPT 1"
     assert pred.prediction["weights"] == "MAP"
     assert pred.prediction["kv"] == "32 slots of 1.0 MiB"
     assert pred.predicted == s.plan["predicted"]
-    assert pred.best_warm is not None and pred.previous is history[-1]
+    assert pred.best_warm is warm and pred.previous is like and pred.earlier is None
+    assert pred.basis.startswith("from the last launch with these settings and paths")
+    assert predict(spec, history, {**s.plan, "like": None}, s.device).previous is None  # a failed plan: none
     starving = {**s.plan, "kv": {"problem": "not even one KV slot fits"}, "problems": ["check: config.json: bad"]}
     pred = predict(spec, [], starving, s.device)
     assert pred.prediction["kv"].startswith("FAIL") and pred.prediction["check"] == "FAIL: config.json: bad"
@@ -201,3 +206,34 @@ def test_registration_shows_programs_by_tier_until_every_swap():
     assert launch.tier_line == "programs: eager 1 · compiled 1"
     launch.apply(Event("programs", "log", message="b: compiled tier swapped in", detail={"program": "b", "tier": "compiled"}))
     assert launch.tier_line == ""
+
+
+@pytest.mark.asyncio
+async def test_a_finished_launch_shows_its_own_prediction_beside_its_actuals():
+    """The prediction made for a launch (its check event carries its plan's) stays with it,
+    whatever the console plans next: a delta per phase and a predicted-vs-actual total."""
+    from textual.widgets import Static
+
+    from runtime.events import REGISTRATION
+
+    state = LaunchState(predicted={"check": 99.0})  # what the console predicted: superseded by the launch's own
+    plan = {"predicted": {"check": 0.1, "programs": 2.0, "weights": 1.0, "upload": None, "kv": 0.1, "validate": 0.8},
+            "basis": {"check": "history", "programs": "history", "weights": "model", "upload": None, "kv": "history",
+                      "validate": "history"}, "compared": {"started": 1.0, "pid": 7}}
+    actual = {"check": 0.1, "programs": 2.5, "weights": 1.0, "upload": 0.01, "kv": 0.1, "validate": 0.8}
+    for phase in REGISTRATION:
+        state.apply(Event(phase, "start"))
+        state.apply(Event(phase, "end", seconds=actual[phase], detail={"plan": plan} if phase == "check" else {}))
+    assert state.predicted == plan["predicted"] and state.totals() == pytest.approx((4.0, 4.5))
+    app = fake_app()
+    async with app.run_test(size=(200, 50)) as pilot:
+        await pilot.pause()
+        app.launch = state
+        app._show_registration()
+        await pilot.pause()
+        summary = str(app.query_one("#registration-summary", Static).render())
+        table = app.query_one("#registration-table", DataTable)
+        cells = {str(table.get_row_at(i)[0]).split()[-1]: [str(c) for c in table.get_row_at(i)] for i in range(6)}
+    assert "predicted 4.00 s · actual 4.50 s (+12%)" in summary
+    assert "weights from recorded compile seconds and throughput" in summary and "upload unknown" in summary
+    assert "+25%" in cells["programs"] and "+0%" in cells["check"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from runtime.launch.history import is_warm, recompiled
+from runtime.launch.history import is_warm, plan_settings, recompiled
 from runtime.launch.plan import Plan, ProgramPlan, predict_seconds
 from runtime.launch.spec import LaunchSpec
 from runtime.programs.outcome import Outcome, counts
@@ -13,8 +13,16 @@ from runtime.programs.outcome import Outcome, counts
 MODEL = Path("/models/tiny")
 
 
-def _record(programs: dict[str, str], seconds: float, weights: str = "MAP", **counts_) -> dict:
-    return {"model": str(MODEL), "outcome": "ok", "ranks": 1, "phases": {
+def _plan(*states: Outcome, **spec) -> Plan:
+    return Plan(LaunchSpec(MODEL, **spec), programs=[ProgramPlan(f"p{i}", s, "f" * 64) for i, s in enumerate(states)],
+                sidecar={"verdict": "MAP"})
+
+
+LIKE = plan_settings(_plan())  # what a launch of LaunchSpec(MODEL) records
+
+
+def _record(programs: dict[str, str], seconds: float, weights: str = "MAP", settings=None, **counts_) -> dict:
+    return {**(settings or LIKE), "outcome": "ok", "phases": {
         "programs": {"seconds": seconds, "programs": programs, **({"counts": counts_} if counts_ else {})},
         "weights": {"seconds": 0.2, "path": weights}}}
 
@@ -35,10 +43,22 @@ def test_a_launch_that_replaced_a_corrupt_entry_recompiled():
 
 
 def test_a_warm_prediction_is_never_based_on_a_launch_that_compiled():
-    plan = Plan(LaunchSpec(MODEL), programs=[ProgramPlan("a", Outcome.HIT, "f" * 64), ProgramPlan("b", Outcome.HIT, "e" * 64)],
-                sidecar={"verdict": "MAP"})
+    plan = _plan(Outcome.HIT, Outcome.HIT)
     older_hot = _record({"a": "HIT", "b": "HIT"}, 0.1)
     newer_corrupt = _record({"a": "CORRUPT", "b": "HIT"}, 9.0)
     assert predict_seconds(plan, [older_hot, newer_corrupt])["programs"] == 0.1
+    assert plan.basis["programs"] == "history" and plan.compared is not None
     plan.programs[0].state = Outcome.CORRUPT  # this launch will recompile: the compiling one is its peer
     assert predict_seconds(plan, [older_hot, newer_corrupt])["programs"] == 9.0
+
+
+def test_a_prediction_never_comes_from_an_unlike_launch():
+    """An eager launch, another --max-seq, rank count or sidecar use: none predicts this one."""
+    plan = _plan(Outcome.HIT)
+    unlike = [_record({"a": "HIT"}, 0.02, settings={**LIKE, **change})
+              for change in ({"backend": "eager"}, {"max_seq": 512}, {"ranks": 2}, {"sidecar": False},
+                             {"model": "/models/other"})]
+    unlike.append({k: v for k, v in _record({"a": "HIT"}, 0.02).items() if k != "max_seq"})  # an older record
+    predicted = predict_seconds(plan, unlike)
+    assert predicted["programs"] is None and plan.basis["programs"] is None and plan.compared is None
+    assert predicted["weights"] is None  # the sidecar verdict gives no estimate here either

@@ -32,6 +32,7 @@ def spec_of(args: argparse.Namespace, command: str):
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from runtime.launch.history import basis_line
     from runtime.launch.plan import make_plan
 
     plan = make_plan(spec_of(args, PLAN))
@@ -53,7 +54,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"kv: {kv['detail']}")
     print(f"ready: {plan.ready}" + (" (--ready auto)" if plan.spec.ready == "auto" else ""))
     predicted = ", ".join(f"{k} {v:.2f} s" for k, v in plan.predicted.items() if v is not None)
-    print(f"predicted: {predicted or 'no comparable launch in the history'}")
+    print(f"predicted: {predicted or '-'} ({basis_line(plan.basis, plan.compared)})")
     for problem in plan.problems:
         print(f"problem: {problem}")
     return 1 if plan.problems else 0

@@ -1,32 +1,101 @@
 """The launch history's records: what one line says about a launch, written once, read by the
-plan's predictions and the console (torch-free; the file itself is `store.history`'s)."""
+plan's predictions and the console (torch-free; the file itself is `store.history`'s).
+
+Launches are compared like with like: `comparable` is the one matcher (the plan's predictions,
+the console's "compared" and "best warm" launch). Two launches are alike when their settings
+are — model, backend and device as resolved, ranks, max_seq, sidecar use and path — and, for the
+programs and weights phases, when they took the same path there (compiled something or not,
+MAP or REPACK). A record without a setting (one an older dsv4 wrote) is like nothing.
+"""
 
 from __future__ import annotations
 
 import os
 import socket
 import time
+from dataclasses import dataclass
 from typing import Any
 
-from runtime.events import PHASES
+from runtime.events import PHASES, Phase
 from runtime.programs.outcome import Outcome
 from store import history
 from store.sidecar import MAP
 
+SETTINGS = ("model", "backend", "device", "ranks", "max_seq", "sidecar", "sidecar_path")
+
+
+def settings(spec, device: str, backend: str, sidecar_path: str | None = None) -> dict[str, Any]:
+    """What makes two launches alike (SETTINGS), as a record keeps it."""
+    from store.sidecar import default_sidecar_path
+
+    path = sidecar_path or str(default_sidecar_path(spec.model, spec.ranks))
+    return {"model": str(spec.model), "backend": backend, "device": device, "ranks": spec.ranks,
+            "max_seq": spec.max_seq, "sidecar": spec.use_sidecar, "sidecar_path": path}
+
+
+def plan_settings(plan) -> dict[str, Any]:
+    return settings(plan.spec, plan.device, plan.backend, plan.sidecar.get("path"))
+
 
 def append(spec, phases: dict[str, dict[str, Any]], started: float, outcome: str, error: str = "", *,
-           device: str, backend: str, extra: dict[str, Any] | None = None) -> None:
-    """One JSON line per launch (O_APPEND: concurrent launches never interleave). `device` and
-    `backend` as the launch resolved them (never `auto`)."""
+           device: str, backend: str, predicted: dict[str, Any] | None = None,
+           extra: dict[str, Any] | None = None) -> None:
+    """One JSON line per launch (O_APPEND: concurrent launches never interleave): its settings
+    (`device` and `backend` as the launch resolved them, never `auto`), every phase's record,
+    and the prediction made for it."""
     from runtime.model.config import synthetic_preset
 
     history.append({
         "v": 1, "started": round(started, 3), "ended": round(time.time(), 3), "host": socket.gethostname(),
-        "pid": os.getpid(), "model": str(spec.model), "preset": synthetic_preset(spec.model), "device": device,
-        "backend": backend, "cache_dir": str(spec.kernel_cache_dir or ""), "sidecar": spec.use_sidecar,
-        "ranks": spec.ranks, "max_seq": spec.max_seq, "outcome": outcome, "error": error, "phases": phases,
-        **(extra or {}),
+        "pid": os.getpid(), **settings(spec, device, backend), "preset": synthetic_preset(spec.model),
+        "cache_dir": str(spec.kernel_cache_dir or ""), "outcome": outcome, "error": error, "phases": phases,
+        "predicted": predicted or {}, **(extra or {}),
     })
+
+
+@dataclass(frozen=True)
+class Likeness:
+    """What a launch must share with another to predict it: its settings, and its paths (whether
+    it compiles anything, MAP or REPACK). The plan makes it (`likeness`) and carries it in its
+    JSON, so the console compares by the very same value."""
+
+    settings: dict[str, Any]
+    compiles: bool
+    weights: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"settings": self.settings, "compiles": self.compiles, "weights": self.weights}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any] | None) -> Likeness | None:
+        try:
+            return cls(dict(data["settings"]), bool(data["compiles"]), str(data["weights"]))
+        except (TypeError, KeyError, ValueError):
+            return None
+
+    def same_paths(self, record: dict[str, Any]) -> bool:
+        return recompiled(record) == self.compiles and weights_path(record) == self.weights
+
+
+def likeness(plan) -> Likeness:
+    return Likeness(plan_settings(plan), not plan.all_hit(), plan.weights_path())
+
+
+def comparable(history: list[dict[str, Any]], like: Likeness | None, phase: str | None = None) -> list[dict[str, Any]]:
+    """The successful launches like `like` (oldest first): the same settings and, for `phase`
+    programs or weights, the same path through it; [] for no likeness (a plan that failed)."""
+    if like is None:
+        return []
+    out = []
+    for record in history:
+        if record.get("outcome") != "ok" or any(record.get(k) != v for k, v in like.settings.items()):
+            continue
+        if phase == Phase.PROGRAMS and recompiled(record) != like.compiles:
+            continue
+        if phase == Phase.WEIGHTS and weights_path(record) != like.weights:
+            continue
+        out.append(record)
+    return out
 
 
 def program_outcomes(record: dict[str, Any]) -> dict[str, str]:
@@ -62,3 +131,21 @@ def launch_seconds(record: dict[str, Any]) -> float:
     """The seconds of every phase the launch ran, through serve."""
     phases = record.get("phases") or {}
     return sum(float((phases.get(p) or {}).get("seconds") or 0) for p in PHASES)
+
+
+def basis_line(basis: dict[str, str | None], compared: dict[str, Any] | None) -> str:
+    """Where the predicted seconds come from, in words: a like launch, a cost model, or nothing."""
+    modelled = [phase for phase, b in basis.items() if b == "model"]
+    unknown = [phase for phase, b in basis.items() if b is None]
+    if compared is not None:
+        head = "from the last launch with these settings and paths"
+    elif any(b == "history" for b in basis.values()):
+        head = "from like launches, phase by phase"
+    else:
+        head = "no comparable launch"
+    parts = [head]
+    if modelled:
+        parts.append(f"{', '.join(modelled)} from recorded compile seconds and throughput")
+    if unknown:
+        parts.append(f"{', '.join(unknown)} unknown until a launch with these settings")
+    return "; ".join(parts)

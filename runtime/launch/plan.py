@@ -57,6 +57,8 @@ class Plan:
     keys: dict[str, Any] = field(default_factory=dict, repr=False)  # program → live Key
     cache: Any = field(default=None, repr=False)  # the KernelCache the states were judged in
     hits: dict[str, Any] = field(default_factory=dict, repr=False)  # program → verified Hit (kept bytes)
+    basis: dict[str, str | None] = field(default_factory=dict)  # phase → "history" | "model" | None
+    compared: dict[str, Any] | None = None  # the newest like launch (started, pid), or None
 
     @property
     def model(self) -> str:
@@ -86,7 +88,9 @@ class Plan:
         return {
             "model": self.model, "spec": spec, "device": self.device, "backend": self.backend, "ready": self.ready,
             "programs": [asdict(p) for p in self.programs], "sidecar": self.sidecar, "kv": self.kv,
-            "predicted": self.predicted, "problems": self.problems, "seconds": round(self.seconds, 4),
+            "predicted": self.predicted, "basis": self.basis, "compared": self.compared,
+            "like": records.likeness(self).to_json(),
+            "problems": self.problems, "seconds": round(self.seconds, 4),
         }
 
 
@@ -223,26 +227,42 @@ def _kv(plan: Plan) -> dict[str, Any]:
 
 
 def predict_seconds(plan: Plan, history: list[dict[str, Any]]) -> dict[str, float | None]:
-    """Seconds per phase, from the newest successful launch of this model with as many ranks
-    that took the same paths (compiled nothing or compiled, weights MAP or REPACK); None where none did."""
-    mine = [r for r in history if r.get("model") == plan.model and r.get("outcome") == "ok"
-            and r.get("ranks", 1) == plan.spec.ranks]
-    compiles = not plan.all_hit()
-    weights = plan.weights_path()
+    """Seconds per phase (and `plan.basis`: where each figure comes from). From the newest launch
+    like this one (`runtime.launch.history.comparable`: same settings, same path through the
+    phase); where there is none, from a model of the phase's cost — the compile seconds the
+    kernel cache's manifests record for the programs to compile, the sidecar's read or pack
+    time — and None where nothing can say. Never from an unlike launch."""
+    like = records.likeness(plan)
     out: dict[str, float | None] = {}
     for phase in REGISTRATION:
-        value = None
-        for record in reversed(mine):
-            if phase == Phase.PROGRAMS and records.recompiled(record) != compiles:
-                continue
-            if phase == Phase.WEIGHTS and records.weights_path(record) != weights:
-                continue
+        value, basis = None, None
+        for record in reversed(records.comparable(history, like, phase)):
             seconds = ((record.get("phases") or {}).get(phase) or {}).get("seconds")
             if isinstance(seconds, int | float):
-                value = float(seconds)
+                value, basis = float(seconds), "history"
                 break
-        out[phase] = value
-    if out.get(Phase.WEIGHTS) is None:
-        key = "predicted_read_s" if weights == MAP else "predicted_pack_s"
-        out[Phase.WEIGHTS] = plan.sidecar.get(key)
+        if value is None:
+            value = _modelled(plan, phase)
+            basis = "model" if value is not None else None
+        out[phase], plan.basis[phase] = value, basis
+    same = [r for r in records.comparable(history, like) if like.same_paths(r)]
+    plan.compared = {"started": same[-1].get("started"), "pid": same[-1].get("pid")} if same else None
     return out
+
+
+def _modelled(plan: Plan, phase: str) -> float | None:
+    """A phase's seconds from what it will do, without a like launch: compiles by the seconds
+    their programs' last manifests record, spread over the pool's workers; the weights by the
+    sidecar verdict's read or pack estimate."""
+    if phase == Phase.WEIGHTS:
+        return plan.sidecar.get("predicted_read_s" if plan.weights_path() == MAP else "predicted_pack_s")
+    if phase != Phase.PROGRAMS or plan.cache is None or plan.all_hit():
+        return None
+    from runtime.programs.pool import compile_history, default_jobs
+
+    compiling = [p.program for p in plan.programs if p.state.compiles]
+    known = compile_history(plan.cache.root, compiling)
+    if len(known) < len(compiling):
+        return None  # a program never compiled here: no figure beats a guess
+    seconds = [known[name][0] for name in compiling]
+    return max(max(seconds), sum(seconds) / (plan.spec.jobs or default_jobs()))

@@ -63,7 +63,7 @@ class Launched:
     def record(self, started: float, outcome: str, error: str = "", **extra: Any) -> None:
         """This launch's line in the launch history."""
         history.append(self.spec, self.phases, started, outcome, error, device=self.plan.device,
-                       backend=self.plan.backend, extra=extra)
+                       backend=self.plan.backend, predicted=self.plan.predicted, extra=extra)
 
     def close(self) -> None:
         """Release device memory and the sidecar mapping; rank 0 of several tells the others to stop."""
@@ -101,6 +101,7 @@ def register(spec: LaunchSpec, emitter: Emitter, *, rank_env=None, record: bool 
         if record and rank == 0:
             device, backend = resolved(spec, phases.plan)
             history.append(spec, phases.records, started, "error", why(e), device=device, backend=backend,
+                           predicted=phases.plan.predicted if phases.plan is not None else None,
                            extra={"failed_phase": phases.failed})
         raise
     launched.phases = phases.records

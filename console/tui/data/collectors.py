@@ -20,7 +20,7 @@ from console.tui.data.cache import CacheSnapshot
 from console.tui.data.host import DeviceSnapshot, HostCollector, HostSnapshot, collect_device
 from console.tui.data.plan_watch import PlanWatch
 from console.tui.data.services import ServicesSnapshot, collect_services
-from runtime.launch.history import is_warm, launch_seconds
+from runtime.launch.history import Likeness, basis_line, comparable, is_warm, launch_seconds
 from runtime.launch.spec import LaunchSpec
 from runtime.programs.outcome import Outcome
 from store import sidecar as sc
@@ -139,9 +139,12 @@ def _size(path: Path) -> int:
 
 def predict(spec: LaunchSpec, history: list[dict[str, Any]], plan: dict[str, Any],
             device: DeviceSnapshot) -> RegistrationSnapshot:
-    """The plan's path for each phase in words, with the launches it is compared with."""
-    mine = [r for r in history if r.get("model") == str(spec.model)]
-    warm = [r for r in mine if is_warm(r)]
+    """The plan's path for each phase in words, with the launches it is compared with: only
+    launches like it (`runtime.launch.history.comparable`, the plan's own matcher)."""
+    like = Likeness.from_json(plan.get("like"))
+    alike = comparable(history, like)
+    same = [r for r in alike if like.same_paths(r)] if like else []
+    warm = [r for r in alike if is_warm(r)]
     pred: dict[str, str] = {}
     problems = plan.get("problems", [])
     check = next((p for p in problems if p.startswith("check:")), "")
@@ -163,11 +166,12 @@ def predict(spec: LaunchSpec, history: list[dict[str, Any]], plan: dict[str, Any
     pred["validate"] = "decode check"
     pred["serve"] = "HTTP"
     predicted = dict(plan.get("predicted") or {})
-    basis = "the plan of the next launch (runtime.launch.plan)"
-    if not any(v is not None for v in predicted.values()):
-        basis += "; no comparable launch in the history for seconds"
-    return RegistrationSnapshot(mine[-1] if mine else None, min(warm, key=launch_seconds) if warm else None,
-                                pred, basis, mine[-2] if len(mine) > 1 else None, predicted)
+    return RegistrationSnapshot(same[-1] if same else None, min(warm, key=launch_seconds) if warm else None,
+                                pred, basis_line(plan.get("basis") or {}, same[-1] if same else None),
+                                same[-2] if len(same) > 1 else None, predicted)
+
+
+
 
 
 def _sample(path: str | None):

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from runtime.events import PHASES, Event
+from runtime.launch.history import basis_line
 
 PENDING, RUNNING, DONE, FAILED = "pending", "running", "done", "error"
 # a program's log events (`programs` phase) say `queued`, `compiling`, then one of these
@@ -139,6 +140,14 @@ class RankProgress:
     message: str = ""  # the error, when it failed
 
 
+def delta(actual: float | None, predicted: float | None) -> str:
+    """`+12 %`, `−3 %`; "" when either is unknown (or the prediction is zero)."""
+    if actual is None or not predicted:
+        return ""
+    change = (actual - predicted) / predicted
+    return f"{'+' if change >= 0 else '−'}{abs(change):.0%}"
+
+
 RANK0_ONLY = frozenset({"serve"})  # phases only rank 0 runs
 
 
@@ -187,10 +196,30 @@ class LaunchState:
             self._apply_rank(event)
         elif not (event.kind == "error" and self.ranks and self._rank_died(event)):
             step(self.phases, self.now, self.pool, self.order, event)
+        if event.kind == "end" and event.phase == "check" and event.rank in (None, 0):
+            self._planned(event.detail.get("plan"))
         if event.kind == "end" and event.phase == "serve":
             self.url = event.detail.get("url", "")
         elif event.kind == "error":
             self.error = _by_rank(event.rank, event.message or "failed")
+
+    def _planned(self, plan: Any) -> None:
+        """The prediction this launch's own plan made (its check event carries it): what its
+        actuals are compared with, whatever plan the console makes next."""
+        if isinstance(plan, dict) and isinstance(plan.get("predicted"), dict):
+            self.predicted = dict(plan["predicted"])
+            self.basis = basis_line(plan.get("basis") or {}, plan.get("compared"))
+
+    def totals(self) -> tuple[float, float] | None:
+        """(predicted, actual) seconds over the phases that finished with a prediction, once the
+        launch is through registration; None before, or when nothing was predicted."""
+        from runtime.events import REGISTRATION
+
+        if any(self.phases[p].state not in (DONE, FAILED) for p in REGISTRATION):
+            return None
+        both = [(self.predicted.get(p), self.phases[p].seconds) for p in REGISTRATION]
+        both = [(float(a), float(b)) for a, b in both if a is not None and b is not None]
+        return (sum(a for a, _ in both), sum(b for _, b in both)) if both else None
 
     def _apply_rank(self, event: Event) -> None:
         track = self.ranks.setdefault(event.rank, Track())

@@ -14,7 +14,7 @@ from textual.widgets import Static
 from console.tui import fmt
 from console.tui.data.collectors import RegistrationSnapshot
 from console.tui.data.eta import Progress
-from console.tui.data.launch_state import DONE, FAILED, RUNNING, LaunchState, path_taken
+from console.tui.data.launch_state import DONE, FAILED, RUNNING, LaunchState, delta, path_taken
 from console.tui.panes.base import Pane
 from console.tui.tables import Column, PaneTable
 from runtime.events import PHASES
@@ -25,6 +25,7 @@ COLUMNS = (
     Column("phase", "phase", 10, essential=True),
     Column("progress", "progress", 10, essential=True),
     Column("seconds", "s", 7, essential=True),
+    Column("delta", "vs plan", 7),
     Column("path", "path", 22),
     Column("predicted", "predicted (plan)", 30),
     Column("compared", "compared", 16),
@@ -109,8 +110,10 @@ class RegistrationPane(Pane):
                 time.time() - p.started if p and p.state == RUNNING and p.started else None)
             ahead = seconds_ahead.get(phase)
             predicted = (f"{fmt.secs(ahead)} " if ahead is not None else "") + prediction.get(phase, "")
+            done = p is not None and p.state in (DONE, FAILED)
             cells = {"phase": f"{mark} {phase}", "progress": fmt.bar(p.fraction if p else 0.0, 4),
-                     "seconds": fmt.secs(seconds), "path": p.path if p else "",
+                     "seconds": fmt.secs(seconds), "delta": delta(p.seconds if done else None, ahead),
+                     "path": p.path if p else "",
                      "predicted": predicted, "compared": _past(compared, phase),
                      "best": _past(snap.best_warm, phase)}
             rows.append({"phase": phase, "cells": cells, "path_taken": p.path if p else "",
@@ -136,13 +139,17 @@ class RegistrationPane(Pane):
                 parts.append(f"[red]{launch.error}[/]")
             if launch.tier_line:
                 parts.append(launch.tier_line)
+            if (both := launch.totals()) is not None:
+                predicted, actual = both
+                parts.append(f"predicted {predicted:.2f} s · actual {actual:.2f} s ({delta(actual, predicted)})")
         if status and not (launch and launch.stopped and "stopped" in status):
             parts.append(status)
         lines = ["  ".join(parts)] if parts else []
         lines += running
         lines.append(f"[dim]compared: {launch_name(compared)}; best warm: {launch_name(snap.best_warm)}[/]")
-        if snap.basis and not launch:
-            lines.append(f"[dim]prediction: {snap.basis}[/]")
+        basis = launch.basis if launch else snap.basis
+        if basis:
+            lines.append(f"[dim]prediction: {basis}[/]")
         self.query_one("#registration-summary", Static).update("\n".join(lines))
         per_rank = rank_lines(launch) if launch else []
         ranks = self.query_one("#registration-ranks", Static)
