@@ -164,7 +164,20 @@ async def test_launch_streams_every_phase_survives_the_console_and_a_new_console
             assert again.service.pid == pid
             rows = again.snapshot.services.services
             assert [(r["pid"], r["url"], r["health"], r["from_console"]) for r in rows] == [(pid, url, "ok", True)]
+            await pilot.press("s")  # the Services pane has no focus: nothing is stopped
+            await pilot.pause(0.3)
+            assert not isinstance(again.screen, ConfirmScreen) and psutil.pid_exists(pid)
+            again.query_one("#services-table").focus()
             await pilot.press("s")
+            await until(pilot, lambda: isinstance(again.screen, ConfirmScreen), "stop question")
+            body = again.screen.body
+            assert f"pid {pid}" in body and "this console" in body and "requests in flight: 0" in body
+            await pilot.press("enter")  # the default is No
+            await pilot.pause(0.3)
+            assert psutil.pid_exists(pid) and again.service.running
+            await pilot.press("s")
+            await until(pilot, lambda: isinstance(again.screen, ConfirmScreen), "stop question again")
+            await pilot.press("y")
             await until(pilot, lambda: not psutil.pid_exists(pid) or
                         psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, "stop")
             await until(pilot, lambda: again.launch.stopped, "stopped shown")
@@ -263,6 +276,7 @@ async def test_a_service_started_from_a_shell_is_seen_and_stopped_after_asking(t
             [row] = app.snapshot.services.services
             assert (row["pid"], row["url"], row["health"], row["from_console"]) == (shell.pid, found.url, "ok", False)
             assert app.service is None  # seen, not adopted: it is not this console's
+            app.query_one("#services-table").focus()
             await pilot.press("s")
             await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), "stop question")
             assert f"pid {shell.pid}" in app.screen.body and "a shell" in app.screen.body

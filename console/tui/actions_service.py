@@ -16,7 +16,6 @@ from textual import work
 
 from console.tui.data.launch_state import LaunchState
 from console.tui.detached import Detached
-from console.tui.panes.services import ServicesPane
 from console.tui.screens.confirm import ConfirmScreen
 from console.tui.screens.quit import LEAVE, STOP, QuitScreen
 from console.tui.workers import dsv4
@@ -87,21 +86,35 @@ class ServiceActions:
     # -- stop ---------------------------------------------------------------------------------
 
     def _do_stop(self) -> None:
-        row = self._main(ServicesPane).selected()
-        mine = self.service if self.service and self.service.running else None
-        if row is None or (mine and row["pid"] == mine.pid):
-            if mine is None:
-                self.notify("no service is running on this host")
-                return
-            self.log_line("console", f"stop: SIGTERM to pid {mine.pid}")
-            self.run_worker(self._stop(), group="stop")
+        """Stop the service selected in the Services pane, and only while that pane has focus (a
+        stray `s` elsewhere drains nothing); always after asking, No the default."""
+        table = self._main("#services-table")
+        if self.focused is not table:
+            self.notify("s stops the service selected in the Services pane: tab to it, pick one, then s",
+                        severity="warning")
             return
+        row = table.selected()
+        if row is None:
+            self.notify("no service is running on this host")
+            return
+        mine = self.service is not None and self.service.running and row["pid"] == self.service.pid
         target = _service(row)
-        self.push_screen(ConfirmScreen("Stop this service?", f"pid {target.pid} {target.url or target.state}\n"
-                                       f"model {target.model}\nstarted by "
-                                       f"{'a console' if row['from_console'] else 'a shell'}; SIGTERM, "
-                                       f"then SIGKILL after {self.stop_timeout:.0f} s."),
-                         lambda yes: self._stop_other(target) if yes else None)
+        origin = "this console" if mine else "a console" if row["from_console"] else "a shell"
+        in_flight = row.get("in_flight")
+        body = (f"pid {target.pid} {target.url or target.state}\nmodel {target.model}\nstarted by {origin}\n"
+                f"requests in flight: {'unknown' if in_flight is None else in_flight} (they are drained first)\n"
+                f"SIGTERM, then SIGKILL after {self.stop_timeout:.0f} s.")
+
+        def confirmed(yes: bool | None) -> None:
+            if not yes:
+                self.log_line("console", f"stop: cancelled, pid {target.pid} left running")
+            elif mine:
+                self.log_line("console", f"stop: SIGTERM to pid {target.pid}")
+                self.run_worker(self._stop(), group="stop")
+            else:
+                self._stop_other(target)
+
+        self.push_screen(ConfirmScreen("Stop this service?", body), confirmed)
 
     async def _stop(self) -> None:
         if self.service:

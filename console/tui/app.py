@@ -72,7 +72,7 @@ class Dsv4Console(JobActions, ServiceActions, App):
         Binding("l", "mutate('launch')", "Launch", id="launch",
                 tooltip="dsv4 serve on --host/--port, detached (see Registration)"),
         Binding("s", "mutate('stop')", "Stop", id="stop",
-                tooltip="stop the selected service (SIGTERM, SIGKILL after a timeout)"),
+                tooltip="stop the service selected in Services (that pane focused; asks first)"),
     ]
 
     def __init__(self, spec: LaunchSpec, *, collectors: Any | None = None, readonly: bool = False,

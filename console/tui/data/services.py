@@ -19,8 +19,8 @@ class ServicesSnapshot:
 
 
 def health(url: str, timeout: float = HEALTH_TIMEOUT) -> tuple[str, dict[str, Any]]:
-    """`ok`, `HTTP <status>` or `no answer` from GET <url>/health, and the engine figures it
-    reports (decode steps, mean batch, MTP acceptance; {} when it says none)."""
+    """`ok`, `HTTP <status>` or `no answer` from GET <url>/health, and the body it answered
+    ({} when none): engine figures, slots, free slots, queued."""
     import http.client  # lazily: not on the first paint's path
     import json
     import urllib.parse
@@ -32,23 +32,33 @@ def health(url: str, timeout: float = HEALTH_TIMEOUT) -> tuple[str, dict[str, An
     try:
         conn.request("GET", "/health")
         response = conn.getresponse()
-        body = response.read(1 << 16)
-        engine = {}
-        with contextlib.suppress(ValueError, AttributeError):
-            engine = dict(json.loads(body).get("engine") or {})
-        return ("ok" if response.status == 200 else f"HTTP {response.status}"), engine
+        raw = response.read(1 << 16)
+        body: dict[str, Any] = {}
+        with contextlib.suppress(ValueError, TypeError):
+            body = dict(json.loads(raw))
+        return ("ok" if response.status == 200 else f"HTTP {response.status}"), body
     except (OSError, http.client.HTTPException):
         return "no answer", {}
     finally:
         conn.close()
 
 
+def in_flight(body: dict[str, Any]) -> int | None:
+    """Requests holding a slot or waiting for one, from a /health body (None: it did not say)."""
+    try:
+        return int(body["slots"]) - int(body["free_slots"]) + int(body["queued"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
 def collect_services() -> ServicesSnapshot:
     try:
         rows = []
         for s in services.running():
-            status, engine = health(s.url) if s.url else (s.state, {})
-            rows.append({**s.to_json(), "from_console": s.from_console, "health": status, "engine": engine})
+            status, body = health(s.url) if s.url else (s.state, {})
+            rows.append({**s.to_json(), "from_console": s.from_console, "health": status,
+                         "engine": body.get("engine") if isinstance(body.get("engine"), dict) else {},
+                         "in_flight": in_flight(body)})
         return ServicesSnapshot(tuple(rows))
     except Exception as e:  # a collector never takes the console down
         return ServicesSnapshot(error=f"{type(e).__name__}: {e}")
