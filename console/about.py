@@ -18,6 +18,28 @@ ENVIRONMENT = """environment:
   NO_COLOR               no colours"""
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's own wrapping, except for the environment table, which keeps its columns."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if text.startswith("environment:"):
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
+
+
+def with_environment(parser: argparse.ArgumentParser) -> None:
+    """Every command's --help ends with the environment it reads (ENVIRONMENT), once."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                with_environment(sub)
+    if ENVIRONMENT in (parser.epilog or ""):
+        return
+    parser.epilog = f"{parser.epilog}\n\n{ENVIRONMENT}" if parser.epilog else ENVIRONMENT
+    if parser.formatter_class is argparse.HelpFormatter:
+        parser.formatter_class = HelpFormatter
+
+
 def version() -> str:
     from importlib.metadata import PackageNotFoundError
     from importlib.metadata import version as dist_version

@@ -31,12 +31,18 @@ def test_every_field_has_one_flag_and_a_sample():
 
 
 @pytest.mark.parametrize("command", COMMANDS)
-def test_every_flag_of_every_command_round_trips_through_argv(command):
+def test_every_flag_of_every_command_round_trips_through_argv(command, tmp_path):
     own = {f.field for f in FLAGS if command in f.commands}
-    spec = LaunchSpec(**{k: v for k, v in SAMPLES.items() if k in own})
+    spec = LaunchSpec(**{k: v for k, v in {**SAMPLES, "model": tmp_path}.items() if k in own})
     if command not in (S.SERVE, S.CONSOLE, S.PLAN):
         spec = spec.with_(ready=DEFAULTS.ready)
     assert parse(spec.argv(command), command) == spec
+
+
+def test_a_model_that_is_a_file_is_one_line(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(UserError, match="config.json: not a directory; point at a checkpoint directory"):
+        parse([str(tmp_path / "config.json")], S.PLAN)
 
 
 def test_argv_leaves_defaults_out_and_says_each_setting_once():
@@ -46,11 +52,11 @@ def test_argv_leaves_defaults_out_and_says_each_setting_once():
     assert LaunchSpec(Path("/m"), ready="auto").argv(S.CONSOLE) == ["--model", "/m"]  # auto is the console's default
 
 
-def test_parsers_take_their_defaults_from_the_spec():
+def test_parsers_take_their_defaults_from_the_spec(tmp_path):
     for command in COMMANDS:
         parser = argparse.ArgumentParser()
         add_flags(parser, command)
-        args = parser.parse_args([] if command != S.PREPACK else ["/m"])
+        args = parser.parse_args([] if command != S.PREPACK else [str(tmp_path)])
         spec = from_args(args, command)
         for f in FLAGS:
             if command in f.commands and f.field != "model":
@@ -64,6 +70,7 @@ def test_parsers_take_their_defaults_from_the_spec():
     (["--max-seq", "8"], "--max-seq 8 is out of range"),
     (["--ready", "early", "--ranks", "2"], "--ready early serves one rank only"),
     (["--events", "/no/such/dir/events.jsonl"], "--events /no/such/dir/events.jsonl: directory /no/such/dir does not exist"),
+    (["/no/such/model"], "/no/such/model: no such directory; point at a checkpoint directory"),
 ])
 def test_a_bad_setting_is_one_line(argv, says):
     with pytest.raises(UserError) as e:
@@ -80,10 +87,11 @@ def test_under_torchrun_ranks_is_the_world_size_and_must_agree():
         from_args(parser.parse_args(["--ranks", "2"]), S.SERVE, world=4)
 
 
-def test_what_a_two_rank_console_runs_carries_its_ranks():
+def test_what_a_two_rank_console_runs_carries_its_ranks(tmp_path):
     """`w` compiles, `l` launches and `p` packs for the ranks the console was started with, and
     `l` never asks for what `dsv4 serve` refuses (--ready early with ranks)."""
-    console = S.parse(["--model", "/m", "--ranks", "2", "--max-seq", "512", "--kernel-cache-dir", "/k"], S.CONSOLE)
+    console = S.parse(["--model", str(tmp_path), "--ranks", "2", "--max-seq", "512", "--kernel-cache-dir", "/k"],
+                      S.CONSOLE)
     assert console.ready == "auto"
     for command in (S.COMPILE, S.SERVE):
         assert parse(console.argv(command), command).ranks == 2

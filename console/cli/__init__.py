@@ -25,7 +25,7 @@ GROUPS = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from console.about import ENVIRONMENT, VersionAction
+    from console.about import ENVIRONMENT, VersionAction, with_environment
 
     parser = argparse.ArgumentParser(
         prog="dsv4",
@@ -49,8 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     completion = sub.add_parser("completion", help="print a shell completion script (bash, zsh, tcsh)",
                                 description="Print the completion script for SHELL; e.g. "
                                 "`eval \"$(dsv4 completion bash)\"` in ~/.bashrc.")
-    completion.add_argument("shell", choices=("bash", "zsh", "tcsh"))
+    completion.add_argument("shell", choices=("bash", "zsh", "tcsh"), help="the shell to complete for")
     completion.set_defaults(func=lambda args: _completion(parser, args.shell))
+    with_environment(parser)
     return parser
 
 

@@ -62,8 +62,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     start.add_argument("--setups", default=",".join(SETUPS),
                        help=f"comma-separated set-ups to run (default all: {','.join(SETUPS)})")
-    start.add_argument("--preset", choices=("tiny", "small", "medium"), default="small")
-    start.add_argument("--backend", choices=("aoti", "export"), default="aoti")
+    start.add_argument("--preset", choices=("tiny", "small", "medium"), default="small",
+                       help="synthetic checkpoint to measure on (default %(default)s)")
+    start.add_argument("--backend", choices=("aoti", "export"), default="aoti",
+                       help="program backend of every set-up (default %(default)s)")
     start.add_argument("--json", action="store_true", help="print one JSON object")
     start.set_defaults(func=_startup)
 
@@ -92,7 +94,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     from bench.ranks_bench import RANKS  # light: torch is imported when the bench runs
 
-    ranks.add_argument("--preset", choices=("tiny", "small"), default="small")
+    ranks.add_argument("--preset", choices=("tiny", "small"), default="small",
+                       help="synthetic checkpoint to measure on (default %(default)s)")
     ranks.add_argument("--backend", choices=("export", "aoti", "eager"), default="export",
                        help="program backend of every launch (compiled by the first launch needing a key)")
     ranks.add_argument("--ranks", default=",".join(map(str, RANKS)),

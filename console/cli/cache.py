@@ -12,7 +12,6 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
-from console.about import ENVIRONMENT
 from console.cli.output import confirm, print_json, print_table
 from runtime.launch.spec import CACHE, add_flags, from_args
 from store import kernel_cache as kc
@@ -20,11 +19,13 @@ from store.errors import UserError
 from store.paths import DEFAULT_KERNEL_CACHE_MAX_SIZE, kernel_cache_dir, kernel_cache_limit
 from store.units import format_age, format_size, parse_size
 
-PURGE_SELECTIONS = {
-    "stale": lambda e: e.state == kc.STALE,
-    "corrupt": lambda e: e.state in (kc.CORRUPT, kc.QUARANTINED),
-    "partial": lambda e: e.state == kc.PARTIAL,
-    "all": lambda e: True,
+PURGE_SELECTIONS = {  # --NAME: (which entries, what --help says of them)
+    "stale": (lambda e: e.state == kc.STALE, "entries built by another toolchain or from other source: never "
+              "usable again (with --model: what that checkpoint's plan calls stale or corrupt)"),
+    "corrupt": (lambda e: e.state in (kc.CORRUPT, kc.QUARANTINED),
+                "entries that fail to read or verify, and quarantined ones"),
+    "partial": (lambda e: e.state == kc.PARTIAL, "staging dirs of writers that are gone"),
+    "all": (lambda e: True, "every entry"),
 }
 
 
@@ -44,8 +45,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     purge = _action(sub, "purge", _purge, "delete entries (safe while other processes read)")
     which = purge.add_mutually_exclusive_group(required=True)
-    for name in PURGE_SELECTIONS:
-        which.add_argument(f"--{name}", action="store_const", const=name, dest="selection")
+    for name, (_, what) in PURGE_SELECTIONS.items():
+        which.add_argument(f"--{name}", action="store_const", const=name, dest="selection", help=what)
     which.add_argument("--program", metavar="P", help="every entry of one program")
     purge.add_argument("--dry-run", action="store_true", help="list what would be deleted")
     purge.add_argument("--yes", action="store_true", help="do not ask for confirmation")
@@ -57,14 +58,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _action(sub, "adopt", _adopt, "mark a kernel cache made by an older dsv4 (no marker yet) as one")
 
     why = _action(sub, "why", _why, "would PROGRAM hit now; if not, what differs")
-    why.add_argument("program", metavar="PROGRAM")
+    why.add_argument("program", metavar="PROGRAM", help="a program name, as `dsv4 cache ls` lists them")
 
 
 def _action(sub: argparse._SubParsersAction, name: str, func: Callable, help: str) -> argparse.ArgumentParser:
     p = sub.add_parser(name, help=help, description=help[0].upper() + help[1:] + ". Entries are judged "
                        "against this host's toolchain (--device); with --model also against the live keys of "
-                       "that checkpoint's programs for the launch the other flags describe.",
-                       epilog=ENVIRONMENT, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       "that checkpoint's programs for the launch the other flags describe.")
     add_flags(p, CACHE, model_help="judge entries against the live keys of this checkpoint's programs, as a "
               "launch with the same --backend, --ranks and --max-seq would")
     # The old name, kept working for scripts; not advertised.
@@ -166,7 +166,7 @@ def _purge(args: argparse.Namespace) -> int:
     if args.program:
         chosen = [e for e in entries if e.program == args.program]
     else:
-        chosen = [e for e in entries if PURGE_SELECTIONS[args.selection](e)]
+        chosen = [e for e in entries if PURGE_SELECTIONS[args.selection][0](e)]
     busy = [e for e in chosen if e.busy]
     chosen = [e for e in chosen if not e.busy]
     for e in chosen:

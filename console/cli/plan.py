@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-from console.about import ENVIRONMENT
 from console.cli.output import confirm, print_json, print_table
 from runtime.launch.spec import PLAN, SIDECAR_PURGE, add_flags, from_args
 from store.units import format_size
@@ -16,8 +15,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="What `dsv4 serve` with the same flags would do, torch-free: each program "
                        "HIT / MISS / STALE (naming the changed component) / CORRUPT, the sidecar MAP or REPACK "
                        "and why, every rank's KV budget, how --ready auto resolves, and the predicted seconds "
-                       "per phase from the launch history. Exit 1 when the plan has a problem.",
-                       epilog=ENVIRONMENT, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       "per phase from the launch history. Exit 1 when the plan has a problem.")
     add_flags(p, PLAN, model_help="checkpoint dir (default: the embedded default)")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     p.set_defaults(func=cmd_plan)

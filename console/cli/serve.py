@@ -7,7 +7,6 @@ import argparse
 import signal
 import sys
 
-from console.about import ENVIRONMENT
 from console.cli.output import print_json, print_table
 from runtime.launch.spec import COMPILE, SERVE, add_flags, from_args
 
@@ -17,15 +16,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Register the model phase by phase (check → programs ∥ weights → upload → "
                        "kv → validate → serve) and serve /health, /metrics and the OpenAI API (/v1/models, "
                        "/v1/completions, /v1/chat/completions) until SIGTERM or SIGINT, which drain. Under "
-                       "torchrun each process is one rank (--ranks defaults to WORLD_SIZE).",
-                       epilog=ENVIRONMENT, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       "torchrun each process is one rank (--ranks defaults to WORLD_SIZE).")
     add_flags(p, SERVE)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("compile", help="prepare every program through the kernel cache without launching",
                        description="Compile (or HIT) every program of the model into the kernel cache, "
-                       "so the next launch with the same settings starts warm.",
-                       epilog=ENVIRONMENT, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       "so the next launch with the same settings starts warm.")
     add_flags(p, COMPILE)
     p.add_argument("--json", action="store_true", help="print a list of {program, outcome, seconds}")
     p.set_defaults(func=cmd_compile)

@@ -10,6 +10,7 @@ and tensor names, exactly as loading would. `dsv4 prepack` writes sidecars.
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from console.cli import sidecar_read as read
@@ -122,8 +123,9 @@ def _resolve(target: str, ranks: int | None) -> Path | None:
     """The sidecar path a target names; None for a checkpoint dir without any sidecar."""
     path = Path(target).expanduser()
     if not path.is_dir():
-        if not path.parent.is_dir():
-            raise UserError(f"{path}: no such file or directory; give a sidecar or checkpoint dir")
+        if not os.path.lexists(path):
+            raise UserError(f"{path}: no sidecar there, nor a checkpoint directory; give one that exists "
+                            f"(`dsv4 prepack` creates a sidecar)")
         return path
     if ranks is not None:
         return sidecar.default_sidecar_path(path, ranks)

@@ -16,7 +16,7 @@ from console.tui.data.launch_state import ProgramStates
 from console.tui.panes.programs import ProgramsPane
 from console.tui.panes.sidecars import SidecarsPane
 from console.tui.screens.confirm import ConfirmScreen
-from console.tui.workers import Worker, dsv4
+from console.tui.workers import Worker, dsv4, shown
 from runtime.events import Event
 from runtime.launch.spec import COMPILE, PREPACK
 from store import sidecar as sc
@@ -44,7 +44,7 @@ class JobActions:
     def _start(self, name: str, argv: list[str], progress: Progress | None = None) -> Worker:
         w = Worker(name, argv, on_event=self._on_event, on_line=self._on_line)
         self.jobs[name] = w
-        self.log_line("console", f"{name}: {' '.join(argv[2:])}")
+        self.log_line("console", f"{name}: {shown(argv)}")
         self.pools.pop(name, None)
         if progress is not None:
             self.progress[name] = progress

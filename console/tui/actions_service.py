@@ -18,7 +18,7 @@ from console.tui.data.launch_state import LaunchState
 from console.tui.detached import Detached
 from console.tui.screens.confirm import ConfirmScreen
 from console.tui.screens.quit import LEAVE, STOP, QuitScreen
-from console.tui.workers import dsv4
+from console.tui.workers import dsv4, shown
 from runtime.events import Event
 from runtime.launch.spec import SERVE
 from store import services
@@ -57,12 +57,17 @@ class ServiceActions:
         # every setting the console was started with; --ready auto (its default) lets the launch's
         # own plan decide: the eager tier at once when programs would compile and one rank serves
         argv = dsv4("serve", *self.spec.with_(events=str(events)).argv(SERVE))
+        plan = (self.snapshot.plan if self.snapshot else None) or {}
+        if self.spec.ready == "auto" and plan.get("ready") == "early":  # say so: it serves eager meanwhile
+            compiling = sum(e.get("state") not in ("HIT", "EAGER") for e in plan.get("programs", ()))
+            self.notify(f"--ready auto is early here: {compiling} programs to compile; it serves on the eager "
+                        "tier meanwhile and swaps each in as it compiles", title="launch")
         self.launch = self.new_launch()
         self.status = ""
         self.service = Detached("launch", argv, on_event=self._on_event, on_line=self._on_line,
                                 log=log, events=events)
         self.jobs["launch"] = self.service
-        self.log_line("console", f"launch: {' '.join(argv[2:])}")
+        self.log_line("console", f"launch: {shown(argv)}")
         self.log_line("console", f"launch: output in {log}")
         self._show_registration()
         self.run_worker(self._finish(self.service, "launch"), group="jobs")

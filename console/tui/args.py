@@ -10,7 +10,7 @@ import sys
 import time
 from typing import Any
 
-from console.about import ENVIRONMENT, VersionAction
+from console.about import VersionAction, with_environment
 from console.tui.data.collectors import Collectors, resolved
 from runtime.launch.spec import CONSOLE, LaunchSpec, add_flags, from_args
 
@@ -20,13 +20,15 @@ def build_parser() -> argparse.ArgumentParser:
                                 "hosts: kernel cache, weight sidecars, services, host, device, registration. "
                                 "The launch flags are `dsv4 serve`'s: what the console shows is planned with "
                                 "them, and `l` launches with them (its --ready defaults to auto).",
-                                epilog=ENVIRONMENT, formatter_class=argparse.RawDescriptionHelpFormatter)
+)
     p.add_argument("--version", action=VersionAction)
     add_flags(p, CONSOLE, model_help="checkpoint dir (default: the embedded synthetic checkpoint, made on first run)")
     p.add_argument("--interval", type=float, default=2.0, metavar="SECONDS", help="refresh period (default 2)")
     p.add_argument("--readonly", action="store_true", help="refuse every mutating action")
-    p.add_argument("--once", action="store_true", help="collect once, print every pane's data as JSON, exit")
-    p.add_argument("--json", action="store_true", help="with --once: the same (JSON is what --once prints)")
+    p.add_argument("--once", action="store_true", help="collect once, print every pane's data as text, exit "
+                   "(exit 1 when there is no checkpoint to look at)")
+    p.add_argument("--json", action="store_true", help="with --once: print it as one JSON object")
+    with_environment(p)
     return p
 
 
@@ -34,19 +36,25 @@ def spec_from(args: argparse.Namespace) -> LaunchSpec:
     return resolved(from_args(args, CONSOLE))
 
 
-def once(spec: LaunchSpec, as_json: bool = True) -> dict[str, Any]:
+def once(spec: LaunchSpec, as_json: bool = False) -> dict[str, Any]:
+    """Every pane's data once, printed as text (or JSON); returns the JSON form."""
+    from console.tui.once import render
+
     collectors = Collectors(spec)
     time.sleep(0.25)  # host rates need two samples
-    data = collectors.snapshot().to_json()
+    snap = collectors.snapshot()
+    data = snap.to_json()
     if as_json:
         json.dump(data, sys.stdout, indent=2, default=str)
         sys.stdout.write("\n")
+    else:
+        print(render(snap))
     return data
 
 
-def _bad(message: str) -> int:
+def _bad(message: str, code: int = 2) -> int:
     print(f"dsv4-console: {message}", file=sys.stderr)
-    return 2
+    return code
 
 
 def run(argv: list[str] | None, app_class) -> int:
@@ -60,10 +68,14 @@ def run(argv: list[str] | None, app_class) -> int:
         state_dir(), data_dir()
         spec = spec_from(args)
     except UserError as e:  # as `dsv4` says a bad setting: one line, exit 1
-        print(f"dsv4-console: {e}", file=sys.stderr)
-        return 1
+        return _bad(str(e), 1)
     if args.once:
-        once(spec)
+        from store.checkpoint import INDEX_NAME
+
+        if not (spec.model / INDEX_NAME).is_file():  # nothing to report on: say so, and fail the script
+            hint = "" if args.model else " (the embedded default is made by `dsv4 check` or the first interactive run)"
+            return _bad(f"{spec.model}: no checkpoint there{hint}", 1)
+        once(spec, args.json)
         return 0
     from store import pagecache
 

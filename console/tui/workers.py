@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import os
 import re
+import shlex
 import signal
 import sys
 from collections import Counter, deque
@@ -55,6 +56,11 @@ class LineFilter:
 def dsv4(*args: str) -> list[str]:
     """argv of a `dsv4` subcommand run by this interpreter (no reliance on PATH)."""
     return [sys.executable, "-m", "console.cli", *args]
+
+
+def shown(argv: list[str]) -> str:
+    """A `dsv4(...)` argv as a person would type it in a shell: `dsv4 serve /models/x --ranks 2`."""
+    return shlex.join(["dsv4", *argv[3:]])
 
 
 class Worker:

@@ -137,6 +137,8 @@ def basis_line(basis: dict[str, str | None], compared: dict[str, Any] | None) ->
     """Where the predicted seconds come from, in words: a like launch, a cost model, or nothing."""
     modelled = [phase for phase, b in basis.items() if b == "model"]
     unknown = [phase for phase, b in basis.items() if b is None]
+    if basis and len(unknown) == len(basis):
+        return "no comparable launch: seconds unknown until one with these settings has run"
     if compared is not None:
         head = "from the last launch with these settings and paths"
     elif any(b == "history" for b in basis.values()):

@@ -82,7 +82,12 @@ class LaunchSpec:
         return out
 
     def check(self) -> None:
-        """One line for a setting out of range or settings that cannot go together."""
+        """One line for a setting out of range, a model that is not a directory, or settings
+        that cannot go together."""
+        if self.model is not None and not Path(self.model).expanduser().is_dir():
+            what = "no such directory" if not Path(self.model).expanduser().exists() else "not a directory"
+            raise UserError(f"{self.model}: {what}; point at a checkpoint directory (the one holding "
+                            f"config.json)")
         for flag in FLAGS:
             value = getattr(self, flag.field)
             if flag.lo is not None and value is not None and not (flag.lo <= value <= flag.hi):

@@ -198,7 +198,8 @@ def _run_pool(pool, missing: list, emitter: Emitter, phase: str,
     started = time.perf_counter()
     compiled = pool.run_or_serial(missing, on_done)
     seconds = [c.seconds for c in compiled.values()]
-    emitter.log(phase, f"compiled {len(compiled)} programs with {pool.jobs} workers", pool=True,
+    workers = f"{pool.jobs} worker" + ("s" if pool.jobs != 1 else "")
+    emitter.log(phase, f"compiled {len(compiled)} programs with {workers}", pool=True,
                 jobs=pool.jobs, compile_seconds_sum=round(sum(seconds), 3),
                 longest_s=round(max(seconds, default=0.0), 3), wall_s=round(time.perf_counter() - started, 3),
                 peak_host_used=pool.peak_host_used, floor_bytes=pool.floor_bytes,

@@ -1,0 +1,57 @@
+"""`dsv4-console --once`: every pane's data once, as text for a person (or JSON with `--json`),
+from the same snapshot the screen renders."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.text import Text
+
+from console.tui import fmt
+from console.tui.data.collectors import Snapshot
+from console.tui.panes.device import kv_lines
+from runtime.events import PHASES
+
+
+def _plain(markup: str) -> str:
+    return Text.from_markup(markup).plain
+
+
+def render(snap: Snapshot) -> str:
+    s = snap.settings
+    lines = [f"dsv4-console  model {s.get('model')}  device {s.get('device')}  backend {s.get('backend')}  "
+             f"ranks {s.get('ranks')}  max-seq {s.get('max_seq')}"]
+    programs = snap.programs
+    states = ", ".join(f"{n} {state}" for state, n in programs.totals()["by_state"].items()) or "none"
+    lines += ["", f"Programs (next launch): {states}"]
+    lines += [f"  {e['program']:<30} {e['state']:<10} {e.get('reason') or ''}".rstrip() for e in programs.entries]
+    if programs.error:
+        lines.append(f"  problem: {programs.error}")
+    cache = snap.cache
+    kinds = ", ".join(f"{state} {n}" for state, n in cache.by_state().items())
+    lines += ["", f"Kernel cache {cache.root}: {len(cache.entries)} entries, {fmt.size(cache.total_bytes)} of "
+                  f"{fmt.size(cache.limit_bytes)} gc limit" + (f" ({kinds})" if kinds else "")
+              + (f"; {cache.error}" if cache.error else "")]
+    lines += ["", "Sidecars:"]
+    for row in snap.sidecars.sidecars:
+        residency = "-" if row.get("residency") is None else f"{row['residency']:.0%} resident"
+        lines.append(f"  {Path(row['path']).name:<30} {row['next_launch']:<22} {residency}  {row.get('detail') or ''}"
+                     .rstrip())
+    if snap.sidecars.error:
+        lines.append(f"  {snap.sidecars.error}")
+    lines += ["", "Services:" if snap.services.services else "Services: none running on this host"]
+    lines += [f"  pid {r['pid']}  {r['url'] or r['state']}  {r['health']}  {r['model']}" for r in snap.services.services]
+    h = snap.host
+    lines += ["", f"Host: CPU {h.cpu_percent:.1f}%  load {' '.join(map(str, h.load))}  memory available "
+                  f"{fmt.size(h.mem_available)} of {fmt.size(h.mem_total)}  page cache {fmt.size(h.page_cache)}"]
+    d = snap.device
+    lines += ["", f"Device ({d.kind} via {d.source}):"]
+    if d.error:
+        lines.append(f"  {d.error}")
+    lines += [f"  {_plain(line)}" for line in kv_lines(d)]
+    reg = snap.registration
+    lines += ["", f"Registration, next launch ({reg.basis}):" if reg.basis else "Registration, next launch:"]
+    for phase in PHASES:
+        seconds = reg.predicted.get(phase)
+        lines.append(f"  {phase:<9} {fmt.secs(seconds):>8}  {reg.prediction.get(phase, '')}")
+    return "\n".join(lines)
