@@ -118,7 +118,6 @@ class Dsv4Console(JobActions, ServiceActions, App):
 
     def on_mount(self) -> None:
         self._fit(self.size.width, self.size.height)
-        self._topbar()
         # collect after the first paint: the empty screen shows at once, data follows
         self.call_after_refresh(self.refresh_now)
         if self.interval > 0:
@@ -138,6 +137,7 @@ class Dsv4Console(JobActions, ServiceActions, App):
         screen.set_class(compact, "-compact")
         # at 80 columns the palette hint would push `s Stop` off the footer (ctrl+p still works)
         self._main(Footer).show_command_palette = not compact
+        self._topbar()
 
     def _painted(self) -> None:
         self.first_paint = time.monotonic()
@@ -153,20 +153,22 @@ class Dsv4Console(JobActions, ServiceActions, App):
     def _topbar(self) -> None:
         s = self.spec
         device = getattr(self.collectors, "device_kind", s.device)
-        parts = [f"[b]dsv4-console[/]  model [b]{s.model}[/]", f"device {device}", f"backend {s.backend}"]
-        if s.ranks > 1:
-            parts.append(f"ranks {s.ranks}")
-        if self.readonly:
-            parts.append("[b reverse] READ-ONLY [/]")
+        compact = self.screen_stack[0].has_class("-compact") if self.screen_stack else False
+        # below 120 columns: the model's name only and the service before the settings, so the port shows
+        parts = [f"[b]dsv4-console[/]  model [b]{s.model.name if compact else s.model}[/]"]
         if self.service and self.service.running:
             url = self.launch.url if self.launch and self.launch.url else "registering"
-            parts.append(f"[green]service pid {self.service.pid} {url}[/]")
+            service = f"[green]service pid {self.service.pid} {url}[/]"
         else:
-            parts.append(f"[dim]l binds {s.host}:{s.port}[/]")
+            service = f"[dim]l binds {s.host}:{s.port}[/]"
+        settings = [f"device {device}", f"backend {s.backend}"] + ([f"ranks {s.ranks}"] if s.ranks > 1 else [])
+        if self.readonly:
+            parts.append("[b reverse] READ-ONLY [/]")
+        parts += [service, *settings] if compact else [*settings, service]
         running = [n for n, w in self.jobs.items() if w.running and w is not self.service]
         if running:
             parts.append(f"[yellow]working: {', '.join(running)}[/]")
-        self._main("#topbar", Static).update("  │  ".join(parts))
+        self._main("#topbar", Static).update((" │ " if compact else "  │  ").join(parts))
 
     # -- snapshots ----------------------------------------------------------------------------
 

@@ -1,15 +1,18 @@
 """One table behaviour for every pane (k9s/nvitop habits): columns that fit the pane's width
-(essential ones always stay), sorting by any column (`o` cycles, `O` reverses, or click a
-header), the `/` filter, and "n of m" for the pane's title. Panes give rows as dicts and a
+(essential ones always stay; the last one shown takes what width is left, so text is never cut
+while space sits empty; a column whose every cell repeats another's is hidden), sorting by any
+column (`o` cycles, `O` reverses, or click a header; a column may rank its values, so problems
+sort first), the `/` filter, and "n of m" for the pane's title. Panes give rows as dicts and a
 function that renders a row's cells; Enter on a row posts the row's dict for a detail view.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
+from rich.cells import cell_len
 from rich.text import Text
 from textual.binding import Binding, BindingType
 from textual.message import Message
@@ -22,21 +25,57 @@ class Column:
     label: str
     width: int
     essential: bool = False  # kept however narrow the pane
+    repeats: str = ""  # another column's key: hidden while every row's cell here says what that one says (or nothing)
+    rank: Mapping[str, int] | None = None  # sort order of this column's values (unranked ones last)
 
 
-def fit(columns: Sequence[Column], width: int) -> list[Column]:
-    """The columns that fit `width` cells: essential ones first, then the others in order."""
-    gap = 2  # DataTable pads each cell by one on both sides
+GAP = 2  # DataTable pads each cell by one on both sides
+MARK = 2  # " ▲": the sort column's header mark
+
+
+def fit(columns: Sequence[Column], width: int, wants: Mapping[str, int] | None = None) -> list[Column]:
+    """The columns that fit `width` cells. A column needs its declared width, or less where its
+    header and every cell (`wants`: the widest, by key) are narrower; essential columns come
+    first, then the others in order while they fit. Width left over goes to the columns whose
+    text is cut, in order, and what remains to the last column shown."""
+    wants = wants or {}
+
+    def need(c: Column) -> int:
+        return min(c.width, wants[c.key]) if c.key in wants else c.width
+
     chosen = {c.key for c in columns if c.essential}
-    used = sum(c.width + gap for c in columns if c.essential)
+    used = sum(need(c) + GAP for c in columns if c.essential)
     for c in columns:
-        if c.key not in chosen and used + c.width + gap <= width:
+        if c.key not in chosen and used + need(c) + GAP <= width:
             chosen.add(c.key)
-            used += c.width + gap
-    return [c for c in columns if c.key in chosen]
+            used += need(c) + GAP
+    out = [replace(c, width=need(c)) for c in columns if c.key in chosen]
+    spare = width - used
+    for i, c in enumerate(out):
+        more = min(spare, wants.get(c.key, 0) - c.width)
+        if more > 0:
+            out[i], spare = replace(c, width=c.width + more), spare - more
+    if out and spare > 0:
+        out[-1] = replace(out[-1], width=out[-1].width + spare)
+    return out
 
 
-def _sort_value(value: Any) -> tuple[int, Any]:
+def _plain(cell: Any) -> str:
+    if isinstance(cell, Text):
+        return cell.plain
+    cell = str(cell)
+    return Text.from_markup(cell).plain if "[" in cell else cell
+
+
+def _wants(spec: Sequence[Column], rows: Sequence[dict[str, Any]], sort_key: str | None) -> dict[str, int]:
+    """Each column's widest text: its header (with the sort mark) or a cell."""
+    return {c.key: max([cell_len(c.label) + (MARK if c.key == sort_key else 0),
+                        *(cell_len(_plain(cells.get(c.key, ""))) for cells in rows)]) for c in spec}
+
+
+def _sort_value(value: Any, rank: Mapping[str, int] | None = None) -> tuple[int, Any]:
+    if rank is not None:
+        return (0, rank.get(str(value), len(rank)))
     if value is None:
         return (2, "")
     if isinstance(value, bool | int | float):
@@ -71,7 +110,7 @@ class PaneTable(DataTable):
         self.rows_all: list[dict[str, Any]] = []
         self.rows_shown: list[dict[str, Any]] = []
         self.needle = ""
-        self._fitted: tuple[str, ...] = ()
+        self._fitted: tuple[tuple[str, int], ...] = ()  # (key, width) of the columns shown
 
     def on_resize(self) -> None:
         self.render_rows()
@@ -83,32 +122,43 @@ class PaneTable(DataTable):
         return len(self.rows_shown), len(self.rows_all)
 
     def render_rows(self) -> None:
-        columns = fit(self.spec, max(self.size.width, 1) if self.size.width else 200)
-        keys = tuple(c.key for c in columns)
-        cursor = self.cursor_row
-        if keys != self._fitted:
-            self.clear(columns=True)
-            for c in columns:
-                label = c.label + (" ▼" if c.key == self.sort_key and self.reverse else
-                                   " ▲" if c.key == self.sort_key else "")
-                self.add_column(label, width=c.width, key=c.key)
-            self._fitted = keys
-        else:
-            self.clear()
         shown = []
         for row in self.rows_all:
             cells = self.cells(row)
             if self.needle and not any(self.needle in str(v).lower() for v in cells.values()):
                 continue
             shown.append((row, cells))
+        spec = [c for c in self.spec if not (c.repeats and shown and all(
+            _plain(cells.get(c.key, "")) in (_plain(cells.get(c.repeats, "")), "-", "") for _, cells in shown))]
+        columns = fit(spec, self._width(), _wants(spec, [cells for _, cells in shown], self.sort_key))
+        fitted = tuple((c.key, c.width) for c in columns)
+        keys = tuple(c.key for c in columns)
+        cursor = self.cursor_row
+        if fitted != self._fitted:
+            self.clear(columns=True)
+            for c in columns:
+                label = c.label + (" ▼" if c.key == self.sort_key and self.reverse else
+                                   " ▲" if c.key == self.sort_key else "")
+                self.add_column(label, width=c.width, key=c.key)
+            self._fitted = fitted
+        else:
+            self.clear()
         if self.sort_key:
-            shown.sort(key=lambda rc: _sort_value(rc[0].get(self.sort_key, str(rc[1].get(self.sort_key, "")))),
+            rank = next((c.rank for c in self.spec if c.key == self.sort_key), None)
+            shown.sort(key=lambda rc: _sort_value(rc[0].get(self.sort_key, str(rc[1].get(self.sort_key, ""))), rank),
                        reverse=self.reverse)
         self.rows_shown = [r for r, _ in shown]
         for _, cells in shown:
             self.add_row(*(cells.get(k, "") for k in keys))
         if self.row_count:
             self.move_cursor(row=min(cursor, self.row_count - 1))
+
+    def _width(self) -> int:
+        """The cells' width: the table's, less a vertical scrollbar when the rows overflow."""
+        if not self.size.width:
+            return 200  # not laid out yet (a snapshot before the first paint)
+        bar = self.styles.scrollbar_size_vertical if len(self.rows_all) >= self.size.height else 0
+        return max(1, self.size.width - bar)
 
     def selected(self) -> dict[str, Any] | None:
         if 0 <= self.cursor_row < len(self.rows_shown):
@@ -121,7 +171,7 @@ class PaneTable(DataTable):
         self.render_rows()
 
     def action_sort_next(self) -> None:
-        keys = [c.key for c in fit(self.spec, self.size.width or 200)]
+        keys = [k for k, _ in self._fitted] or [c.key for c in self.spec]  # the columns shown
         nxt = keys[(keys.index(self.sort_key) + 1) % len(keys)] if self.sort_key in keys else keys[0]
         self._resort(nxt, self.reverse)
 

@@ -19,15 +19,18 @@ from console.tui.tables import Column, PaneTable, title
 STATE_STYLE = {"HIT": "green", "MISS": "cyan", "STALE": "yellow", "CORRUPT": "red", "UNTRUSTED": "red",
                "EAGER": "dim", "current": "green", "other-layout": "cyan", "stale": "yellow", "corrupt": "red",
                "partial": "dim", "quarantined": "red"}
+# problems first: what a launch replaces, then what it compiles, then what it loads
+OUTCOME_RANK = {"CORRUPT": 0, "UNTRUSTED": 1, "STALE": 2, "MISS": 3, "EAGER": 4, "HIT": 5}
+ENTRY_RANK = {"corrupt": 0, "quarantined": 1, "stale": 2, "partial": 3, "other-layout": 4, "current": 5}
 COLUMNS = (
     Column("program", "program", 26, essential=True),
-    Column("state", "next launch", 11, essential=True),
+    Column("state", "next launch", 11, essential=True, rank=OUTCOME_RANK),
     Column("fingerprint", "fp", 12),
     Column("reason", "why", 40),
 )
 CACHE_COLUMNS = (  # what decides a purge first: the state and why, then use, then identity
     Column("program", "program", 24, essential=True),
-    Column("state", "state", 12, essential=True),
+    Column("state", "state", 12, essential=True, rank=ENTRY_RANK),
     Column("size_bytes", "size", 9, essential=True),
     Column("reason", "why", 34),
     Column("hits", "hits", 5),
@@ -52,8 +55,8 @@ class ProgramsPane(Pane):
         self._shown: tuple[ProgramsSnapshot, CacheSnapshot, str] | None = None
 
     def compose(self) -> ComposeResult:
-        yield PaneTable("programs", COLUMNS, self._cells, id="programs-table")
-        cache = PaneTable("cache", CACHE_COLUMNS, self._cache_cells, id="cache-table")
+        yield PaneTable("programs", COLUMNS, self._cells, id="programs-table", sort_key="state")
+        cache = PaneTable("cache", CACHE_COLUMNS, self._cache_cells, id="cache-table", sort_key="state")
         cache.display = False
         yield cache
         yield Static(id="programs-totals", classes="totals")

@@ -23,13 +23,13 @@ from runtime.launch.history import launch_seconds
 STATE_MARK = {DONE: "[green]✓[/]", FAILED: "[red]✗[/]", RUNNING: "[yellow]…[/]"}
 COLUMNS = (
     Column("phase", "phase", 10, essential=True),
-    Column("progress", "progress", 10, essential=True),
+    Column("progress", "progress", 9, essential=True),
     Column("seconds", "s", 7, essential=True),
     Column("delta", "vs plan", 7),
-    Column("path", "path", 22),
-    Column("predicted", "predicted (plan)", 30),
-    Column("compared", "compared", 16),
-    Column("best", "best warm", 16),
+    Column("path", "path", 16),
+    Column("predicted", "predicted", 22),
+    Column("compared", "compared", 12),
+    Column("best", "best warm", 12),
 )
 
 
@@ -124,7 +124,11 @@ class RegistrationPane(Pane):
                 items = launch.pool.expected if phase == "programs" else None
                 running.append(phase_progress(phase, p, expected, launch.now.get(phase, ""), items,
                                               launch.pool.finished))
-        self.query_one(PaneTable).set_rows(rows)
+        table = self.query_one(PaneTable)
+        table.set_rows(rows)
+        now_running = [i for i, phase in enumerate(PHASES) if launch and launch.phases[phase].state == RUNNING]
+        if now_running:  # a short pane scrolls to the phase that runs
+            table.move_cursor(row=now_running[0])
         self.border_title = "Registration: " + ("this launch" if launch else "next launch (predicted)")
         parts = []
         if launch:
@@ -142,10 +146,13 @@ class RegistrationPane(Pane):
             if (both := launch.totals()) is not None:
                 predicted, actual = both
                 parts.append(f"predicted {predicted:.2f} s · actual {actual:.2f} s ({delta(actual, predicted)})")
+        elif known := [s for s in seconds_ahead.values() if s is not None]:  # "at least" while a phase is unknown
+            at_least = "≥ " if len(known) < len(seconds_ahead) else ""
+            parts.append(f"next launch predicted {at_least}{sum(known):.2f} s")
         if status and not (launch and launch.stopped and "stopped" in status):
             parts.append(status)
-        lines = ["  ".join(parts)] if parts else []
-        lines += running
+        # the running phase first: a collapsed pane (below 120×36) shows only its first line
+        lines = [*running, "  ".join(parts)] if parts else list(running)
         lines.append(f"[dim]compared: {launch_name(compared)}; best warm: {launch_name(snap.best_warm)}[/]")
         basis = launch.basis if launch else snap.basis
         if basis:

@@ -14,14 +14,14 @@ from console.tui.data.services import ServicesSnapshot
 from console.tui.panes.base import Pane
 from console.tui.tables import Column, PaneTable, title
 
-COLUMNS = (
+COLUMNS = (  # which service it is first (two of one model differ by who started them), then how it does
     Column("pid", "pid", 7, essential=True),
-    Column("url", "url", 22, essential=True),
-    Column("health", "health", 9, essential=True),
+    Column("url", "url", 21, essential=True),
+    Column("health", "health", 7, essential=True),
+    Column("origin", "by", 7),
+    Column("model", "model", 12),
+    Column("create_time", "up", 6),
     Column("engine", "engine", 16),
-    Column("create_time", "up", 7),
-    Column("model", "model", 18),
-    Column("origin", "started by", 10),
 )
 
 
@@ -50,7 +50,8 @@ class ServicesPane(Pane):
     def _cells(self, s: dict[str, Any]) -> dict[str, str]:
         color = "green" if s["health"] == "ok" else "yellow"
         health = "-" if s["health"] == s["state"] else s["health"]  # registering: nothing to ask yet
-        return {"pid": str(s["pid"]), "url": s["url"] or s["state"], "health": f"[{color}]{health}[/]",
+        url = s["url"].removeprefix("http://") if s["url"] else s["state"]  # the summary line has the full URL
+        return {"pid": str(s["pid"]), "url": url, "health": f"[{color}]{health}[/]",
                 "engine": engine_cell(s.get("engine") or {}),
                 "create_time": fmt.duration(self.now - s["create_time"]), "model": Path(s["model"]).name,
                 "origin": "console" if s["from_console"] else "shell"}

@@ -18,7 +18,7 @@ from store.sidecar.verdict import MAP
 COLUMNS = (
     Column("name", "sidecar", 26, essential=True),
     Column("next_launch", "next launch", 20, essential=True),
-    Column("verdict", "verdict", 16),
+    Column("verdict", "verdict", 16, repeats="next_launch"),
     Column("residency", "residency", 10),
     Column("sampled_at", "sampled", 8),
     Column("size_bytes", "size", 9),
@@ -53,8 +53,10 @@ class SidecarsPane(Pane):
         rows = [{**s, "name": Path(s["path"]).name} for s in snap.sidecars]
         shown, total = self.query_one(PaneTable).set_rows(rows, needle)
         wanted = next((r for r in rows if r.get("wanted")), None)
+        # the title keeps what a collapsed pane (below 120×36) must still say: the verdict and residency
         self.border_title = title("Sidecars", shown, total, needle) + (
-            f" · next launch {wanted['next_launch']}" if wanted else "")
+            f" · next launch {wanted['next_launch']}" if wanted else "") + (
+            f" · {wanted['residency']:.0%} resident" if wanted and wanted.get("residency") is not None else "")
         reasons = [f"{Path(s['path']).name}: {s['detail']}" for s in snap.sidecars if s.get("detail")]
         text = "\n".join(reasons)
         if snap.error:

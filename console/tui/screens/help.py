@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from rich.table import Table
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
-from textual.containers import Vertical
+from textual.containers import VerticalScroll
 from textual.screen import ModalScreen
-from textual.widgets import DataTable, Static
+from textual.widgets import Static
 
 # keys that are not the console's own bindings (the table's, Textual's)
 EXTRA = (
@@ -27,17 +28,21 @@ class HelpScreen(ModalScreen[None]):
         self.keys, self.mutating, self.readonly = bindings, mutating, readonly
 
     def compose(self) -> ComposeResult:
-        with Vertical(id="help"):
+        with VerticalScroll(id="help"):
             mode = " — read-only: actions marked ✎ are refused" if self.readonly else ""
             yield Static(f"[b]dsv4-console keys[/]{mode}", id="help-title")
-            table = DataTable(id="help-table", cursor_type="none", show_cursor=False)
-            table.add_columns("key", "action", "", "what it does")
+            # a rich table, not a DataTable: the last column wraps in a narrow terminal instead of being cut
+            table = Table(box=None, expand=True, header_style="bold", pad_edge=False)
+            table.add_column("key", no_wrap=True)
+            table.add_column("action", no_wrap=True)
+            table.add_column("", no_wrap=True)
+            table.add_column("what it does", ratio=1)
             for b in self.keys:
                 mark = "✎" if b.id in self.mutating else ""
                 table.add_row(b.key_display or b.key, b.id or b.action, mark, b.tooltip or b.description)
             for key, action, what in EXTRA:
                 table.add_row(key, action, "", what)
-            yield table
+            yield Static(table, id="help-table")
             yield Static("[dim]esc / q / ? to close[/]", id="help-foot")
 
     def action_dismiss_help(self) -> None:
