@@ -3,6 +3,7 @@ history view, progress lines, plain tables, `--version`, completion (fake collec
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +16,7 @@ from console.cli.output import print_table
 from console.tui import fmt
 from console.tui.app import MUTATING
 from console.tui.data.eta import Progress
-from console.tui.screens.detail import DetailScreen, describe
+from console.tui.screens.detail import DetailScreen, as_text, describe
 from console.tui.screens.history import HistoryScreen
 from console.tui.tables import PaneTable
 from console.tui.workers import LineFilter
@@ -90,17 +91,20 @@ async def test_sorting_enter_for_details_and_the_filter_count_in_each_title():
     async with app.run_test(size=(200, 50)) as pilot:
         await pilot.pause()
         table = app.query_one("#programs-table", PaneTable)
-        assert [r["state"] for r in table.rows_shown] == ["HIT", "STALE", "CORRUPT", "MISS"]  # the plan's order
-        await pilot.press("o")
-        assert [r["program"] for r in table.rows_shown] == sorted(r["program"] for r in table.rows_shown)
-        await pilot.press("o")  # next column: state
-        assert [r["state"] for r in table.rows_shown] == sorted(r["state"] for r in table.rows_shown)
+        # problems first by default: what a launch replaces, then compiles, then loads; the column marked
+        assert [r["state"] for r in table.rows_shown] == ["CORRUPT", "STALE", "MISS", "HIT"]
+        assert "next launch ▲" in [str(c.label) for c in table.columns.values()]
         await pilot.press("O")
-        assert [r["state"] for r in table.rows_shown] == sorted((r["state"] for r in table.rows_shown), reverse=True)
+        assert [r["state"] for r in table.rows_shown] == ["HIT", "MISS", "STALE", "CORRUPT"]
+        await pilot.press("o")  # next column: the fingerprint, still reversed
+        assert [r["fingerprint"] for r in table.rows_shown] == sorted((r["fingerprint"] for r in table.rows_shown),
+                                                                      reverse=True)
+        assert "fp ▼" in [str(c.label) for c in table.columns.values()]
         await pilot.press("enter")
         await pilot.pause()
         assert isinstance(app.screen, DetailScreen)
-        assert f"[b]fingerprint[/]  {table.rows_shown[0]['fingerprint']}" in app.screen.text  # in full
+        assert re.search(rf"\[b\]fingerprint:\[/\] +{table.rows_shown[0]['fingerprint']}$", app.screen.text,
+                         re.M)  # in full
         await pilot.press("escape")
         await pilot.press("slash", *"stale", "enter")
         await pilot.pause()
@@ -195,5 +199,86 @@ def test_the_detail_of_a_sidecar_lists_the_source_key_it_was_packed_from(tiny_ck
 
     prepack(tiny_ckpt, ranks=1)
     path = sidecar.default_sidecar_path(tiny_ckpt, 1)
-    text = describe("sidecars", {"path": str(path), "verdict": "MAP"})
+    text = as_text(describe("sidecars", {"path": str(path), "verdict": "MAP"}))
     assert "source key recorded in the file" in text and "config" in text
+
+
+@pytest.mark.asyncio
+async def test_the_collapsed_layout_keeps_the_running_phase_residency_and_the_port():
+    """Below 120×36 a pane is its title and one line: the Registration line is the running
+    phase (n/total), the Sidecars title names residency, and the top bar reaches the port."""
+    from console.tui.data.launch_state import LaunchState
+    from console.tui.panes.sidecars import SidecarsPane
+    from runtime.events import Event
+
+    launch = LaunchState()
+    launch.apply(Event("check", "start"))
+    launch.apply(Event("check", "end", seconds=0.1))
+    launch.apply(Event("programs", "start"))
+    launch.apply(Event("programs", "progress", done=1, total=4, detail={"program": "a"}))
+    app = fake_app()
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause()
+        app.launch = launch
+        app._show_registration()
+        await pilot.pause()
+        first = str(app.query_one("#registration-summary", Static).render()).splitlines()[0]
+        sidecars = app.query_one(SidecarsPane).border_title
+        top = str(app.query_one("#topbar", Static).render())
+    assert first.startswith("programs · 1/4 · ")
+    assert "next launch MAP · 75% resident" in sidecars
+    assert top.index(":8000") < 80 and "/models/tiny" not in top and "model tiny" in top
+
+
+def test_width_goes_to_the_text_that_needs_it_and_what_is_left_to_the_last_column():
+    from console.tui.tables import GAP, Column, fit
+
+    cols = (Column("a", "a", 5, essential=True), Column("b", "b", 10), Column("c", "why", 10))
+    cut = fit(cols, 60, {"a": 3, "b": 30, "c": 50})  # a needs less than declared; b and c are cut at theirs
+    assert [c.width for c in cut] == [3, 30, 21] and sum(c.width + GAP for c in cut) == 60
+    short = fit(cols, 60, {"a": 1, "b": 2, "c": 3})
+    assert [c.width for c in short] == [1, 2, 51]
+    assert [c.key for c in fit(cols, 12, {"a": 5, "b": 10, "c": 10})] == ["a"]  # only the essential one fits
+
+
+@pytest.mark.asyncio
+async def test_a_column_that_repeats_another_is_hidden_and_the_last_one_reaches_the_edge():
+    app = fake_app()
+    async with app.run_test(size=(200, 50)) as pilot:
+        await pilot.pause()
+        sidecars = app.query_one("#sidecars-table", PaneTable)
+        programs = app.query_one("#programs-table", PaneTable)
+        labels = [str(c.label) for c in sidecars.columns.values()]
+        widths, room = sum(c.width + 2 for c in programs.columns.values()), programs.size.width
+        why = str(programs.get_row_at(0)[-1])
+    assert "verdict" not in labels and "next launch" in labels  # every verdict says what "next launch" says
+    assert widths == room and why == "program.pt2: sha256 mismatch"
+
+
+def test_details_read_like_kubectl_describe(tmp_path):
+    """None is "-", times are local with their age, sizes and durations carry units, nested
+    mappings indent under their key, and a manifest's key is one line per component."""
+    import json
+    import time
+
+    entry = tmp_path / "entry"
+    entry.mkdir()
+    (entry / "manifest.json").write_text(json.dumps({
+        "created": NOW - 7200, "compile_seconds": 28.6, "compile_peak_rss": 471859200,
+        "files": [{"name": "program.pt2", "size": 3216195}],
+        "key": [["backend", "aoti"], ["signature", {"dims": {"T": [1, 256]}}]]}))
+    row = {"program": "head", "entry": str(entry), "residency": None, "changes": [], "sampled_at": NOW - 45,
+           "size_bytes": 8 << 20, "mtime_ns": int((NOW - 30) * 1e9), "seconds": 125.0,
+           "engine": {"steps": 812, "acceptance": 0.61}, "from_console": True, "cells": {"x": "hidden"}}
+    text = as_text(describe("programs", row, now=NOW))
+    local = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(NOW - 45))
+    got = {line.split(":[/]")[0].strip().removeprefix("[b]"): line.split(":[/]", 1)[1].strip()
+           for line in text.splitlines() if ":[/]" in line}
+    assert got["residency"] == "-" and got["changes"] == "-" and "cells" not in got
+    assert got["sampled_at"] == f"{local} (45s ago)" and got["mtime_ns"].endswith("(30s ago)")
+    assert got["size_bytes"] == "8.0 MiB (8,388,608 bytes)" and got["seconds"] == "125 s (2m05s)"
+    assert got["from_console"] == "yes" and got["engine"] == "" and "  [b]steps:[/]" in text
+    assert got["acceptance"] == "61%" and got["steps"] == "812"
+    assert got["compile_seconds"] == "28.60 s" and got["compile_peak_rss"].startswith("450.0 MiB")
+    assert got["created"].endswith("(2h ago)") and got["backend"] == "aoti"
+    assert got["signature"] == '{"dims":{"T":[1,256]}}' and "[b]- name:[/]" in text
