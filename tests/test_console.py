@@ -50,8 +50,11 @@ async def test_panes_render_the_snapshot_and_filter_narrows_rows():
         await pilot.press(*"stale")
         await pilot.pause()
         assert table.row_count == 1
-        await pilot.press("escape")
+        await pilot.press("enter")  # enter keeps the filter; esc clears it
         assert app.needle == "stale"
+        await pilot.press("slash", "escape")
+        await pilot.pause()
+        assert app.needle == "" and table.row_count == 4
 
 
 def test_collect_device_warns_when_residual_usage_starves_the_kv_cache():

@@ -55,7 +55,7 @@ class Dsv4Console(JobActions, ServiceActions, App):
         Binding("question_mark", "help", "Help", key_display="?", id="help", tooltip="this screen"),
         Binding("r", "refresh", "Refresh", id="refresh", show=False, tooltip="collect every pane now"),
         Binding("slash", "filter", "Filter", key_display="/", id="filter", show=False,
-                tooltip="filter every pane's rows and the log (esc closes)"),
+                tooltip="filter every pane's rows and the log (enter keeps it, esc clears it)"),
         Binding("z", "zoom", "Zoom", id="zoom", tooltip="maximise the focused pane (again: restore)"),
         Binding("h", "history", "History", id="history", show=False, tooltip="past launches, newest first"),
         Binding("c", "kernel_cache", "Kernel cache", id="kernel-cache", show=False,
@@ -99,6 +99,7 @@ class Dsv4Console(JobActions, ServiceActions, App):
         self._watching: tuple[str, ...] = ()
         self._watch_stop: asyncio.Event | None = None
         self.first_paint: float | None = None
+        self._before_filter: Any = None  # the widget focused when `/` opened the filter
 
     # -- layout -------------------------------------------------------------------------------
 
@@ -113,7 +114,7 @@ class Dsv4Console(JobActions, ServiceActions, App):
             yield RegistrationPane(id="registration")
             yield DevicePane(id="device")
             yield LogPane(id="logpane")
-        yield Input(placeholder="filter (esc closes, empty clears)", id="filter")
+        yield Input(placeholder="filter (enter keeps it, esc clears it)", id="filter")
         yield Footer()
 
     def on_mount(self) -> None:
@@ -333,6 +334,8 @@ class Dsv4Console(JobActions, ServiceActions, App):
 
     def action_filter(self) -> None:
         box = self.query_one("#filter", Input)
+        if self.focused is not box:  # where focus goes back to when the box closes
+            self._before_filter = self.focused
         box.display = True
         box.focus()
 
@@ -345,16 +348,24 @@ class Dsv4Console(JobActions, ServiceActions, App):
             self.apply_snapshot(self.snapshot, force=True)
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
-        if event.input.id == "filter":
-            event.input.display = False
-            self.set_focus(None)
+        if event.input.id == "filter":  # enter: the filter stays, the box closes
+            self._close_filter()
 
     def on_key(self, event) -> None:
         box = self.query_one("#filter", Input)
-        if event.key == "escape" and box.display:
-            box.display = False
-            self.set_focus(None)
+        if event.key == "escape" and box.display:  # esc: the filter goes with the box
+            box.value = ""
+            self._close_filter()
             event.stop()
+
+    def _close_filter(self) -> None:
+        self.query_one("#filter", Input).display = False
+        back = self._before_filter
+        self._before_filter = None
+        if back is None or not back.is_attached or not back.display:
+            back = self._main("#programs-table")
+        if back is not _ABSENT:
+            back.focus()
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         """The palette (ctrl+p) lists every action of the console; read-only hides the mutating."""
