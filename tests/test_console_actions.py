@@ -249,7 +249,7 @@ async def test_first_run_creates_the_embedded_default_with_progress(tmp_path, mo
     app = Dsv4Console(console_spec(kernel_cache=tmp_path / "programs", backend="eager"), watch=False, interval=0.5)
     async with app.run_test() as pilot:
         await until(pilot, lambda: "create" in app.jobs, "create started")
-        assert "creating the default" in str(app.query_one("#sidecars-job").render())
+        assert "creating the default" in str(app.query_one("#sidecars-job Static").render())
         await until(pilot, lambda: done(app, "create"), "create")
         await asyncio.sleep(0)
     assert app.jobs["create"].returncode == 0

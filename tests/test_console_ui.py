@@ -282,3 +282,66 @@ def test_details_read_like_kubectl_describe(tmp_path):
     assert got["compile_seconds"] == "28.60 s" and got["compile_peak_rss"].startswith("450.0 MiB")
     assert got["created"].endswith("(2h ago)") and got["backend"] == "aoti"
     assert got["signature"] == '{"dims":{"T":[1,256]}}' and "[b]- name:[/]" in text
+
+
+@pytest.mark.asyncio
+async def test_the_filter_gives_focus_back_enter_keeps_it_and_esc_clears_it():
+    app = fake_app()
+    async with app.run_test(size=(200, 50)) as pilot:
+        await pilot.pause()
+        await pilot.press("tab")  # Services
+        services = app.query_one("#services-table", PaneTable)
+        assert app.focused is services
+        await pilot.press("slash", *"stale", "enter")
+        await pilot.pause()
+        kept, focus_after_enter = app.needle, app.focused
+        await pilot.press("slash", "escape")
+        await pilot.pause()
+        cleared, focus_after_esc = app.needle, app.focused
+        title = str(app.query_one("#programs").border_title)
+    assert kept == "stale" and focus_after_enter is services
+    assert cleared == "" and focus_after_esc is services and title.startswith("Programs 4")
+
+
+@pytest.mark.asyncio
+async def test_a_warm_compile_shows_in_the_programs_pane_and_says_where_each_program_is():
+    from types import SimpleNamespace
+
+    from rich.text import Text
+
+    from runtime.events import Event
+
+    app = fake_app()
+    async with app.run_test(size=(200, 50)) as pilot:
+        await pilot.pause()
+        app.progress["warm"] = Progress("compile", "programs")
+        warm = SimpleNamespace(name="warm")
+
+        def plain(cell) -> str:
+            return Text.from_markup(str(cell)).plain
+        for program, state in (("layer.csa.prefill", "compiling"), ("head", "queued"),
+                               ("layer.sliding.decode", "published")):
+            app._job_event(warm, Event("programs", "log", detail={"program": program, "state": state}))
+        await pilot.pause()
+        table = app.query_one("#programs-table", PaneTable)
+        states = {str(table.get_row_at(i)[0]): plain(table.get_row_at(i)[1]) for i in range(table.row_count)}
+        job = str(app.query_one("#programs-job Static").render())
+        elsewhere = app.query_one("#sidecars-job").display
+        app.progress.pop("warm")
+        app._job_pane(Progress("compile", "programs")).job("")  # as the job's end does
+        await pilot.pause()
+        after = {str(table.get_row_at(i)[0]): plain(table.get_row_at(i)[1]) for i in range(table.row_count)}
+    assert states == {"layer.csa.prefill": "compiling", "head": "queued", "layer.sliding.decode": "published",
+                      "layer.sliding.prefill": "HIT"}
+    assert job.startswith("compile") and "now: compiling layer.csa.prefill" in job
+    assert elsewhere is False and after["layer.csa.prefill"] == "MISS"
+
+
+def test_the_host_pane_labels_each_core_and_sums_up_a_big_host():
+    from console.tui.panes.host import cores_line, scale
+
+    assert cores_line((20.0, 27.4)) == "cores c0 20% c1 27%"
+    big = tuple(95.0 if i in (3, 7) else 10.0 for i in range(192))
+    assert cores_line(big) == "192 cores: busiest c3 95% · median 10% · 2 at 90%+"
+    assert scale((5.0, 80.0, 12.0), "%") == "5–80%" and scale((), "%") == "-"
+    assert scale((0.0, 12e6), " MB/s", 1e6, 1) == "0.0–12.0 MB/s"

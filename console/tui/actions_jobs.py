@@ -1,6 +1,7 @@
 """The console's long cache actions (first-run create, prepack, warm, purge): `dsv4 …` worker
-processes whose progress (done/total, elapsed, ETA, what now) shows in the Sidecars pane, with
-a notification when each ends. A mixin of `console.tui.app.Dsv4Console`."""
+processes whose progress (done/total, elapsed, ETA, what now) shows in the Sidecars pane (a
+compile's in the Programs pane, each program's row saying where it is), with a notification
+when each ends. A mixin of `console.tui.app.Dsv4Console`."""
 
 from __future__ import annotations
 
@@ -51,13 +52,20 @@ class JobActions:
             self.show_job(name)
         return w
 
+    def _job_pane(self, p: Progress | None):
+        """Where a job's progress shows: a compile in Programs (beside its rows), the rest in Sidecars."""
+        return self._main(ProgramsPane) if p is not None and p.unit == "programs" else self._main(SidecarsPane)
+
     def show_job(self, name: str) -> None:
         p = self.progress.get(name)
-        pane = self._main(SidecarsPane)
         if p is None:
-            pane.job("")
+            self._main(SidecarsPane).job("")
+            self._main(ProgramsPane).job("")
+        elif p.unit == "programs":
+            pool = self.pools.get(name)
+            self._main(ProgramsPane).job(p.line(), p.done, p.total, pool.states if pool else None)
         else:
-            pane.job(p.line(), p.done, p.total)
+            self._main(SidecarsPane).job(p.line(), p.done, p.total)
 
     def tick_jobs(self) -> None:
         """Once a second while something runs: elapsed and ETA move even between events."""
@@ -99,7 +107,7 @@ class JobActions:
         self.log_line("console", f"{worker.name}: exit code {code}")
         p = self.progress.pop(worker.name, None)
         if worker is not self.service:
-            self._main(SidecarsPane).job("")
+            self._job_pane(p).job("")
             if code == 0:
                 took = fmt.duration(time.monotonic() - p.started) if p else ""
                 self.notify(f"{what or worker.name} done{' in ' + took if took else ''}", title="done")

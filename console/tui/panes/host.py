@@ -1,4 +1,5 @@
-"""Host pane: CPU (total and per core), load, memory and page cache, disk rates, sparklines."""
+"""Host pane: CPU (total and per core, each labelled), load, memory and page cache, disk rates,
+sparklines with their scale (the values of their lowest and highest bar)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,33 @@ from console.tui import fmt
 from console.tui.data.collectors import HostSnapshot
 from console.tui.panes.base import Pane
 
+LABELLED_CORES = 16  # more than this (a serving host has 100+): the busiest core and how many are busy
+
+
+def cores_line(per_core: tuple[float, ...]) -> str:
+    """`cores c0 20% c1 27%`, or on a big host `192 cores: busiest c12 98% · median 20% · 3 at 90%+`."""
+    if not per_core:
+        return ""
+    if len(per_core) <= LABELLED_CORES:
+        return "cores " + " ".join(f"c{i} {c:.0f}%" for i, c in enumerate(per_core))
+    busiest = max(range(len(per_core)), key=per_core.__getitem__)
+    median = sorted(per_core)[len(per_core) // 2]
+    busy = sum(c >= 90 for c in per_core)
+    return (f"{len(per_core)} cores: busiest c{busiest} {per_core[busiest]:.0f}% · median {median:.0f}% · "
+            f"{busy} at 90%+")
+
+
+def scale(values: tuple[float, ...], unit: str, per: float = 1.0, digits: int = 0) -> str:
+    """A sparkline's scale, `5–90%`: the values of its lowest and highest bar."""
+    return f"{min(values) / per:.{digits}f}–{max(values) / per:.{digits}f}{unit}" if values else "-"
+
 
 class HostPane(Pane):
     def compose(self) -> ComposeResult:
         yield Static(id="host-text")
-        yield Static("cpu", classes="spark-label")
+        yield Static("cpu", id="spark-cpu-label", classes="spark-label")
         yield Sparkline([], id="spark-cpu")
-        yield Static("disk read / write", classes="spark-label")
+        yield Static("disk read / write", id="spark-disk-label", classes="spark-label")
         yield Sparkline([], id="spark-read")
         yield Sparkline([], id="spark-write")
 
@@ -23,13 +44,18 @@ class HostPane(Pane):
         self.border_title = "Host"
 
     def show(self, snap: HostSnapshot) -> None:
-        cores = " ".join(f"{c:3.0f}" for c in snap.per_core)
         load = " ".join(f"{x:.2f}" for x in snap.load)
         self.query_one("#host-text", Static).update(
-            f"CPU [b]{snap.cpu_percent:5.1f}%[/]  cores {cores}\n"
+            f"CPU [b]{snap.cpu_percent:5.1f}%[/]  {cores_line(snap.per_core)}\n"
             f"load {load}\n"
             f"mem available {fmt.size(snap.mem_available)} / {fmt.size(snap.mem_total)}  "
             f"page cache {fmt.size(snap.page_cache)}\n"
             f"disk read {fmt.rate(snap.disk_read_bps)}  write {fmt.rate(snap.disk_write_bps)}")
+        history = {k: tuple(snap.history.get(k, ())) for k in ("cpu", "read", "write")}
         for key, wid in (("cpu", "#spark-cpu"), ("read", "#spark-read"), ("write", "#spark-write")):
-            self.query_one(wid, Sparkline).data = list(snap.history.get(key, ()))
+            self.query_one(wid, Sparkline).data = list(history[key])
+        points = f"[dim]last {len(history['cpu'])} samples[/]" if history["cpu"] else ""
+        self.query_one("#spark-cpu-label", Static).update(
+            f"cpu {scale(history['cpu'], '%')}  {points}")
+        self.query_one("#spark-disk-label", Static).update(
+            f"disk read {scale(history['read'], ' MB/s', 1e6, 1)} / write {scale(history['write'], ' MB/s', 1e6, 1)}")

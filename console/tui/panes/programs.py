@@ -13,7 +13,7 @@ from textual.widgets import Static
 from console.tui import fmt
 from console.tui.data.cache import CacheSnapshot
 from console.tui.data.collectors import ProgramsSnapshot
-from console.tui.panes.base import Pane
+from console.tui.panes.base import JobLine, Pane
 from console.tui.tables import Column, PaneTable, title
 
 STATE_STYLE = {"HIT": "green", "MISS": "cyan", "STALE": "yellow", "CORRUPT": "red", "UNTRUSTED": "red",
@@ -21,6 +21,7 @@ STATE_STYLE = {"HIT": "green", "MISS": "cyan", "STALE": "yellow", "CORRUPT": "re
                "partial": "dim", "quarantined": "red"}
 # problems first: what a launch replaces, then what it compiles, then what it loads
 OUTCOME_RANK = {"CORRUPT": 0, "UNTRUSTED": 1, "STALE": 2, "MISS": 3, "EAGER": 4, "HIT": 5}
+COMPILE_STYLE = {"queued": "dim", "compiling": "yellow", "failed": "red"}  # `w`'s compile, program by program
 ENTRY_RANK = {"corrupt": 0, "quarantined": 1, "stale": 2, "partial": 3, "other-layout": 4, "current": 5}
 COLUMNS = (
     Column("program", "program", 26, essential=True),
@@ -52,6 +53,7 @@ class ProgramsPane(Pane):
         super().__init__(**kw)
         self.now = 0.0
         self.viewing_cache = False
+        self.compiling: dict[str, str] = {}  # program → what a running `w` compile does to it now
         self._shown: tuple[ProgramsSnapshot, CacheSnapshot, str] | None = None
 
     def compose(self) -> ComposeResult:
@@ -60,12 +62,17 @@ class ProgramsPane(Pane):
         cache.display = False
         yield cache
         yield Static(id="programs-totals", classes="totals")
+        yield JobLine(id="programs-job")
 
     def on_mount(self) -> None:
         self.border_title = "Programs"
 
     def _cells(self, e: dict[str, Any]) -> dict[str, str]:
-        return {"program": e["program"], "state": styled(e["state"]),
+        state = styled(e["state"])
+        now = self.compiling.get(e["program"])
+        if now and e["state"] != "HIT":  # a compile in flight says where this program is until the plan sees it
+            state = f"[{COMPILE_STYLE.get(now, 'green')}]{now}[/]"
+        return {"program": e["program"], "state": state,
                 "fingerprint": (e.get("fingerprint") or "")[:12], "reason": e.get("reason") or ""}
 
     def _cache_cells(self, e: dict[str, Any]) -> dict[str, str]:
@@ -74,6 +81,16 @@ class ProgramsPane(Pane):
                 "created": fmt.ago(e["created"], self.now).removesuffix(" ago"), "hits": str(e["hits"]),
                 "last_used": fmt.ago(e["last_used"], self.now) if e["hits"] else "never",
                 "reason": e.get("reason") or ""}
+
+    def job(self, label: str, done: float | None = None, total: float | None = None,
+            states: dict[str, str] | None = None) -> None:
+        """Show a running compile (label empty: hide) and each program's state in it."""
+        self.query_one(JobLine).show(label, done, total)
+        states = dict(states or {}) if label else {}
+        if states != self.compiling:
+            self.compiling = states
+            if self._shown is not None:
+                self.show(*self._shown[:2], self.now, self._shown[2])
 
     def toggle(self) -> PaneTable:
         """Switch views; returns the table now shown (the caller focuses it)."""

@@ -1,5 +1,5 @@
 """Sidecars pane: verdict, residency (and how old the sample is) and what the next launch
-does; the progress of a running prepack/warm/compile."""
+does; the progress of a running prepack or warm read."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ from pathlib import Path
 from typing import Any
 
 from textual.app import ComposeResult
-from textual.widgets import ProgressBar, Static
+from textual.widgets import Static
 
 from console.tui import fmt
 from console.tui.data.collectors import SidecarsSnapshot
-from console.tui.panes.base import Pane
+from console.tui.panes.base import JobLine, Pane
 from console.tui.tables import Column, PaneTable, title
 from store.sidecar.verdict import MAP
 
@@ -33,12 +33,10 @@ class SidecarsPane(Pane):
     def compose(self) -> ComposeResult:
         yield PaneTable("sidecars", COLUMNS, self._cells, id="sidecars-table")
         yield Static(id="sidecars-reason", classes="totals")
-        yield Static(id="sidecars-job", classes="job")
-        yield ProgressBar(id="sidecars-progress", show_eta=False)
+        yield JobLine(id="sidecars-job")
 
     def on_mount(self) -> None:
         self.border_title = "Sidecars"
-        self.query_one(ProgressBar).display = False
 
     def _cells(self, s: dict[str, Any]) -> dict[str, str]:
         color = "green" if s["verdict"] == MAP else "yellow"
@@ -64,9 +62,5 @@ class SidecarsPane(Pane):
         self.query_one("#sidecars-reason", Static).update(text)
 
     def job(self, label: str, done: float | None = None, total: float | None = None) -> None:
-        """Show a running prepack/warm/compile (label empty: hide)."""
-        bar = self.query_one(ProgressBar)
-        self.query_one("#sidecars-job", Static).update(label)
-        bar.display = bool(label) and bool(total)
-        if label:
-            bar.update(total=total or None, progress=done or 0)
+        """Show a running prepack or warm read (label empty: hide)."""
+        self.query_one(JobLine).show(label, done, total)
