@@ -189,7 +189,7 @@ def test_compile_pool_log_events_give_done_total_and_what_compiles_now():
     for name, st in (("a", "queued"), ("b", "queued"), ("c", "queued"), ("a", "compiling"), ("b", "compiling")):
         state.apply(Event("programs", "log", message=f"{name}: {st}",
                           detail={"program": name, "state": st, "expected_s": 10.0}))
-    assert state.now["programs"] == "compiling a, b"
+    assert state.now["programs"] == "compiling a +1"
     state.apply(Event("programs", "log", detail={"program": "a", "state": "published"}))
     p = state.phases["programs"]
     assert (p.done, p.total, state.now["programs"]) == (1, 3, "compiling b")

@@ -226,7 +226,7 @@ async def test_the_collapsed_layout_keeps_the_running_phase_residency_and_the_po
         sidecars = app.query_one(SidecarsPane).border_title
         top = str(app.query_one("#topbar", Static).render())
     assert first.startswith("programs · 1/4 · ")
-    assert "next launch MAP · 75% resident" in sidecars
+    assert "75% resident · next launch MAP" in sidecars
     assert top.index(":8000") < 80 and "/models/tiny" not in top and "model tiny" in top
 
 

@@ -137,7 +137,10 @@ class Dsv4Console(JobActions, ServiceActions, App):
         compact = width < COMPACT_BELOW[0] or height < COMPACT_BELOW[1]
         screen.set_class(compact, "-compact")
         # at 80 columns the palette hint would push `s Stop` off the footer (ctrl+p still works)
-        self._main(Footer).show_command_palette = not compact
+        footer = self._main(Footer)
+        if footer is not _ABSENT and footer.show_command_palette == compact:
+            footer.show_command_palette = not compact
+            footer.refresh(recompose=True)  # the footer reads it only when it composes
         self._topbar()
 
     def _painted(self) -> None:

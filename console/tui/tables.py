@@ -25,7 +25,7 @@ class Column:
     label: str
     width: int
     essential: bool = False  # kept however narrow the pane
-    repeats: str = ""  # another column's key: hidden while every row's cell here says what that one says (or nothing)
+    repeats: str = ""  # another column's key: hidden while every row's cell here opens that one's (or is empty)
     rank: Mapping[str, int] | None = None  # sort order of this column's values (unranked ones last)
 
 
@@ -65,6 +65,11 @@ def _plain(cell: Any) -> str:
         return cell.plain
     cell = str(cell)
     return Text.from_markup(cell).plain if "[" in cell else cell
+
+
+def _repeated(cell: str, other: str) -> bool:
+    """Nothing here that the other column does not say first (`MAP` beside `MAP (cold: …)`)."""
+    return cell in ("", "-") or other.startswith(cell)
 
 
 def _wants(spec: Sequence[Column], rows: Sequence[dict[str, Any]], sort_key: str | None) -> dict[str, int]:
@@ -129,7 +134,7 @@ class PaneTable(DataTable):
                 continue
             shown.append((row, cells))
         spec = [c for c in self.spec if not (c.repeats and shown and all(
-            _plain(cells.get(c.key, "")) in (_plain(cells.get(c.repeats, "")), "-", "") for _, cells in shown))]
+            _repeated(_plain(cells.get(c.key, "")), _plain(cells.get(c.repeats, ""))) for _, cells in shown))]
         columns = fit(spec, self._width(), _wants(spec, [cells for _, cells in shown], self.sort_key))
         fitted = tuple((c.key, c.width) for c in columns)
         keys = tuple(c.key for c in columns)

@@ -77,7 +77,8 @@ class ProgramStates:
     @property
     def now(self) -> str:
         compiling = [n for n, s in self.states.items() if s == "compiling"]
-        return f"compiling {', '.join(compiling)}" if compiling else ""
+        more = f" +{len(compiling) - 1}" if len(compiling) > 1 else ""  # a pool compiles several at once
+        return f"compiling {compiling[0]}{more}" if compiling else ""
 
 
 def step(phases: dict[str, PhaseState], now: dict[str, str], pool: ProgramStates, order: list[str],

@@ -20,9 +20,10 @@ class Pane(Vertical):
 class JobLine(Vertical):
     """A running job's progress line and bar (prepack, warm, compile); hidden while none runs."""
 
+    # one line and the bar: the pane's table keeps its rows (the log has every line in full)
     DEFAULT_CSS = """
     JobLine { height: auto; }
-    JobLine > Static { height: auto; }
+    JobLine > Static { height: 1; text-wrap: nowrap; text-overflow: ellipsis; }
     JobLine > ProgressBar { height: 1; }
     """
 

@@ -53,8 +53,8 @@ class SidecarsPane(Pane):
         wanted = next((r for r in rows if r.get("wanted")), None)
         # the title keeps what a collapsed pane (below 120×36) must still say: the verdict and residency
         self.border_title = title("Sidecars", shown, total, needle) + (
-            f" · next launch {wanted['next_launch']}" if wanted else "") + (
-            f" · {wanted['residency']:.0%} resident" if wanted and wanted.get("residency") is not None else "")
+            f" · {wanted['residency']:.0%} resident" if wanted and wanted.get("residency") is not None else "") + (
+            f" · next launch {wanted['next_launch']}" if wanted else "")
         reasons = [f"{Path(s['path']).name}: {s['detail']}" for s in snap.sidecars if s.get("detail")]
         text = "\n".join(reasons)
         if snap.error:
