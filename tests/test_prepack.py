@@ -217,7 +217,7 @@ def test_prepack_refuses_to_overwrite_without_force_and_replaces_with_force(tiny
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["{missing}"], "no such checkpoint directory"),
+        (["{missing}"], "no such directory; point at a checkpoint directory"),
         (["{ckpt}", "--ranks", "3"], "not divisible by ranks=3"),
         (["{ckpt}", "--out", "{missing}/x.safetensors"], "no such directory"),
     ],
