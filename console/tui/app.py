@@ -400,6 +400,16 @@ class Dsv4Console(JobActions, ServiceActions, App):
         getattr(self, f"_do_{name}")()
 
 
+class _Absent:
+    """Swallows any call: stands in for a pane that is not mounted."""
+
+    def __getattr__(self, _name: str):
+        return lambda *args, **kwargs: None
+
+
+_ABSENT = _Absent()
+
+
 def main(argv: list[str] | None = None) -> int:
     from console.tui.args import run
 
@@ -410,13 +420,3 @@ if __name__ == "__main__":
     import sys
 
     sys.exit(main())
-
-
-class _Absent:
-    """Swallows any call: stands in for a pane that is not mounted."""
-
-    def __getattr__(self, _name: str):
-        return lambda *args, **kwargs: None
-
-
-_ABSENT = _Absent()
