@@ -97,9 +97,3 @@ def dequant_fp4(packed: torch.Tensor, scale: torch.Tensor, group: int = 32) -> t
     s = e8m0_to_float(scale).repeat_interleave(group, dim=-1)
     return vals * s
 
-
-def fp4_doubled_int8(packed: torch.Tensor) -> torch.Tensor:
-    """int8 packed e2m1 [out, in/2] → int8 [out, in] holding 2·value: every e2m1 value doubled is
-    an integer in -12..12, so this is exact (the scale that goes with it is halved)."""
-    table = torch.tensor([int(2 * v) for v in FP4_VALUES] + [-int(2 * v) for v in FP4_VALUES], dtype=torch.int8)
-    return table[unpack_fp4(packed).to(torch.int64)]

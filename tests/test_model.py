@@ -59,8 +59,8 @@ def test_chunked_weights_compute_the_same_model(model, monkeypatch):
     want_engine = Engine(programs, packed)
     want = [want_engine.forward(TOKENS[:20]).logits, want_engine.forward(TOKENS[20:21]).logits]
     monkeypatch.setattr(m, "CHUNK_ELEMENTS", 2048)
-    assert m._chunk(512, 256, 32) == 32 and m._chunk(10_000, 1) == 2048 and m._chunk(8, 1 << 20) == 1
-    assert m._chunk(1 << 20, 64) == (1 << 20) // m.MAX_CHUNKS  # never more than MAX_CHUNKS chunks
+    assert m.chunk_units(512, 256, 32) == 32 and m.chunk_units(10_000, 1) == 2048 and m.chunk_units(8, 1 << 20) == 1
+    assert m.chunk_units(1 << 20, 64) == (1 << 20) // m.MAX_CHUNKS  # never more than MAX_CHUNKS chunks
     engine = Engine(programs, packed)
     got = [engine.forward(TOKENS[:20]).logits, engine.forward(TOKENS[20:21]).logits]
     for g, w in zip(got, want, strict=True):

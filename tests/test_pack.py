@@ -42,17 +42,21 @@ def _unpacked(tensors, slot):
     ("layers.2.attn.wq_a.weight", torch.float8_e4m3fn, (32, 32)),   # FP8, all layers
     ("mtp.0.e_proj.weight", torch.float8_e4m3fn, (32, 32)),         # FP8, MTP
     ("layers.4.attn.indexer.wq_b.weight", torch.float8_e4m3fn, (32, 32)),  # FP8, CSA group
-    ("layers.1.ffn.experts.6.w2.weight", torch.int8, (32, 1)),       # FP4, rank-major experts
-    ("mtp.0.ffn.experts.3.w1.weight", torch.int8, (32, 1)),          # FP4, MTP experts
+    ("layers.1.ffn.experts.6.w2.weight", torch.uint8, (32, 1)),      # FP4, rank-major experts
+    ("mtp.0.ffn.experts.3.w1.weight", torch.uint8, (32, 1)),         # FP4, MTP experts
 ])
 def test_packed_blocks_are_the_checkpoint_weight_exactly(packed, name, qdtype, block):
     """No requantisation: the packed codes with their E8M0 block scales dequantise to exactly
-    the checkpoint's float weight (FP8 bytes as stored; FP4 codes doubled, scale halved)."""
+    the checkpoint's float weight; the bytes are the checkpoint's, transposed whole (FP4: two
+    codes a byte, as stored, so [in/2, out])."""
     ck, config, layout, tensors = packed
     p = next(p for p in all_params(config) if p.name == name)
     q, scale = _unpacked(tensors, layout.slots[name])
     assert q.dtype == qdtype and scale.dtype == torch.uint8
-    assert scale.shape == (q.shape[0] // block[0], q.shape[1] // block[1])
+    inputs = q.shape[0] * (2 if qdtype == torch.uint8 else 1)
+    assert scale.shape == (inputs // block[0], q.shape[1] // block[1])
+    assert torch.equal(q.view(torch.uint8), ck.read(name).view(torch.uint8).t())
+    assert torch.equal(scale, ck.read(p.scale_name).view(torch.uint8).t())
     back = weight({"m.qweight": q, "m.qscale": scale}, "m").t()
     assert torch.equal(back, dequantize(ck, config, p))
 

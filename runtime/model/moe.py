@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.model.dims import Dims
-from runtime.model.ops import linear, weight
+from runtime.model.ops import MAX_EXPERT_CHUNKS, chunk_units, linear, weight
 
 
 def _swiglu(d: Dims, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -28,12 +28,22 @@ def _expert_tensors(w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def _experts_dense(d: Dims, experts: dict[str, torch.Tensor], h: torch.Tensor, idx: torch.Tensor,
                    weights: torch.Tensor) -> torch.Tensor:
     """Every expert on every token, combined by the routing weights: static-shaped, and the
-    cheaper way once the tokens × top-k pick most experts anyway."""
-    w1, w3, w2 = (weight(experts, n) for n in EXPERT_MATS)  # [E, in, out]
+    cheaper way once the tokens × top-k pick most experts anyway. A few experts at a time are
+    dequantised from their packed bytes (at most MAX_EXPERT_CHUNKS chunks), so the float scratch
+    is a fraction of one layer's experts, never a copy of them all."""
+    n = next(iter(experts.values())).shape[0]
     # added, not set: an expert-parallel rank clamps others' experts onto its own, weight 0
-    dense = torch.zeros(h.shape[0], w1.shape[0], dtype=weights.dtype, device=h.device).scatter_add(1, idx, weights)
-    act = _swiglu(d, torch.einsum("ti,eio->eto", h, w1), torch.einsum("ti,eio->eto", h, w3))
-    return torch.einsum("te,etd->td", dense, torch.einsum("eti,eio->eto", act, w2))
+    dense = torch.zeros(h.shape[0], n, dtype=weights.dtype, device=h.device).scatter_add(1, idx, weights)
+    w2 = experts.get("ffn.experts.w2.qweight", experts.get("ffn.experts.w2.weight"))
+    step = chunk_units(n, w2[0].numel() * (2 if w2.dtype == torch.uint8 else 1), most=MAX_EXPERT_CHUNKS)
+    out = None
+    for e in range(0, n, step):
+        part = {k: v[e:e + step] for k, v in experts.items()}
+        w1, w3, w2 = (weight(part, name) for name in EXPERT_MATS)  # [step, in, out]
+        act = _swiglu(d, torch.einsum("ti,eio->eto", h, w1), torch.einsum("ti,eio->eto", h, w3))
+        y = torch.einsum("te,etd->td", dense[:, e:e + step], torch.einsum("eti,eio->eto", act, w2))
+        out = y if out is None else out + y
+    return out
 
 
 def _experts_picked(d: Dims, experts: dict[str, torch.Tensor], h: torch.Tensor, idx: torch.Tensor,

@@ -20,31 +20,49 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tenso
 
 def weight(w: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     """A matmul weight [.., in, out] as float32: a packed one dequantised per block from the
-    checkpoint's numbers (qweight · 2^(qscale - 127), qscale one E8M0 byte per block), or a float
-    one as is. Block sizes follow from the shapes: the packer stores whole blocks only."""
+    checkpoint's bytes (value(qweight) · 2^(qscale - 127), qscale one E8M0 byte per block; FP4
+    codes unpacked from their bytes here, where they multiply), or a float one as is. Block sizes
+    follow from the shapes: the packer stores whole blocks only."""
     q = w.get(name + ".qweight")
     if q is None:
         return w[name + ".weight"].float()
     e = w[name + ".qscale"]
-    *lead, i, o = q.shape
+    values = e2m1_values(q) if q.dtype == torch.uint8 else q.float()
+    *lead, i, o = values.shape
     gi, go = e.shape[-2], e.shape[-1]
     scale = torch.exp2(e.float() - 127.0).reshape(*lead, gi, 1, go, 1)
-    return (q.float().reshape(*lead, gi, i // gi, go, o // go) * scale).reshape(*lead, i, o)
+    return (values.reshape(*lead, gi, i // gi, go, o // go) * scale).reshape(*lead, i, o)
+
+
+def e2m1_values(packed: torch.Tensor) -> torch.Tensor:
+    """FP4 bytes [.., in/2, out] (two e2m1 codes of inputs 2j, 2j+1 in byte j, low nibble first)
+    → their values [.., in, out] as float32. Decoded arithmetically (sign, 2-bit exponent, 1-bit
+    mantissa), so a compiled kernel needs no table: |v| = m/2 if e = 0, else (1 + m/2) · 2^(e-1)."""
+    # a broadcast shift, not a stack: a compiled kernel then reads each byte where it needs a
+    # code instead of first writing every code to a buffer
+    shift = torch.arange(2, dtype=torch.int32, device=packed.device).reshape(2, 1) * 4
+    b = packed.to(torch.int32).unsqueeze(-2)  # [.., in/2, 1, out]
+    codes = ((b >> shift) & 15).reshape(*packed.shape[:-2], 2 * packed.shape[-2], packed.shape[-1])
+    m, e = (codes & 1).float() * 0.5, (codes >> 1) & 3
+    magnitude = torch.where(e == 0, m, (1.0 + m) * torch.exp2((e - 1).float()))
+    return torch.where(codes >= 8, -magnitude, magnitude)
 
 
 # A weight whose float copy would be larger than this is dequantised and multiplied a few output
 # columns at a time. One float copy of small's output head is 128 MiB, allocated afresh (and
 # page-faulted) on every call: 5× the matmul itself; a chunk of a few MiB is reused from the
-# allocator and stays in cache. At most MAX_CHUNKS, so a traced program stays small: more chunks in the
-# routed experts' dense path halved its time but doubled small's cold compile, so it has none.
+# allocator and stays in cache. At most MAX_CHUNKS, so a traced program stays small. The routed
+# experts' dense path dequantises a few experts at a time (at most MAX_EXPERT_CHUNKS chunks: more
+# chunks doubled small's cold compile): never a float copy of a whole layer's experts.
 CHUNK_ELEMENTS = 1 << 20
 MAX_CHUNKS = 16
+MAX_EXPERT_CHUNKS = 4
 
 
-def _chunk(count: int, unit_elements: int, align: int = 1) -> int:
+def chunk_units(count: int, unit_elements: int, align: int = 1, most: int | None = None) -> int:
     """Units (of `unit_elements` floats each) per chunk of `count`: about CHUNK_ELEMENTS floats,
-    at most MAX_CHUNKS chunks, a multiple of `align`."""
-    size = max(CHUNK_ELEMENTS // unit_elements, -(-count // MAX_CHUNKS), 1)
+    at most `most` (MAX_CHUNKS) chunks, a multiple of `align`."""
+    size = max(CHUNK_ELEMENTS // unit_elements, -(-count // (most or MAX_CHUNKS)), 1)
     return -(-size // align) * align
 
 
@@ -52,8 +70,9 @@ def linear(w: dict[str, torch.Tensor], name: str, x: torch.Tensor) -> torch.Tens
     """x @ W for a packed or a float weight, both stored [in, out]; a large one by column chunks."""
     q, scale = w.get(name + ".qweight"), w.get(name + ".qscale")
     i, o = (w[name + ".weight"] if q is None else q).shape[-2:]
+    i *= 2 if q is not None and q.dtype == torch.uint8 else 1  # FP4: two inputs a byte
     block = 1 if q is None else o // scale.shape[-1]  # output columns per scale block
-    step = _chunk(o, i, block)
+    step = chunk_units(o, i, block)
     if step >= o:
         return x @ weight(w, name)
 

@@ -2,27 +2,30 @@
 dtype and shape a config implies. The launch plan, the program keys and the sidecar contract
 are computed from it in processes that never import torch; `runtime.weights.pack` applies it.
 
-Quantised weights keep the checkpoint's numbers exactly (QUANT): `<family>.qweight` [.., in, out]
-holds FP8 weights as stored (F8_E4M3) and FP4 weights as int8 codes 2·e2m1 (every e2m1 value
-doubled is an integer in -12..12), `<family>.qscale` [.., in/block_in, out/block_out] the
-checkpoint's E8M0 block scales as bytes (U8; for FP4 one below the stored exponent, halving the
-scale the doubled codes need). The programs dequantise inside: W = q · 2^(qscale - 127) per block.
+Quantised weights keep the checkpoint's bytes (QUANT): `<family>.qweight` holds FP8 weights as
+stored (F8_E4M3, [.., in, out]) and FP4 weights packed as stored, two e2m1 codes a byte, low
+nibble first (U8, [.., in/2, out]: byte j of column o holds inputs 2j and 2j+1); `<family>.qscale`
+[.., in/block_in, out/block_out] the checkpoint's E8M0 block scales as bytes (U8). Nothing is
+widened, so the packed layout is the checkpoint's size (`family_bytes` says so per family). The
+programs dequantise where they multiply: W = value(q) · 2^(qscale - 127) per block.
 """
 
 
 from __future__ import annotations
 
 import functools
+import math
 import re
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
 from runtime.model.config import ConfigError, DeepSeekV4Config
-from runtime.model.tensors import BF16, F32, FP4, FP8, I64, Param, params_by_group
+from runtime.model.tensors import BF16, F32, FP4, FP8, I64, Param, params_by_group, stored_tensors
+from store.checkpoint import DTYPE_SIZES
 
-PACKER_VERSION = "2"
+PACKER_VERSION = "3"
 PACK_FORMAT = "dsv4-packed"
-PACK_LAYOUT = {"quant": "fp8 as stored, fp4 as int8 2*e2m1; e8m0 block scales", "matmul": "in,out",
+PACK_LAYOUT = {"quant": "fp8 as stored, fp4 as stored (e2m1 pairs, low nibble first; in/2,out); e8m0 block scales", "matmul": "in,out",
                "experts": "rank-major",
                "groups": ["all", "csa", "hca", "hash", "bias"]}
 
@@ -115,7 +118,7 @@ class PackedTensor:
     dtype: str  # safetensors dtype
     shape: tuple[int, ...]
     rule: Rule
-    part: str  # "" for plain tensors; "qweight" / "qscale" for int8 pairs
+    part: str  # "" for plain tensors; "qweight" / "qscale" for a quantised weight's pair
 
 
 @dataclass(frozen=True)
@@ -159,8 +162,8 @@ def _packed_shapes(config: DeepSeekV4Config, rule: Rule, p: Param,
         if inp % b_in or out % b_out:
             raise ConfigError(f"{config.source}: {p.name} [{out}, {inp}] is not whole blocks of "
                               f"{b_out}x{b_in}; the packed layout keeps one scale per block")
-        weight = "F8_E4M3" if p.fmt == FP8 else "I8"
-        return [("qweight", weight, (*lead, inp, out)), ("qscale", "U8", (*lead, inp // b_in, out // b_out))]
+        weight = ("F8_E4M3", (*lead, inp, out)) if p.fmt == FP8 else ("U8", (*lead, inp // 2, out))
+        return [("qweight", *weight), ("qscale", "U8", (*lead, inp // b_in, out // b_out))]
     if rule.transform == T:
         out, inp = p.shape
         return [("", _ST_DTYPE[p.fmt], (*lead, inp, out))]
@@ -246,12 +249,25 @@ class PackedLayout:
         return set(self.tensors)
 
     def total_bytes(self) -> int:
-        from store.checkpoint import DTYPE_SIZES
+        """The packed tensors' bytes (what a sidecar holds besides its header)."""
+        return sum(_nbytes(t.dtype, t.shape) for t in self.tensors.values())
 
-        total = 0
+    def checkpoint_bytes(self) -> int:
+        """The checkpoint's tensor bytes for this config (weights and their scales)."""
+        return sum(ckpt for ckpt, _ in self.family_bytes().values())
+
+    def family_bytes(self) -> dict[str, tuple[int, int]]:
+        """Per tensor family (a RULES row): (checkpoint bytes, packed bytes). Every packed
+        family keeps its checkpoint's bytes, except tid2eid, narrowed from int64 to int32."""
+        out: dict[str, list[int]] = {}
+        for _, plist in self.groups:
+            for p in plist:
+                family = self.slots[p.name].rule.family
+                out.setdefault(family, [0, 0])[0] += sum(t.nbytes for t in stored_tensors(self.config, p))
         for t in self.tensors.values():
-            n = DTYPE_SIZES[t.dtype]
-            for d in t.shape:
-                n *= d
-            total += n
-        return total
+            out.setdefault(t.rule.family, [0, 0])[1] += _nbytes(t.dtype, t.shape)
+        return {family: (ckpt, packed) for family, (ckpt, packed) in out.items()}
+
+
+def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
+    return math.prod(shape) * DTYPE_SIZES[dtype]

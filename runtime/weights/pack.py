@@ -5,11 +5,12 @@ group the family is stacked in. It is also the sidecar's tensor-name contract: `
 every packed name, dtype and shape from it and the config, before any weight is read.
 
 Layout (PACK_LAYOUT, recorded in the sidecar key):
-- FP8 / FP4 weights keep the checkpoint's numbers exactly: `<family>.qweight` [.., in, out]
-  (matmul layout: x @ W) holds FP8 as stored and FP4 as int8 codes 2·e2m1, `<family>.qscale`
-  [.., in/block, out/block] the E8M0 block scales as bytes (FP4's one lower: the codes are
-  doubled). The programs dequantise per block; nothing is requantised, so the packed model is
-  the checkpoint's model (tests: packed logits equal the float reference to float rounding).
+- FP8 / FP4 weights keep the checkpoint's bytes: `<family>.qweight` in the matmul layout (x @ W)
+  holds FP8 as stored [.., in, out] and FP4 packed as stored [.., in/2, out] (each byte two
+  e2m1 codes of neighbouring inputs, low nibble first), `<family>.qscale` [.., in/block,
+  out/block] the E8M0 block scales as bytes. The programs dequantise where they multiply;
+  nothing is requantised or widened, so the packed model is the checkpoint's model at the
+  checkpoint's size (tests: packed logits equal the float reference to float rounding).
 - bf16/fp32 matrices used as matmuls are transposed to [in, out]; norms and vectors are kept.
 - Per-layer tensors are stacked on a leading axis per group: `layers.*` (all main layers),
   `layers.csa.*` / `layers.hca.*` (compressed layers of that kind), `layers.hash.*` (tid2eid,
@@ -47,7 +48,7 @@ from runtime.weights.layout import (  # noqa: F401 - the layout's names, re-expo
     rule_for,
 )
 from store.checkpoint import Checkpoint
-from store.quant import dequant_fp4, dequant_fp8_block, fp4_doubled_int8
+from store.quant import dequant_fp4, dequant_fp8_block
 
 # ---- transforms ----------------------------------------------------------------------------
 
@@ -63,14 +64,13 @@ def dequantize(ckpt: Checkpoint, config: DeepSeekV4Config, p: Param) -> torch.Te
 
 def pack_quant(ckpt: Checkpoint, p: Param) -> tuple[torch.Tensor, torch.Tensor]:
     """A block-quantised parameter as (qweight [in, out], qscale [in/block, out/block] E8M0 bytes),
-    the checkpoint's numbers unchanged: FP8 bytes as stored, FP4 as int8 codes 2·e2m1."""
+    the checkpoint's bytes unchanged, transposed whole: FP8 bytes as stored, FP4's bytes of two
+    codes each as stored (so a byte's two codes stay neighbouring inputs)."""
     scale = ckpt.read(p.scale_name).view(torch.uint8)
     if p.fmt == FP8:
         return ckpt.read(p.name).t().contiguous(), scale.t().contiguous()
     if p.fmt == FP4:
-        # doubled codes, halved scale (E8M0 exponent - 1); a 2^-127 block is 0 in float32 anyway
-        halved = (scale.clamp(min=1) - 1).to(torch.uint8)
-        return fp4_doubled_int8(ckpt.read(p.name)).t().contiguous(), halved.t().contiguous()
+        return ckpt.read(p.name).view(torch.uint8).t().contiguous(), scale.t().contiguous()
     raise ValueError(f"{p.name}: {p.fmt} is not a block-quantised format")
 
 
