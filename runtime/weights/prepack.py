@@ -10,6 +10,7 @@ checkpoint.
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from store import sidecar
 from store.checkpoint import Checkpoint
 from store.errors import UserError
 from store.fingerprint import Key
+from store.units import format_size
 
 T = TypeVar("T")
 
@@ -46,6 +48,53 @@ def packed_layout(model_dir: Path | str, ranks: int) -> layout.PackedLayout:
 def sidecar_tensors(packed: layout.PackedLayout) -> list[sidecar.TensorShape]:
     """The packed layout as the sidecar sees it: each tensor's name, dtype and shape."""
     return [sidecar.TensorShape(t.name, t.dtype, t.shape) for t in packed.tensors.values()]
+
+
+@dataclass(frozen=True)
+class SidecarSize:
+    """What a prepack writes, known before it packs anything (from config.json; no torch)."""
+
+    path: Path
+    expected_bytes: int  # the file: header and every packed tensor
+    checkpoint_bytes: int  # the checkpoint's tensors (weights and scales) for the same config
+    free_bytes: int | None  # free space in the directory it goes to; None: unknown
+
+    @property
+    def fits(self) -> bool:
+        return self.free_bytes is None or self.expected_bytes <= self.free_bytes
+
+    def to_json(self) -> dict[str, int | bool | None]:
+        return {"expected_bytes": self.expected_bytes, "checkpoint_bytes": self.checkpoint_bytes,
+                "free_bytes": self.free_bytes, "fits": self.fits}
+
+    def refusal(self) -> str:
+        """The one line a prepack that would not fit stops with."""
+        return (f"{self.path}: a prepack writes {format_size(self.expected_bytes)} but "
+                f"{self.path.parent} has {format_size(self.free_bytes or 0)} free; free space "
+                "or write the sidecar elsewhere with --out")
+
+
+def free_bytes(directory: Path) -> int | None:
+    """Free space for an unprivileged writer under `directory` (its nearest existing parent)."""
+    for d in (directory, *directory.parents):
+        if d.is_dir():
+            try:
+                return shutil.disk_usage(d).free
+            except OSError:
+                return None
+    return None
+
+
+def sidecar_size(model_dir: Path | str, ranks: int, path: Path | str | None = None,
+                 packed: layout.PackedLayout | None = None, key: Key | None = None) -> SidecarSize:
+    """The size of the sidecar a prepack of `model_dir` for `ranks` would write at `path`
+    (default: beside the checkpoint): the writer's own header and layout arithmetic."""
+    model_dir = _checkpoint_dir(model_dir)
+    packed = packed if packed is not None else packed_layout(model_dir, ranks)
+    path = Path(path).expanduser() if path is not None else sidecar.default_sidecar_path(model_dir, ranks)
+    metadata = sidecar.sidecar_metadata(key or sidecar_key(model_dir, ranks), model_dir)
+    expected = sidecar.planned_bytes(sidecar_tensors(packed), metadata)
+    return SidecarSize(path, expected, packed.checkpoint_bytes(), free_bytes(path.parent))
 
 
 def _checkpoint_dir(model_dir: Path | str) -> Path:
@@ -120,6 +169,9 @@ def prepack(
         path = sidecar.default_sidecar_path(path, ranks)
     if path.exists() and not force:
         raise UserError(f"{path} already exists; pass --force to replace it")
+    size = sidecar_size(model_dir, ranks, path, packed, key)
+    if not size.fits:  # the staging file is whole before the rename frees an old one
+        raise UserError(size.refusal())
     ckpt = Checkpoint.open(model_dir)
     shards = ckpt.shard_paths()
     tensors = sidecar_tensors(packed)

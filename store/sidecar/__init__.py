@@ -53,7 +53,7 @@ from store.sidecar.verdict import (
     inspect,
     missing,
 )
-from store.sidecar.writer import SidecarInfo, write_sidecar
+from store.sidecar.writer import SidecarInfo, planned_bytes, write_sidecar
 
 __all__ = [
     "COLD_POLICIES",
@@ -88,6 +88,7 @@ __all__ = [
     "key_from_metadata",
     "missing",
     "open_sidecar",
+    "planned_bytes",
     "ranks_of",
     "read_header",
     "sidecar_metadata",

@@ -129,6 +129,27 @@ def _part(item: tuple) -> tuple[str, tuple[int, ...], Any]:
     return name, tuple(index), tensor
 
 
+def _planned(shapes: list[TensorShape], metadata: dict[str, str]
+             ) -> tuple[dict[str, dict], list[tuple[TensorShape, int]], dict[str, str], bytes]:
+    """The header a sidecar of `shapes` starts with: entries, placement, metadata and bytes."""
+    entries, placed = layout(shapes)
+    meta = dict(metadata)
+    meta.setdefault("created", f"{time.time():.3f}")
+    meta.setdefault("pack_seconds", "0")
+    meta.update(checksum.placeholder(sum(p.nbytes for p in shapes)))  # same length as the digests
+    header = encode_header(entries, meta, None)
+    if len(header) - 8 > MAX_HEADER_BYTES:
+        raise ValueError(f"header of {len(header)} bytes exceeds {MAX_HEADER_BYTES}")
+    return entries, placed, meta, header
+
+
+def planned_bytes(shapes: list[TensorShape], metadata: dict[str, str]) -> int:
+    """The size `write_sidecar` gives the file of `shapes` with `metadata`, known before packing
+    (no torch): its header, reserved once, plus every tensor's bytes."""
+    shapes = list(shapes)
+    return len(_planned(shapes, metadata)[3]) + sum(p.nbytes for p in shapes)
+
+
 def write_sidecar(
     path: Path | str,
     shapes: list[TensorShape],
@@ -171,16 +192,9 @@ def write_sidecar(
     swept = tuple(sweep_temp_files(path.parent))
 
     shapes = list(shapes)
-    entries, placed = layout(shapes)
-    meta = dict(metadata)
-    meta.setdefault("created", f"{time.time():.3f}")
-    keep_pack_seconds = "pack_seconds" in meta
-    meta.setdefault("pack_seconds", "0")
+    keep_pack_seconds = "pack_seconds" in metadata
+    entries, placed, meta, header = _planned(shapes, metadata)
     data_bytes = sum(p.nbytes for p in shapes)
-    meta.update(checksum.placeholder(data_bytes))  # same length as the final digests
-    header = encode_header(entries, meta, None)
-    if len(header) - 8 > MAX_HEADER_BYTES:
-        raise ValueError(f"header of {len(header)} bytes exceeds {MAX_HEADER_BYTES}")
     total = len(header) + data_bytes
 
     from store.sidecar.loader import torch_dtypes

@@ -56,7 +56,7 @@ class SidecarsPane(Pane):
             f" · {wanted['residency']:.0%} resident" if wanted and wanted.get("residency") is not None else "") + (
             f" · next launch {wanted['next_launch']}" if wanted else "")
         reasons = [f"{Path(s['path']).name}: {s['detail']}" for s in snap.sidecars if s.get("detail")]
-        text = "\n".join(reasons)
+        text = "\n".join(([prepack_line(wanted)] if wanted and wanted.get("expected_bytes") else []) + reasons)
         if snap.error:
             text = f"[yellow]{snap.model_dir}: {snap.error}[/]"
         self.query_one("#sidecars-reason", Static).update(text)
@@ -64,3 +64,16 @@ class SidecarsPane(Pane):
     def job(self, label: str, done: float | None = None, total: float | None = None) -> None:
         """Show a running prepack or warm read (label empty: hide)."""
         self.query_one(JobLine).show(label, done, total)
+
+
+def prepack_line(side: dict[str, Any]) -> str:
+    """What `p` (a prepack) writes, known from the layout before packing: its size against the
+    checkpoint's and the disk's free space; red when it would not fit (the prepack refuses)."""
+    expected, ckpt, free = side["expected_bytes"], side.get("checkpoint_bytes"), side.get("free_bytes")
+    ratio = f", {expected / ckpt:.2f}× the checkpoint" if ckpt else ""
+    line = f"a prepack writes {fmt.size(expected)}{ratio}"
+    if free is None:
+        return line
+    if side.get("fits", True):
+        return f"{line}; {fmt.size(free)} free"
+    return f"[red]{line}: only {fmt.size(free)} free, p refuses[/]"

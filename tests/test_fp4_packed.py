@@ -1,0 +1,110 @@
+"""Packer version 3: FP4 experts stay packed (two e2m1 codes a byte), so the sidecar is the
+checkpoint's size, and its size is known from the layout before anything is packed."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import pytest
+import torch
+
+from console.cli import main as cli
+from console.tui.panes.sidecars import prepack_line
+from runtime.model.config import from_dict, load_config
+from runtime.model.ops import e2m1_values
+from runtime.model.tensors import FP4, all_params
+from runtime.synth.checkpoint import V4_FLASH, preset_config_dict
+from runtime.weights import prepack as prepack_module
+from runtime.weights.layout import EXPERTS, PackedLayout
+from store.quant import fp4_codes_to_float, unpack_fp4
+
+SIZE_TARGET = 1.02  # issue 24: sidecar bytes ≤ 1.02 × checkpoint bytes
+
+
+def test_e2m1_decode_of_every_byte_is_the_value_table():
+    """The in-kernel arithmetic decode agrees with the table decode for all 256 bytes, in the
+    packed orientation [in/2, out]: byte j holds inputs 2j (low nibble) and 2j+1 (high)."""
+    every = torch.arange(256, dtype=torch.uint8)
+    got = e2m1_values(every.reshape(1, 256))  # [2, 256]: row 0 low nibbles, row 1 high
+    want = fp4_codes_to_float(unpack_fp4(every.view(torch.int8).reshape(256, 1)))  # [256, 2]
+    assert torch.equal(got, want.t())
+
+
+@pytest.mark.parametrize("case", ["tiny", "small", "medium", "v4-flash"])
+def test_the_packed_layout_is_the_checkpoints_size(case):
+    """Every family keeps its checkpoint bytes (FP4 experts packed as stored, U8 [.., in/2, out]);
+    tid2eid alone differs, its int64 ids narrowed to int32; the whole is ≤ 1.02× (torch-free)."""
+    config = from_dict(V4_FLASH if case == "v4-flash" else preset_config_dict(case))
+    layout = PackedLayout(config)
+    for family, (ckpt, packed) in layout.family_bytes().items():
+        assert packed == (ckpt // 2 if family == "ffn.gate.tid2eid" else ckpt), family
+    assert layout.total_bytes() <= SIZE_TARGET * layout.checkpoint_bytes()
+    fp4 = {p.name: p for p in all_params(config) if p.fmt == FP4}
+    assert fp4, "the routed experts are FP4"
+    for name, p in list(fp4.items())[:50]:
+        q = layout.tensors[layout.slots[name].names[0]]
+        out, inp = p.shape
+        assert q.rule.group == EXPERTS and q.dtype == "U8" and q.shape[-2:] == (inp // 2, out)
+    assert not [t.name for t in layout.tensors.values() if t.dtype == "I8"], "no widened int8 copy"
+
+
+def _tensor_bytes(shard) -> int:
+    with open(shard, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+    return os.path.getsize(shard) - 8 - n
+
+
+def test_the_plan_knows_what_a_prepack_writes(tiny_ckpt, capsys):
+    """`dsv4 plan --json` says the sidecar's size before it exists; the prepack writes exactly
+    that many bytes; the checkpoint's bytes are its shards' tensor bytes."""
+    assert cli(["plan", str(tiny_ckpt), "--json"]) == 0
+    side = json.loads(capsys.readouterr().out)["sidecar"]
+    assert side["verdict"] == "REPACK" and side["fits"] is True and side["free_bytes"] > 0
+    shards = sorted(tiny_ckpt.glob("model-*.safetensors"))
+    assert side["checkpoint_bytes"] == sum(_tensor_bytes(s) for s in shards)
+    assert side["expected_bytes"] <= SIZE_TARGET * side["checkpoint_bytes"]
+    assert cli(["prepack", str(tiny_ckpt)]) == 0
+    capsys.readouterr()
+    assert os.path.getsize(tiny_ckpt / "dsv4-packed.r1.safetensors") == side["expected_bytes"]
+
+
+def test_a_prepack_that_would_not_fit_is_refused_before_it_starts(tiny_ckpt, monkeypatch, capsys):
+    """Less free space than the sidecar needs: one line naming both, and no file (not even a
+    staging one) is left beside the checkpoint."""
+    monkeypatch.setattr(prepack_module, "free_bytes", lambda directory: 4096)
+    before = set(os.listdir(tiny_ckpt))
+    assert cli(["prepack", str(tiny_ckpt)]) == 1
+    err = capsys.readouterr().err.strip()
+    needed = prepack_module.sidecar_size(tiny_ckpt, 1).expected_bytes
+    assert "\n" not in err and err.startswith("dsv4 prepack: ")
+    assert "4.0 KiB free" in err and "a prepack writes" in err and f"{needed / 2**20:.1f} MiB" in err
+    assert set(os.listdir(tiny_ckpt)) == before
+
+
+def test_the_sidecars_pane_says_what_a_prepack_writes():
+    side = {"expected_bytes": 6 << 20, "checkpoint_bytes": 6 << 20, "free_bytes": 10 << 30, "fits": True}
+    assert prepack_line(side) == "a prepack writes 6.0 MiB, 1.00× the checkpoint; 10.0 GiB free"
+    tight = {**side, "free_bytes": 1 << 20, "fits": False}
+    assert prepack_line(tight).startswith("[red]") and "only 1.0 MiB free, p refuses" in prepack_line(tight)
+
+
+def test_loaded_experts_are_the_packed_bytes(tiny_ckpt_ro):
+    """What the programs get for the routed experts is the sidecar's packed bytes: uint8, half
+    the inputs — never a float or int8 copy."""
+    from runtime.weights.pack import pack_in_memory
+    from runtime.weights.views import packed_views
+    from store.checkpoint import Checkpoint
+
+    config = load_config(tiny_ckpt_ro)
+    layout = PackedLayout(config)
+    ck = Checkpoint.open(tiny_ckpt_ro)
+    try:
+        views = packed_views(layout, pack_in_memory(ck, layout))
+    finally:
+        ck.close()
+    q = views["layers.0"]["ffn.experts.w1.qweight"]
+    assert q.dtype == torch.uint8 and q.shape == (config.n_routed_experts, config.hidden_size // 2,
+                                                  config.moe_intermediate_size)
+    assert views.nbytes() == layout.total_bytes()
