@@ -22,8 +22,8 @@ in its PSS whatever the weights.
 
 Last, the per-page cost of mapping the hot sidecar in this process (mmap read-only, touch one
 byte per 4 KiB page, best of 3), projected onto V4-Flash: each rank maps the shared weights and
-1/N of the routed experts of the 322.8 GiB sidecar, the expert share taken from V4-Flash's
-packed layout (its real tensor shapes). Ratios are against N = 1 of the same run; nothing is
+1/N of the routed experts, from V4-Flash's packed layout (its real tensor shapes), packer 3's
+(FP4 two codes a byte) beside packer 2's (FP4 one int8 a value). Ratios are against N = 1 of the same run; nothing is
 asserted but the pass/miss of the memory target is printed.
 
 Starting, driving and stopping the services is `bench.ranks_services`.
@@ -80,17 +80,22 @@ def v4_flash_projection(per_page_s: float, expert_share: float, sidecar_bytes: i
     return rows
 
 
-def v4_flash_expert_share() -> tuple[float, int]:
-    """The routed experts' share of V4-Flash's packed layout, and that layout's size in bytes."""
+def v4_flash_expert_share(packer: int = 3) -> tuple[float, int]:
+    """The routed experts' share of V4-Flash's packed layout, and that layout's size in bytes:
+    this packer's (3), or packer 2's, whose FP4 codes took a byte each (twice the bytes)."""
     from runtime.model.config import from_dict
     from runtime.synth.checkpoint import V4_FLASH
     from runtime.weights.layout import EXPERTS, PackedLayout
     from store.checkpoint import DTYPE_SIZES
 
     layout = PackedLayout(from_dict(V4_FLASH, source="V4-Flash"), ranks=1)
-    total = layout.total_bytes()
-    experts = sum(DTYPE_SIZES[t.dtype] * math.prod(t.shape) for t in layout.tensors.values()
-                  if t.rule.group == EXPERTS)
+
+    def nbytes(t: Any) -> int:
+        widened = 2 if packer == 2 and t.part == "qweight" and t.dtype == "U8" else 1
+        return DTYPE_SIZES[t.dtype] * math.prod(t.shape) * widened
+
+    total = sum(nbytes(t) for t in layout.tensors.values())
+    experts = sum(nbytes(t) for t in layout.tensors.values() if t.rule.group == EXPERTS)
     return experts / total, total
 
 
@@ -188,11 +193,13 @@ def measure(preset: str, backend: str, ranks: Sequence[int], progress: Callable[
         warm(path, remember=False)
         progress(f"page-mapping cost of {path.name} …")
         cost = page_cost(path)
-    share, layout_bytes = v4_flash_expert_share()
+    v4 = {}
+    for packer in (2, 3):
+        share, layout_bytes = v4_flash_expert_share(packer)
+        v4[f"packer{packer}"] = {"expert_share": share, "sidecar_bytes": layout_bytes,
+                                 "rows": v4_flash_projection(cost["per_page_s"], share, layout_bytes)}
     return {"preset": preset, "backend": backend, "runs": runs, "memory": _memory_verdicts(runs),
-            "page_cost": cost, "v4_flash": {"expert_share": share, "sidecar_bytes": V4_FLASH_SIDECAR_BYTES,
-                                            "packed_layout_bytes": layout_bytes,
-                                            "rows": v4_flash_projection(cost["per_page_s"], share)},
+            "page_cost": cost, "v4_flash": v4,
             "load_avg_1m": round(os.getloadavg()[0], 2), "cpus": os.cpu_count()}
 
 
@@ -325,14 +332,16 @@ def _print(result: dict[str, Any]) -> None:
                 ["N", "run", "rank", *PHASES, "start → ready"], phase_rows)
 
     cost, v4 = result["page_cost"], result["v4_flash"]
-    full = v4["sidecar_bytes"] / PAGE
-    print_table(f"mapping cost per rank at V4-Flash scale: {v4['sidecar_bytes'] / (1 << 30):.1f} GiB sidecar, "
-                f"routed experts {v4['expert_share']:.1%} of it, {cost['per_page_s'] * 1e9:.0f} ns a page",
-                ["N", "GiB mapped per rank", "pages per rank (M)", "seconds per rank", "vs N=1"],
-                [[r["ranks"], f"{r['bytes'] / (1 << 30):.1f}", f"{r['pages'] / 1e6:.1f}", f"{r['seconds']:.1f}",
-                  f"{r['seconds'] / v4['rows'][0]['seconds']:.2f}×"] for r in v4["rows"]])
+    old, new = v4["packer2"], v4["packer3"]
+    print_table(f"mapping cost per rank at V4-Flash scale: packer 2's {old['sidecar_bytes'] / (1 << 30):.1f} GiB "
+                f"sidecar vs packer 3's {new['sidecar_bytes'] / (1 << 30):.1f} GiB (routed experts "
+                f"{new['expert_share']:.1%}), {cost['per_page_s'] * 1e9:.0f} ns a page",
+                ["N", "GiB / rank (2)", "GiB / rank (3)", "M pages (2)", "M pages (3)", "s / rank (2)",
+                 "s / rank (3)", "3 vs 2"],
+                [[a["ranks"], f"{a['bytes'] / (1 << 30):.1f}", f"{b['bytes'] / (1 << 30):.1f}",
+                  f"{a['pages'] / 1e6:.1f}", f"{b['pages'] / 1e6:.1f}", f"{a['seconds']:.1f}", f"{b['seconds']:.1f}",
+                  f"{b['pages'] / a['pages']:.2f}×"] for a, b in zip(old["rows"], new["rows"], strict=True)])
     print(f"per-page cost: map + touch of {cost['pages']:,} hot pages in {cost['seconds'] * 1e3:.1f} ms "
-          f"(best of {MAP_RUNS}); before expert parallelism each serving process mapped all "
-          f"{full / 1e6:.1f} M pages ({full * cost['per_page_s']:.1f} s). Today's packed layout of V4-Flash "
-          f"is {v4['packed_layout_bytes'] / (1 << 30):.1f} GiB.")
+          f"(best of {MAP_RUNS}); the reference deployment's {V4_FLASH_SIDECAR_BYTES / (1 << 30):.1f} GiB "
+          f"sidecar was {V4_FLASH_SIDECAR_BYTES / PAGE / 1e6:.1f} M pages in every serving process.")
     print(f"load average {result['load_avg_1m']} on {result['cpus']} CPUs")

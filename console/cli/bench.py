@@ -108,11 +108,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "plan",
         help="fresh-process `dsv4 plan --json` on the small and the full V4-Flash layout",
         description="Time `dsv4 plan --json` in a fresh process on header-only checkpoints of the "
-        "small preset and of V4-Flash (sparse shards), against the 0.5 s / 2 s targets.",
+        "small preset and of V4-Flash (sparse shards), against the 0.5 s / 2 s targets; report the "
+        "sidecar a prepack would write (sidecar.expected_bytes) against the checkpoint's bytes "
+        "(target ≤ 1.02×) and V4-Flash's bytes per tensor family.",
     )
     plan.add_argument("--runs", type=int, default=5, help="runs per layout (median reported)")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
     plan.set_defaults(func=_plan)
+
+    packing = sub.add_parser(
+        "packing",
+        help="packer 3 (FP4 two codes a byte) vs packer 2's layout (FP4 as int8): bytes, decode, prefill",
+        description="In one process on one checkpoint: packer 3's tensors and packer 2's rebuilt from "
+        "them in memory (exact), run by the same model code: the packed bytes against the checkpoint's, "
+        "eager decode-step time and prefill tokens/s, greedy tokens (equal), and one layer's routed "
+        "experts compiled by inductor (picked path at 1 and 16 rows, dense at 256). Targets: decode "
+        "≥ 1.0×, prefill ≥ 0.9×.",
+    )
+    packing.add_argument("--preset", choices=("tiny", "small", "medium"), default="small",
+                         help="synthetic checkpoint to measure on (default %(default)s; made on first use)")
+    packing.add_argument("--json", action="store_true", help="print one JSON object")
+    packing.set_defaults(func=_packing)
 
 
 def _startup(args: argparse.Namespace) -> int:
@@ -156,3 +172,9 @@ def _plan(args: argparse.Namespace) -> int:
     from bench.plan_bench import main
 
     return main(runs=args.runs, as_json=args.json)
+
+
+def _packing(args: argparse.Namespace) -> int:
+    from bench.packing_bench import main
+
+    return main(preset=args.preset, json_output=args.json)

@@ -1,0 +1,161 @@
+"""`dsv4 bench packing`: packer 3 (FP4 experts kept two e2m1 codes a byte) against packer 2's
+layout (FP4 widened to one int8 a value, the doubled code), side by side in one process.
+
+Packer 2's tensors are rebuilt in memory from packer 3's — each code doubled into an int8, its
+block scale one lower: exactly the bytes packer 2 wrote — so both run the same model code on
+the same checkpoint (the preset's embedded default):
+
+- bytes: the routed experts' and the whole layout's, against the checkpoint's tensors;
+- the eager engine: a single-sequence decode step after a 200-token prompt (median of 30) and
+  a 256-token prefill (tokens/s, best of 3); greedy tokens of both, which must be equal;
+- compiled (inductor, the compiler AOTInductor runs for the programs): one layer's routed
+  experts, the picked path (decode: 1 and 16 rows) and the dense path (prefill: 256 rows).
+
+Targets (issue 24): decode no slower (≥ 1.0×), prefill ≥ 0.9×. Reported, never asserted.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+DECODE_TARGET, PREFILL_TARGET = 1.0, 0.9
+PROMPT, PREFILL_TOKENS, STEPS = 200, 256, 30
+
+
+def widen_to_packer2(layout: Any, tensors: dict[str, Any]) -> dict[str, Any]:
+    """Packer 2's layout of the same numbers: every FP4 qweight [.., in/2, out] as int8 doubled
+    codes [.., in, out] (2·e2m1, exact), with its E8M0 scale one lower."""
+    import torch
+
+    from runtime.model.ops import e2m1_values
+
+    out = dict(tensors)
+    for name, t in layout.tensors.items():
+        if t.part == "qweight" and t.dtype == "U8":
+            scale = name.removesuffix("qweight") + "qscale"
+            out[name] = (e2m1_values(tensors[name]) * 2).to(torch.int8)
+            out[scale] = (tensors[scale].clamp(min=1) - 1).to(torch.uint8)
+    return out
+
+
+def _best(fn: Callable[[], Any], runs: int) -> float:
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def _engine_figures(config: Any, layout: Any, weights: Any) -> dict[str, Any]:
+    import torch
+
+    from runtime.programs.catalog import build_programs
+    from runtime.serve.engine import Engine
+
+    programs = build_programs(config, layout, 512)
+    engine = Engine(programs, weights)
+    engine.forward(torch.arange(PROMPT) % config.vocab_size)
+    steps = []
+    for i in range(STEPS):
+        t0 = time.perf_counter()
+        engine.forward(torch.tensor([i % config.vocab_size]))
+        steps.append(time.perf_counter() - t0)
+    prompt = torch.arange(PREFILL_TOKENS) % config.vocab_size
+    prefill = _best(lambda: Engine(programs, weights).forward(prompt), 3)
+    tokens = list(Engine(programs, weights).generate([5, 6, 7], 16))
+    return {"decode_step_s": statistics.median(steps), "prefill_tokens_per_s": PREFILL_TOKENS / prefill,
+            "greedy": tokens}
+
+
+def _compiled_experts(config: Any, weights: dict[str, Any]) -> dict[str, float]:
+    """Seconds per call of one layer's routed experts compiled by inductor, per row count."""
+    import torch
+
+    from runtime.model.dims import Dims
+    from runtime.model.moe import _expert_tensors, _routed
+
+    d = Dims.of(config, 512)
+    experts = _expert_tensors(weights)
+    out = {}
+    for rows in (1, 16, PREFILL_TOKENS):
+        torch._dynamo.reset()
+        gen = torch.Generator().manual_seed(rows)
+        h = torch.randn(rows, config.hidden_size, generator=gen)
+        idx = torch.randint(0, config.n_routed_experts, (rows, config.num_experts_per_tok), generator=gen)
+        gates = torch.rand(rows, config.num_experts_per_tok, generator=gen)
+        fn = torch.compile(lambda h, idx, gates: _routed(d, experts, h, idx, gates), dynamic=False)
+        args = (h, idx, gates)
+        fn(*args)
+        out[str(rows)] = _best(functools.partial(fn, *args), 5 if rows == PREFILL_TOKENS else 20)
+    return out
+
+
+def measure(preset: str, log: Callable[[str], None] = print) -> dict[str, Any]:
+    from runtime.model.config import load_config
+    from runtime.synth.checkpoint import ensure_default_model
+    from runtime.weights.layout import EXPERTS, PackedLayout
+    from runtime.weights.pack import pack_in_memory
+    from runtime.weights.views import packed_views
+    from store.checkpoint import Checkpoint
+
+    model, _ = ensure_default_model(preset)
+    config = load_config(model)
+    layout = PackedLayout(config)
+    ckpt = Checkpoint.open(model)
+    try:
+        packed3 = pack_in_memory(ckpt, layout)
+    finally:
+        ckpt.close()
+    packed2 = widen_to_packer2(layout, packed3)
+    result: dict[str, Any] = {"preset": preset, "checkpoint_bytes": layout.checkpoint_bytes()}
+    for name, tensors in (("packer 2", packed2), ("packer 3", packed3)):
+        log(f"{name}: eager decode steps, prefill, greedy tokens …")
+        views = packed_views(layout, tensors)
+        row: dict[str, Any] = {
+            "bytes": sum(t.nbytes for t in tensors.values()),
+            "expert_bytes": sum(t.nbytes for n, t in tensors.items() if layout.tensors[n].rule.group == EXPERTS),
+            **_engine_figures(config, layout, views)}
+        log(f"{name}: compiled routed experts (inductor) …")
+        row["compiled_experts_s"] = _compiled_experts(config, views["layers.0"])
+        result[name] = row
+    return result
+
+
+def main(preset: str = "small", json_output: bool = False) -> int:
+    from bench.report import print_json, print_table
+
+    r = measure(preset, log=(lambda s: None) if json_output else print)
+    old, new = r["packer 2"], r["packer 3"]
+    if json_output:
+        print_json(r)
+        return 0
+    gib = 2**20
+
+    def row(label: str, a: float, b: float, fmt: str, higher_better: bool, target: float | None = None) -> list:
+        ratio = (b / a if higher_better else a / b) if a and b else 0.0
+        verdict = "" if target is None else ("met" if ratio >= target else "MISSED")
+        return [label, fmt.format(a), fmt.format(b), f"{ratio:.2f}×", f"≥ {target}×" if target else "", verdict]
+
+    rows = [
+        ["checkpoint tensors (MiB)", f"{r['checkpoint_bytes'] / gib:,.1f}", f"{r['checkpoint_bytes'] / gib:,.1f}",
+         "", "", ""],
+        row("packed layout (MiB)", old["bytes"] / gib, new["bytes"] / gib, "{:,.1f}", False),
+        row("routed experts (MiB)", old["expert_bytes"] / gib, new["expert_bytes"] / gib, "{:,.1f}", False),
+        row("eager decode step (ms)", old["decode_step_s"] * 1e3, new["decode_step_s"] * 1e3, "{:.2f}", False,
+            DECODE_TARGET),
+        row("eager prefill (tokens/s)", old["prefill_tokens_per_s"], new["prefill_tokens_per_s"], "{:.0f}", True,
+            PREFILL_TARGET),
+    ]
+    for rows_n, target in (("1", DECODE_TARGET), ("16", DECODE_TARGET), (str(PREFILL_TOKENS), PREFILL_TARGET)):
+        path = "dense" if rows_n == str(PREFILL_TOKENS) else "picked"
+        rows.append(row(f"compiled experts, {rows_n} rows, {path} (ms)", old["compiled_experts_s"][rows_n] * 1e3,
+                        new["compiled_experts_s"][rows_n] * 1e3, "{:.3f}", False, target))
+    rows.append(["greedy tokens equal", "", "", "", "", "yes" if old["greedy"] == new["greedy"] else "NO"])
+    print_table(f"packer 2 (FP4 as int8) vs packer 3 (FP4 packed), {r['preset']} — ratio: 3 against 2",
+                ["figure", "packer 2", "packer 3", "ratio", "target", ""], rows)
+    return 0
