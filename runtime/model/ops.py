@@ -9,6 +9,7 @@ import math
 import torch
 
 from runtime.model.dims import Dims
+from store.quant import FP4_VALUES
 
 NORM_EPS = 1e-6
 
@@ -21,7 +22,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tenso
 def weight(w: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     """A matmul weight [.., in, out] as float32: a packed one dequantised per block from the
     checkpoint's bytes (value(qweight) · 2^(qscale - 127), qscale one E8M0 byte per block; FP4
-    codes unpacked from their bytes here, where they multiply), or a float one as is. Block sizes
+    codes decoded from their bytes here, where they multiply), or a float one as is. Block sizes
     follow from the shapes: the packer stores whole blocks only."""
     q = w.get(name + ".qweight")
     if q is None:
@@ -34,18 +35,30 @@ def weight(w: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     return (values.reshape(*lead, gi, i // gi, go, o // go) * scale).reshape(*lead, i, o)
 
 
+# byte → (value of its low nibble, value of its high nibble); bit 3 of a code is its sign
+_E2M1 = [*FP4_VALUES, *(-v for v in FP4_VALUES)]
+E2M1_PAIRS = torch.tensor([(_E2M1[b & 15], _E2M1[b >> 4]) for b in range(256)], dtype=torch.float32)
+
+
 def e2m1_values(packed: torch.Tensor) -> torch.Tensor:
-    """FP4 bytes [.., in/2, out] (two e2m1 codes of inputs 2j, 2j+1 in byte j, low nibble first)
-    → their values [.., in, out] as float32. Decoded arithmetically (sign, 2-bit exponent, 1-bit
-    mantissa), so a compiled kernel needs no table: |v| = m/2 if e = 0, else (1 + m/2) · 2^(e-1)."""
-    # a broadcast shift, not a stack: a compiled kernel then reads each byte where it needs a
-    # code instead of first writing every code to a buffer
+    """FP4 bytes [.., in/2, out] (byte j of a column: inputs 2j and 2j+1, low nibble first) →
+    their values [.., in, out] as float32.
+
+    Two ways to the same numbers, one per executor. Run eagerly, one lookup of both codes per
+    byte in a 256-entry table: few passes over the tensor. Traced for a compiled program, the
+    codes decoded in integers (sign, 2-bit exponent e, 1-bit mantissa m: 2|v| = m if e = 0, else
+    (2 + m)·2^(e-1)) through a broadcast shift: inductor fuses that into the kernel that
+    multiplies, vectorised along the outputs, with no codes buffer (a lookup there is an indirect
+    load, which its CPU kernels run as scalar code)."""
+    *lead, half, o = packed.shape
+    if not torch.compiler.is_compiling():
+        pairs = torch.nn.functional.embedding(packed.to(torch.int32), E2M1_PAIRS.to(packed.device))
+        return pairs.transpose(-1, -2).reshape(*lead, 2 * half, o)  # [.., in/2, 2, out] → [.., in, out]
     shift = torch.arange(2, dtype=torch.int32, device=packed.device).reshape(2, 1) * 4
-    b = packed.to(torch.int32).unsqueeze(-2)  # [.., in/2, 1, out]
-    codes = ((b >> shift) & 15).reshape(*packed.shape[:-2], 2 * packed.shape[-2], packed.shape[-1])
-    m, e = (codes & 1).float() * 0.5, (codes >> 1) & 3
-    magnitude = torch.where(e == 0, m, (1.0 + m) * torch.exp2((e - 1).float()))
-    return torch.where(codes >= 8, -magnitude, magnitude)
+    codes = ((packed.to(torch.int32).unsqueeze(-2) >> shift) & 15).reshape(*lead, 2 * half, o)
+    m, e = codes & 1, (codes >> 1) & 3
+    doubled = torch.where(e == 0, m, ((m + 2) << e) >> 1)  # 2|v|, integer shifts only: no exp2
+    return torch.where(codes >= 8, -doubled, doubled).float() * 0.5
 
 
 # A weight whose float copy would be larger than this is dequantised and multiplied a few output

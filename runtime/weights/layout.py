@@ -2,12 +2,16 @@
 dtype and shape a config implies. The launch plan, the program keys and the sidecar contract
 are computed from it in processes that never import torch; `runtime.weights.pack` applies it.
 
-Quantised weights keep the checkpoint's bytes (QUANT): `<family>.qweight` holds FP8 weights as
-stored (F8_E4M3, [.., in, out]) and FP4 weights packed as stored, two e2m1 codes a byte, low
-nibble first (U8, [.., in/2, out]: byte j of column o holds inputs 2j and 2j+1); `<family>.qscale`
-[.., in/block_in, out/block_out] the checkpoint's E8M0 block scales as bytes (U8). Nothing is
-widened, so the packed layout is the checkpoint's size (`family_bytes` says so per family). The
-programs dequantise where they multiply: W = value(q) · 2^(qscale - 127) per block.
+Quantised weights keep the checkpoint's bytes (QUANT), in the matmul layout: `<family>.qweight`
+holds FP8 weights as stored (F8_E4M3, [.., in, out]) and FP4 weights packed as stored, two e2m1
+codes a byte, low nibble first (U8, [.., in/2, out]: the checkpoint's bytes transposed whole, so
+byte j of column o holds inputs 2j and 2j+1); `<family>.qscale` [.., in/block_in, out/block_out]
+the checkpoint's E8M0 block scales as bytes (U8). Nothing is widened, so the packed layout is
+the checkpoint's size (`family_bytes` says so per family). The programs dequantise where they
+multiply: W = value(q) · 2^(qscale - 127) per block. [.., in/2, out] rather than the
+checkpoint's [out, in/2]: a compiled kernel then decodes a row of bytes into a row of outputs
+with vector instructions (on [out, in/2] every byte serves two neighbouring lanes of the
+reduction, and inductor's CPU kernels fell back to scalar code: 15× slower).
 """
 
 

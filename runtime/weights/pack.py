@@ -6,9 +6,10 @@ every packed name, dtype and shape from it and the config, before any weight is 
 
 Layout (PACK_LAYOUT, recorded in the sidecar key):
 - FP8 / FP4 weights keep the checkpoint's bytes: `<family>.qweight` in the matmul layout (x @ W)
-  holds FP8 as stored [.., in, out] and FP4 packed as stored [.., in/2, out] (each byte two
-  e2m1 codes of neighbouring inputs, low nibble first), `<family>.qscale` [.., in/block,
-  out/block] the E8M0 block scales as bytes. The programs dequantise where they multiply;
+  holds FP8 as stored [.., in, out] and FP4 packed as stored [.., in/2, out] (the checkpoint's
+  bytes transposed whole: each byte two e2m1 codes of neighbouring inputs, low nibble first),
+  `<family>.qscale` [.., in/block, out/block] the E8M0 block scales as bytes. The programs
+  dequantise where they multiply;
   nothing is requantised or widened, so the packed model is the checkpoint's model at the
   checkpoint's size (tests: packed logits equal the float reference to float rounding).
 - bf16/fp32 matrices used as matmuls are transposed to [in, out]; norms and vectors are kept.
@@ -63,9 +64,9 @@ def dequantize(ckpt: Checkpoint, config: DeepSeekV4Config, p: Param) -> torch.Te
 
 
 def pack_quant(ckpt: Checkpoint, p: Param) -> tuple[torch.Tensor, torch.Tensor]:
-    """A block-quantised parameter as (qweight [in, out], qscale [in/block, out/block] E8M0 bytes),
-    the checkpoint's bytes unchanged, transposed whole: FP8 bytes as stored, FP4's bytes of two
-    codes each as stored (so a byte's two codes stay neighbouring inputs)."""
+    """A block-quantised parameter as (qweight [in, out] — FP4: [in/2, out] —, qscale [in/block,
+    out/block] E8M0 bytes): the checkpoint's bytes unchanged, transposed whole (so a byte's two
+    FP4 codes stay neighbouring inputs)."""
     scale = ckpt.read(p.scale_name).view(torch.uint8)
     if p.fmt == FP8:
         return ckpt.read(p.name).t().contiguous(), scale.t().contiguous()
