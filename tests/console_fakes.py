@@ -64,6 +64,7 @@ def snapshot(*, starving: bool = False) -> Snapshot:
     sidecars = SidecarsSnapshot("/models/tiny", ({
         "path": "/models/tiny/dsv4-packed.r1.safetensors", "verdict": "MAP", "reason": "", "detail": "valid and hot",
         "residency": 0.75, "residency_method": "cachestat", "size_bytes": 8 << 20, "sampled_at": NOW - 1,
+        "expected_bytes": 8 << 20, "checkpoint_bytes": 8 << 20, "free_bytes": 40 << 30, "fits": True,
         "next_launch": "MAP", "wanted": True}, {
         "path": "/models/tiny/dsv4-packed.r2.safetensors", "verdict": "-", "reason": "", "detail": "",
         "residency": None, "size_bytes": 8 << 20, "sampled_at": None, "wanted": False,

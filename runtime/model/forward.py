@@ -25,8 +25,8 @@ plausible reading of the architecture computes a different model:
 Weights reach the block functions as a flat dict keyed by packed family names relative to
 their group ("attn.wq_a.qweight", "ffn.experts.w1.qscale", "attn_norm.weight"). The packed
 view holds the checkpoint's quantised bytes in the matmul layout (FP8 as stored [in, out], FP4
-two codes a byte [in/2, out]) with one E8M0 scale byte per block, dequantised here; the reference view holds float
-[in, out] under "<family>.weight". `weight` serves both, so both compute the same model.
+two codes a byte [in/2, out]) with one E8M0 scale byte per block, dequantised here; the
+reference view holds float [in, out] under "<family>.weight". `weight` serves both, so both compute the same model.
 
 Caches are fixed-size per layer and slot ([slots, max_seq, …] rows indexed by position; the
 finished compressed entries [slots, max_seq/ratio, …] by window), so every program has static

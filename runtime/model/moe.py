@@ -34,8 +34,8 @@ def _experts_dense(d: Dims, experts: dict[str, torch.Tensor], h: torch.Tensor, i
     n = next(iter(experts.values())).shape[0]
     # added, not set: an expert-parallel rank clamps others' experts onto its own, weight 0
     dense = torch.zeros(h.shape[0], n, dtype=weights.dtype, device=h.device).scatter_add(1, idx, weights)
-    w2 = experts.get("ffn.experts.w2.qweight", experts.get("ffn.experts.w2.weight"))
-    per_expert = w2[0].numel() * (2 if w2.dtype == torch.uint8 else 1)  # floats: FP4 is two a byte
+    one = experts.get("ffn.experts.w2.qweight", experts.get("ffn.experts.w2.weight"))[0]
+    per_expert = one.numel() * (2 if one.dtype == torch.uint8 else 1)  # floats: FP4 is two a byte
     step = chunk_units(n, per_expert, most=MAX_EXPERT_CHUNKS)
     out = None
     for e in range(0, n, step):

@@ -29,8 +29,8 @@ from store.checkpoint import DTYPE_SIZES
 
 PACKER_VERSION = "3"
 PACK_FORMAT = "dsv4-packed"
-PACK_LAYOUT = {"quant": "fp8 as stored, fp4 as stored (e2m1 pairs, low nibble first; in/2,out); e8m0 block scales", "matmul": "in,out",
-               "experts": "rank-major",
+PACK_LAYOUT = {"quant": "fp8 as stored, fp4 as stored (e2m1 pairs, low nibble first; in/2,out); e8m0 block scales",
+               "matmul": "in,out", "experts": "rank-major",
                "groups": ["all", "csa", "hca", "hash", "bias"]}
 
 QUANT, T, KEEP, I32 = "quant", "transpose", "keep", "int32"

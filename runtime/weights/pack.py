@@ -9,9 +9,9 @@ Layout (PACK_LAYOUT, recorded in the sidecar key):
   holds FP8 as stored [.., in, out] and FP4 packed as stored [.., in/2, out] (the checkpoint's
   bytes transposed whole: each byte two e2m1 codes of neighbouring inputs, low nibble first),
   `<family>.qscale` [.., in/block, out/block] the E8M0 block scales as bytes. The programs
-  dequantise where they multiply;
-  nothing is requantised or widened, so the packed model is the checkpoint's model at the
-  checkpoint's size (tests: packed logits equal the float reference to float rounding).
+  dequantise where they multiply; nothing is requantised or widened, so the packed model is
+  the checkpoint's model at the checkpoint's size (tests: packed logits equal the float
+  reference to float rounding).
 - bf16/fp32 matrices used as matmuls are transposed to [in, out]; norms and vectors are kept.
 - Per-layer tensors are stacked on a leading axis per group: `layers.*` (all main layers),
   `layers.csa.*` / `layers.hca.*` (compressed layers of that kind), `layers.hash.*` (tid2eid,
