@@ -201,6 +201,15 @@ class Dsv4Console(JobActions, ServiceActions, App):
             return _ABSENT
 
     def apply_snapshot(self, snap: Snapshot, force: bool = False) -> None:
+        try:
+            self._apply_snapshot(snap, force)
+        except NoMatches:
+            # a late snapshot met a pane whose children are being removed (the console is
+            # shutting down): there is nothing left to show it on
+            if self.is_running:
+                raise
+
+    def _apply_snapshot(self, snap: Snapshot, force: bool) -> None:
         old, self.snapshot = self.snapshot, snap
         # repaint a pane only when its data changed: idle refreshes stay cheap
 

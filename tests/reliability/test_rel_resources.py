@@ -69,9 +69,10 @@ def test_full_filesystem_prepack_is_one_clear_error_and_leaves_nothing(tiny_ckpt
     with mounted(full, "-t", "tmpfs", "-o", "size=2m", "tmpfs") as ok:
         if ok:
             proc = cli("prepack", str(tiny_ckpt), "--out", str(full))
-            clean = one_clear_line(proc) and "no space" in proc.stderr
+            # refused before it starts: the plan knows the sidecar's size and the disk's free space
+            clean = one_clear_line(proc) and "a prepack writes 6.1 MiB" in proc.stderr and "2.0 MiB free" in proc.stderr
             leftovers = list(full.iterdir())
-            injection = "tmpfs size=2m (sidecar 8 MiB)"
+            injection = "tmpfs size=2m (sidecar 6.1 MiB)"
         else:  # no mount in this sandbox: inject ENOSPC where the writer reserves space
             from store.errors import UserError
 
