@@ -8,6 +8,7 @@ the same checkpoint (the preset's embedded default):
 - bytes: the routed experts' and the whole layout's, against the checkpoint's tensors;
 - the eager engine: a single-sequence decode step after a 200-token prompt (median of 30) and
   a 256-token prefill (tokens/s, best of 3); greedy tokens of both, which must be equal;
+- every timing alternates the packers run by run, so the machine's drift falls on both;
 - compiled (inductor, the compiler AOTInductor runs for the programs): one layer's routed
   experts, the picked path (decode: 1 and 16 rows) and the dense path (prefill: 256 rows).
 
@@ -42,37 +43,43 @@ def widen_to_packer2(layout: Any, tensors: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _best(fn: Callable[[], Any], runs: int) -> float:
-    times = []
+def _alternating(fns: dict[str, Callable[[], Any]], runs: int) -> dict[str, list[float]]:
+    """Seconds of each call, the packers taking turns run by run, so a drift of the machine's
+    speed (other load, clocks) falls on both alike."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return times
 
 
-def _engine_figures(config: Any, layout: Any, weights: Any) -> dict[str, Any]:
+def _engine_figures(config: Any, layout: Any, views: dict[str, Any]) -> dict[str, dict[str, Any]]:
     import torch
 
     from runtime.programs.catalog import build_programs
     from runtime.serve.engine import Engine
 
     programs = build_programs(config, layout, 512)
-    engine = Engine(programs, weights)
-    engine.forward(torch.arange(PROMPT) % config.vocab_size)
-    steps = []
-    for i in range(STEPS):
-        t0 = time.perf_counter()
-        engine.forward(torch.tensor([i % config.vocab_size]))
-        steps.append(time.perf_counter() - t0)
+    engines = {name: Engine(programs, w) for name, w in views.items()}
+    for engine in engines.values():
+        engine.forward(torch.arange(PROMPT) % config.vocab_size)
+    token = [0]
+
+    def step(engine: Any) -> Callable[[], Any]:
+        return lambda: engine.forward(torch.tensor([token[0] % config.vocab_size]))
+
+    steps = _alternating({name: step(e) for name, e in engines.items()}, STEPS)
     prompt = torch.arange(PREFILL_TOKENS) % config.vocab_size
-    prefill = _best(lambda: Engine(programs, weights).forward(prompt), 3)
-    tokens = list(Engine(programs, weights).generate([5, 6, 7], 16))
-    return {"decode_step_s": statistics.median(steps), "prefill_tokens_per_s": PREFILL_TOKENS / prefill,
-            "greedy": tokens}
+    prefill = _alternating({name: functools.partial(lambda w: Engine(programs, w).forward(prompt), w)
+                            for name, w in views.items()}, 3)
+    return {name: {"decode_step_s": statistics.median(steps[name]),
+                   "prefill_tokens_per_s": PREFILL_TOKENS / min(prefill[name]),
+                   "greedy": list(Engine(programs, w).generate([5, 6, 7], 16))} for name, w in views.items()}
 
 
-def _compiled_experts(config: Any, weights: dict[str, Any]) -> dict[str, float]:
+def _compiled_experts(config: Any, layers: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
     """Seconds per call of one layer's routed experts compiled by inductor, per row count."""
     import torch
 
@@ -80,18 +87,23 @@ def _compiled_experts(config: Any, weights: dict[str, Any]) -> dict[str, float]:
     from runtime.model.moe import _expert_tensors, _routed
 
     d = Dims.of(config, 512)
-    experts = _expert_tensors(weights)
-    out = {}
+    out: dict[str, dict[str, float]] = {name: {} for name in layers}
     for rows in (1, 16, PREFILL_TOKENS):
         torch._dynamo.reset()
         gen = torch.Generator().manual_seed(rows)
         h = torch.randn(rows, config.hidden_size, generator=gen)
         idx = torch.randint(0, config.n_routed_experts, (rows, config.num_experts_per_tok), generator=gen)
         gates = torch.rand(rows, config.num_experts_per_tok, generator=gen)
-        fn = torch.compile(lambda h, idx, gates: _routed(d, experts, h, idx, gates), dynamic=False)
-        args = (h, idx, gates)
-        fn(*args)
-        out[str(rows)] = _best(functools.partial(fn, *args), 5 if rows == PREFILL_TOKENS else 20)
+        calls = {}
+        for name, w in layers.items():
+            experts = _expert_tensors(w)
+            fn = torch.compile(functools.partial(lambda e, h, idx, g: _routed(d, e, h, idx, g), experts),
+                               dynamic=False)
+            fn(h, idx, gates)
+            calls[name] = functools.partial(fn, h, idx, gates)
+        times = _alternating(calls, 5 if rows == PREFILL_TOKENS else 20)
+        for name in layers:
+            out[name][str(rows)] = min(times[name])
     return out
 
 
@@ -111,18 +123,18 @@ def measure(preset: str, log: Callable[[str], None] = print) -> dict[str, Any]:
         packed3 = pack_in_memory(ckpt, layout)
     finally:
         ckpt.close()
-    packed2 = widen_to_packer2(layout, packed3)
+    tensors = {"packer 2": widen_to_packer2(layout, packed3), "packer 3": packed3}
+    views = {name: packed_views(layout, t) for name, t in tensors.items()}
     result: dict[str, Any] = {"preset": preset, "checkpoint_bytes": layout.checkpoint_bytes()}
-    for name, tensors in (("packer 2", packed2), ("packer 3", packed3)):
-        log(f"{name}: eager decode steps, prefill, greedy tokens …")
-        views = packed_views(layout, tensors)
-        row: dict[str, Any] = {
-            "bytes": sum(t.nbytes for t in tensors.values()),
-            "expert_bytes": sum(t.nbytes for n, t in tensors.items() if layout.tensors[n].rule.group == EXPERTS),
-            **_engine_figures(config, layout, views)}
-        log(f"{name}: compiled routed experts (inductor) …")
-        row["compiled_experts_s"] = _compiled_experts(config, views["layers.0"])
-        result[name] = row
+    for name, t in tensors.items():
+        result[name] = {"bytes": sum(x.nbytes for x in t.values()),
+                        "expert_bytes": sum(x.nbytes for n, x in t.items() if layout.tensors[n].rule.group == EXPERTS)}
+    log("eager engine: decode steps, prefill and greedy tokens, the packers taking turns …")
+    for name, figures in _engine_figures(config, layout, views).items():
+        result[name].update(figures)
+    log("one layer's routed experts compiled by inductor, the packers taking turns …")
+    for name, figures in _compiled_experts(config, {n: v["layers.0"] for n, v in views.items()}).items():
+        result[name]["compiled_experts_s"] = figures
     return result
 
 

@@ -39,6 +39,25 @@ def test_e2m1_decode_of_every_byte_is_the_value_table():
     assert e2m1_values(torch.tensor([[0x67], [0xA0]], dtype=torch.uint8)).flatten().tolist() == [6.0, 4.0, 0.0, -1.0]
 
 
+def test_a_traced_program_multiplies_the_packed_bytes_as_the_eager_path_does():
+    """`fp4_rows` (what a compiled picked-expert kernel runs: each byte read once, both codes used
+    where they multiply) equals the eager product with the dequantised weight."""
+    from runtime.model.ops import fp4_rows, weight
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 256, (3, 2, 64, 16), dtype=torch.uint8, generator=gen)  # [T, k, in/2, out]
+    e = torch.randint(120, 134, (3, 2, 4, 16), dtype=torch.uint8, generator=gen)  # one scale / 32 inputs
+    x = torch.randn(3, 2, 128, generator=gen)
+    want = torch.einsum("tki,tkio->tko", x, weight({"m.qweight": q, "m.qscale": e}, "m"))
+
+    class Rows(torch.nn.Module):
+        def forward(self, x, q, e):
+            return fp4_rows(x, q, e)
+
+    got = torch.export.export(Rows(), (x, q, e)).module()(x, q, e)
+    assert ((got - want).norm() / want.norm()).item() < 1e-6
+
+
 @pytest.mark.parametrize("case", ["tiny", "small", "medium", "v4-flash"])
 def test_the_packed_layout_is_the_checkpoints_size(case):
     """Every family keeps its checkpoint bytes (FP4 experts packed as stored, U8 [.., in/2, out]);
