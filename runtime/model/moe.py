@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.model.dims import Dims
-from runtime.model.ops import MAX_EXPERT_CHUNKS, chunk_units, fp4_rows, linear, weight
+from runtime.model.ops import MAX_EXPERT_CHUNKS, chunk_units, fp4_rows, fusing, linear, weight
 
 
 def _swiglu(d: Dims, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -58,12 +58,12 @@ def _experts_picked(d: Dims, experts: dict[str, torch.Tensor], h: torch.Tensor, 
 
 
 def _picked_matmul(x: torch.Tensor, picked: dict[str, torch.Tensor], name: str) -> torch.Tensor:
-    """x [T, k, in] times each row's own weight `name` of `picked` ([T, k, …]). Compiled, as a
-    product summed over the input: one kernel gathers, dequantises and reduces, never storing
+    """x [T, k, in] times each row's own weight `name` of `picked` ([T, k, …]). Fused by a
+    compiler, as a product summed over the input: one kernel gathers, dequantises and reduces, never storing
     the float weights (3.5× faster than a batched matmul on them; FP4 bytes decoded where they
     multiply, `fp4_rows`); each weight is used once, so nothing is lost."""
     q = picked.get(name + ".qweight")
-    if not torch.compiler.is_compiling():
+    if not fusing():  # eager, or a graph run op by op (export)
         return torch.einsum("tki,tkio->tko", x, weight(picked, name))
     if q is not None and q.dtype == torch.uint8:
         return fp4_rows(x, q, picked[name + ".qscale"])

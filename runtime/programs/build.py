@@ -9,6 +9,7 @@ the functions that compile or load, so `dsv4 cache ls` and the launch plan stay 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import tempfile
@@ -170,7 +171,11 @@ def export_program(spec: ProgramSpec, device: str = "cpu") -> Any:
 def _build(spec: ProgramSpec, backend: str, device: str, out_dir: Path) -> None:
     import torch
 
-    exported = export_program(spec, device)
+    from runtime.model.ops import interpreted_trace
+
+    # the export backend runs its graph op by op: trace the formulations made for that
+    with interpreted_trace() if backend == "export" else contextlib.nullcontext():
+        exported = export_program(spec, device)
     if backend == "export":
         torch.export.save(exported, out_dir / ARTIFACT)
     else:
