@@ -5,8 +5,8 @@ conventions these follow."""
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import math
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -22,24 +22,28 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tenso
     return y if weight is None else y * weight.float()
 
 
-_INTERPRETED = contextvars.ContextVar("dsv4_interpreted_trace", default=False)
+_TRACING = threading.Lock()
+_interpreted = False  # a plain global: torch.cond's tracer reads it, where a ContextVar breaks it
 
 
 @contextlib.contextmanager
 def interpreted_trace() -> Iterator[None]:
     """Trace for a graph that runs op by op (the export backend): there the eager formulations —
     the fewest, largest ops — beat the elementwise ones written for a compiler to fuse (decoding
-    FP4 in integer ops, op by op, made tiny's batched service 0.59× packer 2's)."""
-    token = _INTERPRETED.set(True)
-    try:
-        yield
-    finally:
-        _INTERPRETED.reset(token)
+    FP4 in integer ops, op by op, made tiny's batched service 0.59× packer 2's). One such trace
+    at a time per process."""
+    global _interpreted
+    with _TRACING:
+        _interpreted = True
+        try:
+            yield
+        finally:
+            _interpreted = False
 
 
 def fusing() -> bool:
     """Is this being traced for a compiler that fuses it into kernels (inductor, AOTInductor)?"""
-    return torch.compiler.is_compiling() and not _INTERPRETED.get()
+    return torch.compiler.is_compiling() and not _interpreted
 
 
 def weight(w: dict[str, torch.Tensor], name: str) -> torch.Tensor:
@@ -70,8 +74,11 @@ def fp4_weight(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         values = e2m1_values(packed).reshape(*lead, gi, 2 * half // gi, o)
         return (values * s.reshape(*lead, gi, 1, o)).reshape(*lead, 2 * half, o)
     pairs = torch.nn.functional.embedding(packed.to(torch.int32), E2M1_PAIRS.to(packed.device))  # [.., half, o, 2]
+    pairs, s = pairs.reshape(*lead, gi, half // gi, o, 2), s.reshape(*lead, gi, 1, o, 1)
+    if torch.compiler.is_compiling():  # a graph run op by op: an out= into a view does not trace
+        return (pairs * s).transpose(-1, -2).reshape(*lead, 2 * half, o)
     out = torch.empty(*lead, gi, half // gi, 2, o, device=packed.device)
-    torch.mul(pairs.reshape(*lead, gi, half // gi, o, 2), s.reshape(*lead, gi, 1, o, 1), out=out.transpose(-1, -2))
+    torch.mul(pairs, s, out=out.transpose(-1, -2))
     return out.reshape(*lead, 2 * half, o)
 
 
