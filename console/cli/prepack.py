@@ -16,7 +16,10 @@ Pack MODEL_DIR into the serving layout once and write it as a sidecar (a safeten
 dsv4-packed.rRANKS.safetensors beside the checkpoint unless --out says otherwise), so launches
 map it instead of repacking. Memory stays at about one layer whatever the model size; the file
 is published in one rename (a crash leaves no partial sidecar) with the mode of a checkpoint
-shard. Exits 1 when the checkpoint changed while packing (the sidecar is then already stale).
+shard. The sidecar is the checkpoint's size (FP4 experts stay two codes a byte); its exact
+size is known before packing (`dsv4 plan --json`: sidecar.expected_bytes), and a prepack whose
+file would not fit in the free space is refused before it starts. Exits 1 when the checkpoint
+changed while packing (the sidecar is then already stale).
 """
 
 
