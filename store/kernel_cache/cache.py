@@ -112,8 +112,10 @@ class KernelCache:
         fp = entry.name
         try:
             manifest, contents = self.read_verified(entry, program, fp)
-        except FileNotFoundError:  # purged or quarantined by another process meanwhile
-            return read.absent(self.layout, program, key, fp)
+        except FileNotFoundError:  # purged, quarantined or replaced by another process meanwhile
+            # judge what is there now, once (a republished entry is a HIT)
+            return self._resolve(program, key, record=record, _again=False) if _again else \
+                read.absent(self.layout, program, key, fp)
         except Corrupt as e:
             if not record:
                 return Miss(program, fp, e.kind, f"{e.kind}: {e}")

@@ -71,10 +71,26 @@ def verified(
             contents[f.name] = data
         return manifest, contents
     except Corrupt as e:
+        if _moved_or_removed(entry, dfd, st):
+            # purged (renamed into the trash and emptied) or replaced while we read it: what
+            # looked corrupt was the removal, not this entry; and its inode number may already
+            # belong to the entry republished at the path, so nothing may be quarantined by it
+            raise FileNotFoundError(f"{entry} was removed while being read") from e
         e.dir_id = (st.st_dev, st.st_ino)
         raise
     finally:
         os.close(dfd)
+
+
+def _moved_or_removed(entry: Path, dfd: int, st: os.stat_result) -> bool:
+    """Is the dir open as `dfd` (stat `st`) no longer the entry at its path?"""
+    try:
+        if os.fstat(dfd).st_nlink == 0:  # removed: its inode number is free for reuse
+            return True
+        now = os.lstat(entry)
+    except FileNotFoundError:
+        return True
+    return (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino)
 
 
 def capped(root: Path, entry: Path, dfd: int, name: str, cap: int) -> bytes:
