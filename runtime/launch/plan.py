@@ -196,21 +196,24 @@ def judge_programs(plan: Plan, keep_verified: bool) -> list[ProgramPlan]:
 def _sidecar(plan: Plan) -> dict[str, Any]:
     """The sidecar's verdict, and what a prepack of it writes (`expected_bytes`, beside the
     checkpoint's `checkpoint_bytes` and the disk's `free_bytes`)."""
-    from runtime.weights.prepack import judge, sidecar_size
+    from runtime.weights.prepack import judge, sidecar_key, sidecar_size
     from store import sidecar
 
     spec = plan.spec
     path = sidecar.default_sidecar_path(spec.model, spec.ranks)
     size: dict[str, Any] = {}
+    key = None
     if plan.layout is not None:
         with contextlib.suppress(UserError, ValueError, OSError):
-            size = sidecar_size(spec.model, spec.ranks, path, plan.layout).to_json()
+            key = sidecar_key(spec.model, spec.ranks)  # hashed once: the verdict and the size share it
+            size = sidecar_size(spec.model, spec.ranks, path, plan.layout, key).to_json()
     if not spec.use_sidecar:
         return {"path": str(path), "verdict": REPACK, "reason": Reason.DISABLED, "detail": "--no-sidecar", **size}
     try:
         if plan.layout is None:
             raise UserError("the checkpoint's config does not load (see check)")
-        return {**judge(spec.model, spec.ranks, cold_policy=spec.cold_policy, packed=plan.layout).to_json(), **size}
+        verdict = judge(spec.model, spec.ranks, cold_policy=spec.cold_policy, packed=plan.layout, key=key)
+        return {**verdict.to_json(), **size}
     except (UserError, ValueError, OSError) as e:
         return {"path": str(path), "verdict": REPACK, "reason": Reason.SOURCE, "detail": str(e), **size}
 

@@ -217,16 +217,17 @@ def judge(
     cold_threshold: float = sidecar.DEFAULT_COLD_THRESHOLD,
     residency_method: str | None = None,
     packed: layout.PackedLayout | None = None,
+    key: Key | None = None,
 ) -> sidecar.Verdict:
     """The verdict loading would give the sidecar at `path` (default: beside the checkpoint):
     against the live key and the packed layout's tensors, so a new packer version or layout,
     other ranks and a different tensor set are REPACK too, not only a changed checkpoint. A
-    caller that already built the layout passes it (`packed`)."""
+    caller that already built the layout or the live key passes them (`packed`, `key`)."""
     model_dir = _checkpoint_dir(model_dir)
     packed = packed if packed is not None else packed_layout(model_dir, ranks)
     return sidecar.inspect(
         path if path is not None else sidecar.default_sidecar_path(model_dir, ranks),
-        expected_key=sidecar_key(model_dir, ranks),
+        expected_key=key or sidecar_key(model_dir, ranks),
         expected_tensors=sidecar_tensors(packed),
         cold_policy=cold_policy,
         cold_threshold=cold_threshold,
