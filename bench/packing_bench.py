@@ -84,7 +84,7 @@ def _compiled_experts(config: Any, layers: dict[str, dict[str, Any]]) -> dict[st
     import torch
 
     from runtime.model.dims import Dims
-    from runtime.model.moe import _expert_tensors, _routed
+    from runtime.model.moe import _expert_tensors, routed
 
     d = Dims.of(config, 512)
     out: dict[str, dict[str, float]] = {name: {} for name in layers}
@@ -97,7 +97,7 @@ def _compiled_experts(config: Any, layers: dict[str, dict[str, Any]]) -> dict[st
         calls = {}
         for name, w in layers.items():
             experts = _expert_tensors(w)
-            fn = torch.compile(functools.partial(lambda e, h, idx, g: _routed(d, e, h, idx, g), experts),
+            fn = torch.compile(functools.partial(lambda e, h, idx, g: routed(d, e, h, idx, g), experts),
                                dynamic=False)
             fn(h, idx, gates)
             calls[name] = functools.partial(fn, h, idx, gates)

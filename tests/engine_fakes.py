@@ -14,8 +14,12 @@ class CountingEngine:
     generate a slot's token number `fail_after` raises, as a bug inside a decode step would."""
 
     def __init__(self, slots: int = 2, base: int = 300, vocab: int = 512, max_seq: int = 64,
-                 gated: bool = False, fail_after: int | None = None):
+                 gated: bool = False, fail_after: int | None = None, rank_slots: list[int] | None = None):
+        """`rank_slots`: the engine of a service of several ranks, each owning that many slots."""
         self.base, self.vocab, self.max_seq, self.fail_after = base, vocab, max_seq, fail_after
+        if rank_slots is not None:
+            slots = sum(rank_slots)
+            self.owner = [r for r, n in enumerate(rank_slots) for _ in range(n)]
         self.lengths, self.counts = [0] * slots, [0] * slots
         self.steps = 0
         self.batches: list[int] = []  # sequences per step

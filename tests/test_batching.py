@@ -121,6 +121,29 @@ def test_finished_sequences_leave_and_queued_ones_take_their_slots():
     assert max(engine.batches) == 2 and engine.slots == 2
 
 
+def test_a_job_goes_to_the_rank_with_the_most_free_slots_then_the_least_work():
+    engine = CountingEngine(rank_slots=[2, 3, 1], gated=True)
+
+    async def main():
+        s = Scheduler(engine)
+        placed = []
+        for n in (5, 9, 2, 7, 1):
+            s.submit([1], Sampling(max_tokens=n))
+            placed.append([r["running"] for r in s.per_rank()])
+        per_rank = s.per_rank()
+        engine.allow(100)
+        s.close()
+        return placed, per_rank, s.slots
+
+    placed, per_rank, slots = asyncio.run(main())
+    assert placed == [[0, 1, 0],  # rank 1: three free slots
+                      [1, 1, 0],  # ranks 0 and 1 have two free: rank 0 has no work yet
+                      [1, 2, 0],  # rank 1: two free
+                      [1, 2, 1],  # one free each: rank 2 has no work
+                      [1, 3, 1]]  # one free each on ranks 0 and 1: rank 1 has less work (6 + 3 tokens vs 10)
+    assert slots == 6 and [(r["rank"], r["slots"], r["free_slots"]) for r in per_rank] == [(0, 2, 1), (1, 3, 0), (2, 1, 0)]
+
+
 def test_one_sequence_per_step_is_the_baseline():
     engine = CountingEngine(slots=4, base=100)
 

@@ -43,11 +43,24 @@ def test_a_device_memory_cap_is_the_device_on_cpu_and_lowers_an_accelerator():
 def test_ranks_split_host_memory_on_cpu_and_own_a_device_each_on_accelerators():
     host = [Memory(16 * GIB, 16 * GIB, 0, "cpu")]
     cpu = launch_kv("cpu", host, 4, 1 << 20, 0.5, 8, 64)
-    assert [b.share for b in cpu.per_rank] == [4] * 4 and cpu.slots == 8 and cpu.problem == ""
+    # each rank holds its own sequences' KV: the service's slots are the ranks' sum
+    assert [b.share for b in cpu.per_rank] == [4] * 4 and cpu.slots == 4 * 8 and cpu.problem == ""
+    assert cpu.fits == 4 * (8 * GIB // 4 // (1 << 20))
     gpus = [Memory(80 * GIB, 80 * GIB, 0, f"cuda:{i}") for i in range(2)]
     cuda = launch_kv("cuda", gpus, 4, GIB, 0.9, 100, 64)
     assert [b.memory.name for b in cuda.per_rank] == ["cuda:0", "cuda:1"]
     assert cuda.problem == "4 ranks need one cuda device each, 2 found"
+
+
+def test_on_cpu_device_memory_is_each_ranks_own_device_and_slots_grow_with_the_ranks():
+    device = [Memory(2 * GIB, 2 * GIB, 0, "cpu")]  # --device-memory 2G, as read_memory caps it
+    one = launch_kv("cpu", device, 1, 1 << 20, 0.5, 4096, 64, device_memory=2 * GIB)
+    for ranks in (2, 4):
+        many = launch_kv("cpu", device, ranks, 1 << 20, 0.5, 4096, 64, device_memory=2 * GIB)
+        assert [b.share for b in many.per_rank] == [1] * ranks
+        assert [b.slots for b in many.per_rank] == [one.slots] * ranks and many.slots == ranks * one.slots
+    shared = launch_kv("cpu", device, 2, 1 << 20, 0.5, 4096, 64)  # no cap: the host's memory, split
+    assert shared.slots == one.slots - one.slots % 2
 
 
 def test_the_device_pane_and_the_plan_take_the_same_slots(tiny_ckpt_ro, tmp_path, monkeypatch):

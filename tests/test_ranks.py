@@ -1,8 +1,10 @@
-"""Rank processes (issue 15): `dsv4 serve --ranks N` is N processes over torch.distributed
-(gloo), rank 0 serving HTTP and leading every step; greedy tokens equal one rank's; a rank that
-dies stops the whole service promptly and says which; a rank that never joins, or joins with
-other settings, is named; nothing is left running."""
+"""Rank processes (issues 15, 25): `dsv4 serve --ranks N` is N processes over torch.distributed
+(gloo), rank 0 serving HTTP and leading every step, each rank holding its own sequences' KV;
+greedy tokens equal one rank's, alone or 16 at once; a rank that dies stops the whole service
+promptly and says which; a rank that never joins, or joins with other settings, is named;
+nothing is left running."""
 
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -21,6 +23,8 @@ from conftest import MAX_SEQ, start_server
 from runtime.events import parse
 
 PROMPTS = ["The quick brown fox", "DeepSeek V4", "a", "0123456789 " * 4]
+CONCURRENT = [f"request {i}: " + "abcdefgh"[i % 8] * (1 + i % 5) for i in range(16)]
+PER_RANK_SLOTS = 8
 
 
 def _complete(url: str, prompt: str, n: int = 10) -> list[int]:
@@ -71,6 +75,48 @@ def one_rank_tokens(tiny_ckpt_ro, tmp_path_factory):
         proc.wait(timeout=60)
 
 
+@pytest.fixture(scope="module")
+def one_rank_alone(tiny_ckpt_ro, tmp_path_factory):
+    """One rank's greedy tokens of each CONCURRENT prompt, one request at a time."""
+    proc, url, _ = start_server(tiny_ckpt_ro, tmp_path_factory.mktemp("alone"), "--backend", "eager")
+    try:
+        return [_complete(url, p, 12) for p in CONCURRENT]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_sixteen_concurrent_requests_over_ranks_decode_as_one_rank_alone(tiny_ckpt_ro, tmp_path, one_rank_alone,
+                                                                        ranks):
+    """Each rank owns its own slots (--device-memory: each rank's simulated device) and the
+    sequences placed in them; 16 requests at once, MTP drafting per rank, give the tokens one
+    rank gives each request alone."""
+    proc, url, events = start_server(tiny_ckpt_ro, tmp_path, "--ranks", str(ranks), "--backend", "eager",
+                                     "--speculative", "mtp", "--device-memory", "4G",
+                                     "--max-slots", str(PER_RANK_SLOTS))
+    ranks_seen = _ranks_of(proc) if ranks > 1 else []
+    try:
+        status, health = _health(url)
+        assert status == 200 and health["slots"] == ranks * PER_RANK_SLOTS
+        assert [(r["rank"], r["slots"]) for r in health["ranks"]] == [(r, PER_RANK_SLOTS) for r in range(ranks)]
+        with concurrent.futures.ThreadPoolExecutor(len(CONCURRENT)) as pool:
+            got = list(pool.map(lambda p: _complete(url, p, 12), CONCURRENT))
+        assert got == one_rank_alone
+        _, health = _health(url)
+        assert health["free_slots"] == health["slots"] and health["engine"]["drafts"] > 0
+    finally:
+        if ranks > 1:
+            assert _stop(proc, ranks_seen) == 0
+        else:
+            proc.terminate()
+            proc.wait(timeout=60)
+    kv = {e.rank: e.detail for e in _events(events) if e.phase == "kv" and e.kind == "end"}
+    assert [kv[r]["slots"] for r in sorted(kv)] == [PER_RANK_SLOTS] * ranks
+    if ranks > 1:
+        assert kv[0]["rank_slots"] == [PER_RANK_SLOTS] * ranks and "ranks_sharing_memory" not in kv[0]
+
+
 def test_two_ranks_compiled_equal_one_rank(tiny_ckpt, tmp_path, one_rank_tokens):
     """export programs: rank 0 compiles each key once, rank 1 HITs them; each rank maps the
     2-rank sidecar's shared weights and its own experts; tokens as one rank's."""
@@ -103,8 +149,9 @@ def test_two_ranks_compiled_equal_one_rank(tiny_ckpt, tmp_path, one_rank_tokens)
     assert weights[0]["shared_bytes"] == weights[1]["shared_bytes"] > 0
     assert weights[0]["expert_bytes"] == weights[1]["expert_bytes"] > 0
     assert ends[(0, "upload")].detail["bytes"] == ends[(1, "upload")].detail["bytes"]
-    assert ends[(0, "kv")].detail["slots"] == ends[(1, "kv")].detail["slots"]
-    assert ends[(0, "kv")].detail["ranks_sharing_memory"] == 2
+    kv = [ends[(r, "kv")].detail for r in (0, 1)]
+    assert kv[0]["slots"] == kv[1]["slots"] and kv[0]["ranks_sharing_memory"] == 2  # host memory, split
+    assert kv[0]["total_slots"] == kv[0]["slots"] + kv[1]["slots"] and health["slots"] == kv[0]["total_slots"]
 
 
 def test_four_ranks_equal_one_rank_and_map_less(tiny_ckpt_ro, tmp_path, one_rank_tokens):

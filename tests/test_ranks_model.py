@@ -1,7 +1,8 @@
-"""Expert parallelism at model level: each rank holds only its own routed experts (a slice of
-the rank-major layout) and computes its share; the shares summed over ranks give the logits of
-one rank holding every expert. The ranks here are threads whose all-reduce is a barrier, so
-the arithmetic is tested without processes (tests/test_ranks.py runs real rank processes)."""
+"""Data-parallel attention, expert-parallel MoE at model level: each rank holds only its own
+routed experts (a slice of the rank-major layout) and its own sequences' caches; each layer's
+routed rows go to their experts' owners and come back; the logits equal one rank holding every
+expert and every sequence. The ranks here are threads whose all-to-all is a barrier, so the
+arithmetic is tested without processes (tests/test_ranks.py runs real rank processes)."""
 
 import threading
 
@@ -10,21 +11,25 @@ import torch
 
 from runtime.model.config import load_config
 from runtime.programs.catalog import build_programs
+from runtime.serve.dispatch import dispatch_order
 from runtime.serve.engine import Engine
 from runtime.weights.pack import PackedLayout, pack_in_memory, rank_slice
 from runtime.weights.views import packed_views
 from store.checkpoint import Checkpoint
 
-PROMPT = [3, 17, 250, 9, 41, 8, 8, 1]
+PROMPTS = [[3, 17, 250, 9, 41, 8, 8, 1], [5, 6, 7], [99, 98, 97, 96, 95, 94]]
+SLOTS = 2  # per rank
 
 
 class ThreadRanks:
-    """`world` ranks as threads: reduce sums every rank's tensor once all have given theirs."""
+    """`world` ranks as threads: an exchange hands each rank the rows the others sent it once all
+    have given theirs."""
 
     def __init__(self, world: int):
         self.world = world
-        self.parts: list = [None] * world
+        self.sent: list = [None] * world
         self.barrier = threading.Barrier(world)
+        self.exchanges = [0] * world
 
     def rank(self, r: int):
         ranks = self
@@ -38,32 +43,39 @@ class ThreadRanks:
             def ping(self):
                 pass
 
-            def reduce(self, t):
-                ranks.parts[r] = t.clone()
+            def exchange(self, send, counts, recv_counts=None):
+                ranks.exchanges[r] += 1
+                ranks.sent[r] = (torch.split(send, counts), counts)
                 ranks.barrier.wait()
-                total = sum(ranks.parts[1:], ranks.parts[0].clone())
+                got = [ranks.sent[q][0][r] for q in range(ranks.world)]
+                got_counts = [ranks.sent[q][1][r] for q in range(ranks.world)]
                 ranks.barrier.wait()
-                t.copy_(total)
-                return t
+                assert recv_counts is None or recv_counts == got_counts
+                return torch.cat(got), got_counts
 
         return Member()
 
 
-def _logits(ckpt, ranks: int, steps: int = 4) -> list[torch.Tensor]:
+def _logits(ckpt, ranks: int, steps: int = 4) -> tuple[list, ThreadRanks]:
+    """Rank 0's logits of PROMPTS prefilled one by one, then decoded together (fixed tokens);
+    sequence i sits in global slot 2i+1, so with several ranks they live on different ranks."""
     config = load_config(ckpt)
     layout = PackedLayout(config, ranks)
     programs = build_programs(config, layout, max_seq=64)
     whole = pack_in_memory(Checkpoint.open(ckpt), layout)
     group = ThreadRanks(ranks)
     out: list = [None] * ranks
+    slots = [2 * i + 1 for i in range(len(PROMPTS))]
 
     def run(r: int) -> None:
         own = pack_in_memory(Checkpoint.open(ckpt), layout, rank=r) if r % 2 else rank_slice(layout, whole, r)
-        engine = Engine(programs, packed_views(layout, own), slots=2, group=group.rank(r) if ranks > 1 else None)
-        logits = [engine.forward(torch.tensor(PROMPT), slot=1).logits]
-        for _ in range(steps):
-            token = int(logits[-1][-1].argmax())
-            logits.append(engine.step([(1, [token])]).logits)
+        rank_slots = [SLOTS * 4 // ranks] * ranks  # the same slots in all: 8
+        engine = Engine(programs, packed_views(layout, own), slots=rank_slots[r],
+                        group=group.rank(r) if ranks > 1 else None, rank_slots=rank_slots)
+        logits = [engine.forward(torch.tensor(p), slot=s).logits for p, s in zip(PROMPTS, slots, strict=True)]
+        for i in range(steps):  # every rank is sent the same tokens (as rank 0 leads them)
+            step = engine.step([(s, [7 * i + s]) for s in slots])
+            logits += list(step.logits.split(1)) if r == 0 else [None] * len(PROMPTS)
         out[r] = logits
 
     threads = [threading.Thread(target=run, args=(r,)) for r in range(ranks)]
@@ -72,20 +84,26 @@ def _logits(ckpt, ranks: int, steps: int = 4) -> list[torch.Tensor]:
     for t in threads:
         t.join()
     assert all(o is not None for o in out), "a rank thread failed"
-    return out
+    return out[0], group
 
 
+def test_rows_go_once_to_each_rank_owning_one_of_their_experts():
+    idx = torch.tensor([[0, 1], [2, 7], [6, 7], [3, 4]])
+    rows, counts = dispatch_order(idx, experts_per_rank=2, world=4)
+    assert counts == [1, 2, 1, 2]  # rank 0: row 0 (both experts there, sent once); rank 1: rows 1, 3 …
+    assert rows.tolist() == [0, 1, 3, 3, 1, 2]
 @pytest.mark.parametrize("ranks", [2, 4])
-def test_expert_parallel_ranks_sum_to_one_rank(tiny_ckpt_ro, ranks):
+def test_each_rank_runs_its_own_sequences_and_the_logits_equal_one_ranks(tiny_ckpt_ro, ranks):
     experts = load_config(tiny_ckpt_ro).n_routed_experts
     if experts % ranks:
         pytest.skip(f"tiny has {experts} experts")
-    (alone,) = _logits(tiny_ckpt_ro, 1)
-    per_rank = _logits(tiny_ckpt_ro, ranks)
-    for r, logits in enumerate(per_rank):
-        for step, (a, b) in enumerate(zip(alone, logits, strict=True)):
-            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4, msg=f"rank {r} step {step}")
-            assert torch.equal(b.argmax(-1), a.argmax(-1))
+    alone, _ = _logits(tiny_ckpt_ro, 1)
+    spread, group = _logits(tiny_ckpt_ro, ranks)
+    for step, (a, b) in enumerate(zip(alone, spread, strict=True)):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4, msg=f"step {step}")
+        assert torch.equal(b.argmax(-1), a.argmax(-1))
+    # every rank took part in every exchange, those without rows of their own too
+    assert len(set(group.exchanges)) == 1 and group.exchanges[0] > 0
 
 
 def test_a_rank_holds_only_its_experts(tiny_ckpt_ro):

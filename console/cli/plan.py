@@ -44,10 +44,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
           f"{s.get('detail', '')}  [{s.get('path')}]")
     kv = plan.kv
     if kv.get("slots") is not None:
-        capped = f" (fits {kv['fits']}; --max-slots {kv['max_slots']})" if kv["fits"] > kv["slots"] else ""
-        per = " per rank" if kv.get("ranks", 1) > 1 else ""
-        print(f"kv: {kv['slots']} slots of {format_size(kv['slot_bytes'])}{capped} within a budget of "
-              f"{format_size(max(0, kv['budget']))}{per}")
+        capped = f" (fits {kv['fits']}; --max-slots {kv['max_slots']} per rank)" if kv["fits"] > kv["slots"] else ""
+        ranks = kv.get("per_rank", [])
+        budgets = sorted({format_size(max(0, b["budget"])) for b in ranks})
+        each = (f" = {' + '.join(str(b['slots']) for b in ranks)} over {len(ranks)} ranks, each within a budget of "
+                f"{' / '.join(budgets)}") if len(ranks) > 1 else f" within a budget of {format_size(max(0, kv['budget']))}"
+        print(f"kv: {kv['slots']} slots of {format_size(kv['slot_bytes'])}{capped}{each}")
     elif kv.get("detail"):
         print(f"kv: {kv['detail']}")
     print(f"ready: {plan.ready}" + (" (--ready auto)" if plan.spec.ready == "auto" else ""))

@@ -5,8 +5,10 @@
     slots  = min(fits, --max-slots)          (what the launch takes)
 
 One function for the plan (`dsv4 plan`, the console's Registration pane), the Device pane and
-registration's kv phase, which measures its own device and applies the same rule. On cpu the
-ranks of one host share its memory; on cuda/npu rank r of a host owns device r (LOCAL_RANK).
+registration's kv phase, which measures its own device and applies the same rule. Each rank
+holds only its own sequences' KV, so a service's slots are the sum of its ranks'. On cuda/npu
+rank r of a host owns device r (LOCAL_RANK); on cpu `--device-memory SIZE` is each rank's own
+simulated device, and without it the ranks of one host share its memory.
 """
 
 from __future__ import annotations
@@ -96,19 +98,27 @@ def kv_budget(memory: Memory, slot_bytes: int, utilization: float, max_slots: in
     return KvBudget(memory, utilization, slot_bytes, max_slots, max(1, share), rank)
 
 
+def kv_share(kind: str, local_ranks: int, device_memory: int | None) -> int:
+    """How many ranks' KV one rank's memory reading holds: a host's ranks split its memory on
+    cpu, unless --device-memory gives each its own simulated device; one on an accelerator."""
+    return local_ranks if kind == "cpu" and device_memory is None else 1
+
+
 def rank_budgets(kind: str, devices: Sequence[Memory], ranks: int, slot_bytes: int, utilization: float,
-                 max_slots: int) -> list[KvBudget]:
-    """Every rank's budget on one host: on cpu the ranks split host memory (`devices[0]`); on an
-    accelerator rank r sizes device r's memory (a rank without a device has no entry)."""
+                 max_slots: int, device_memory: int | None = None) -> list[KvBudget]:
+    """Every rank's budget on one host: on cpu each rank sizes `devices[0]` (host memory split
+    among the ranks, or the --device-memory device each has); on an accelerator rank r sizes
+    device r's memory (a rank without a device has no entry)."""
     if kind == "cpu":
-        return [kv_budget(devices[0], slot_bytes, utilization, max_slots, ranks, r) for r in range(ranks)]
+        share = kv_share(kind, ranks, device_memory)
+        return [kv_budget(devices[0], slot_bytes, utilization, max_slots, share, r) for r in range(ranks)]
     return [kv_budget(devices[r], slot_bytes, utilization, max_slots, 1, r) for r in range(min(ranks, len(devices)))]
 
 
 @dataclass(frozen=True)
 class LaunchKv:
-    """What a launch's KV phase will take: each rank's budget and the slots every rank holds
-    (every rank holds every sequence's KV: the fewest any rank fits)."""
+    """What a launch's KV phase will take: each rank's budget and slots; the service's slots
+    are their sum (each rank holds its own sequences' KV)."""
 
     kind: str
     ranks: int
@@ -119,11 +129,11 @@ class LaunchKv:
 
     @property
     def slots(self) -> int:
-        return min((b.slots for b in self.per_rank), default=0)
+        return sum(b.slots for b in self.per_rank)
 
     @property
     def fits(self) -> int:
-        return min((b.fits for b in self.per_rank), default=0)
+        return sum(b.fits for b in self.per_rank)
 
     @property
     def problem(self) -> str:
@@ -143,8 +153,8 @@ class LaunchKv:
 
 
 def launch_kv(kind: str, devices: Sequence[Memory], ranks: int, slot_bytes: int, utilization: float,
-              max_slots: int, max_seq: int) -> LaunchKv:
-    per_rank = tuple(rank_budgets(kind, devices, ranks, slot_bytes, utilization, max_slots))
+              max_slots: int, max_seq: int, device_memory: int | None = None) -> LaunchKv:
+    per_rank = tuple(rank_budgets(kind, devices, ranks, slot_bytes, utilization, max_slots, device_memory))
     missing = ""
     if kind != "cpu" and ranks > len(devices):
         missing = f"{ranks} ranks need one {kind} device each, {len(devices)} found"

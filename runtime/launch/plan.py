@@ -231,7 +231,7 @@ def _kv(plan: Plan) -> dict[str, Any]:
         return {"slot_bytes": slot, "slots": None, "max_seq": spec.max_seq, "ranks": spec.ranks,
                 "detail": f"{reading.error}; the launch measures it"}
     kv = launch_kv(plan.device, reading.devices, spec.ranks, slot, spec.memory_utilization, spec.max_slots,
-                   spec.max_seq)
+                   spec.max_seq, spec.device_memory)
     return {**kv.to_json(), "source": reading.source}
 
 

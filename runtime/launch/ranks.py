@@ -9,7 +9,8 @@ RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT. Two
   and one `abort` line that every rank watches — a failure anywhere stops every rank promptly,
   with the reason, instead of leaving them blocked on a peer that is gone;
 - the **process group** (gloo on cpu, nccl on cuda, hccl on npu): rank 0 broadcasts each engine
-  call (`lead`), every rank runs it, and the routed experts' partial sums are all-reduced.
+  call (`lead`) and every rank runs it: each its own sequences' attention; the routed experts'
+  rows are exchanged all-to-all (`runtime.serve.dispatch`).
 """
 
 from __future__ import annotations
@@ -118,7 +119,8 @@ def phase_of(store, rank: int) -> str:
 
 class Group:
     """A joined rank: the store's sync points and abort line, and the engine's link to the
-    other ranks (rank 0 leads: every engine call is broadcast first; others follow)."""
+    other ranks (rank 0 leads: every engine call is broadcast first; others follow; each
+    layer's routed rows are exchanged)."""
 
     def __init__(self, env: RankEnv, store, timeout: float):
         self.env, self.store, self.timeout = env, store, timeout
@@ -128,6 +130,7 @@ class Group:
         # called once when a collective fails (a peer died or hung): the service fails closed
         self.on_lost: Callable[[str], None] = lambda reason: None
         self.lost: str | None = None
+        self.exchange_s = 0.0  # seconds spent in the steps' all-to-alls (the bench's collective time)
 
     # ---- the store ----
 
@@ -215,15 +218,27 @@ class Group:
             raise self._lose(e) from None
         return box[0]
 
-    def reduce(self, t):
-        """Sum `t` over every rank, in place (the routed experts' partial outputs)."""
+    def exchange(self, send, counts: list[int], recv_counts: list[int] | None = None):
+        """All-to-all of rows: `send` holds counts[q] rows for each rank q, rank-major. Returns
+        (the rows every rank sent here, rank-major; how many from each). With `recv_counts`
+        known, the counts are not exchanged first."""
+        import torch
         import torch.distributed as dist
 
+        t0 = time.perf_counter()
         try:
-            dist.all_reduce(t)
-        except Exception as e:
+            if recv_counts is None:
+                mine = torch.tensor(counts, dtype=torch.int64, device=send.device)
+                theirs = torch.empty_like(mine)
+                dist.all_to_all_single(theirs, mine)
+                recv_counts = theirs.tolist()
+            got = send.new_empty((sum(recv_counts), *send.shape[1:]))
+            dist.all_to_all_single(got, send.contiguous(), recv_counts, counts)
+        except Exception as e:  # a peer that died or hung: the group is gone
             raise self._lose(e) from None
-        return t
+        finally:
+            self.exchange_s += time.perf_counter() - t0
+        return got, recv_counts
 
     def _lose(self, e: BaseException) -> RankError:
         """A failed collective: the group is gone for good; say so once, to every rank."""

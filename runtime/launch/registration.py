@@ -289,7 +289,7 @@ def _upload(launched: Launched, loaded, c: _Checked, emitter: Emitter, phases: P
 def _size_kv(launched: Launched, runners, rank_env, detail: dict):
     """As many KV slots as the budget holds (runtime.launch.budget, the plan's rule) on the memory
     this device has now, halving on an allocation that fails."""
-    from runtime.launch.budget import kv_budget
+    from runtime.launch.budget import kv_budget, kv_share
     from runtime.launch.device import OutOfMemory
     from runtime.programs.catalog import kv_slot_bytes
     from runtime.serve.engine import Engine
@@ -299,12 +299,9 @@ def _size_kv(launched: Launched, runners, rank_env, detail: dict):
         group.gather("kv-measure", "", "kv")
     mem = device.memory()
     per_slot = kv_slot_bytes(programs)
-    # ranks on one host share its memory on cpu; on accelerators each rank has its own device
-    share = rank_env.local_world if rank_env is not None and device.kind == "cpu" else 1
+    share = kv_share(device.kind, rank_env.local_world if rank_env is not None else 1, spec.device_memory)
     kv = kv_budget(mem, per_slot, spec.memory_utilization, spec.max_slots, share)
-    want = kv.slots
-    if group is not None:  # every rank holds every sequence's KV: the fewest slots any rank fits
-        want = min(int(v) for v in group.gather("kv-slots", str(want), "kv"))
+    want = kv.slots  # this rank's own: each rank holds only its sequences' KV
 
     def too_small(why: str) -> RegistrationError:
         return RegistrationError(
@@ -313,8 +310,13 @@ def _size_kv(launched: Launched, runners, rank_env, detail: dict):
             f"{spec.memory_utilization} − used {format_size(mem.used)} (free {format_size(mem.free)}); "
             f"free device memory (residual allocations?), raise --memory-utilization or lower --max-seq")
 
-    if want < 1:
-        raise too_small("not even one KV slot fits")
+    problem = too_small("not even one KV slot fits") if want < 1 else None
+    if group is not None:  # a rank that cannot hold one slot stops every rank, named
+        verdicts = group.gather("kv-fits", str(problem or ""), "kv")
+        if problem is None and (first := next(((r, v) for r, v in enumerate(verdicts) if v), None)):
+            raise RegistrationError(f"kv: rank {first[0]}: {first[1].removeprefix('kv: ')}")
+    if problem is not None:
+        raise problem
     attempts = []
     while want >= 1:
         before = device.allocated
@@ -326,12 +328,14 @@ def _size_kv(launched: Launched, runners, rank_env, detail: dict):
             device.free_bytes(device.allocated - before)
             want //= 2
             continue
-        if group is not None and len(set(group.gather("kv-allocated", str(want), "kv"))) > 1:
-            raise RegistrationError(f"kv: rank {group.rank} fit {want} KV slots after halving, the other ranks "
-                                    f"a different count; free device memory or lower --max-slots")
+        rank_slots = [want]
+        if group is not None:  # every rank's slots: the global slot ids the scheduler places sequences on
+            rank_slots = [int(v) for v in group.gather("kv-allocated", str(want), "kv")]
+            engine.place(rank_slots)
         detail.update(slots=want, fits=kv.fits, max_slots=spec.max_slots, slot_bytes=per_slot,
                       budget_bytes=kv.budget, total_bytes=mem.total, used_bytes=mem.used,
                       utilization=spec.memory_utilization, attempts=attempts, max_seq=programs.dims.max_seq,
+                      **({"rank_slots": rank_slots, "total_slots": sum(rank_slots)} if group is not None else {}),
                       **({"ranks_sharing_memory": share} if share > 1 else {}))
         return engine
     raise too_small("allocation failed even after halving to one slot")
@@ -339,7 +343,8 @@ def _size_kv(launched: Launched, runners, rank_env, detail: dict):
 
 def _validate(launched: Launched, phases: PhaseRecorder) -> None:
     """One prefill, N greedy decode steps and an MTP draft from the prefill's hidden streams:
-    every program runs before serving. Ranks other than 0 run the same steps, as rank 0 leads."""
+    every program runs before serving. Ranks other than 0 run the same steps, as rank 0 leads,
+    then the prompt again on a slot of each of them: every rank's tokens must be rank 0's."""
     import torch
 
     steps = launched.spec.validate_tokens
@@ -367,6 +372,13 @@ def _validate(launched: Launched, phases: PhaseRecorder) -> None:
         if not bool(drafts[0].isfinite().all()):
             raise RegistrationError("validate: the MTP layer produced non-finite logits")
         engine.reset()
+        for rank in range(1, len(engine.rank_slots)):  # each rank's attention, on a slot of its own
+            slot = engine.owner.index(rank)
+            theirs = list(engine.generate(prompt, steps, slot=slot))
+            engine.reset(slot)
+            if theirs != tokens:
+                raise RegistrationError(f"validate: rank {rank} decoded {theirs} where rank 0 decoded {tokens} "
+                                        f"from the same prompt; its weights or programs differ")
         if group is not None:
             group.lead("validated")
         launched.validation_tokens = tokens

@@ -15,19 +15,29 @@ from runtime.model.dims import Dims
 
 def layer(dims: dict, kind: str, ratio: int, hash_routed: bool, cache_names: list[str],
           weight_names: list[str], prefill: bool, expert_parallel: bool = False) -> Callable:
-    """Expert parallel, the program takes this rank's first expert id after `starts` and
-    returns the block's FFN parts (the caller sums the routed share over ranks) before the
-    new cache rows."""
+    """Expert parallel, the program holds no routed expert: it returns the block's FFN parts
+    (`model.FFN_PARTS`: the routed experts' input rows and choices among them) before the new
+    cache rows, and the `experts` program of each owner computes their shares."""
     def layer_program(x, tokens, positions, slots, starts, *rest):
-        base, rest = (rest[0], rest[1:]) if expert_parallel else (None, rest)
         nc = len(cache_names)
         cache = dict(zip(cache_names, rest[:nc], strict=True))
         w = dict(zip(weight_names, rest[nc:], strict=True))
         rows = model.Rows(positions, slots, starts)
-        out, new = model.block(Dims(**dims), kind, ratio, hash_routed, w, x, tokens, rows, cache, prefill, base)
+        out, new = model.block(Dims(**dims), kind, ratio, hash_routed, w, x, tokens, rows, cache, prefill,
+                               expert_parallel)
         return (*(out if expert_parallel else (out,)), *(new[n] for n in cache_names))
 
     return layer_program
+
+
+def experts(dims: dict, weight_names: list[str]) -> Callable:
+    """One rank's routed experts over rows dispatched to it by every rank (any layer: the
+    experts' weights are inputs)."""
+    def experts_program(h, idx, weights, expert_base, *tensors):
+        w = dict(zip(weight_names, tensors, strict=True))
+        return model.experts(Dims(**dims), w, h, idx, weights, expert_base)
+
+    return experts_program
 
 
 def embed(dims: dict) -> Callable:

@@ -47,37 +47,47 @@ import torch
 from runtime.model.attention import Rows, attention
 from runtime.model.config import CSA, HCA, SLIDING
 from runtime.model.dims import Dims
-from runtime.model.moe import moe
+from runtime.model.moe import moe, route, routed, shared_expert
 from runtime.model.ops import NORM_EPS, hc_head, hc_post, hc_pre, linear, rms_norm, weight
 
-__all__ = ["FFN_PARTS", "KINDS", "NORM_EPS", "Rows", "block", "embed", "ffn_out", "head", "mtp_input", "weight"]
-
+__all__ = ["FFN_PARTS", "KINDS", "NORM_EPS", "ROUTED_INPUT", "Rows", "block", "embed", "experts", "ffn_out", "head",
+           "mtp_input", "weight"]
 
 
 def block(d: Dims, kind: str, ratio: int, hash_routed: bool, w: dict[str, torch.Tensor],
           x: torch.Tensor, tokens: torch.Tensor, rows: Rows, cache: dict[str, torch.Tensor],
-          prefill: bool, expert_base: torch.Tensor | None = None):
+          prefill: bool, expert_parallel: bool = False):
     """One transformer block on the hc residual stream X [T, hc, D]; returns (the new X, the
-    new cache rows). Expert parallel (`expert_base`: this rank's first expert), the block stops
-    short of its last step: it returns the FFN_PARTS instead of X, because the routed experts'
-    output is summed over ranks first (`ffn_out` finishes the block)."""
+    new cache rows). Expert parallel, the block stops before its routed experts: it returns the
+    FFN_PARTS instead of X (the routed experts' input rows and choices go to the ranks that own
+    those experts, and `ffn_out` finishes the block with the shares they send back)."""
     inp, post, comb = hc_pre(d, w, "attn", x)
     y, new_rows = attention(d, w, kind, ratio, rms_norm(inp, w["attn_norm.weight"]), rows, cache, prefill)
     x = hc_post(x, y, post, comb)
     inp, post, comb = hc_pre(d, w, "ffn", x)
-    routed, shared = moe(d, w, hash_routed, rms_norm(inp, w["ffn_norm.weight"]), tokens, expert_base)
-    if expert_base is not None:
-        return (x, post, comb, routed, shared), new_rows
-    return hc_post(x, routed + shared, post, comb), new_rows
+    h = rms_norm(inp, w["ffn_norm.weight"])
+    if expert_parallel:
+        idx, weights = route(d, w, hash_routed, h, tokens)
+        return (x, post, comb, h, idx, weights, shared_expert(d, w, h)), new_rows
+    return hc_post(x, moe(d, w, hash_routed, h, tokens), post, comb), new_rows
 
 
-FFN_PARTS = 5  # (x, post, comb, routed share, shared expert): what an expert-parallel block returns
+# (x, post, comb, routed input h, expert ids, weights, shared expert): an expert-parallel block's parts
+FFN_PARTS = 7
+ROUTED_INPUT = slice(3, 6)  # (h, idx, weights): what goes to the experts' owners
 
 
 def ffn_out(parts: tuple[torch.Tensor, ...], routed: torch.Tensor) -> torch.Tensor:
-    """An expert-parallel block's output, once `routed` is summed over every rank."""
-    x, post, comb, _, shared = parts
+    """An expert-parallel block's output, once `routed` holds every owner's share of its rows."""
+    x, post, comb, *_, shared = parts
     return hc_post(x, routed + shared, post, comb)
+
+
+def experts(d: Dims, w: dict[str, torch.Tensor], h: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
+            expert_base: torch.Tensor) -> torch.Tensor:
+    """This rank's routed experts over rows from any rank (their choices of other ranks'
+    experts weigh 0 here): each row's share of its routed sum."""
+    return routed(d, w, h, idx, weights, expert_base)
 
 
 def embed(d: Dims, w: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:

@@ -70,23 +70,24 @@ def _picked_matmul(x: torch.Tensor, picked: dict[str, torch.Tensor], name: str) 
     return (x[..., None] * weight(picked, name)).sum(-2)
 
 
-def _routed(d: Dims, w: dict[str, torch.Tensor], h: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
-            expert_base: torch.Tensor | None = None) -> torch.Tensor:
-    """Routed experts: picked when the tokens' top-k choices are fewer than the experts, else
-    dense. The row count is known when run eagerly; in a traced program it is symbolic, so
-    both ways are traced and `torch.cond` picks at run time (one artifact serves a decode
-    step of one sequence and one of sixty-four).
+def routed(d: Dims, w: dict[str, torch.Tensor], h: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
+           expert_base: torch.Tensor | None = None) -> torch.Tensor:
+    """Routed experts of rows h [M, D] with their choices idx/weights [M, k]: picked when the
+    rows' choices are fewer than the experts, else dense. The row count is known when run
+    eagerly; in a traced program it is symbolic, so both ways are traced and `torch.cond` picks
+    at run time (one artifact serves a decode step of one sequence and one of sixty-four).
 
     Expert parallel (`expert_base` given): `w` holds only this rank's experts, global ids
     expert_base.. expert_base+n-1; choices of other ranks' experts weigh 0 here, so the result
-    is this rank's share of the sum, which the ranks add up (all-reduce)."""
+    is this rank's share of each row's sum (the rows came from every rank that picked one of
+    these experts; the shares go back to the rows' ranks and are added there)."""
     experts = _expert_tensors(w)
     n = next(iter(experts.values())).shape[0]
     if expert_base is not None:
         local = idx - expert_base
         weights = torch.where((local >= 0) & (local < n), weights, torch.zeros_like(weights))
         idx = local.clamp(0, n - 1)
-    few = h.shape[0] * d.topk < n
+    few = h.shape[0] * idx.shape[1] < n
     if isinstance(few, bool):
         return (_experts_picked if few else _experts_dense)(d, experts, h, idx, weights)
     names = sorted(experts)
@@ -97,9 +98,10 @@ def _routed(d: Dims, w: dict[str, torch.Tensor], h: torch.Tensor, idx: torch.Ten
     return torch.cond(few, branch(_experts_picked), branch(_experts_dense), (h, idx, weights, *(experts[n] for n in names)))
 
 
-def moe(d: Dims, w: dict[str, torch.Tensor], hash_routed: bool, h: torch.Tensor, tokens: torch.Tensor,
-        expert_base: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(routed experts' output — this rank's share when expert parallel —, shared expert's)."""
+def route(d: Dims, w: dict[str, torch.Tensor], hash_routed: bool, h: torch.Tensor,
+          tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's top-k experts (global ids) and their weights [T, k]: sqrtsoftplus scores,
+    picked by hash of the token or by score + bias."""
     scores = torch.sqrt(F.softplus(linear(w, "ffn.gate", h)))  # sqrtsoftplus, [T, E]
     if hash_routed:
         idx = w["ffn.gate.tid2eid"][tokens].long()
@@ -108,7 +110,16 @@ def moe(d: Dims, w: dict[str, torch.Tensor], hash_routed: bool, h: torch.Tensor,
     weights = torch.gather(scores, 1, idx)
     if d.norm_topk:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    weights = weights * d.routed_scale
-    shared = linear(w, "ffn.shared_experts.w2",
-                    _swiglu(d, linear(w, "ffn.shared_experts.w1", h), linear(w, "ffn.shared_experts.w3", h)))
-    return _routed(d, w, h, idx, weights, expert_base), shared
+    return idx, weights * d.routed_scale
+
+
+def shared_expert(d: Dims, w: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+    return linear(w, "ffn.shared_experts.w2",
+                  _swiglu(d, linear(w, "ffn.shared_experts.w1", h), linear(w, "ffn.shared_experts.w3", h)))
+
+
+def moe(d: Dims, w: dict[str, torch.Tensor], hash_routed: bool, h: torch.Tensor,
+        tokens: torch.Tensor) -> torch.Tensor:
+    """The whole MoE of one rank holding every expert: routed + shared."""
+    idx, weights = route(d, w, hash_routed, h, tokens)
+    return routed(d, w, h, idx, weights) + shared_expert(d, w, h)

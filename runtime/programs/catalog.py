@@ -21,6 +21,8 @@ MODES = (PREFILL, DECODE)
 # A prefill is one sequence's tokens (T ≤ max_seq); a decode step packs rows of many sequences,
 # each in its own cache slot: up to MAX_SLOTS slots, two rows each (MTP verify).
 MAX_DECODE_ROWS = 2 * MAX_SLOTS
+EXPERTS_PROGRAM = "experts"  # expert parallel: one rank's routed experts over rows from every rank
+ROUTED_PREFIX = "ffn.experts."
 FNS = "runtime.model.factories"
 TOP_HEAD = ("hc_head_base", "hc_head_fn", "hc_head_scale", "norm.weight", "head.weight")
 MTP_INPUT = ("e_proj.qscale", "e_proj.qweight", "enorm.weight", "h_proj.qscale", "h_proj.qweight", "hnorm.weight")
@@ -78,7 +80,7 @@ class ModelPrograms:
     variants: dict[str, LayerVariant]
     cache_names: dict[str, tuple[str, ...]]  # variant name → cache row names
     weight_names: dict[str, tuple[str, ...]]  # program family → weight keys, in input order
-    expert_parallel: bool = False  # ranks > 1: layers take `expert_base`, return FFN parts (model.ffn_out)
+    expert_parallel: bool = False  # ranks > 1: layers return FFN parts (model.ffn_out); `experts` runs the routed
 
 
 def build_programs(config: DeepSeekV4Config, packed: PackedLayout, max_seq: int) -> ModelPrograms:
@@ -112,22 +114,38 @@ def build_programs(config: DeepSeekV4Config, packed: PackedLayout, max_seq: int)
                 TensorSpec("positions", "int64", (t,)), TensorSpec("slots", "int64", (t,)),
                 TensorSpec("starts", "int64", (t,)))
 
+    expert_shapes: dict[str, tuple[str, tuple[int, ...]]] = {}
     for group, v in variants.items():
         if v.name in cache_names:
             continue
         caches = tuple(cache_shapes(d, v.kind, v.ratio).items())
         cache_names[v.name] = tuple(n for n, _ in caches)
         w = shapes[group]
+        if parallel:  # the routed experts are the `experts` program's inputs, not the layer's
+            routed = {n: s for n, s in w.items() if n.startswith(ROUTED_PREFIX)}
+            if expert_shapes and routed != expert_shapes:
+                raise ValueError(f"{group}: routed experts shaped unlike the other layers': {routed}")
+            expert_shapes = routed
+            w = {n: s for n, s in w.items() if n not in routed}
         weight_names[v.name] = tuple(sorted(w))
         cache_specs = tuple(TensorSpec(f"cache.{n}", "float32", ("S", *s)) for n, s in caches)
         captures = {"kind": v.kind, "ratio": v.ratio, "hash_routed": v.hash_routed,
                     "cache_names": list(cache_names[v.name]), "weight_names": list(weight_names[v.name]),
                     **({"expert_parallel": True} if parallel else {})}
-        base = (TensorSpec("expert_base", "int64", ()),) if parallel else ()
         add(v.name, "layer", captures,
-            lambda t, w=w, cache_specs=cache_specs, base=base: (*act(t), *base, *cache_specs,
-                                                               *weights("w.", w, sorted(w))),
+            lambda t, w=w, cache_specs=cache_specs: (*act(t), *cache_specs, *weights("w.", w, sorted(w))),
             slotted=True)
+    if parallel:
+        # rows dispatched to one rank: a prefill's tokens (alone in its step), or every rank's decode rows
+        rows = DynamicDim("M", 1, max(max_seq, packed.ranks * MAX_DECODE_ROWS))
+        weight_names[EXPERTS_PROGRAM] = tuple(sorted(expert_shapes))
+        specs[EXPERTS_PROGRAM] = ProgramSpec(
+            EXPERTS_PROGRAM, f"{FNS}:experts",
+            (TensorSpec("h", "float32", ("M", d.hidden)), TensorSpec("idx", "int64", ("M", d.topk)),
+             TensorSpec("weights", "float32", ("M", d.topk)), TensorSpec("expert_base", "int64", ()),
+             *weights("w.", expert_shapes, weight_names[EXPERTS_PROGRAM])),
+            dims=(rows,), layout=layout, model_dims=dims,
+            captures={"dims": dims, "weight_names": list(weight_names[EXPERTS_PROGRAM])})
 
     top = shapes["top"]
     emb_spec = TensorSpec("embed.weight", *top["embed.weight"])

@@ -101,6 +101,7 @@ def create_app(launched, limits: Limits = Limits(), scheduler: Scheduler | None 
     async def health() -> Any:
         body = {"status": "ok", "model": str(model_dir), "id": model_id, "slots": scheduler.slots,
                 "free_slots": scheduler.free_slots, "queued": scheduler.queued, "max_seq": max_seq,
+                "ranks": scheduler.per_rank(),  # each rank's own slots (it holds their sequences' KV)
                 "tokenizer": getattr(tokenizer, "kind", "bytes"),
                 # steps, mean batch, MTP drafts and acceptance: what the console's Services pane shows
                 "engine": {**scheduler.stats, "speculative": "mtp" if limits.speculative else "off"},

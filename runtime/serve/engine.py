@@ -5,18 +5,26 @@ Programs are pure; the engine owns state. It holds every cache of `slots` sequen
 returns, so prefill and decode are the same computation. One `step` runs rows of many
 sequences through one call per program: a prefill is one sequence's prompt, a decode step one
 (or, verifying an MTP draft, two) new tokens of each sequence in the batch.
+
+Several ranks (a `group`): data-parallel attention, expert-parallel MoE. Slot ids are global
+and rank-major (rank 0's slots first); each rank holds the caches of its own slots only and
+runs the attention of their rows, while every rank takes part in every step: each layer's
+routed-expert rows go to the ranks that own their chosen experts and the shares come back
+(`runtime.serve.dispatch`). Rank 0 leads (each call is sent to the others first) and gets
+every row's logits back.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from runtime.model import forward as model
 from runtime.model.dims import WINDOW_CACHES, cache_shapes
-from runtime.programs.catalog import DECODE, PREFILL, TOP_HEAD, ModelPrograms
+from runtime.programs.catalog import DECODE, EXPERTS_PROGRAM, PREFILL, TOP_HEAD, ModelPrograms
+from runtime.serve.dispatch import gather_rows, routed_exchange
 from runtime.weights.views import ModelWeights
 
 Runner = Callable[..., object]
@@ -50,6 +58,11 @@ class _Rows:
     slots: torch.Tensor
     starts: torch.Tensor
     mode: str
+    picked: torch.Tensor | None = None  # which of the step's rows these are (None: all of them)
+
+    def of(self, t: torch.Tensor) -> torch.Tensor:
+        """These rows of a tensor holding every row of the step."""
+        return t if self.picked is None else t[self.picked.to(t.device)]
 
     @property
     def args(self) -> tuple[torch.Tensor, ...]:
@@ -62,25 +75,29 @@ class Engine:
     def __init__(self, programs: ModelPrograms, weights: ModelWeights,
                  runners: dict[str, Runner] | None = None, device: str = "cpu",
                  allocate: Callable[[tuple[int, ...]], torch.Tensor] | None = None, slots: int = 1,
-                 group=None):
+                 group=None, rank_slots: Sequence[int] | None = None):
         """`runners` maps program names to prepared programs (flat tensor arguments, packed
         weights). Without runners the engine calls the model's functions directly with weight
         dicts: the eager path, and the only one the float reference weights can take.
 
-        `group` (runtime.launch.ranks.Group): this engine is one rank of an expert-parallel service.
-        Its weights hold only this rank's routed experts; rank 0 leads (each call that changes
-        state is sent to the others first), the others run the same calls (`ranks.follow`),
-        and each layer's routed output is summed over the ranks."""
+        `group` (runtime.launch.ranks.Group): this engine is one rank of a service of several.
+        `slots` are this rank's KV slots, `rank_slots` every rank's (default: `slots` each);
+        its weights hold only this rank's routed experts. Rank 0 leads (each call that changes
+        state is sent to the others first), the others run the same calls (`ranks.follow`)."""
         if slots < 1:
             raise ValueError("an engine needs at least one slot")
         self.p, self.w, self.device, self.group = programs, weights, device, group
-        rank = group.rank if group is not None else 0
+        self.rank = group.rank if group is not None else 0
         world = group.world if group is not None else 1
         if programs.expert_parallel != (world > 1):
             raise ValueError(f"programs for {'several ranks' if programs.expert_parallel else 'one rank'} "
                              f"in a service of {world}")
-        # this rank's first routed expert (global id): an input of expert-parallel layer programs
-        self.expert_base = torch.tensor(rank * programs.dims.experts // world, dtype=torch.int64, device=device)
+        self.own_slots = slots  # this rank's: its caches' first dimension
+        self.calls = 0  # steps and MTP steps run
+        self.place(rank_slots if rank_slots is not None else (slots,) * world)
+        self.experts_per_rank = programs.dims.experts // world
+        # this rank's first routed expert (global id): an input of the experts program
+        self.expert_base = torch.tensor(self.rank * self.experts_per_rank, dtype=torch.int64, device=device)
         self.max_seq = programs.dims.max_seq
         self.runners = runners
         allocate = allocate or (lambda shape: torch.zeros(shape, dtype=torch.float32, device=device))
@@ -89,10 +106,23 @@ class Engine:
                     for name, shape in cache_shapes(programs.dims, v.kind, v.ratio).items()}
             for group, v in programs.variants.items()
         }
-        self.lengths = [0] * slots  # tokens in each slot's caches
+
+    def place(self, rank_slots: Sequence[int]) -> None:
+        """Every rank's slot count (this one's must be its own): global slot ids, rank-major,
+        and each one's owner. Forgets every sequence."""
+        world = self.group.world if self.group is not None else 1
+        if len(rank_slots) != world or rank_slots[self.rank] != self.own_slots or min(rank_slots) < 1:
+            raise ValueError(f"rank {self.rank} of {world} holds {self.own_slots} slots, not those of "
+                             f"{tuple(rank_slots)}")
+        self.rank_slots = tuple(rank_slots)
+        # global slot id → (owning rank, its slot there)
+        self.owner = [r for r, n in enumerate(self.rank_slots) for _ in range(n)]
+        self.local = [i for n in self.rank_slots for i in range(n)]
+        self.lengths = [0] * len(self.owner)  # tokens in each (global) slot's caches, on every rank
 
     @property
     def slots(self) -> int:
+        """Every rank's slots (global ids 0..slots-1)."""
         return len(self.lengths)
 
     def reset(self, slot: int = 0) -> None:
@@ -105,7 +135,7 @@ class Engine:
         self.lengths[slot] = min(self.lengths[slot], length)
 
     def _lead(self, op: str, *args) -> None:
-        if self.group is not None:  # every rank keeps the same slots, lengths and caches
+        if self.group is not None:  # every rank keeps every slot's length; each its own caches
             self.group.lead(op, *args)
 
     def idle(self) -> None:
@@ -116,44 +146,61 @@ class Engine:
     def _run(self, name: str, *args: torch.Tensor) -> tuple:
         return _as_tuple(self.runners[name](*args))
 
-    def _rows(self, batch: Sequence[tuple[int, int, int]], tokens: torch.Tensor, prefill: bool | None) -> _Rows:
-        """(slot, start, count) per sequence → per-row positions, slots and starts; the mode:
-        `prefill` (one sequence only), or by default a prefill when it is one sequence's several
-        tokens."""
-        positions, slots, starts = [], [], []
-        for slot, start, count in batch:
-            positions += range(start, start + count)
-            slots += [slot] * count
-            starts += [start] * count
-        as_tensor = lambda v: torch.tensor(v, dtype=torch.int64, device=self.device)  # noqa: E731
+    def _mode(self, spans: Sequence[tuple[int, int, int]], prefill: bool | None) -> bool:
+        """`prefill` (one sequence only), or by default a prefill when it is one sequence's
+        several tokens: decided on the whole step, so every rank runs the same mode."""
         if prefill is None:
-            prefill = len(batch) == 1 and batch[0][2] > 1
-        elif prefill and len(batch) != 1:
+            return len(spans) == 1 and spans[0][2] > 1
+        if prefill and len(spans) != 1:
             raise ValueError("a prefill step holds one sequence")
-        mode = PREFILL if prefill else DECODE
-        return _Rows(tokens.to(self.device, torch.int64), as_tensor(positions), as_tensor(slots),
-                     as_tensor(starts), mode)
+        return prefill
 
-    def _layer(self, group: str, x: torch.Tensor, r: _Rows) -> torch.Tensor:
+    def _mine(self, spans: Sequence[tuple[int, int, int]], tokens: torch.Tensor,
+              prefill: bool) -> _Rows | None:
+        """This rank's rows of the step (slot, start, count per sequence) as program inputs:
+        per-row positions, local slots and starts; None when it owns none of them."""
+        positions, slots, starts, picked = [], [], [], []
+        offset = 0
+        for slot, start, count in spans:
+            if self.owner[slot] == self.rank:
+                positions += range(start, start + count)
+                slots += [self.local[slot]] * count
+                starts += [start] * count
+                picked += range(offset, offset + count)
+            offset += count
+        if not picked:
+            return None
+        as_tensor = lambda v: torch.tensor(v, dtype=torch.int64, device=self.device)  # noqa: E731
+        some = as_tensor(picked) if len(picked) < offset else None
+        r = _Rows(tokens, as_tensor(positions), as_tensor(slots), as_tensor(starts), PREFILL if prefill else DECODE,
+                  some)
+        return replace(r, tokens=r.of(tokens.to(self.device, torch.int64)))
+
+    def _layer(self, group: str, x: torch.Tensor | None, r: _Rows | None) -> torch.Tensor | None:
+        """One block over this rank's rows (`r`; None: it has none, and only serves its experts)."""
         v = self.p.variants[group]
         names = self.p.cache_names[v.name]
         caches = self.caches[group]
-        prefill = r.mode == PREFILL
         parallel = self.p.expert_parallel
-        base = self.expert_base if parallel else None
-        if self.runners is None:
-            rows = model.Rows(*r.args)
-            x, new = model.block(self.p.dims, v.kind, v.ratio, v.hash_routed, self.w[group], x, r.tokens,
-                                 rows, caches, prefill, base)
-            out = (*(x if parallel else (x,)), *(new[n] for n in names))
-        else:
-            w = self.w[group]
-            out = self._run(f"{v.name}.{r.mode}", x, r.tokens, *r.args, *((base,) if parallel else ()),
-                            *(caches[n] for n in names), *(w[n] for n in self.p.weight_names[v.name]))
-        if parallel:  # this rank's share of the routed experts, summed over the ranks
-            parts, rows_out = out[:model.FFN_PARTS], out[model.FFN_PARTS:]
-            routed = parts[3] if self.group is None else self.group.reduce(parts[3].contiguous())
-            out = (model.ffn_out(parts, routed), *rows_out)
+        out = None
+        if r is not None:
+            prefill = r.mode == PREFILL
+            if self.runners is None:
+                x, new = model.block(self.p.dims, v.kind, v.ratio, v.hash_routed, self.w[group], x, r.tokens,
+                                     model.Rows(*r.args), caches, prefill, parallel)
+                out = (*(x if parallel else (x,)), *(new[n] for n in names))
+            else:
+                out = self._run(f"{v.name}.{r.mode}", x, r.tokens, *r.args, *(caches[n] for n in names),
+                                *(self.w[group][n] for n in self.p.weight_names[v.name]))
+        if parallel:  # the routed experts' rows go to their owners; every owner's share comes back
+            parts = out[:model.FFN_PARTS] if out is not None else None
+            routed = routed_exchange(self.group, self._empty_routed() if parts is None else parts[model.ROUTED_INPUT],
+                                     self.experts_per_rank, lambda *rows: self._experts(group, *rows))
+            if out is None:
+                return None
+            out = (model.ffn_out(parts, routed), *out[model.FFN_PARTS:])
+        if out is None:
+            return None
         for n, new in zip(names, out[1:], strict=True):
             cache = caches[n]
             if n not in WINDOW_CACHES:  # per token
@@ -164,6 +211,19 @@ class Engine:
                 done = (r.positions + 1) % v.ratio == 0
                 cache.index_put_((r.slots[done], r.positions[done] // v.ratio), new[done].to(cache.dtype))
         return out[0]
+
+    def _empty_routed(self) -> tuple[torch.Tensor, ...]:
+        d, dev = self.p.dims, self.device
+        return (torch.empty(0, d.hidden, device=dev), torch.empty(0, d.topk, dtype=torch.int64, device=dev),
+                torch.empty(0, d.topk, device=dev))
+
+    def _experts(self, group: str, h: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """This rank's routed experts of `group`'s layer over rows from every rank."""
+        w = self.w[group]
+        if self.runners is None:
+            return model.experts(self.p.dims, w, h, idx, weights, self.expert_base)
+        return self._run(EXPERTS_PROGRAM, h, idx, weights, self.expert_base,
+                         *(w[n] for n in self.p.weight_names[EXPERTS_PROGRAM]))[0]
 
     def _embed(self, r: _Rows) -> torch.Tensor:
         top = self.w["top"]
@@ -191,23 +251,35 @@ class Engine:
         """Append each (slot, tokens) to that slot's sequence, all in one call per program: a
         prefill (default: when the batch is one sequence's several tokens) or a decode step,
         whose rows may hold several tokens of a sequence (a packed prompt, a draft to verify).
-        One row of logits per token, in batch order."""
+        One row of logits per token, in batch order (of several ranks: on rank 0)."""
         spans = [(slot, self.lengths[slot], len(tokens)) for slot, tokens in batch]
         self._check(spans)
+        prefill = self._mode(spans, prefill)
         self._lead("step", batch, prefill)
+        self.calls += 1
         swap_point = getattr(self.runners, "swap_point", None)
         if swap_point is not None:  # compiled programs published meanwhile swap in between steps
             swap_point()
         tokens = torch.cat([torch.as_tensor(t, dtype=torch.int64).reshape(-1) for _, t in batch])
-        r = self._rows(spans, tokens, prefill)
-        x = self._embed(r)
+        r = self._mine(spans, tokens, prefill)
+        x = self._embed(r) if r is not None else None
         for group in self.p.variants:
             if group.startswith("layers."):
                 x = self._layer(group, x, r)
-        logits, _ = self._head(r.mode, x, self.w["top"])
+        logits = self._head(r.mode, x, self.w["top"])[0] if r is not None else None
         for slot, start, count in spans:
             self.lengths[slot] = start + count
+        d = self.p.dims
+        logits, x = self._gather(spans, (logits, (d.vocab,)), (x, (d.hc, d.hidden)))
         return Step(logits, x)
+
+    def _gather(self, spans, *outs: tuple[torch.Tensor | None, tuple[int, ...]]) -> tuple:
+        """Each output ([rows, *shape], None on a rank without rows) with every rank's rows, in
+        the step's order: on rank 0 (elsewhere None); alone, as it is."""
+        if self.group is None:
+            return tuple(t for t, _ in outs)
+        return gather_rows(self.group, [self.owner[slot] for slot, _, _ in spans], [n for _, _, n in spans],
+                           outs, self.device)
 
     def forward(self, tokens: torch.Tensor, slot: int = 0) -> Step:
         """Append `tokens` at the end of one slot's sequence; logits for each of them."""
@@ -217,23 +289,30 @@ class Engine:
                  prefill: bool | None = None) -> torch.Tensor:
         """Draft logits from the MTP layer for rows of several sequences: per (slot, start,
         hidden [n, hc, D], next tokens [n]), the main model's hc streams of positions start..
-        with the token that followed each; returns [R, V] in batch order."""
+        with the token that followed each; returns [R, V] in batch order (of several ranks: on
+        rank 0)."""
         spans = [(slot, start, len(next_tokens)) for slot, start, _, next_tokens in batch]
         self._check(spans)
+        prefill = self._mode(spans, prefill)
         self._lead("mtp_step", batch, prefill)
+        self.calls += 1
         next_tokens = torch.cat([torch.as_tensor(t, dtype=torch.int64).reshape(-1) for *_, t in batch])
-        hidden = torch.cat([h for _, _, h, _ in batch])
-        r = self._rows(spans, next_tokens, prefill)
+        r = self._mine(spans, next_tokens, prefill)
         top, mw = self.w["top"], self.w["mtp.0"]
-        if self.runners is None:
-            x = model.mtp_input(self.p.dims, mw, top["embed.weight"][r.tokens], hidden)
-        else:
-            (x,) = self._run(f"mtp.input.{r.mode}", r.tokens, hidden, top["embed.weight"],
-                             *(mw[n] for n in self.p.weight_names["mtp.input"]))
+        x = None
+        if r is not None:
+            hidden = r.of(torch.cat([h for _, _, h, _ in batch]).to(self.device))
+            if self.runners is None:
+                x = model.mtp_input(self.p.dims, mw, top["embed.weight"][r.tokens], hidden)
+            else:
+                (x,) = self._run(f"mtp.input.{r.mode}", r.tokens, hidden, top["embed.weight"],
+                                 *(mw[n] for n in self.p.weight_names["mtp.input"]))
         x = self._layer("mtp.0", x, r)
-        # MTP's own hc head and norm, over the shared output head
-        logits, _ = self._head(r.mode, x, {**{n: mw[n] for n in TOP_HEAD[:-1]}, "head.weight": top["head.weight"]})
-        return logits
+        logits = None
+        if r is not None:  # MTP's own hc head and norm, over the shared output head
+            head = {**{n: mw[n] for n in TOP_HEAD[:-1]}, "head.weight": top["head.weight"]}
+            logits = self._head(r.mode, x, head)[0]
+        return self._gather(spans, (logits, (self.p.dims.vocab,)))[0]
 
     def mtp(self, hidden: torch.Tensor, next_tokens: torch.Tensor, start: int, slot: int = 0) -> torch.Tensor:
         """Draft logits from the MTP layer: hc streams of positions start.., with their next tokens."""

@@ -5,7 +5,8 @@ start, reads its tokens and may cancel it. Continuous batching: one engine threa
 (`runtime.serve.batcher`) runs every active sequence's next token in one decode step (one call per
 program); admitted jobs' prompts join the next step (a long one prefills in a step of its own
 first), and finished ones leave without stalling the rest. A job holds one of the engine's KV
-slots from admission to its end.
+slots from admission to its end. Of several ranks (each holding its own slots' KV), a job goes to
+the rank with the most free slots, ties to the one with the least work placed on it.
 
 Two promises the service relies on:
 - a job waits at most `queue_timeout` seconds for a slot, then `started()` raises QueueTimeout
@@ -108,6 +109,11 @@ class Job:
             self._stop.set()
 
 
+def _work(job: Job) -> int:
+    """What a job asks of its rank, in tokens: its prompt and at most max_tokens more."""
+    return len(job.prompt) + job.sampling.max_tokens
+
+
 class Scheduler:
     """Continuous batching over one engine's slots, first come first served, bounded queue time.
 
@@ -121,10 +127,14 @@ class Scheduler:
 
         if engine.slots < 1 or (max_batch is not None and max_batch < 1):
             raise ValueError("a scheduler needs at least one engine slot")
-        self.slots = min(engine.slots, max_batch or engine.slots)
+        self.slots = min(engine.slots, max_batch or engine.slots)  # sequences at once
         self.queue_timeout = queue_timeout
         self.batcher = Batcher(engine, self._end, lambda: self.on_token(), speculative, **batcher_options)
-        self._free = list(range(self.slots))[::-1]
+        self.owner = list(getattr(engine, "owner", [0] * engine.slots))  # each slot's rank
+        self.ranks = max(self.owner) + 1
+        # per rank: its free slots (the last freed is taken first) and the work placed on it (tokens)
+        self._free = [[s for s in range(engine.slots) if self.owner[s] == r][::-1] for r in range(self.ranks)]
+        self._work = [0] * self.ranks
         self._queue: collections.deque[Job] = collections.deque()
         self._running: set[Job] = set()
         self._recent: collections.deque[float] = collections.deque(maxlen=32)  # run seconds
@@ -147,7 +157,21 @@ class Scheduler:
 
     @property
     def free_slots(self) -> int:
-        return len(self._free)
+        return min(sum(map(len, self._free)), self.slots - len(self._running))
+
+    def per_rank(self) -> list[dict]:
+        """Each rank's slots, free slots and running sequences (what /health reports)."""
+        total = [self.owner.count(r) for r in range(self.ranks)]
+        return [{"rank": r, "slots": total[r], "free_slots": len(self._free[r]),
+                 "running": total[r] - len(self._free[r])} for r in range(self.ranks)]
+
+    def _place(self, job: Job) -> int:
+        """A free slot of the rank with the most free slots (ties: the least work placed on it,
+        then the lowest rank)."""
+        rank = max((r for r in range(self.ranks) if self._free[r]),
+                   key=lambda r: (len(self._free[r]), -self._work[r], -r))
+        self._work[rank] += _work(job)
+        return self._free[rank].pop()
 
     def retry_after(self) -> int:
         """Seconds a rejected client should wait: the queue ahead, at the recent job length."""
@@ -186,14 +210,14 @@ class Scheduler:
     def _dispatch(self) -> None:
         """Give free slots to queued jobs, oldest first; the engine thread prefills them."""
         admitted = []
-        while self._free and self._queue and not self._closing:
+        while self.free_slots and self._queue and not self._closing:
             job = self._queue.popleft()
             if job._timer:
                 job._timer.cancel()
             job.state, job.started_at = "running", time.perf_counter()
             self._running.add(job)
             job._started.set_result(None)
-            admitted.append((job, self._free.pop()))
+            admitted.append((job, self._place(job)))
         if admitted:
             with self._wake:
                 self._inbox += admitted
@@ -205,15 +229,22 @@ class Scheduler:
         if job.started_at is not None:
             self._recent.append(time.perf_counter() - job.started_at)
         job._tokens.put_nowait(_END)
-        self._free.append(slot)
+        rank = self.owner[slot]
+        self._free[rank].append(slot)
+        self._work[rank] -= _work(job)
         self._dispatch()
 
     # ---- the engine thread ----
 
     @property
     def stats(self) -> dict:
-        """Steps, mean batch, MTP drafts and acceptance, tokens per sequence-step."""
-        return self.batcher.stats.to_json()
+        """Steps, mean batch, MTP drafts and acceptance, tokens per sequence-step; of several
+        ranks, the engine calls and the seconds rank 0 spent in their all-to-alls."""
+        stats = self.batcher.stats.to_json()
+        engine = self.batcher.engine
+        if (group := getattr(engine, "group", None)) is not None:
+            stats.update(engine_calls=engine.calls, exchange_s=round(group.exchange_s, 4))
+        return stats
 
     def _serve(self) -> None:
         from runtime.serve.batcher import Running

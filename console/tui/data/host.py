@@ -37,8 +37,8 @@ class DeviceSnapshot:
     devices: tuple[dict[str, Any], ...] = ()  # name, total, used, free
     budgets: tuple[dict[str, Any], ...] = ()  # per rank: KvBudget.to_json() (device, budget, fits, slots, …)
     slot_bytes: int | None = None  # one KV slot (the plan's)
-    slots: int | None = None  # what the launch takes: the fewest any rank holds, --max-slots at most
-    fits: int | None = None  # what the memory holds, without the --max-slots cap
+    slots: int | None = None  # what the launch takes: every rank's slots (each --max-slots at most), summed
+    fits: int | None = None  # what the memory holds, without the --max-slots cap (summed over ranks)
     max_slots: int = 32
     ranks: int = 1  # the launch's rank processes (the console's --ranks)
     error: str = ""  # the devices could not be read (never "cpu" instead)
@@ -97,6 +97,6 @@ def collect_device(spec, kind: str, slot_bytes: int | None) -> DeviceSnapshot:
     if not slot_bytes:
         return DeviceSnapshot(**base, devices=devices)
     kv = launch_kv(kind, reading.devices, spec.ranks, slot_bytes, spec.memory_utilization, spec.max_slots,
-                   spec.max_seq)
+                   spec.max_seq, spec.device_memory)
     return DeviceSnapshot(**base, devices=devices, budgets=tuple(b.to_json() for b in kv.per_rank),
                           slots=kv.slots, fits=kv.fits, warning=kv.missing)

@@ -1,7 +1,8 @@
 """Device pane: used / free / total per device and each rank's KV budget (the plan's rule,
 `runtime.launch.budget`): what the memory fits and what the launch takes (--max-slots caps
-it), with the starvation warning; on cpu the ranks share host memory, on accelerators rank r
-owns device r."""
+it), with the starvation warning, and the service's slots (each rank holds its own sequences:
+the sum); on cpu the ranks share host memory (or each has --device-memory), on accelerators
+rank r owns device r."""
 
 from __future__ import annotations
 
@@ -33,11 +34,13 @@ def kv_lines(snap: DeviceSnapshot) -> list[str]:
         warn = f"  [b red]⚠ {b['problem']}: the launch would fail at kv[/]" if b["problem"] else ""
         budget = f"KV budget [b]{fmt.size(max(b['budget'], 0))}[/]"
         if shared:
-            lines.append(f"{budget} × {snap.ranks} ranks · {slots_text(b, 'each ')}{warn}")
+            lines.append(f"{budget} × {snap.ranks} ranks · {slots_text(b, 'each ')} · {snap.slots} in all{warn}")
         elif snap.ranks > 1:
             lines.append(f"rank {b['rank']} on {b['device'].split()[0]}  {budget} · {slots_text(b)}{warn}")
         else:
             lines.append(f"{budget} · {slots_text(b)}{warn}")
+    if snap.ranks > 1 and not shared:
+        lines.append(f"{len(snap.budgets)} ranks · {snap.slots} slots in all (each rank holds its own sequences)")
     return lines
 
 
