@@ -1,4 +1,5 @@
-"""`dsv4 bench ranks`: one service as N expert-parallel rank processes, for N = 1, 2, 4.
+"""`dsv4 bench ranks`: one service as N rank processes (data-parallel attention, expert-parallel
+MoE), for N = 1, 2, 4.
 
 On one synthetic checkpoint and one kernel-cache dir shared by every N, per rank count N
 (`dsv4 serve --ranks N` on loopback, cpu/gloo, max_seq 256, 16 KV slots):
@@ -7,11 +8,17 @@ On one synthetic checkpoint and one kernel-cache dir shared by every N, per rank
             same keys (each rank's HIT/MISS counts say which): seconds from process start to the
             `serve` `end` event, and the registration phases of rank 0 and of the slowest rank;
   prepack — `dsv4 prepack MODEL --ranks N`, timed; then every page of its sidecar read once;
-  hot     — the same launch mapping that hot sidecar: start to ready; each rank's mapped bytes
-            (the shared weights every rank maps, its own routed-expert slice); decode tokens/s
-            with 1 and with 16 concurrent streamed greedy completions (the service bench's
-            request: an 8-token prompt, 16 tokens; after a warm-up one); then each rank
+  hot     — the same launch mapping that hot sidecar, each rank on a simulated device of the
+            same size (`--device-memory`: what CAPACITY_SLOTS slots need; --max-slots out of
+            the way), so its KV budget decides its slots: start to ready; each rank's mapped
+            bytes (the shared weights every rank maps, its own routed-expert slice), slots and
+            KV bytes; decode tokens/s with 1, 16 and 32 concurrent streamed greedy completions
+            (the service bench's request: an 8-token prompt, 16 tokens; after a warm-up one),
+            beside rank 0's seconds in the layers' all-to-alls per engine call; then each rank
             process's PSS and RSS.
+
+Slots at N ranks ÷ slots at one rank, on the same per-device memory, against the target 0.95 × N
+(each rank holds only its own sequences' KV).
 
 Host memory added per extra rank = (total PSS over the ranks at N − at 1) / (N − 1), against
 the target that the shared weights are not duplicated: at most 5 % of the sidecar plus one
@@ -46,7 +53,10 @@ from bench.ranks_services import Service, memory_of, prepack, run_load, serving
 
 RANKS = (1, 2, 4)
 PAGE = 4096
-LOADS = {1: 4, 16: 32}  # concurrent clients → requests sent
+LOADS = {1: 4, 16: 32, 32: 64}  # concurrent clients → requests sent
+CAPACITY_SLOTS = 40  # per rank's device: one rank alone holds the 32 concurrent requests
+SLOTS_TARGET = 0.95  # slots at N ranks ≥ this × N × slots at one rank
+UTILIZATION = 0.9  # --memory-utilization's default
 SIDECAR_SHARE = 0.05  # per extra rank: at most this much of the sidecar, plus that rank's KV
 V4_FLASH_SIDECAR_BYTES = round(322.8 * (1 << 30))  # the seed's measured sidecar: 84.6 M pages
 V4_FLASH_RANKS = (1, 2, 4, 8)
@@ -61,6 +71,13 @@ def added_per_rank(total_pss: dict[int, int]) -> dict[int, float]:
     if base is None:
         return {}
     return {n: (pss - base) / (n - 1) for n, pss in sorted(total_pss.items()) if n > 1}
+
+
+def slot_ratios(total_slots: dict[int, int]) -> dict[int, dict[str, Any]]:
+    """Slots at N ranks ÷ slots at one rank (the same memory per device), against SLOTS_TARGET × N."""
+    base = total_slots.get(1)
+    return {n: {"slots": slots, "ratio": round(slots / base, 3) if base else None,
+                "met": bool(base) and slots >= SLOTS_TARGET * n * base} for n, slots in sorted(total_slots.items())}
 
 
 def rank_memory_target(sidecar_bytes: int, slots: int, slot_bytes: int) -> int:
@@ -124,7 +141,7 @@ def summarize_launch(lines: Sequence[str], started: float) -> dict[str, Any]:
         elif e["phase"] == "weights":
             r["weights"] = {k: detail.get(k) for k in ("path", "reason", "bytes", "shared_bytes", "expert_bytes")}
         elif e["phase"] == "kv":
-            r["kv"] = {k: detail.get(k) for k in ("slots", "slot_bytes")}
+            r["kv"] = {k: detail.get(k) for k in ("slots", "slot_bytes", "total_bytes")}
     slowest = max(sorted(ranks), key=lambda k: ranks[k]["last"] - ranks[k]["first"]) if ranks else 0
     return {"ready_s": ready, "slowest_rank": slowest,
             "ranks": [{k: v for k, v in ranks[k].items() if k not in ("first", "last")} for k in sorted(ranks)]}
@@ -180,7 +197,10 @@ def measure(preset: str, backend: str, ranks: Sequence[int], progress: Callable[
             run["sidecar_bytes"] = sidecars[n].stat().st_size
             warm(sidecars[n], remember=False)
             progress(f"N={n} hot: mapping the hot sidecar …")
-            with serving(model, cache, tmp / f"r{n}-hot", backend, n) as service:
+            slot_bytes = run["cold"]["ranks"][0]["kv"]["slot_bytes"]
+            device = math.ceil(CAPACITY_SLOTS * slot_bytes / UTILIZATION) + slot_bytes // 2
+            options = ("--device-memory", str(device), "--max-slots", "4096")
+            with serving(model, cache, tmp / f"r{n}-hot", backend, n, options) as service:
                 run_load(service.url, 1, 1)  # warm-up
                 run["decode"] = {}
                 for clients, requests in LOADS.items():
@@ -199,6 +219,7 @@ def measure(preset: str, backend: str, ranks: Sequence[int], progress: Callable[
         v4[f"packer{packer}"] = {"expert_share": share, "sidecar_bytes": layout_bytes,
                                  "rows": v4_flash_projection(cost["per_page_s"], share, layout_bytes)}
     return {"preset": preset, "backend": backend, "runs": runs, "memory": _memory_verdicts(runs),
+            "slots": slot_ratios({n: sum(r["kv"]["slots"] for r in run["hot"]["ranks"]) for n, run in runs.items()}),
             "page_cost": cost, "v4_flash": v4,
             "load_avg_1m": round(os.getloadavg()[0], 2), "cpus": os.cpu_count()}
 
@@ -293,8 +314,15 @@ def _print(result: dict[str, Any]) -> None:
                              for n in ns)],
         ["mapped: own experts", *(per_rank([format_size(r["weights"]["expert_bytes"])
                                             for r in runs[n]["hot"]["ranks"]]) for n in ns)],
+        ["hot: --device-memory per rank", *(format_size(runs[n]["hot"]["ranks"][0]["kv"]["total_bytes"]) for n in ns)],
         ["KV per rank (slots × slot)", *(per_rank([f"{r['kv']['slots']} × {format_size(r['kv']['slot_bytes'])}"
                                                    for r in runs[n]["hot"]["ranks"]]) for n in ns)],
+        ["KV bytes per rank", *(per_rank([format_size(r["kv"]["slots"] * r["kv"]["slot_bytes"])
+                                          for r in runs[n]["hot"]["ranks"]]) for n in ns)],
+        ["slots, all ranks", *(str(result["slots"][n]["slots"]) for n in ns)],
+        [f"slots ÷ slots at N=1 (target ≥ {SLOTS_TARGET} × N)",
+         *(f"{result['slots'][n]['ratio']:.2f} {'pass' if result['slots'][n]['met'] else 'MISS'}"
+           if result["slots"][n]["ratio"] is not None else "-" for n in ns)],
         ["PSS per rank", *(per_rank([format_size(r["pss"]) for r in runs[n]["memory"]["per_rank"]]) for n in ns)],
         ["RSS per rank", *(per_rank([format_size(r["rss"]) for r in runs[n]["memory"]["per_rank"]]) for n in ns)],
         ["PSS total over ranks", *(vs1(runs[n]["memory"]["total_pss"] / (1 << 20),
@@ -315,6 +343,10 @@ def _print(result: dict[str, Any]) -> None:
          *(f"{format_size(verdicts[n]['target'])} {'pass' if verdicts[n]['met'] else 'MISS'}"
            if n in verdicts else "-" for n in ns)],
         *(ratio_row(f"decode tokens/s, {c} concurrent", ("decode", c, "tokens_per_s"), "{:.1f}") for c in LOADS),
+        *([f"mean batch, {c} concurrent", *(str(runs[n]["decode"][c].get("mean_batch")) for n in ns)] for c in LOADS),
+        *([f"all-to-all ms / engine call, {c} concurrent",
+           *(f"{runs[n]['decode'][c]['exchange_ms_per_call']:.2f} ({runs[n]['decode'][c]['exchange_share']:.0%} of wall)"
+             if "exchange_ms_per_call" in runs[n]["decode"][c] else "-" for n in ns)] for c in LOADS if c > 1),
     ]
     print_table(title, ["", *(f"N={n}" for n in ns)], rows)
 

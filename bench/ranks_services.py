@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,9 +43,11 @@ class Service:
 
 
 @contextlib.contextmanager
-def serving(model: Path, cache: Path, run_dir: Path, backend: str, ranks: int) -> Iterator[Service]:
-    """`dsv4 serve --ranks N` until the `serve` `end` event; stopped by SIGTERM (drained) on the
-    way out, and on any error every process of it is killed: nothing is left behind."""
+def serving(model: Path, cache: Path, run_dir: Path, backend: str, ranks: int,
+            options: Sequence[str] = ("--max-slots", str(MAX_SLOTS))) -> Iterator[Service]:
+    """`dsv4 serve --ranks N [options]` until the `serve` `end` event; stopped by SIGTERM
+    (drained) on the way out, and on any error every process of it is killed: nothing is left
+    behind."""
     run_dir.mkdir(parents=True)
     events, log = run_dir / "events.jsonl", run_dir / "serve.log"
     started = time.time()
@@ -53,7 +55,7 @@ def serving(model: Path, cache: Path, run_dir: Path, backend: str, ranks: int) -
         proc = subprocess.Popen(
             [sys.executable, "-m", "console.cli", "serve", str(model), "--ranks", str(ranks), "--backend", backend,
              "--kernel-cache-dir", str(cache), "--device", "cpu", "--port", "0", "--max-seq", str(MAX_SEQ),
-             "--max-slots", str(MAX_SLOTS), "--queue-timeout", "3600", "--events", str(events)],
+             *options, "--queue-timeout", "3600", "--events", str(events)],
             stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
     seen: set[int] = set()  # every rank pid ever seen, to kill them should the launcher go first
     stopped = None
@@ -116,16 +118,39 @@ def _kill(proc: subprocess.Popen, ranks: set[int]) -> list[int]:
 
 
 def run_load(url: str, clients: int, requests: int) -> dict[str, Any]:
-    """`requests` streamed greedy completions, `clients` at a time: completion tokens per second."""
+    """`requests` streamed greedy completions, `clients` at a time: completion tokens per second,
+    and (several ranks) the engine calls run meanwhile and rank 0's seconds in their all-to-alls."""
     from bench.service_bench import _request
 
+    before = engine_stats(url)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
         results = list(pool.map(lambda i: _request(url, i), range(requests)))
     wall = time.perf_counter() - t0
+    after = engine_stats(url)
     tokens = sum(r[2] for r in results)
-    return {"clients": clients, "requests": requests, "tokens": tokens, "wall_s": round(wall, 3),
-            "tokens_per_s": round(tokens / wall, 1)}
+    out = {"clients": clients, "requests": requests, "tokens": tokens, "wall_s": round(wall, 3),
+           "tokens_per_s": round(tokens / wall, 1), "mean_batch": after.get("mean_batch")}
+    calls = after.get("engine_calls", 0) - before.get("engine_calls", 0)
+    if calls:
+        seconds = after["exchange_s"] - before["exchange_s"]
+        out.update(engine_calls=calls, exchange_ms_per_call=round(seconds / calls * 1e3, 3),
+                   exchange_share=round(seconds / wall, 3))
+    return out
+
+
+def engine_stats(url: str) -> dict[str, Any]:
+    """The service's engine figures from /health (steps, mean batch; engine calls and all-to-all
+    seconds of several ranks)."""
+    import httpx
+
+    return httpx.get(f"{url}/health", timeout=60).json().get("engine", {})
+
+
+def health(url: str) -> dict[str, Any]:
+    import httpx
+
+    return httpx.get(f"{url}/health", timeout=60).json()
 
 
 def memory_of(service: Service, sidecar: Path) -> dict[str, Any]:

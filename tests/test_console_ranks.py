@@ -177,6 +177,7 @@ async def test_on_cpu_ranks_share_the_kv_budget():
     assert b2["share"] == 2 and b2["fits"] == b2["budget"] // (1 << 20) and b2_other["rank"] == 1
     first = (await _device_text(two))[0]
     assert " × 2 ranks · " in first and slots_text(b2, "each ") in first
+    assert two.slots == b2["slots"] + b2_other["slots"] and first.endswith(f" · {two.slots} in all")
     assert "each fits" in first if b2["fits"] > b2["slots"] else f"each {b2['slots']} slots" in first
     single = await _device_text(one)
     assert single[0].startswith("KV budget") and " slots" in single[0] and "rank" not in single[0]
@@ -202,6 +203,7 @@ async def test_on_accelerators_each_rank_has_a_device_and_too_many_ranks_warn():
     assert text[0] == "⚠ 4 ranks need one cuda device each, 2 found"
     assert text[1] == "rank 0 on cuda:0  KV budget 71.0 GiB · 71 slots"
     assert text[2].startswith("rank 1 on cuda:1  KV budget")
+    assert text[3] == f"2 ranks · {snap.slots} slots in all (each rank holds its own sequences)" and snap.slots == 2 * 71
 
 
 def test_a_device_without_a_rank_sizes_no_kv_and_only_cpu_splits_the_budget():

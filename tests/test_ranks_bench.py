@@ -69,5 +69,14 @@ def test_launch_summary_names_the_rank_whose_registration_took_longest():
     summary = summarize_launch(lines, started=100.0)
     assert summary["ready_s"] == pytest.approx(4.0)
     assert summary["slowest_rank"] == 1
-    assert summary["ranks"][1]["kv"] == {"slots": 16, "slot_bytes": 8}
+    assert summary["ranks"][1]["kv"] == {"slots": 16, "slot_bytes": 8, "total_bytes": None}
     assert summary["ranks"][0]["weights"]["expert_bytes"] == 4
+
+
+def test_slots_grow_with_the_ranks_against_the_target():
+    from bench.ranks_bench import slot_ratios
+
+    out = slot_ratios({1: 40, 2: 80, 4: 150})
+    assert out[1] == {"slots": 40, "ratio": 1.0, "met": True}
+    assert out[2]["ratio"] == 2.0 and out[2]["met"]
+    assert out[4]["ratio"] == 3.75 and not out[4]["met"]  # 150 < 0.95 × 4 × 40 = 152

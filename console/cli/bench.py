@@ -84,12 +84,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     ranks = sub.add_parser(
         "ranks",
-        help="dsv4 serve --ranks 1 vs 2 vs 4: ready cold/hot, mapped bytes, PSS per rank, decode tokens/s",
+        help="dsv4 serve --ranks 1 vs 2 vs 4: ready cold/hot, mapped bytes, slots and PSS per rank, decode tokens/s",
         description="For each rank count N on one synthetic checkpoint and one kernel cache: a cold "
-        "launch (no sidecar for N), `dsv4 prepack --ranks N` (timed), a hot launch on the hot sidecar; "
-        "registration to ready with rank 0's and the slowest rank's phases, each rank's mapped bytes "
-        "(shared vs its experts), PSS and RSS per rank and the host memory added per extra rank "
-        "against its target, decode tokens/s at 1 and 16 concurrent requests; then the per-page "
+        "launch (no sidecar for N), `dsv4 prepack --ranks N` (timed), a hot launch on the hot sidecar with "
+        "the same --device-memory per rank; registration to ready with rank 0's and the slowest rank's "
+        "phases, each rank's mapped bytes (shared vs its experts), slots and KV bytes per rank and slots "
+        "at N vs N=1 (target 0.95 × N), PSS and RSS per rank and the host memory added per extra rank "
+        "against its target, decode tokens/s at 1, 16 and 32 concurrent requests beside the all-to-all "
+        "time per engine call; then the per-page "
         "mapping cost projected onto V4-Flash for 1, 2, 4 and 8 ranks. Ratios against N=1.",
     )
     from bench.ranks_bench import RANKS  # light: torch is imported when the bench runs

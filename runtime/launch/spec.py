@@ -151,14 +151,15 @@ FLAGS: tuple[Flag, ...] = (
          "WORLD_SIZE)", (*ALL, PREPACK, SIDECAR_PURGE), type=int, metavar="N", lo=1, hi=4096),
     Flag("max_seq", "--max-seq", f"context length per KV slot (default {DEFAULTS.max_seq})", ALL, type=int, metavar="N",
          lo=16, hi=1 << 24),
-    Flag("max_slots", "--max-slots", f"KV slots: at most this many sequences decode together (default {DEFAULTS.max_slots}; "
-         "fewer if memory is short)", (SERVE, PLAN, CONSOLE), type=int, metavar="N", lo=1, hi=MAX_SLOTS),
+    Flag("max_slots", "--max-slots", f"KV slots per rank: at most this many of its sequences decode together (default "
+         f"{DEFAULTS.max_slots}; fewer if its memory is short)", (SERVE, PLAN, CONSOLE), type=int, metavar="N", lo=1, hi=MAX_SLOTS),
     Flag("max_batch", "--max-batch", "sequences that decode together in one step (default: every KV slot; 1: one "
          "at a time)", LAUNCH, type=int, metavar="N", lo=1, hi=MAX_SLOTS),
     Flag("memory_utilization", "--memory-utilization", f"fraction of device memory the service may use (KV "
          f"budget = total × this − used; default {DEFAULTS.memory_utilization})", PLANNED, type=float, metavar="F", lo=1e-3, hi=1.0,
          allowed="above 0 up to 1"),
-    Flag("device_memory", "--device-memory", "cap device memory, e.g. 8G (on cpu: host memory)", PLANNED,
+    Flag("device_memory", "--device-memory", "cap each rank's device memory, e.g. 8G (on cpu: each rank's simulated device; "
+         "without it a host's ranks split its memory)", PLANNED,
          type=_size, metavar="SIZE", lo=1, hi=1 << 60, allowed="at least 1 byte"),
     Flag("use_sidecar", "--no-sidecar", "always pack from the checkpoint, never map a sidecar", PLANNED,
          negate=True),

@@ -40,6 +40,8 @@ def path_taken(phase: str, detail: dict[str, Any]) -> str:
         return " ".join(f"{k} {v}" for k, v in detail["counts"].items() if v)
     if "path" in detail:
         return detail["path"] + (f" ({detail['reason']})" if detail.get("reason") else "")
+    if "rank_slots" in detail:  # each rank holds its own slots: the service has their sum
+        return f"{detail['total_slots']} slots ({' + '.join(map(str, detail['rank_slots']))})"
     if "slots" in detail:
         return f"{detail['slots']} slots"
     if "url" in detail:  # the URL itself is in the summary ("serving …"); a column keeps the path short
