@@ -1,6 +1,8 @@
-"""The services `dsv4 bench ranks` runs: `dsv4 serve --ranks N` on loopback until ready, stopped
-by SIGTERM and every process of it killed on the way out; streamed completions against it; each
-rank process's PSS and RSS; and `dsv4 prepack --ranks N`, timed.
+"""The services `dsv4 bench ranks` and `dsv4 bench node-loss` run: `dsv4 serve --ranks N` on
+loopback, or two torchrun nodes of one rank each (the README's multi-host recipe, on one
+machine), until ready, stopped by SIGTERM and every process of it killed on the way out;
+streamed completions against it; each rank process's PSS and RSS; and `dsv4 prepack --ranks N`,
+timed.
 """
 
 from __future__ import annotations
@@ -182,3 +184,68 @@ def prepack(model: Path, ranks: int) -> tuple[float, Path]:
         raise RuntimeError(f"dsv4 prepack --ranks {ranks} failed:\n{r.stderr[-2000:]}")
     return seconds, default_sidecar_path(model, ranks)
 
+
+
+@dataclass
+class Nodes:
+    """Two torchrun agents, each with its rank: agents[k] is node k's `torchrun` process."""
+
+    agents: list[subprocess.Popen]
+    url: str
+    events: Path
+
+    def processes(self, node: int) -> list:
+        """Node `node`'s agent and everything under it (torchrun starts a rank in a session of
+        its own: signalling the agent's process group would miss it)."""
+        import psutil
+
+        agent = psutil.Process(self.agents[node].pid)
+        return [agent, *agent.children(recursive=True)]
+
+
+@contextlib.contextmanager
+def torchrun_nodes(model: Path, run_dir: Path, options: Sequence[str] = ()) -> Iterator[Nodes]:
+    """`torchrun --nnodes 2 --nproc-per-node 1 --node-rank K … -m console.cli serve MODEL`
+    for K = 0, 1 on loopback until rank 0 serves; every process of both nodes is killed on the
+    way out (SIGTERM to the agents first: each stops its rank)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    events = run_dir / "events.jsonl"
+    agents: list[subprocess.Popen] = []
+    seen: set[int] = set()
+    try:
+        for node in (0, 1):
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                   "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
+                   "-m", "console.cli", "serve", str(model), "--device", "cpu", "--port", "0",
+                   "--events", str(events), *options]
+            with open(run_dir / f"node{node}.log", "wb") as log:
+                agents.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True))
+        url = _wait_ready(agents[0], events, run_dir / "node0.log", seen)
+        nodes = Nodes(agents, url, events)
+        for k in (0, 1):
+            seen.update(p.pid for p in nodes.processes(k))
+        yield nodes
+    finally:
+        _end_agents(agents, seen)
+
+
+def _end_agents(agents: list[subprocess.Popen], pids: set[int]) -> None:
+    import psutil
+
+    for a in agents:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(a.pid, signal.SIGTERM)
+    for a in agents:
+        try:
+            a.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(a.pid, signal.SIGKILL)
+            a.wait()
+    for pid in pids:  # a rank whose agent went first (or one still stopped)
+        with contextlib.suppress(psutil.Error):
+            psutil.Process(pid).kill()

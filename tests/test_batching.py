@@ -3,6 +3,7 @@ decode together in one call per program, and leave on their own; each gets exact
 it gets alone (greedy, and sampled with its seed)."""
 
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -142,6 +143,32 @@ def test_a_job_goes_to_the_rank_with_the_most_free_slots_then_the_least_work():
                       [1, 2, 1],  # one free each: rank 2 has no work
                       [1, 3, 1]]  # one free each on ranks 0 and 1: rank 1 has less work (6 + 3 tokens vs 10)
     assert slots == 6 and [(r["rank"], r["slots"], r["free_slots"]) for r in per_rank] == [(0, 2, 1), (1, 3, 0), (2, 1, 0)]
+
+
+def test_a_failed_service_fails_its_queued_jobs_at_once_and_admits_none():
+    from runtime.serve.scheduler import Failed
+
+    engine = CountingEngine(slots=1, gated=True)
+
+    async def main():
+        s = Scheduler(engine, queue_timeout=600)
+        running = s.submit([1], Sampling(max_tokens=50))
+        queued = [s.submit([1], Sampling(max_tokens=2)) for _ in range(3)]
+        await running.started()
+        threading.Thread(target=s.fail, args=("rank 1 on host-b (pid 7) stopped answering",)).start()
+        outcomes = []
+        for job in queued:
+            with pytest.raises(Failed, match="rank 1 on host-b"):
+                await asyncio.wait_for(job.started(), 30)  # at once: not after the queue time
+            outcomes.append(job.state)
+        late = s.submit([1], Sampling(max_tokens=2))
+        with pytest.raises(Failed):
+            await late.started()
+        engine.allow(100)
+        s.close()
+        return outcomes
+
+    assert asyncio.run(main()) == ["failed"] * 3
 
 
 def test_one_sequence_per_step_is_the_baseline():

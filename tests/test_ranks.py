@@ -249,38 +249,65 @@ def test_master_port_in_use_is_one_line(tiny_ckpt_ro):
     assert f"MASTER_PORT {port}" in out.stderr and "in use" in out.stderr
 
 
+def _torchrun_nodes(model, tmp_path, *extra: str):
+    """Two "hosts": two torchrun agents (--nnodes 2, one rank each) on this machine, as the
+    README's recipe starts them (bench.ranks_services.torchrun_nodes)."""
+    from bench.ranks_services import torchrun_nodes
+
+    return torchrun_nodes(model, tmp_path, ("--backend", "eager", "--max-seq", str(MAX_SEQ), *extra))
+
+
 def test_two_torchrun_node_groups_form_one_service(tiny_ckpt_ro, tmp_path, one_rank_tokens):
-    """Two "hosts": two torchrun agents (--nnodes 2, one process each) on this machine."""
-    port, events = _free_port(), tmp_path / "events.jsonl"
-    nodes = []
-    for node in (0, 1):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-               "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
-               "-m", "console.cli", "serve", str(tiny_ckpt_ro), "--device", "cpu", "--backend", "eager",
-               "--port", "0", "--max-seq", str(MAX_SEQ), "--events", str(events)]
-        with open(tmp_path / f"node{node}.log", "w") as log:
-            nodes.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True))
+    with _torchrun_nodes(tiny_ckpt_ro, tmp_path) as nodes:
+        assert [_complete(nodes.url, p) for p in PROMPTS] == one_rank_tokens
+        checks = {e.rank: e.detail for e in _events(nodes.events) if e.phase == "check" and e.kind == "end"}
+    assert sorted(checks) == [0, 1]
+    assert {d["store"] for d in checks.values()} == {"torchrun's agent"}  # no second store
+
+
+def _post(url: str, prompt: str, n: int) -> int | str:
+    """A completion's HTTP status (or how it failed to get one)."""
+    body = json.dumps({"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True}).encode()
+    req = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
     try:
-        url = None
-        deadline = time.time() + 300
-        while url is None and time.time() < deadline:
-            assert all(n.poll() is None for n in nodes), (tmp_path / "node0.log").read_text()
-            if events.exists():
-                url = next((e.detail["url"] for e in _events(events) if e.phase == "serve" and e.kind == "end"), None)
-            time.sleep(0.2)
-        assert url, "torchrun ranks did not serve"
-        assert [_complete(url, p) for p in PROMPTS] == one_rank_tokens
-        ranks = {e.rank for e in _events(events) if e.phase == "check" and e.kind == "end"}
-        assert ranks == {0, 1}
-    finally:
-        for n in nodes:
-            os.killpg(n.pid, signal.SIGTERM)
-        for n in nodes:
-            try:
-                n.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(n.pid, signal.SIGKILL)
-                n.wait()
+        with urllib.request.urlopen(req, timeout=90) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
+        return type(e).__name__
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP])
+def test_a_lost_node_fails_closed_with_503s_never_a_5xx(tiny_ckpt_ro, tmp_path, how):
+    """Node 1 (its agent and its rank) killed, or stopped, as a host that loses power or
+    network would be, under load: node 0 answers 503 naming rank 1, every request in flight
+    gets a 503 (or had finished), never another 5xx or a hang, and node 0 exits non-zero."""
+    with _torchrun_nodes(tiny_ckpt_ro, tmp_path, "--rank-timeout", "2", "--max-slots", "1",
+                         "--queue-timeout", "120") as nodes, concurrent.futures.ThreadPoolExecutor(8) as pool:
+        # two slots: two requests decode, six wait in the queue when the node goes
+        inflight = [pool.submit(_post, nodes.url, f"in flight {i}", MAX_SEQ - 16) for i in range(8)]
+        time.sleep(0.5)
+        for p in nodes.processes(1):  # the agent and its rank
+            p.send_signal(how)
+        health = None
+        deadline = time.time() + 60  # a hang guard, not a bound: `dsv4 bench node-loss` measures the time
+        while time.time() < deadline and nodes.agents[0].poll() is None:
+            with contextlib.suppress(urllib.error.URLError, ConnectionError):
+                status, body = _health(nodes.url)
+                if status == 503:
+                    health = body
+                    break
+            time.sleep(0.1)
+        statuses = [f.result(timeout=120) for f in inflight]
+        assert health is not None, (tmp_path / "node0.log").read_text()[-3000:]
+        assert "rank 1 on " in health["reason"] and "during phase serve" in health["reason"]
+        assert set(statuses) <= {200, 503} and 503 in statuses, statuses
+        assert nodes.agents[0].wait(timeout=60) != 0  # node 0's agent reports the failure
+    from store.history import read_history
+
+    record = [r for r in read_history() if r.get("model") == str(tiny_ckpt_ro)][-1]
+    assert record["outcome"] == "error" and "rank 1" in record["error"]
 
 
 def test_more_ranks_than_devices_is_one_line(tiny_ckpt_ro, monkeypatch, capsys):

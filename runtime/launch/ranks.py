@@ -6,11 +6,13 @@ RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT. Two
 
 - the **rendezvous store** (a TCPStore: torchrun's agent or our launcher hosts it, else rank
   0): joining and comparing plan fingerprints, sync points of registration, each rank's phase,
+  every rank's heartbeat (`runtime.launch.liveness`: a rank silent for --rank-timeout is lost)
   and one `abort` line that every rank watches — a failure anywhere stops every rank promptly,
   with the reason, instead of leaving them blocked on a peer that is gone;
 - the **process group** (gloo on cpu, nccl on cuda, hccl on npu): rank 0 broadcasts each engine
   call (`lead`) and every rank runs it: each its own sequences' attention; the routed experts'
-  rows are exchanged all-to-all (`runtime.serve.dispatch`).
+  rows are exchanged all-to-all (`runtime.serve.dispatch`). Every collective is waited for in
+  slices, and fails as soon as the service is lost: none waits on a peer that is gone.
 """
 
 from __future__ import annotations
@@ -25,13 +27,17 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from runtime.launch.liveness import Heartbeat, first_line, member
 from store.errors import UserError
 
 PREFIX = "dsv4/"
-# a step's collectives wait this long for a peer; an idle service pings well within it
-COLLECTIVE_TIMEOUT_S = 300.0
+# the process group's own backstop: a collective fails after this long whatever the heartbeats
+# say (an idle service pings well within it); a lost rank fails it within one wait slice
+COLLECTIVE_TIMEOUT_S = 120.0
+WAIT_SLICE = timedelta(seconds=0.1)
 PING_EVERY_S = 5.0
 POLL_S = 0.05
+LOSE_WAIT_S = 10.0  # a second failure waits this long for the first to have failed the service
 LAUNCHER_GRACE_S = 1.0  # a failed collective waits this long for the launcher's line on a dead rank
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 
@@ -51,6 +57,11 @@ class RankEnv:
     addr: str
     port: int
     agent_store: bool  # torchrun's agent (or our launcher) hosts the store; else rank 0 does
+    torchrun: bool = False  # torchrun's agent hosts it (TORCHELASTIC_USE_AGENT_STORE)
+
+    @property
+    def store_host(self) -> str:
+        return "torchrun's agent" if self.torchrun else "the launcher" if self.agent_store else "rank 0"
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> RankEnv | None:
@@ -74,8 +85,9 @@ class RankEnv:
         local_world = number("LOCAL_WORLD_SIZE", str(world), lo=1, hi=world)
         local_rank = number("LOCAL_RANK", str(rank), hi=local_world - 1)
         port = number("MASTER_PORT", "29500", lo=1, hi=65535)
-        agent = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or env.get("DSV4_AGENT_STORE") == "1"
-        return cls(rank, world, local_rank, local_world, env.get("MASTER_ADDR", "127.0.0.1"), port, agent)
+        torchrun = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        agent = torchrun or env.get("DSV4_AGENT_STORE") == "1"
+        return cls(rank, world, local_rank, local_world, env.get("MASTER_ADDR", "127.0.0.1"), port, agent, torchrun)
 
     def child_env(self) -> dict[str, str]:
         """The variables that make a process this rank (what our launcher sets)."""
@@ -84,12 +96,13 @@ class RankEnv:
                 "MASTER_PORT": str(self.port), "DSV4_AGENT_STORE": "1" if self.agent_store else "0"}
 
 
-def open_store(env: RankEnv, timeout: float, host: bool = False):
+def open_store(env: RankEnv, timeout: float, host: bool = False, client: bool = False):
     """The rendezvous store: hosted here when `host` (our launcher) or when rank 0 runs without
-    an agent; otherwise a client that waits up to `timeout` for the host to answer."""
+    an agent; otherwise (or as a second connection, `client`) a client whose every call waits
+    up to `timeout` for the host to answer."""
     from torch.distributed import TCPStore
 
-    master = host or (env.rank == 0 and not env.agent_store)
+    master = not client and (host or (env.rank == 0 and not env.agent_store))
     try:
         return TCPStore(env.addr, env.port, None, master, timedelta(seconds=timeout), wait_for_workers=False)
     except (RuntimeError, OSError, ValueError) as e:
@@ -129,7 +142,12 @@ class Group:
         self._last_sent = time.monotonic()
         # called once when a collective fails (a peer died or hung): the service fails closed
         self.on_lost: Callable[[str], None] = lambda reason: None
-        self.lost: str | None = None
+        self.lost: str | None = None  # set once the service is lost: every collective and wait fails
+        self._losing = threading.Lock()
+        self._told = threading.Event()  # set once `on_lost` was told (the service answers 503 by then)
+        self._reason: str | None = None
+        self._beat: Heartbeat | None = None
+        self._kind = "cpu"
         self.exchange_s = 0.0  # seconds spent in the steps' all-to-alls (the bench's collective time)
 
     # ---- the store ----
@@ -159,6 +177,8 @@ class Group:
         keys = [f"{PREFIX}{key}/{r}" for r in ranks]
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         while not self.store.check(keys):
+            if self.lost is not None:
+                raise RankError(self.lost)
             if reason := self.aborted():
                 raise RankError(f"stopped: {reason}")
             if time.monotonic() > deadline:
@@ -168,12 +188,25 @@ class Group:
             time.sleep(POLL_S)
         return [self.store.get(k).decode() for k in keys]
 
+    def beat(self, rank_timeout: float) -> None:
+        """Beat in the store and watch every other rank's beat (runtime.launch.liveness), on a
+        connection of its own whose calls wait at most `rank_timeout`: a rank silent that long,
+        or a store that stops answering, loses the service."""
+        self.store.set(f"{PREFIX}member/{self.rank}", member(self.rank))
+        store = open_store(self.env, rank_timeout, client=True)
+        peers = [r for r in range(self.world) if r != self.rank]
+        self._abort_store = store
+        self._beat = Heartbeat(store, PREFIX, self.rank, peers, rank_timeout, self.lose).start()
+
     def watch(self, on_abort: Callable[[str], None]) -> None:
         """Call `on_abort(reason)` (once, on a daemon thread) when any rank or the launcher aborts."""
         def run() -> None:
-            while (reason := self.aborted()) is None:
-                time.sleep(0.2)
-            on_abort(reason)
+            try:
+                while (reason := self.aborted()) is None and self.lost is None:
+                    time.sleep(0.2)
+            except Exception as e:  # the store's host is gone
+                reason = f"rank {self.rank} lost the rendezvous store ({first_line(e)})"
+            on_abort(reason or self.lost)
 
         threading.Thread(target=run, daemon=True, name="rank-watch").start()
 
@@ -185,6 +218,7 @@ class Group:
 
         if device_kind != "cpu":  # nccl/hccl address the current device: this rank's
             getattr(torch, device_kind).set_device(self.env.local_rank)
+        self._kind = device_kind
 
         dist.init_process_group(BACKENDS[device_kind], store=dist.PrefixStore(PREFIX + "pg", self.store),
                                 rank=self.rank, world_size=self.world,
@@ -209,14 +243,49 @@ class Group:
         return op, tuple(args)
 
     def _broadcast(self, message: Any) -> Any:
+        """Rank 0's `message` (pickled: rank 0 is this service's own process) on every rank: its
+        size, then its bytes, each an interruptible collective."""
+        import pickle
+
+        import torch
         import torch.distributed as dist
 
-        box = [message]
+        device = "cpu" if self._kind == "cpu" else f"{self._kind}:{self.env.local_rank}"
         try:
-            dist.broadcast_object_list(box, src=0)
+            if self.rank == 0:
+                data = torch.frombuffer(bytearray(pickle.dumps(message)), dtype=torch.uint8).to(device)
+                size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+            else:
+                size = torch.zeros(1, dtype=torch.int64, device=device)
+            self._finish(dist.broadcast(size, 0, async_op=True))
+            if self.rank != 0:
+                data = torch.empty(int(size), dtype=torch.uint8, device=device)
+            self._finish(dist.broadcast(data, 0, async_op=True))
+        except RankError:
+            raise
         except Exception as e:  # a peer that died or hung: the group is gone
             raise self._lose(e) from None
-        return box[0]
+        return message if self.rank == 0 else pickle.loads(data.cpu().numpy().tobytes())
+
+    def _finish(self, work) -> None:
+        """Wait for an async collective in slices; once the service is lost it fails at once
+        instead of waiting on a peer that is gone (gloo cannot abort a collective: the work is
+        left behind in a process that is about to exit)."""
+        while True:
+            if self.lost is not None:
+                raise RankError(self.lost)
+            if self._kind != "cpu":  # nccl/hccl: wait() only orders streams; poll for completion
+                if work.is_completed():
+                    work.wait()
+                    return
+                time.sleep(0.0002)
+                continue
+            try:
+                work.wait(WAIT_SLICE)
+                return
+            except RuntimeError as e:
+                if "timed out" not in str(e).lower():
+                    raise
 
     def exchange(self, send, counts: list[int], recv_counts: list[int] | None = None):
         """All-to-all of rows: `send` holds counts[q] rows for each rank q, rank-major. Returns
@@ -230,31 +299,58 @@ class Group:
             if recv_counts is None:
                 mine = torch.tensor(counts, dtype=torch.int64, device=send.device)
                 theirs = torch.empty_like(mine)
-                dist.all_to_all_single(theirs, mine)
+                self._finish(dist.all_to_all_single(theirs, mine, async_op=True))
                 recv_counts = theirs.tolist()
             got = send.new_empty((sum(recv_counts), *send.shape[1:]))
-            dist.all_to_all_single(got, send.contiguous(), recv_counts, counts)
+            self._finish(dist.all_to_all_single(got, send.contiguous(), recv_counts, counts, async_op=True))
+        except RankError:
+            raise
         except Exception as e:  # a peer that died or hung: the group is gone
             raise self._lose(e) from None
         finally:
             self.exchange_s += time.perf_counter() - t0
         return got, recv_counts
 
+    def lose(self, reason: str) -> str:
+        """The service is lost (a rank silent, a collective failed): say so once, to every rank
+        (a reason posted first, e.g. the launcher's line on a dead rank, holds), tell `on_lost`
+        (rank 0: the service fails closed, 503 with it), then fail every collective and wait."""
+        with self._losing:
+            first = self._reason is None
+            if first:
+                self._reason = reason
+        if not first:  # another thread is failing the service: fail only once it has (503s first)
+            self._told.wait(LOSE_WAIT_S)
+            return self.lost or self._reason
+        with contextlib.suppress(Exception):  # the store's host may be gone too
+            self._reason = reason = first_wins(getattr(self, "_abort_store", self.store), "abort", reason)
+        if self._beat is not None:
+            self._beat.stop()
+        try:
+            self.on_lost(reason)
+        finally:
+            self.lost = reason
+            self._told.set()
+        return reason
+
     def _lose(self, e: BaseException) -> RankError:
-        """A failed collective: the group is gone for good; say so once, to every rank."""
-        if self.lost is None:
-            self.lost = f"rank {self.rank} lost the other ranks in a collective ({_first_line(e)})"
+        """A failed collective: the group is gone for good."""
+        if self.lost is None and self._reason is None:
+            line = f"rank {self.rank} lost the other ranks in a collective ({first_line(e)})"
+            # the launcher names a dead rank and its phase a moment later, the heartbeats name a
+            # silent one and its host within the rank timeout: either line is better
+            wait = LAUNCHER_GRACE_S + (self._beat.rank_timeout if self._beat is not None else 0.0)
+            deadline = time.monotonic() + wait
             with contextlib.suppress(Exception):  # the store's host may be gone too
-                # the launcher names a dead rank and its phase a moment later: that line is better
-                deadline = time.monotonic() + LAUNCHER_GRACE_S
-                while self.aborted() is None and time.monotonic() < deadline:
+                while self._reason is None and self.aborted() is None and time.monotonic() < deadline:
                     time.sleep(POLL_S)
-                self.lost = self.abort(self.lost)  # a reason posted first (a rank's death) holds
-            self.on_lost(self.lost)
-        return RankError(self.lost)
+            self.lose(line)
+        return RankError(self.lost or self._reason)
 
     def stop(self) -> None:
         """Rank 0: tell the other ranks the service is over (not after the group broke)."""
+        if self._beat is not None:
+            self._beat.stop()  # the others see rank 0's beat stop only once they were told
         if self.lost is None:
             with contextlib.suppress(RankError):
                 self.lead("stop")
@@ -268,10 +364,6 @@ class Group:
                 dist.destroy_process_group()
 
 
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-
-
 def share_cores(env: RankEnv) -> None:
     """The ranks of one host split its cores: torch's intra-op threads of N ranks each using
     every core spin against each other (one decode step took 10× as long with 2 ranks)."""
@@ -281,10 +373,12 @@ def share_cores(env: RankEnv) -> None:
     torch.set_num_threads(max(1, cores // env.local_world))
 
 
-def rendezvous(env: RankEnv, components: dict[str, Any], timeout: float, device_kind: str) -> Group:
+def rendezvous(env: RankEnv, components: dict[str, Any], timeout: float, device_kind: str,
+               rank_timeout: float = 5.0) -> Group:
     """Join the service: every rank posts what its plan fingerprints (checkpoint, settings,
     programs); a rank missing after `timeout` is named, a rank whose plan differs from rank
-    0's is named with the differing part. Then the process group connects."""
+    0's is named with the differing part. Then every rank beats (a rank silent for
+    `rank_timeout` is lost) and the process group connects."""
     share_cores(env)
     group = Group(env, open_store(env, timeout), timeout)
     group.set_phase("check")
@@ -297,6 +391,7 @@ def rendezvous(env: RankEnv, components: dict[str, Any], timeout: float, device_
                 raise RankError(f"rendezvous: rank {r} differs from rank 0 in {part} "
                                 f"({theirs.get(part)!r} vs {lead.get(part)!r}); start every rank with the same "
                                 f"checkpoint and settings")
+    group.beat(rank_timeout)
     group.connect(device_kind)
     return group
 

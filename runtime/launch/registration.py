@@ -44,6 +44,7 @@ class Launched:
     tiers: Any = None  # runtime.programs.tiers.TieredRunners: each program's tier, "compiling 9/14" for /health
     mapped: Any = None  # the sidecar the weights are views of (cpu MAP): watch it for changes
     failure: str | None = None  # set when the service must stop generating (the service answers 503)
+    _on_failure: list = field(default_factory=list)  # told the reason once `fail` sets it (the scheduler)
     group: Any = None  # runtime.launch.ranks.Group: the other ranks of this service (None: one rank)
     _closers: list = field(default_factory=list)
 
@@ -59,6 +60,16 @@ class Launched:
     def programs(self):
         """The model's programs (runtime.programs.catalog.ModelPrograms), as the plan built them."""
         return self.plan.catalog
+
+    def fail(self, reason: str) -> None:
+        """The service must stop generating: from now on it answers 503 with `reason`, and
+        whatever listens (`on_failure`: the scheduler, which fails its queued jobs) is told."""
+        self.failure = reason
+        for listener in list(self._on_failure):
+            listener(reason)
+
+    def on_failure(self, listener) -> None:
+        self._on_failure.append(listener)
 
     def record(self, started: float, outcome: str, error: str = "", **extra: Any) -> None:
         """This launch's line in the launch history."""
@@ -179,8 +190,9 @@ def _check(spec: LaunchSpec, rank_env, phases: PhaseRecorder):
         if rank_env is not None:
             from runtime.launch.ranks import rendezvous
 
-            group = phases.group = rendezvous(rank_env, plan_parts(plan), spec.rendezvous_timeout, device.kind)
-            d.update(ranks)
+            group = phases.group = rendezvous(rank_env, plan_parts(plan), spec.rendezvous_timeout, device.kind,
+                                                    spec.rank_timeout)
+            d.update(ranks, store=rank_env.store_host)
         d.update(tensors=report.checked, device=device.describe(), programs=len(plan.catalog.specs),
                  layers=plan.config.summary(), tokenizer=tokenizer.kind)
     return plan, _Checked(ckpt, device, tokenizer, group, rank_env.rank if rank_env is not None else 0)

@@ -56,6 +56,7 @@ class LaunchSpec:
     port: int = 8000
     master_port: int | None = None
     rendezvous_timeout: float = 60.0
+    rank_timeout: float = 5.0  # a rank whose heartbeat is silent this long is lost
     events: str | None = None
 
     def with_(self, **changes: Any) -> LaunchSpec:
@@ -190,6 +191,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("rendezvous_timeout", "--rendezvous-timeout", f"seconds every rank has to join, and to reach each "
          f"registration sync point (default {DEFAULTS.rendezvous_timeout:g})", LAUNCH, type=float, metavar="SECONDS", lo=0.1, hi=86400,
          allowed="above 0 up to 86400 seconds"),
+    Flag("rank_timeout", "--rank-timeout", f"seconds a rank's heartbeat may be silent before the service counts it "
+         f"lost (dead, stopped or cut off) and fails closed (default {DEFAULTS.rank_timeout:g})", LAUNCH,
+         type=float, metavar="SECONDS", lo=0.5, hi=3600, allowed="0.5 to 3600 seconds"),
     Flag("events", "--events", "write progress events as JSON lines to FILE (- for stdout)",
          (SERVE, COMPILE, PREPACK), metavar="FILE|-"),
 )

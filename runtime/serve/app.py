@@ -34,7 +34,7 @@ from runtime.serve.http import (
 )
 from runtime.serve.metrics import Metrics
 from runtime.serve.responses import ChatShape, CompletionShape, TextRun, sse
-from runtime.serve.scheduler import Cancelled, QueueTimeout, Sampling, Scheduler
+from runtime.serve.scheduler import Cancelled, Failed, QueueTimeout, Sampling, Scheduler
 
 COMPLETION_DEFAULT_TOKENS = 16  # OpenAI's default for /v1/completions
 GENERATION_FAILED = "generation failed; the server log has the details"
@@ -60,6 +60,8 @@ def create_app(launched, limits: Limits = Limits(), scheduler: Scheduler | None 
     app = FastAPI(title="dsv4", version="1", default_response_class=SafeJSONResponse)
     scheduler = scheduler or Scheduler(launched.engine, limits.queue_timeout, limits.max_batch, limits.speculative)
     app.state.scheduler = scheduler
+    if hasattr(launched, "on_failure"):  # a failed service fails its queued requests at once (503)
+        launched.on_failure(scheduler.fail)
     metrics = Metrics(launched, scheduler)
     scheduler.on_token = metrics.generated.inc
     app.add_middleware(CountStatuses, count=metrics.count_response)
@@ -179,6 +181,8 @@ def create_app(launched, limits: Limits = Limits(), scheduler: Scheduler | None 
                            code="queue_timeout", headers={"Retry-After": str(e.retry_after)}) from None
         except Cancelled:
             raise ClientGone from None
+        except Failed as e:
+            raise unavailable(str(e)) from None
         finally:
             if job.state != "running":
                 watcher.cancel()

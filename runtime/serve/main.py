@@ -26,6 +26,8 @@ from runtime.launch.spec import SERVE, LaunchSpec
 from store.errors import UserError
 
 FAIL_CLOSED_GRACE_S = 1.0  # 503s saying why, then drain and stop (well inside a lease-break time)
+EXIT_BOUND_S = 10.0  # after failing closed, a drain that has not ended by then (an engine thread
+# stuck in a collective no backend can abort) ends in a hard exit: the failure is recorded already
 
 
 def speculation(choice: str, model_dir: Path) -> bool:
@@ -119,10 +121,13 @@ def _serve(launched, sock, emitter: Emitter, announced, started: float, speculat
         mapping any more; for a lost rank: every rank of the service stops."""
         if not failing.acquire(blocking=False):
             return  # the first reason holds
-        launched.failure = reason
+        launched.fail(reason)  # 503 from now on; queued requests get theirs at once
         emitter.emit(Phase.SERVE, "error", message=reason)
         launched.record(started, "error", reason, failed_phase=Phase.SERVE)
         threading.Timer(FAIL_CLOSED_GRACE_S, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        hard = threading.Timer(EXIT_BOUND_S, hard_exit, (reason,))
+        hard.daemon = True
+        hard.start()
 
     def sidecar_changed(reason: str) -> None:
         fail_closed(f"sidecar {launched.mapped.path} changed under the service: {reason}")
@@ -154,6 +159,12 @@ def _serve(launched, sock, emitter: Emitter, announced, started: float, speculat
         raise UserError(f"{launched.failure}; stopped serving ({hint})")
     emitter.emit(Phase.SERVE, "log", message="stopped: drained and released device memory")
     return 0
+
+
+def hard_exit(reason: str) -> NoReturn:
+    print(f"dsv4 serve: {reason}; the drain did not end within {EXIT_BOUND_S:g} s, exiting", file=sys.stderr,
+          flush=True)
+    os._exit(1)
 
 
 def run_rank(run_it: Callable[[], int]) -> NoReturn:
@@ -232,6 +243,7 @@ def _follow(spec: LaunchSpec, rank_env, emitter: Emitter) -> int:
         print(f"dsv4 serve: rank {rank_env.rank} stopping: {reason}", file=sys.stderr, flush=True)
         os._exit(1)  # blocked in a collective: nothing else would return
 
+    launched.group.on_lost = aborted  # a rank silent past --rank-timeout, or a collective that failed
     launched.group.watch(aborted)
     launched.group.set_phase(Phase.SERVE)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -48,6 +48,10 @@ class Cancelled(Exception):
     """The job was cancelled before it started."""
 
 
+class Failed(Exception):
+    """The service failed (a rank lost, its weights changed) before the job started."""
+
+
 @dataclass(frozen=True)
 class Sampling:
     max_tokens: int
@@ -141,6 +145,8 @@ class Scheduler:
         self._inbox: list[tuple[Job, int]] = []
         self._wake = threading.Condition()
         self._closing = False
+        self._failed: str | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.on_token: Callable[[], None] = lambda: None  # called by the engine thread per generated token
         self._thread = threading.Thread(target=self._serve, name="engine", daemon=True)
         self._thread.start()
@@ -182,13 +188,29 @@ class Scheduler:
 
     def submit(self, prompt: Sequence[int], sampling: Sampling) -> Job:
         """Queue a job (call on the event loop); it starts as soon as a slot is free."""
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         job = Job(prompt, sampling, loop)
         job._scheduler = self
         self._queue.append(job)
+        if self._failed is not None:
+            self._drop(job, Failed(self._failed), "failed")
+            return job
         job._timer = loop.call_later(self.queue_timeout, self._expire, job)
         self._dispatch()
         return job
+
+    def fail(self, reason: str) -> None:
+        """The service failed (any thread): every queued job fails now with `reason`, none is
+        admitted again; running ones end with an error at their next step (a lost rank fails
+        that step's collectives)."""
+        self._failed = reason
+        if self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits
+                self._loop.call_soon_threadsafe(self._fail_queued)
+
+    def _fail_queued(self) -> None:
+        for job in list(self._queue):
+            self._drop(job, Failed(self._failed or "failed"), "failed")
 
     def _expire(self, job: Job) -> None:
         if job.state == "queued":
@@ -210,7 +232,7 @@ class Scheduler:
     def _dispatch(self) -> None:
         """Give free slots to queued jobs, oldest first; the engine thread prefills them."""
         admitted = []
-        while self.free_slots and self._queue and not self._closing:
+        while self.free_slots and self._queue and not self._closing and self._failed is None:
             job = self._queue.popleft()
             if job._timer:
                 job._timer.cancel()

@@ -1,0 +1,98 @@
+"""Every rank's heartbeat in the rendezvous store, and each rank's watch over the others'.
+
+Across hosts only a collective notices a peer that vanished (power, network, the OOM killer,
+preemption, SIGSTOP), and the request riding on it pays for the discovery. So each rank beats
+(a counter it bumps every `rank_timeout / 5` s) on a store connection of its own, with the
+rank timeout as its deadline, and reads the others' beats on the same pass. A rank whose
+counter has not moved for `rank_timeout` seconds, as measured here, is lost, whether or not
+traffic flows; so is the store when it stops answering (its host is gone). Beats are compared
+by change, never by clock, so hosts need no common time, and a pass that ran late (this process
+starved) reads fresh counters before it judges anyone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+BEATS_PER_TIMEOUT = 5
+MIN_BEAT_S = 0.05
+
+
+def member(rank: int) -> str:
+    """What a rank posts about itself when it joins: where to look for it."""
+    return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "rank": rank})
+
+
+def describe(rank: int, posted: str | None) -> str:
+    """`rank 1 on host-b (pid 4242)`, from what the rank posted when it joined."""
+    try:
+        m = json.loads(posted or "")
+        return f"rank {rank} on {m['host']} (pid {m['pid']})"
+    except (ValueError, TypeError, KeyError):
+        return f"rank {rank}"
+
+
+class Heartbeat:
+    """Beat for `rank`, watch `peers`; `lose(reason)` once when one goes silent or the store
+    stops answering. `store` is this watch's own connection (its timeout: the rank timeout)."""
+
+    def __init__(self, store, prefix: str, rank: int, peers: list[int], rank_timeout: float,
+                 lose: Callable[[str], None]):
+        self.store, self.prefix, self.rank, self.peers = store, prefix, rank, peers
+        self.rank_timeout, self.lose = rank_timeout, lose
+        self.every = max(MIN_BEAT_S, rank_timeout / BEATS_PER_TIMEOUT)
+        self._stop = threading.Event()
+
+    def start(self) -> Heartbeat:
+        threading.Thread(target=self._run, daemon=True, name="rank-heartbeat").start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _key(self, what: str, rank: int) -> str:
+        return f"{self.prefix}{what}/{rank}"
+
+    def _run(self) -> None:
+        beat = 0
+        now = time.monotonic()
+        heard = {r: (None, now) for r in self.peers}  # peer → (its last counter, when it last moved)
+        while not self._stop.is_set():
+            try:
+                beat += 1
+                self.store.set(self._key("beat", self.rank), str(beat))
+                now = time.monotonic()
+                for r, (last, since) in heard.items():
+                    key = self._key("beat", r)
+                    value = self.store.get(key) if self.store.check([key]) else None
+                    if value != last:
+                        heard[r] = (value, now)
+                    elif now - since > self.rank_timeout:
+                        self.lose(self._silent(r, now - since))
+                        return
+            except Exception as e:  # the store's host is gone, or it stopped answering
+                if not self._stop.is_set():
+                    self.lose(f"rank {self.rank} lost the rendezvous store (its host is gone or stopped "
+                              f"answering within {self.rank_timeout:g} s: {first_line(e)})")
+                return
+            self._stop.wait(self.every)
+
+    def _silent(self, rank: int, seconds: float) -> str:
+        posted = phase = None
+        with contextlib.suppress(Exception):
+            key = self._key("member", rank)
+            posted = self.store.get(key).decode() if self.store.check([key]) else None
+            key = self._key("phase", rank)
+            phase = self.store.get(key).decode() if self.store.check([key]) else None
+        return (f"{describe(rank, posted)} stopped answering: no heartbeat for {seconds:.1f} s "
+                f"(--rank-timeout {self.rank_timeout:g}) during phase {phase or 'start'}")
+
+
+def first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
