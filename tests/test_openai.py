@@ -43,6 +43,17 @@ def test_completion_with_usage_and_seeded_sampling(client, model_id):
     assert a.choices[0].finish_reason in ("length", "stop")
 
 
+def test_sampling_parameters_are_served_and_seeded(client, model_id):
+    kw = {"model": model_id, "prompt": "Once upon", "max_tokens": 8, "temperature": 0.9, "top_p": 0.8, "seed": 5,
+          "presence_penalty": 0.5, "frequency_penalty": 0.2,
+          "extra_body": {"top_k": 20, "min_p": 0.01, "repetition_penalty": 1.1, "ignore_eos": True}}
+    first, again = client.completions.create(**kw), client.completions.create(**kw)
+    assert first.choices[0].text == again.choices[0].text and first.usage.completion_tokens == 8
+    chat = client.chat.completions.create(model=model_id, max_tokens=4, top_p=0.5, temperature=1.0,
+                                          messages=[{"role": "user", "content": "Hi"}])
+    assert chat.choices[0].finish_reason in ("length", "stop")
+
+
 def test_completion_stop_string_ends_the_text_before_it(client, model_id):
     kw = {"model": model_id, "prompt": [5, 6, 7], "max_tokens": 30, "extra_body": {"ignore_eos": True}}
     text = client.completions.create(**kw).choices[0].text
@@ -102,6 +113,13 @@ def test_chat_stream_equals_the_whole_answer(client, model_id):
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": MAX_SEQ}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "hi"}], "temperature": 3}, "temperature"),
     ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, "n"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, "top_p"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_p": 1.5}, "top_p"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_k": -2}, "top_k"),
+    ({"messages": [{"role": "user", "content": "hi"}], "min_p": 2}, "min_p"),
+    ({"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 2.5}, "presence_penalty"),
+    ({"messages": [{"role": "user", "content": "hi"}], "frequency_penalty": -3}, "frequency_penalty"),
+    ({"messages": [{"role": "user", "content": "hi"}], "repetition_penalty": 0}, "repetition_penalty"),
     ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages.0.content"),
 ])
 def test_bad_chat_requests_are_400_naming_the_field(tiny_server, kw, field):

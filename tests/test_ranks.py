@@ -265,28 +265,17 @@ def test_two_torchrun_node_groups_form_one_service(tiny_ckpt_ro, tmp_path, one_r
     assert {d["store"] for d in checks.values()} == {"torchrun's agent"}  # no second store
 
 
-def _post(url: str, prompt: str, n: int) -> int | str:
-    """A completion's HTTP status (or how it failed to get one)."""
-    body = json.dumps({"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True}).encode()
-    req = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=90) as r:
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
-    except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
-        return type(e).__name__
-
-
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP])
 def test_a_lost_node_fails_closed_with_503s_never_a_5xx(tiny_ckpt_ro, tmp_path, how):
     """Node 1 (its agent and its rank) killed, or stopped, as a host that loses power or
     network would be, under load: node 0 answers 503 naming rank 1, every request in flight
     gets a 503 (or had finished), never another 5xx or a hang, and node 0 exits non-zero."""
+    from bench.node_loss_bench import post_status
+
     with _torchrun_nodes(tiny_ckpt_ro, tmp_path, "--rank-timeout", "2", "--max-slots", "1",
                          "--queue-timeout", "120") as nodes, concurrent.futures.ThreadPoolExecutor(8) as pool:
         # two slots: two requests decode, six wait in the queue when the node goes
-        inflight = [pool.submit(_post, nodes.url, f"in flight {i}", MAX_SEQ - 16) for i in range(8)]
+        inflight = [pool.submit(post_status, nodes.url, f"in flight {i}", MAX_SEQ - 16) for i in range(8)]
         time.sleep(0.5)
         for p in nodes.processes(1):  # the agent and its rank
             p.send_signal(how)

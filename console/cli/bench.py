@@ -106,6 +106,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ranks.add_argument("--json", action="store_true", help="print one JSON object")
     ranks.set_defaults(func=_ranks)
 
+    loss = sub.add_parser(
+        "node-loss",
+        help="two torchrun nodes on loopback, node 1 SIGKILLed or SIGSTOPped: seconds to 503 and to exit",
+        description="The README's multi-host recipe on one machine (two torchrun nodes of one rank, the tiny "
+        "preset): node 1 killed (SIGKILL) or stopped (SIGSTOP), idle and under load; seconds from the loss "
+        "to node 0's /health 503 and to its agent's exit, against 2 × --rank-timeout, and the status of "
+        "every request in flight (target: 200 or 503 only).",
+    )
+    loss.add_argument("--rank-timeout", type=float, default=5.0, help="the services' --rank-timeout (default 5)")
+    loss.add_argument("--json", action="store_true", help="print one JSON object")
+    loss.set_defaults(func=_node_loss)
+
     plan = sub.add_parser(
         "plan",
         help="fresh-process `dsv4 plan --json` on the small and the full V4-Flash layout",
@@ -168,6 +180,12 @@ def _ranks(args: argparse.Namespace) -> int:
     from bench.ranks_bench import main
 
     return main(preset=args.preset, backend=args.backend, ranks=args.ranks, json_output=args.json)
+
+
+def _node_loss(args: argparse.Namespace) -> int:
+    from bench.node_loss_bench import main
+
+    return main(rank_timeout=args.rank_timeout, json_output=args.json)
 
 
 def _plan(args: argparse.Namespace) -> int:

@@ -15,9 +15,15 @@ from store.errors import UserError
 
 SLIDING, CSA, HCA = "sliding", "csa", "hca"
 # V4 uses ratio 4 for CSA (overlapping compressor + indexer) and 128 for HCA (compressor only).
-# The config names no kind, so the kind follows the ratio: a few tokens per entry is CSA, many
-# is HCA. The tiny preset's 16 stays HCA under this rule.
+# V4's own config.json names no kind (`compress_ratios` only), so there the kind follows the
+# ratio: a few tokens per entry is CSA, many is HCA (the tiny preset's 16 stays HCA). A config
+# that names them (transformers' `layer_types` + `compress_rates`, as `dsv4 synth` writes too)
+# is read as it says.
 CSA_MAX_RATIO = 8
+# transformers' DeepseekV4Config layer types ↔ ours
+LAYER_TYPES = {"sliding_attention": SLIDING, "compressed_sparse_attention": CSA, "heavily_compressed_attention": HCA}
+TYPE_OF_KIND = {kind: name for name, kind in LAYER_TYPES.items()}
+DEFAULT_COMPRESS_RATES = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
 
 
 class ConfigError(UserError):
@@ -62,6 +68,7 @@ class DeepSeekV4Config:
     quantization_config: dict
     compress_ratios: tuple[int, ...]
     model_type: str = "deepseek_v4"
+    layer_types: tuple[str, ...] = ()  # each main layer's kind when the config names them (ours: sliding/csa/hca)
     # Where it was read from, for error messages; not part of equality.
     source: str = field(default="config.json", compare=False)
 
@@ -73,6 +80,8 @@ class DeepSeekV4Config:
 
     def layer_kind(self, layer: int) -> str:
         """Kind of main layer `layer`, or of MTP layer `layer - num_hidden_layers`."""
+        if layer < len(self.layer_types):
+            return self.layer_types[layer]
         ratio = self.compress_ratios[layer]
         if ratio == 0:
             return SLIDING
@@ -128,9 +137,18 @@ class DeepSeekV4Config:
             )
 
     def to_json(self) -> dict[str, Any]:
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "source"}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("source", "layer_types")}
         out["compress_ratios"] = list(self.compress_ratios)
+        if self.layer_types:
+            out["layer_types"] = list(self.layer_types)
         return out
+
+    def transformers_fields(self) -> dict[str, Any]:
+        """What transformers' DeepseekV4Config reads for the layer kinds and compression rates
+        (explicit, beside `compress_ratios`: it maps only V4's own 0/4/128 ratios itself)."""
+        rates = {TYPE_OF_KIND[self.layer_kind(i)]: self.compress_ratios[i] for i in range(self.num_hidden_layers)
+                 if self.layer_kind(i) != SLIDING}
+        return {"layer_types": [TYPE_OF_KIND[k] for k in self.layer_kinds], "compress_rates": rates}
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -161,8 +179,9 @@ def from_dict(raw: Any, source: str = "config.json") -> DeepSeekV4Config:
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: expected a JSON object at top level")
     values: dict[str, Any] = {}
+    raw = _named_layer_types(raw, source)
     for f in fields(DeepSeekV4Config):
-        if f.name == "source":
+        if f.name in ("source", "layer_types"):
             continue
         if f.name not in raw:
             if f.name == "model_type":
@@ -184,9 +203,39 @@ def from_dict(raw: Any, source: str = "config.json") -> DeepSeekV4Config:
                 except OverflowError:
                     raise ConfigError(f"{source}: field '{f.name}' = {str(v)[:24]}… is too large for a float") from None
         values[f.name] = v
-    cfg = DeepSeekV4Config(**values, source=source)
+    cfg = DeepSeekV4Config(**values, layer_types=raw.get("layer_types", ()), source=source)
     _check_consistency(cfg)
     return cfg
+
+
+def _named_layer_types(raw: dict, source: str) -> dict:
+    """transformers' form: `layer_types` (one per main layer) and `compress_rates` (one per
+    compressed type) → our kinds, and `compress_ratios` derived where the config has none (MTP
+    layers: sliding, ratio 0). Both forms given must agree."""
+    names = raw.get("layer_types")
+    if names is None:
+        return raw
+    n = raw.get("num_hidden_layers")
+    if not isinstance(names, list) or not all(isinstance(t, str) and t in LAYER_TYPES for t in names):
+        raise ConfigError(f"{source}: field 'layer_types' must be a list of {', '.join(LAYER_TYPES)}, got {names!r}"[:300])
+    if not isinstance(n, int) or isinstance(n, bool) or len(names) != n:
+        raise ConfigError(f"{source}: field 'layer_types' has {len(names)} entries, expected num_hidden_layers ({n!r})")
+    rates = raw.get("compress_rates", DEFAULT_COMPRESS_RATES)
+    if not isinstance(rates, dict) or not all(
+            k in DEFAULT_COMPRESS_RATES and isinstance(v, int) and not isinstance(v, bool) and 0 < v <= MAX_COMPRESS_RATIO
+            for k, v in rates.items()):
+        raise ConfigError(f"{source}: field 'compress_rates' must map {' / '.join(DEFAULT_COMPRESS_RATES)} to "
+                          f"ratios in 1..{MAX_COMPRESS_RATIO}, got {rates!r}"[:300])
+    rates = {**DEFAULT_COMPRESS_RATES, **rates}
+    derived = [0 if t == "sliding_attention" else rates[t] for t in names]
+    ratios = raw.get("compress_ratios")
+    if ratios is None:
+        nextn = raw.get("num_nextn_predict_layers", 0)
+        ratios = derived + [0] * (nextn if isinstance(nextn, int) and 0 <= nextn <= 16 else 0)
+    elif not isinstance(ratios, list) or list(ratios[:len(derived)]) != derived:
+        raise ConfigError(f"{source}: field 'compress_ratios' {ratios!r} disagrees with 'layer_types' and "
+                          f"'compress_rates' (they give {derived}); fix one of them"[:400])
+    return {**raw, "compress_ratios": ratios, "layer_types": tuple(LAYER_TYPES[t] for t in names)}
 
 
 # Allowed ranges, checked before anything allocates or loops on a value: generous around every

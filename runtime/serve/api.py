@@ -25,12 +25,14 @@ MAX_STOPS, MAX_STOP_CHARS = 16, 256
 MAX_MESSAGES = 4096
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed takes
 TEMPERATURE_MAX = 2.0  # OpenAI's range
+PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's presence/frequency penalties
+REPETITION_MAX = 10.0  # vLLM takes any > 0; past this every seen token is all but banned
+TOP_K_MAX = 1 << 22  # above any vocabulary: every token
 
 # Parameters clients send that this server does not implement: accepted only at their no-op
 # value, otherwise a 400 naming them (silently ignoring `n: 4` or `top_p: 0.1` would lie).
 NOOP_VALUES: dict[str, tuple[Any, ...]] = {
-    "n": (1, None), "best_of": (1, None), "top_p": (1, None), "presence_penalty": (0, None),
-    "frequency_penalty": (0, None), "logprobs": (None, False), "top_logprobs": (None, 0),
+    "n": (1, None), "best_of": (1, None), "logprobs": (None, False), "top_logprobs": (None, 0),
     "echo": (False, None), "suffix": (None, ""), "logit_bias": (None, {}), "tools": (None, []),
     "tool_choice": (None, "none"), "functions": (None, []), "response_format": (None, {"type": "text"}),
 }  # fmt: skip
@@ -79,6 +81,12 @@ class _Common(BaseModel):
     model: Text | None = None
     max_tokens: Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS_LIMIT)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=TEMPERATURE_MAX, allow_inf_nan=False)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] | None = None
+    top_k: Annotated[StrictInt, Field(ge=-1, le=TOP_K_MAX)] | None = None  # vLLM's: -1 or 0 is every token
+    min_p: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] | None = None
+    presence_penalty: Annotated[float, Field(ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1], allow_inf_nan=False)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1], allow_inf_nan=False)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=REPETITION_MAX, allow_inf_nan=False)] | None = None
     seed: Annotated[StrictInt, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
@@ -190,6 +198,12 @@ def parse_chat(body: bytes) -> ChatRequest:
         raise ApiError(400, "messages: the last message must be the user's (or a system prompt); continuing "
                             "an assistant message is not served", param="messages")
     return req
+
+
+def sampling_fields(req: _Common) -> dict[str, Any]:
+    """The sampling parameters a request set (runtime.serve.scheduler.Sampling's fields)."""
+    names = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+    return {n: getattr(req, n) for n in names if getattr(req, n) is not None}
 
 
 def limit_tokens(req: _Common) -> int | None:

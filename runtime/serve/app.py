@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from runtime.launch.spec import DEFAULTS
 from runtime.model import chat_template
-from runtime.serve.api import ApiError, limit_tokens, parse_chat, parse_completion
+from runtime.serve.api import ApiError, limit_tokens, parse_chat, parse_completion, sampling_fields
 from runtime.serve.http import (
     CLIENT_GONE,
     ClientGone,
@@ -196,7 +196,7 @@ def create_app(launched, limits: Limits = Limits(), scheduler: Scheduler | None 
         body = await read_body(request, limits.max_body_bytes)
         req, ids, max_tokens = await run_in_threadpool(parse, body)
         sampling = Sampling(max_tokens=max_tokens, temperature=req.temperature or 0.0, seed=req.seed or 0,
-                            stop_ids=frozenset() if req.ignore_eos else frozenset({eos}))
+                            stop_ids=frozenset() if req.ignore_eos else frozenset({eos}), **sampling_fields(req))
         job, watcher = await start(request, ids, sampling)
         run = TextRun(job, tokenizer, req.stop)
         rid = f"{shape.prefix}-{uuid.uuid4().hex[:24]}"

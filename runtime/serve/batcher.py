@@ -20,10 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.serve.engine import sample
+from runtime.serve.sampling import Sampler
 
 log = logging.getLogger(__name__)
-GREEDY_BELOW = 1e-5  # temperatures below this sample like 0 (their limit), never divide by ~0
 PACK_PROMPT = 128  # prompts up to this many tokens prefill packed into the shared step
 
 
@@ -32,8 +31,7 @@ class Running:
 
     def __init__(self, job, slot: int):
         self.job, self.slot = job, slot
-        self.generator = torch.Generator().manual_seed(job.sampling.seed)
-        self.temperature = job.sampling.temperature if job.sampling.temperature >= GREEDY_BELOW else 0.0
+        self.sampler = Sampler(job.sampling, job.prompt)
         self.count = 0  # tokens handed to the job
         self.pending: int | None = None  # sampled and handed over, not yet in the caches
         self.draft: int | None = None  # MTP's guess for the token after `pending`
@@ -166,12 +164,13 @@ class Batcher:
             accepted, r.draft = r.draft, None
             nxt = int(logits[1].argmax())
             return self._hand(r, nxt, first_step) and self._mtp(r, start, hidden, [accepted, nxt], mtp)
-        token = sample(logits[-1], r.temperature, r.generator)
+        token = r.sampler.sample(logits[-1])
         next_tokens = [*tokens[1:], token]  # the token that followed each row
         return self._hand(r, token, first_step) and self._mtp(r, start, hidden, next_tokens, mtp)
 
     def _mtp(self, r: Running, start: int, hidden, next_tokens: list[int], mtp: list[MTPRows]) -> bool:
-        if self.speculative and r.temperature == 0.0:
+        # drafts for plain greedy rows only: a draft is verified against the raw argmax
+        if self.speculative and r.sampler.plain_greedy:
             mtp.append(MTPRows(r, start, hidden, next_tokens))
         return True
 

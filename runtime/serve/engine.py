@@ -25,6 +25,8 @@ from runtime.model import forward as model
 from runtime.model.dims import WINDOW_CACHES, cache_shapes
 from runtime.programs.catalog import DECODE, EXPERTS_PROGRAM, PREFILL, TOP_HEAD, ModelPrograms
 from runtime.serve.dispatch import gather_rows, routed_exchange
+from runtime.serve.sampling import Sampler
+from runtime.serve.scheduler import Sampling
 from runtime.weights.views import ModelWeights
 
 Runner = Callable[..., object]
@@ -33,14 +35,6 @@ Batch = Sequence[tuple[int, Sequence[int] | torch.Tensor]]  # (slot, tokens to a
 
 def _as_tuple(out: object) -> tuple:
     return tuple(out) if isinstance(out, list | tuple) else (out,)
-
-
-def sample(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> int:
-    """The next token from one row of logits: argmax at temperature 0, else a draw."""
-    logits = logits.float()
-    if temperature > 0:
-        return int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator))
-    return int(torch.argmax(logits))
 
 
 @dataclass
@@ -323,12 +317,12 @@ class Engine:
         """Prefill the prompt, then decode up to max_tokens (greedy at temperature 0), alone.
         `on_prefill(step)` sees the prompt's step (its hidden streams feed the MTP layer)."""
         self.reset(slot)
-        gen = torch.Generator().manual_seed(seed)
+        sampler = Sampler(Sampling(max_tokens, temperature, seed))
         step = self.forward(torch.tensor(prompt, dtype=torch.int64), slot)
         if on_prefill is not None:
             on_prefill(step)
         for i in range(max_tokens):
-            token = sample(step.logits[-1], temperature, gen)
+            token = sampler.sample(step.logits[-1])
             yield token
             if i + 1 < max_tokens and self.lengths[slot] < self.p.dims.max_seq:
                 step = self.forward(torch.tensor([token]), slot)

@@ -52,12 +52,32 @@ class Failed(Exception):
     """The service failed (a rank lost, its weights changed) before the job started."""
 
 
+GREEDY_BELOW = 1e-5  # temperatures below this sample like 0 (their limit), never divide by ~0
+
+
 @dataclass(frozen=True)
 class Sampling:
+    """A job's length, stop tokens and sampling parameters (OpenAI's and vLLM's; defaults: off;
+    runtime.serve.sampling applies them)."""
+
     max_tokens: int
     temperature: float = 0.0
     seed: int = 0
     stop_ids: frozenset[int] = frozenset()  # a token that ends the job (eos) after being emitted
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: every token
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
 
 
 _END = object()

@@ -22,7 +22,7 @@ from safetensors.torch import save as st_save
 from runtime.model.config import DeepSeekV4Config, from_dict
 from runtime.model.tensors import BF16, F32, FP4, FP8, I64, Param, params_by_group, stored_tensors
 from runtime.model.tokenizer import TOKENIZER_NAME
-from runtime.synth.tokenizer import train_tokenizer_json
+from runtime.synth.tokenizer import TOKENIZER_CONFIG_NAME, tokenizer_config, train_tokenizer_json
 from store.atomic import fsync_dir, staged_file, write_bytes_atomic
 from store.checkpoint import CONFIG_NAME, INDEX_NAME
 from store.errors import UserError
@@ -95,6 +95,8 @@ def preset_config_dict(preset: str, seed: int = 0) -> dict[str, Any]:
     cfg = copy.deepcopy(V4_FLASH)
     cfg.update(dims)
     cfg["quantization_config"]["weight_block_size"] = [block, block]
+    # the layer kinds and rates named too, as transformers reads them (it maps only 0/4/128)
+    cfg.update(from_dict(cfg, source=f"preset {preset}").transformers_fields())
     cfg["dsv4_synthetic"] = {"preset": preset, "seed": seed}
     return cfg
 
@@ -195,6 +197,8 @@ def synthesize(preset: str, out_dir: str | Path, *, seed: int = 0, shards: int |
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     # a real checkpoint's tokenizer path: tokenizer.json, trained here on the shipped corpus
     write_bytes_atomic(out / TOKENIZER_NAME, train_tokenizer_json(c.vocab_size).encode(), mode=0o644)
+    tok_config = json.dumps(tokenizer_config(c.max_position_embeddings), indent=2, ensure_ascii=False) + "\n"
+    write_bytes_atomic(out / TOKENIZER_CONFIG_NAME, tok_config.encode(), mode=0o644)
     write_bytes_atomic(out / CONFIG_NAME, (json.dumps(cfg_dict, indent=2) + "\n").encode(), mode=0o644)
     write_bytes_atomic(out / INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode(), mode=0o644)
     fsync_dir(out)

@@ -17,7 +17,9 @@ import os
 from collections.abc import Iterator
 from importlib import resources
 
-from runtime.model.tokenizer import SPECIAL_TOKENS
+from runtime.model.tokenizer import BOS_TOKEN, EOS_TOKEN, SPECIAL_TOKENS
+
+TOKENIZER_CONFIG_NAME = "tokenizer_config.json"
 
 CORPUS = "data/tokenizer_corpus.txt"
 
@@ -60,3 +62,12 @@ def train_tokenizer_json(vocab_size: int) -> str:
     for i in range(len(vocab), vocab_size):
         vocab[f"<reserved_{i}>"] = i  # ASCII: the byte-level decoder maps it to itself
     return json.dumps(data, ensure_ascii=False, separators=(",", ":")) + "\n"
+
+
+def tokenizer_config(max_length: int) -> dict:
+    """tokenizer_config.json beside tokenizer.json, as a V4 repository ships one: what loaders
+    (transformers' AutoTokenizer, the benchmark clients, vLLM) read for bos, eos and pad. It
+    names no chat template: V4's chat encoding is its own (runtime.serve.chat_template). The
+    tokenizer.json itself decides what encoding adds (nothing here overrides it)."""
+    return {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN,
+            "pad_token": EOS_TOKEN, "model_max_length": max_length, "clean_up_tokenization_spaces": False}
