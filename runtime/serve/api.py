@@ -28,12 +28,12 @@ TEMPERATURE_MAX = 2.0  # OpenAI's range
 PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's presence/frequency penalties
 REPETITION_MAX = 10.0  # vLLM takes any > 0; past this every seen token is all but banned
 TOP_K_MAX = 1 << 22  # above any vocabulary: every token
+MAX_LOGPROBS = 20  # top log-probabilities per token (OpenAI's chat bound; vLLM's default)
 
 # Parameters clients send that this server does not implement: accepted only at their no-op
 # value, otherwise a 400 naming them (silently ignoring `n: 4` or `top_p: 0.1` would lie).
 NOOP_VALUES: dict[str, tuple[Any, ...]] = {
-    "n": (1, None), "best_of": (1, None), "logprobs": (None, False), "top_logprobs": (None, 0),
-    "echo": (False, None), "suffix": (None, ""), "logit_bias": (None, {}), "tools": (None, []),
+    "n": (1, None), "best_of": (1, None), "suffix": (None, ""), "logit_bias": (None, {}), "tools": (None, []),
     "tool_choice": (None, "none"), "functions": (None, []), "response_format": (None, {"type": "text"}),
 }  # fmt: skip
 
@@ -97,6 +97,9 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     prompt: Any = None  # a string or a list of token ids: checked by hand for a clear message
+    max_tokens: Annotated[StrictInt, Field(ge=0, le=MAX_TOKENS_LIMIT)] | None = None  # 0: with echo only
+    logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: StrictBool = False
 
 
 def _content(v: Any) -> Any:
@@ -124,6 +127,8 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Common):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_completion_tokens: Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS_LIMIT)] | None = None
+    logprobs: StrictBool = False
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
 
 def _where(loc: tuple) -> str:
@@ -182,6 +187,8 @@ def parse_completion(body: bytes) -> CompletionRequest:
         raise ApiError(400, "prompt: must be a string or a list of token ids", param="prompt")
     if not p:
         raise ApiError(400, "prompt: must not be empty", param="prompt")
+    if req.max_tokens == 0 and not req.echo:
+        raise ApiError(400, "max_tokens: 0 generates nothing; it is only served with echo: true", param="max_tokens")
     return req
 
 
@@ -194,6 +201,8 @@ def _check_text(s: str, where: str) -> None:
 
 def parse_chat(body: bytes) -> ChatRequest:
     req = _validate(ChatRequest, _load_object(body))
+    if req.top_logprobs is not None and not req.logprobs:
+        raise ApiError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
     if req.messages[-1].role == "assistant":
         raise ApiError(400, "messages: the last message must be the user's (or a system prompt); continuing "
                             "an assistant message is not served", param="messages")
@@ -201,9 +210,18 @@ def parse_chat(body: bytes) -> ChatRequest:
 
 
 def sampling_fields(req: _Common) -> dict[str, Any]:
-    """The sampling parameters a request set (runtime.serve.scheduler.Sampling's fields)."""
+    """The sampling parameters a request set (runtime.serve.scheduler.Sampling's fields), and
+    the log-probabilities it wants: completions' `logprobs: k` (and, with `echo`, the prompt's),
+    chat's `logprobs: true` + `top_logprobs: k`."""
     names = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
-    return {n: getattr(req, n) for n in names if getattr(req, n) is not None}
+    out = {n: getattr(req, n) for n in names if getattr(req, n) is not None}
+    if isinstance(req, CompletionRequest) and req.logprobs is not None:
+        out["logprobs"] = req.logprobs
+        if req.echo:
+            out["prompt_logprobs"] = req.logprobs
+    if isinstance(req, ChatRequest) and req.logprobs:
+        out["logprobs"] = req.top_logprobs or 0
+    return out
 
 
 def limit_tokens(req: _Common) -> int | None:

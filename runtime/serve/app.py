@@ -198,7 +198,10 @@ def create_app(launched, limits: Limits = Limits(), scheduler: Scheduler | None 
         sampling = Sampling(max_tokens=max_tokens, temperature=req.temperature or 0.0, seed=req.seed or 0,
                             stop_ids=frozenset() if req.ignore_eos else frozenset({eos}), **sampling_fields(req))
         job, watcher = await start(request, ids, sampling)
-        run = TextRun(job, tokenizer, req.stop)
+        echo = None
+        if getattr(req, "echo", False):  # completions: the prompt's text before the completion's
+            echo = req.prompt if isinstance(req.prompt, str) else tokenizer.decode(ids)
+        run = TextRun(job, tokenizer, req.stop, echo)
         rid = f"{shape.prefix}-{uuid.uuid4().hex[:24]}"
 
         def done() -> None:
@@ -208,7 +211,7 @@ def create_app(launched, limits: Limits = Limits(), scheduler: Scheduler | None 
 
         if not req.stream:
             try:
-                text = "".join([t async for _, t in run.pieces()])
+                text = "".join([t async for _, t, _ in run.pieces()])
             finally:
                 done()
             if run.finish == "cancelled":
@@ -223,9 +226,15 @@ def create_app(launched, limits: Limits = Limits(), scheduler: Scheduler | None 
             try:
                 for chunk in shape.first(rid):
                     yield sse(chunk)
-                async for tokens, text in run.pieces():
-                    if chunk := shape.delta(rid, text, tokens):
+                echoed = False
+                async for tokens, text, lps in run.pieces():
+                    if not echoed and (chunk := shape.echo(rid, run)):  # the prompt's logprobs are known now
                         yield sse(chunk)
+                    echoed = True
+                    if chunk := shape.delta(rid, text, tokens, run, lps):
+                        yield sse(chunk)
+                if not echoed and (chunk := shape.echo(rid, run)):  # max_tokens 0: the prompt alone
+                    yield sse(chunk)
                 if run.finish == "error":  # headers are sent: the error travels as an event
                     yield sse(generation_failed().body())
                 else:

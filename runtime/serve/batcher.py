@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.serve.sampling import Sampler
+from runtime.serve.sampling import Sampler, logprobs
 
 log = logging.getLogger(__name__)
 PACK_PROMPT = 128  # prompts up to this many tokens prefill packed into the shared step
@@ -151,22 +151,26 @@ class Batcher:
         """Hand over this run's tokens from its rows; queue its MTP rows. False when it ended."""
         first_step = not r.prefilled
         r.prefilled = True
+        if first_step and r.job.sampling.prompt_logprobs is not None:  # echo: row i predicts token i + 1
+            r.job.prompt_logprobs = logprobs(logits[:-1], tokens[1:], r.job.sampling.prompt_logprobs)
+        if first_step and r.job.sampling.max_tokens == 0:
+            return self.end(r, "length")
         if r.draft is not None:
             self.stats.drafts += 1
             greedy = int(logits[0].argmax())
             if greedy != r.draft:  # rejected: the draft's row goes, greedy's token stands
                 self.engine.truncate(r.slot, start + 1)
                 r.draft = None
-                return self._hand(r, greedy, first_step) and self._mtp(r, start, hidden[:1], [greedy], mtp)
+                return self._hand(r, greedy, first_step, logits[0]) and self._mtp(r, start, hidden[:1], [greedy], mtp)
             self.stats.accepted += 1
-            if not self._hand(r, r.draft, first_step):
+            if not self._hand(r, r.draft, first_step, logits[0]):
                 return False
             accepted, r.draft = r.draft, None
             nxt = int(logits[1].argmax())
-            return self._hand(r, nxt, first_step) and self._mtp(r, start, hidden, [accepted, nxt], mtp)
+            return self._hand(r, nxt, first_step, logits[1]) and self._mtp(r, start, hidden, [accepted, nxt], mtp)
         token = r.sampler.sample(logits[-1])
         next_tokens = [*tokens[1:], token]  # the token that followed each row
-        return self._hand(r, token, first_step) and self._mtp(r, start, hidden, next_tokens, mtp)
+        return self._hand(r, token, first_step, r.sampler.drawn_from) and self._mtp(r, start, hidden, next_tokens, mtp)
 
     def _mtp(self, r: Running, start: int, hidden, next_tokens: list[int], mtp: list[MTPRows]) -> bool:
         # drafts for plain greedy rows only: a draft is verified against the raw argmax
@@ -183,11 +187,13 @@ class Batcher:
         for rows, draft in zip(mtp, drafts, strict=True):
             rows.run.draft = int(draft)
 
-    def _hand(self, r: Running, token: int, first_step: bool) -> bool:
-        """Hand one token to the job; False when that ended it."""
+    def _hand(self, r: Running, token: int, first_step: bool, logits) -> bool:
+        """Hand one token (drawn from `logits`, one row) to the job; False when that ended it."""
         self.on_token()
         if r.job.cancelled:
             return self.end(r, "cancelled")
+        if r.job.sampling.logprobs is not None:
+            r.job.token_logprobs += logprobs(logits[None], [token], r.job.sampling.logprobs)
         r.job._emit(token)
         r.count += 1
         if not first_step:

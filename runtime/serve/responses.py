@@ -48,30 +48,68 @@ class StopMatcher:
 class TextRun:
     """The tokens of one job turned into settled text, honouring stop strings.
 
-    `finish` is set at the end: length | stop (a stop string or token) | cancelled | error."""
+    `finish` is set at the end: length | stop (a stop string or token) | cancelled | error.
+    `echo`: the prompt's text, shown before the completion (completions' `echo: true`)."""
 
-    def __init__(self, job, tokenizer, stops: list[str] | None):
-        self.job, self.ids = job, []
+    def __init__(self, job, tokenizer, stops: list[str] | None, echo: str | None = None):
+        self.job, self.ids, self.tokenizer, self.echo = job, [], tokenizer, echo
         self.decoder = IncrementalDecoder(tokenizer)
         self.stopper = StopMatcher(stops or [])
         self.finish: str | None = None
+        self.offset = len(echo or "")  # text_offset of the next token streamed
 
-    async def pieces(self) -> AsyncIterator[tuple[list[int], str]]:
-        """(new token ids, newly settled text) per token; a stop string cancels the job."""
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.job.sampling.logprobs is not None
+
+    async def pieces(self) -> AsyncIterator[tuple[list[int], str, list]]:
+        """(new token ids, newly settled text, their log-probabilities when asked for) per token;
+        a stop string cancels the job."""
         async for token in self.job:
             self.ids.append(token)
+            lps = self.job.token_logprobs[len(self.ids) - 1:len(self.ids)]
             text, stopped = self.stopper.feed(self.decoder.push(token))
             if stopped:
                 self.finish = "stop"
                 self.job.cancel()
-                yield [token], text
+                yield [token], text, lps
                 return
-            yield [token], text
+            yield [token], text, lps
         tail, stopped = self.stopper.feed(self.decoder.flush())
         tail += "" if stopped else self.stopper.flush()
         self.finish = "stop" if stopped else self.job.finish_reason
         if tail:
-            yield [], tail
+            yield [], tail, []
+
+    def prompt_entries(self) -> list[tuple[int, Any]]:
+        """The prompt's tokens with their log-probabilities (the first has none)."""
+        prompt = self.job.prompt
+        return [(prompt[0], None), *zip(prompt[1:], self.job.prompt_logprobs or [], strict=False)]
+
+    def token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    def completion_logprobs(self, entries: list[tuple[int, Any]]) -> dict[str, Any]:
+        """OpenAI's completion logprobs of (token, LogProb or None) entries, from `offset` on:
+        the sampled token is always among its top ones."""
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token, lp in entries:
+            piece = self.token_text(token)
+            out["tokens"].append(piece)
+            out["text_offset"].append(self.offset)
+            self.offset += len(piece)
+            out["token_logprobs"].append(None if lp is None else lp[0])
+            out["top_logprobs"].append(None if lp is None else
+                                       {**{self.token_text(i): v for i, v in lp[1]}, piece: lp[0]})
+        return out
+
+    def chat_logprobs(self, entries: list[tuple[int, Any]]) -> dict[str, Any]:
+        """OpenAI's chat logprobs: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+        def one(token: int, logprob: float) -> dict[str, Any]:
+            piece = self.token_text(token)
+            return {"token": piece, "logprob": logprob, "bytes": list(piece.encode())}
+
+        return {"content": [{**one(t, lp[0]), "top_logprobs": [one(i, v) for i, v in lp[1]]} for t, lp in entries]}
 
     def usage(self) -> dict[str, int]:
         n = len(self.job.prompt)
@@ -94,17 +132,33 @@ class CompletionShape:
         return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_id,
                 "choices": choices, **extra}
 
-    def _choice(self, text: str, ids: list[int], finish: str | None) -> dict[str, Any]:
-        return {"index": 0, "text": text, "token_ids": ids, "logprobs": None, "finish_reason": finish}
+    def _choice(self, text: str, ids: list[int], finish: str | None, logprobs: dict | None = None) -> dict[str, Any]:
+        return {"index": 0, "text": text, "token_ids": ids, "logprobs": logprobs, "finish_reason": finish}
 
     def whole(self, rid: str, text: str, run: TextRun) -> dict[str, Any]:
-        return self._body(rid, [self._choice(text, run.ids, run.finish)], usage=run.usage())
+        logprobs = None
+        if run.wants_logprobs:
+            run.offset = 0
+            echoed = run.prompt_entries() if run.echo is not None else []
+            logprobs = run.completion_logprobs(echoed + list(zip(run.ids, run.job.token_logprobs, strict=False)))
+        return self._body(rid, [self._choice((run.echo or "") + text, run.ids, run.finish, logprobs)],
+                          usage=run.usage())
 
     def first(self, rid: str) -> tuple:
         return ()
 
-    def delta(self, rid: str, text: str, tokens: list[int]) -> dict[str, Any] | None:
-        return self._body(rid, [self._choice(text, tokens, None)])
+    def echo(self, rid: str, run: TextRun) -> dict[str, Any] | None:
+        """The prompt's chunk of a stream with `echo` (once its log-probabilities are known)."""
+        if run.echo is None:
+            return None
+        offset, run.offset = run.offset, 0
+        logprobs = run.completion_logprobs(run.prompt_entries()) if run.wants_logprobs else None
+        run.offset = offset
+        return self._body(rid, [self._choice(run.echo, [], None, logprobs)])
+
+    def delta(self, rid: str, text: str, tokens: list[int], run: TextRun, lps: list) -> dict[str, Any] | None:
+        logprobs = run.completion_logprobs(list(zip(tokens, lps, strict=True))) if run.wants_logprobs else None
+        return self._body(rid, [self._choice(text, tokens, None, logprobs)])
 
     def last(self, rid: str, finish: str | None) -> dict[str, Any]:
         return self._body(rid, [self._choice("", [], finish)])
@@ -126,19 +180,27 @@ class ChatShape:
                 "model": self.model_id, "choices": choices, **extra}
 
     @staticmethod
-    def _delta(delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    def _delta(delta: dict[str, Any], finish: str | None, logprobs: dict | None = None) -> dict[str, Any]:
+        return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
     def whole(self, rid: str, text: str, run: TextRun) -> dict[str, Any]:
+        logprobs = run.chat_logprobs(list(zip(run.ids, run.job.token_logprobs, strict=False))) \
+            if run.wants_logprobs else None
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model_id,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "logprobs": None, "finish_reason": run.finish}], "usage": run.usage()}
+                             "logprobs": logprobs, "finish_reason": run.finish}], "usage": run.usage()}
 
     def first(self, rid: str) -> tuple:
         return (self._chunk(rid, [self._delta({"role": "assistant", "content": ""}, None)]),)
 
-    def delta(self, rid: str, text: str, tokens: list[int]) -> dict[str, Any] | None:
-        return self._chunk(rid, [self._delta({"content": text}, None)]) if text else None  # no empty deltas
+    def echo(self, rid: str, run: TextRun) -> None:
+        return None  # chat has no echo
+
+    def delta(self, rid: str, text: str, tokens: list[int], run: TextRun, lps: list) -> dict[str, Any] | None:
+        logprobs = run.chat_logprobs(list(zip(tokens, lps, strict=True))) if run.wants_logprobs and lps else None
+        if not text and logprobs is None:
+            return None  # no empty deltas
+        return self._chunk(rid, [self._delta({"content": text}, None, logprobs)])
 
     def last(self, rid: str, finish: str | None) -> dict[str, Any]:
         return self._chunk(rid, [self._delta({}, finish)])

@@ -49,8 +49,10 @@ class Sampler:
         return row
 
     def sample(self, row: torch.Tensor) -> int:
-        """The next token from one row of logits; the sampler remembers it."""
-        token = self._draw(self.logits(row))
+        """The next token from one row of logits; the sampler remembers it, and the logits it
+        drew from (`drawn_from`: penalised, before the temperature)."""
+        self.drawn_from = self.logits(row)
+        token = self._draw(self.drawn_from)
         self.output[token] += 1
         return token
 
@@ -71,3 +73,18 @@ class Sampler:
         if p.min_p > 0.0:
             probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
         return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+LogProb = tuple[float, list[tuple[int, float]]]  # a token's log-probability, and the top k (id, logprob)
+
+
+def logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> list[LogProb]:
+    """Per row of `logits` [R, V]: the log-probability (float32 log-softmax) of its token, and
+    the k most likely tokens with theirs."""
+    lp = torch.log_softmax(logits.float(), -1)
+    chosen = lp.gather(1, torch.tensor(tokens, dtype=torch.int64)[:, None])[:, 0].tolist()
+    if not k:
+        return [(c, []) for c in chosen]
+    top = lp.topk(min(k, lp.shape[-1]), -1)
+    return [(c, list(zip(i, v, strict=True))) for c, i, v in zip(chosen, top.indices.tolist(), top.values.tolist(),
+                                                                   strict=True)]

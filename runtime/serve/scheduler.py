@@ -70,6 +70,8 @@ class Sampling:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logprobs: int | None = None  # each generated token's log-probability and this many top ones
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (echo)
 
     @property
     def penalized(self) -> bool:
@@ -98,6 +100,9 @@ class Job:
         self._stop = threading.Event()  # read by the worker between decode steps
         self._started: asyncio.Future = loop.create_future()
         self._tokens: asyncio.Queue = asyncio.Queue()
+        # filled by the engine thread before the token they belong to is handed over
+        self.token_logprobs: list = []  # runtime.serve.sampling.LogProb per generated token
+        self.prompt_logprobs: list | None = None  # per prompt token after the first
         self._timer: asyncio.TimerHandle | None = None
         self._scheduler: Scheduler | None = None
 
