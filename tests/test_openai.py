@@ -54,6 +54,22 @@ def test_sampling_parameters_are_served_and_seeded(client, model_id):
     assert chat.choices[0].finish_reason in ("length", "stop")
 
 
+def test_n_choices_are_indexed_whole_and_streamed(client, model_id):
+    kw = {"model": model_id, "prompt": "Once upon", "max_tokens": 6, "temperature": 1.0, "seed": 3, "n": 3,
+          "extra_body": {"ignore_eos": True}}
+    whole = client.completions.create(**kw)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    assert whole.usage.completion_tokens == 18 and len({c.text for c in whole.choices}) > 1
+    streamed: dict[int, str] = {}
+    for chunk in client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert streamed == {c.index: c.text for c in whole.choices}  # same seeds, same choices
+    chat = client.chat.completions.create(model=model_id, max_tokens=3, n=2, temperature=0.7,
+                                          messages=[{"role": "user", "content": "Hi"}])
+    assert [c.index for c in chat.choices] == [0, 1]
+
+
 def test_completion_stop_string_ends_the_text_before_it(client, model_id):
     kw = {"model": model_id, "prompt": [5, 6, 7], "max_tokens": 30, "extra_body": {"ignore_eos": True}}
     text = client.completions.create(**kw).choices[0].text
@@ -112,7 +128,8 @@ def test_chat_stream_equals_the_whole_answer(client, model_id):
     ({"messages": [{"role": "user", "content": "x " * 400}]}, "messages"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": MAX_SEQ}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "hi"}], "temperature": 3}, "temperature"),
-    ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, "n"),
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 0}, "n"),
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 100}, "n"),
     ({"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, "top_p"),
     ({"messages": [{"role": "user", "content": "hi"}], "top_p": 1.5}, "top_p"),
     ({"messages": [{"role": "user", "content": "hi"}], "top_k": -2}, "top_k"),

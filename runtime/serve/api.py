@@ -29,11 +29,12 @@ PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's presence/frequency penalties
 REPETITION_MAX = 10.0  # vLLM takes any > 0; past this every seen token is all but banned
 TOP_K_MAX = 1 << 22  # above any vocabulary: every token
 MAX_LOGPROBS = 20  # top log-probabilities per token (OpenAI's chat bound; vLLM's default)
+MAX_CHOICES = 128  # `n`; the service bounds it further by the sequences one rank holds
 
 # Parameters clients send that this server does not implement: accepted only at their no-op
 # value, otherwise a 400 naming them (silently ignoring `n: 4` or `top_p: 0.1` would lie).
 NOOP_VALUES: dict[str, tuple[Any, ...]] = {
-    "n": (1, None), "best_of": (1, None), "suffix": (None, ""), "logit_bias": (None, {}), "tools": (None, []),
+    "best_of": (1, None), "suffix": (None, ""), "logit_bias": (None, {}), "tools": (None, []),
     "tool_choice": (None, "none"), "functions": (None, []), "response_format": (None, {"type": "text"}),
 }  # fmt: skip
 
@@ -92,6 +93,7 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     stop: Annotated[list[StopText], Field(max_length=MAX_STOPS), BeforeValidator(_stop_list)] | None = None
     ignore_eos: StrictBool = False  # vLLM's extension: keep going past the end-of-sequence token
+    n: Annotated[StrictInt, Field(ge=1, le=MAX_CHOICES)] | None = None
     user: Text | None = None
 
 

@@ -10,7 +10,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -33,7 +33,7 @@ from runtime.serve.http import (
     until_disconnect,
 )
 from runtime.serve.metrics import Metrics
-from runtime.serve.responses import ChatShape, CompletionShape, TextRun, sse
+from runtime.serve.responses import ChatShape, CompletionShape, TextRun, merged, sse, usage
 from runtime.serve.scheduler import Cancelled, Failed, QueueTimeout, Sampling, Scheduler
 
 COMPLETION_DEFAULT_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -168,14 +168,15 @@ def create_app(launched, limits: Limits = Limits(), scheduler: Scheduler | None 
 
     # ---- one generation request ----
 
-    async def start(request: Request, ids: list[int], sampling: Sampling):
-        """Submit and wait for a slot: the running job and the watcher that cancels it when
-        the client leaves (while queued, too)."""
-        job = scheduler.submit(ids, sampling)
+    async def start(request: Request, ids: list[int], samplings: list[Sampling]):
+        """Submit one job per choice and wait until they run: the jobs and the watcher that
+        cancels them when the client leaves (while queued, too)."""
+        jobs = scheduler.submit_group(ids, samplings)
         watcher = asyncio.ensure_future(until_disconnect(request))
-        watcher.add_done_callback(lambda w: None if w.cancelled() else job.cancel())
+        watcher.add_done_callback(lambda w: None if w.cancelled() else [job.cancel() for job in jobs])
         try:
-            await job.started()
+            for job in jobs:
+                await job.started()
         except QueueTimeout as e:
             raise ApiError(503, f"every slot is busy ({e}); retry later", kind="server_busy",
                            code="queue_timeout", headers={"Retry-After": str(e.retry_after)}) from None
@@ -184,10 +185,20 @@ def create_app(launched, limits: Limits = Limits(), scheduler: Scheduler | None 
         except Failed as e:
             raise unavailable(str(e)) from None
         finally:
-            if job.state != "running":
+            if any(job.state != "running" for job in jobs):
+                for job in jobs:
+                    job.cancel()
                 watcher.cancel()
-        metrics.queue_wait.observe(job.started_at - job.queued_at)
-        return job, watcher
+        metrics.queue_wait.observe(jobs[0].started_at - jobs[0].queued_at)
+        return jobs, watcher
+
+    def choices(req, sampling: Sampling) -> list[Sampling]:
+        """The request's `n` choices: choice i draws with seed + i (the same seed, the same choices)."""
+        n = getattr(req, "n", None) or 1
+        if n > scheduler.max_group:
+            raise ApiError(400, f"n: {n} choices share one prefill on one rank, which holds {scheduler.max_group} "
+                                f"sequences at most", param="n")
+        return [replace(sampling, seed=(sampling.seed + i) % (1 << 64)) for i in range(n)]
 
     async def generate(request: Request, parse: Callable, shape) -> Any:
         if reason := failure():
@@ -197,50 +208,52 @@ def create_app(launched, limits: Limits = Limits(), scheduler: Scheduler | None 
         req, ids, max_tokens = await run_in_threadpool(parse, body)
         sampling = Sampling(max_tokens=max_tokens, temperature=req.temperature or 0.0, seed=req.seed or 0,
                             stop_ids=frozenset() if req.ignore_eos else frozenset({eos}), **sampling_fields(req))
-        job, watcher = await start(request, ids, sampling)
+        jobs, watcher = await start(request, ids, choices(req, sampling))
         echo = None
         if getattr(req, "echo", False):  # completions: the prompt's text before the completion's
             echo = req.prompt if isinstance(req.prompt, str) else tokenizer.decode(ids)
-        run = TextRun(job, tokenizer, req.stop, echo)
+        runs = [TextRun(job, tokenizer, req.stop, echo, index=i) for i, job in enumerate(jobs)]
         rid = f"{shape.prefix}-{uuid.uuid4().hex[:24]}"
 
         def done() -> None:
-            job.cancel()
+            for job in jobs:
+                job.cancel()
             watcher.cancel()
-            metrics.account(run, time.perf_counter() - started)
+            for run in runs:
+                metrics.account(run, time.perf_counter() - started)
 
         if not req.stream:
+            async def text_of(run: TextRun) -> str:
+                return "".join([t async for _, t, _ in run.pieces()])
+
             try:
-                text = "".join([t async for _, t, _ in run.pieces()])
+                texts = await asyncio.gather(*map(text_of, runs))
             finally:
                 done()
-            if run.finish == "cancelled":
+            if any(run.finish == "cancelled" for run in runs):
                 raise ClientGone
-            if run.finish == "error":
+            if any(run.finish == "error" for run in runs):
                 raise generation_failed()
-            return shape.whole(rid, text, run)
+            return shape.whole(rid, texts, runs)
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         async def events() -> AsyncIterator[str]:
             try:
-                for chunk in shape.first(rid):
+                for chunk in shape.first(rid, runs):
                     yield sse(chunk)
-                echoed = False
-                async for tokens, text, lps in run.pieces():
-                    if not echoed and (chunk := shape.echo(rid, run)):  # the prompt's logprobs are known now
-                        yield sse(chunk)
-                    echoed = True
+                async for run, piece in merged(runs):
+                    if piece is None:  # this choice ended
+                        if run.finish == "error":  # headers are sent: the error travels as an event
+                            yield sse(generation_failed().body())
+                        else:
+                            yield sse(shape.last(rid, run))
+                        continue
+                    tokens, text, lps = piece
                     if chunk := shape.delta(rid, text, tokens, run, lps):
                         yield sse(chunk)
-                if not echoed and (chunk := shape.echo(rid, run)):  # max_tokens 0: the prompt alone
-                    yield sse(chunk)
-                if run.finish == "error":  # headers are sent: the error travels as an event
-                    yield sse(generation_failed().body())
-                else:
-                    yield sse(shape.last(rid, run.finish))
-                    if include_usage:
-                        yield sse(shape.usage(rid, run.usage()))
+                if include_usage and not any(run.finish == "error" for run in runs):
+                    yield sse(shape.usage(rid, usage(runs)))
                 yield "data: [DONE]\n\n"
             finally:
                 done()

@@ -36,6 +36,10 @@ class Running:
         self.pending: int | None = None  # sampled and handed over, not yet in the caches
         self.draft: int | None = None  # MTP's guess for the token after `pending`
         self.prefilled = False
+        # one request's other choices (`n`): they start from this run's prefill, copied
+        self.children: list[Running] = []
+        self.parent: Running | None = None
+        self.ended = False  # told to the scheduler: it runs no more
 
 
 @dataclass
@@ -80,6 +84,16 @@ def mtp_drafts(engine, rows: list[MTPRows]) -> list[int]:
     return [drafts[i] for i in range(len(rows))]
 
 
+def _link(admitted: list[Running]) -> None:
+    """Admitted choices of one request: the first prefills, the others wait for its prefill."""
+    first: dict[int, Running] = {}
+    for r in admitted:
+        lead = first.setdefault(id(r.job._group), r)
+        if lead is not r:
+            lead.children.append(r)
+            r.parent = lead
+
+
 class Batcher:
     """Runs steps over `engine`; `end(run, reason)` is told when a job ends (stop, length,
     cancelled, error), `on_token()` at every token sampled."""
@@ -93,23 +107,35 @@ class Batcher:
 
     def take(self, inbox: list) -> int:
         """How many admitted jobs (oldest first) join the next step: within the prompt budget,
-        at least one."""
+        at least one; a request's choices together (they share one prefill)."""
         budget, n = self.prefill_tokens, 0
         while n < len(inbox) and (n == 0 or budget >= len(inbox[n][0].prompt)):
+            group = inbox[n][0]._group
             budget -= len(inbox[n][0].prompt)
             n += 1
+            while n < len(inbox) and inbox[n][0]._group is group:
+                n += 1
         return n
 
     def step(self, active: list[Running], admitted: list[Running]) -> list[Running]:
         """One iteration: long prompts prefill alone, then one step of everything else. Returns
-        the sequences still going."""
-        runs = [r for r in active + admitted if not r.job.cancelled or self.end(r, "cancelled")]
+        the sequences still going. A request's other choices wait for its first choice's
+        prefill (in this step) and start from a copy of it."""
         for r in admitted:
             self.engine.reset(r.slot)  # the slot's previous sequence is gone
-        for r in [r for r in runs if not r.prefilled and len(r.job.prompt) > PACK_PROMPT]:
+        _link(admitted)
+        runs = [r for r in active + admitted if not r.job.cancelled or self.end(r, "cancelled")]
+        for r in [r for r in runs if not r.prefilled and r.parent is None and len(r.job.prompt) > PACK_PROMPT]:
             if not self._run([r], prefill=True):
                 runs.remove(r)
-        return self._run(runs, prefill=False) if runs else []
+        for r in runs:  # a choice whose first choice ended before its prefill prefills its own
+            if r.parent is not None and r.parent.ended and not r.prefilled:
+                r.parent = None
+        runs = [r for r in runs if not r.ended]  # choices forked above may have ended at once
+        waiting = [r for r in runs if r.parent is not None]
+        stepping = [r for r in runs if r.parent is None]
+        going = self._run(stepping, prefill=False) if stepping else []
+        return going + [r for r in waiting if not r.ended]  # forked now, or still waiting (its lead failed)
 
     def _rows(self, r: Running) -> list[int]:
         if not r.prefilled:
@@ -141,8 +167,11 @@ class Batcher:
         for r, (_, tokens), start in zip(runs, batch, starts, strict=True):
             span = slice(offset, offset + len(tokens))
             offset += len(tokens)
+            first_step = not r.prefilled
             if self._verify(r, tokens, start, step.logits[span], step.hidden[span], mtp):
                 going.append(r)
+            if first_step:
+                self._fork(r, step.logits[span][-1])
         if self.speculative and mtp:
             self._draft(mtp)
         return going
@@ -171,6 +200,24 @@ class Batcher:
         token = r.sampler.sample(logits[-1])
         next_tokens = [*tokens[1:], token]  # the token that followed each row
         return self._hand(r, token, first_step, r.sampler.drawn_from) and self._mtp(r, start, hidden, next_tokens, mtp)
+
+    def _fork(self, r: Running, last) -> None:
+        """The request's other choices start from `r`'s prefill: its caches copied, their first
+        token drawn by their own samplers from its last row."""
+        for c in r.children:
+            c.parent, c.prefilled = None, True
+            if c.ended:
+                continue
+            if c.job.cancelled:
+                self.end(c, "cancelled")
+                continue
+            self.engine.copy_slot(r.slot, c.slot)
+            c.job.prompt_logprobs = r.job.prompt_logprobs
+            if c.job.sampling.max_tokens == 0:
+                self.end(c, "length")
+                continue
+            self._hand(c, c.sampler.sample(last), True, c.sampler.drawn_from)
+        r.children = []
 
     def _mtp(self, r: Running, start: int, hidden, next_tokens: list[int], mtp: list[MTPRows]) -> bool:
         # drafts for plain greedy rows only: a draft is verified against the raw argmax
@@ -206,5 +253,7 @@ class Batcher:
         return True
 
     def end(self, r: Running, reason: str) -> bool:
-        self._end(r, reason)
+        if not r.ended:
+            r.ended = True
+            self._end(r, reason)
         return False

@@ -128,6 +128,19 @@ class Engine:
         self._lead("truncate", slot, length)
         self.lengths[slot] = min(self.lengths[slot], length)
 
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Give slot `dst` slot `src`'s sequence (its caches and length): `n` choices of one
+        prompt share its prefill. Both slots are one rank's; only that rank copies."""
+        if self.owner[src] != self.owner[dst]:
+            raise ValueError(f"slots {src} and {dst} live on different ranks")
+        self._lead("copy_slot", src, dst)
+        if self.owner[src] == self.rank:
+            a, b = self.local[src], self.local[dst]
+            for caches in self.caches.values():
+                for cache in caches.values():
+                    cache[b].copy_(cache[a])
+        self.lengths[dst] = self.lengths[src]
+
     def _lead(self, op: str, *args) -> None:
         if self.group is not None:  # every rank keeps every slot's length; each its own caches
             self.group.lead(op, *args)

@@ -3,6 +3,7 @@ OpenAI shapes of completions and chat completions, whole or as SSE chunks."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import time
@@ -51,12 +52,13 @@ class TextRun:
     `finish` is set at the end: length | stop (a stop string or token) | cancelled | error.
     `echo`: the prompt's text, shown before the completion (completions' `echo: true`)."""
 
-    def __init__(self, job, tokenizer, stops: list[str] | None, echo: str | None = None):
-        self.job, self.ids, self.tokenizer, self.echo = job, [], tokenizer, echo
+    def __init__(self, job, tokenizer, stops: list[str] | None, echo: str | None = None, index: int = 0):
+        self.job, self.ids, self.tokenizer, self.echo, self.index = job, [], tokenizer, echo, index
         self.decoder = IncrementalDecoder(tokenizer)
         self.stopper = StopMatcher(stops or [])
         self.finish: str | None = None
-        self.offset = len(echo or "")  # text_offset of the next token streamed
+        self.offset = 0  # text_offset of the next token streamed
+        self.echo_pending = echo is not None  # a stream's first chunk of this choice carries the prompt
 
     @property
     def wants_logprobs(self) -> bool:
@@ -112,9 +114,47 @@ class TextRun:
         return {"content": [{**one(t, lp[0]), "top_logprobs": [one(i, v) for i, v in lp[1]]} for t, lp in entries]}
 
     def usage(self) -> dict[str, int]:
-        n = len(self.job.prompt)
-        return {"prompt_tokens": n, "completion_tokens": len(self.ids), "total_tokens": n + len(self.ids)}
+        return usage([self])
 
+    def echoed(self, text: str, entries: list) -> tuple[str, list]:
+        """A stream's chunk text and logprob entries, the prompt's before them in its first."""
+        if not self.echo_pending:
+            return text, entries
+        self.echo_pending = False
+        return self.echo + text, self.prompt_entries() + entries
+
+
+def usage(runs: list[TextRun]) -> dict[str, int]:
+    """One request's tokens: its prompt once, every choice's completion."""
+    n, done = len(runs[0].job.prompt), sum(len(r.ids) for r in runs)
+    return {"prompt_tokens": n, "completion_tokens": done, "total_tokens": n + done}
+
+
+async def merged(runs: list[TextRun]) -> AsyncIterator[tuple[TextRun, tuple | None]]:
+    """Every choice's pieces as they come: (run, piece), and (run, None) when that one ends."""
+    if len(runs) == 1:
+        async for piece in runs[0].pieces():
+            yield runs[0], piece
+        yield runs[0], None
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(run: TextRun) -> None:
+        try:
+            async for piece in run.pieces():
+                await queue.put((run, piece))
+        finally:
+            await queue.put((run, None))
+
+    tasks = [asyncio.ensure_future(pump(r)) for r in runs]
+    try:
+        for _ in runs:
+            while (item := await queue.get())[1] is not None:
+                yield item
+            yield item
+    finally:
+        for t in tasks:
+            t.cancel()
 
 def sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=True, separators=(',', ':'))}\n\n"
@@ -132,36 +172,32 @@ class CompletionShape:
         return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_id,
                 "choices": choices, **extra}
 
-    def _choice(self, text: str, ids: list[int], finish: str | None, logprobs: dict | None = None) -> dict[str, Any]:
-        return {"index": 0, "text": text, "token_ids": ids, "logprobs": logprobs, "finish_reason": finish}
+    @staticmethod
+    def _choice(run: TextRun, text: str, ids: list[int], finish: str | None, logprobs: dict | None = None) -> dict:
+        return {"index": run.index, "text": text, "token_ids": ids, "logprobs": logprobs, "finish_reason": finish}
 
-    def whole(self, rid: str, text: str, run: TextRun) -> dict[str, Any]:
-        logprobs = None
-        if run.wants_logprobs:
-            run.offset = 0
-            echoed = run.prompt_entries() if run.echo is not None else []
-            logprobs = run.completion_logprobs(echoed + list(zip(run.ids, run.job.token_logprobs, strict=False)))
-        return self._body(rid, [self._choice((run.echo or "") + text, run.ids, run.finish, logprobs)],
-                          usage=run.usage())
+    def whole(self, rid: str, texts: list[str], runs: list[TextRun]) -> dict[str, Any]:
+        choices = []
+        for run, text in zip(runs, texts, strict=True):
+            logprobs = None
+            if run.wants_logprobs:
+                echoed = run.prompt_entries() if run.echo is not None else []
+                logprobs = run.completion_logprobs(echoed + list(zip(run.ids, run.job.token_logprobs, strict=False)))
+            choices.append(self._choice(run, (run.echo or "") + text, run.ids, run.finish, logprobs))
+        return self._body(rid, choices, usage=usage(runs))
 
-    def first(self, rid: str) -> tuple:
+    def first(self, rid: str, runs: list[TextRun]) -> tuple:
         return ()
 
-    def echo(self, rid: str, run: TextRun) -> dict[str, Any] | None:
-        """The prompt's chunk of a stream with `echo` (once its log-probabilities are known)."""
-        if run.echo is None:
-            return None
-        offset, run.offset = run.offset, 0
-        logprobs = run.completion_logprobs(run.prompt_entries()) if run.wants_logprobs else None
-        run.offset = offset
-        return self._body(rid, [self._choice(run.echo, [], None, logprobs)])
-
     def delta(self, rid: str, text: str, tokens: list[int], run: TextRun, lps: list) -> dict[str, Any] | None:
-        logprobs = run.completion_logprobs(list(zip(tokens, lps, strict=True))) if run.wants_logprobs else None
-        return self._body(rid, [self._choice(text, tokens, None, logprobs)])
+        text, entries = run.echoed(text, list(zip(tokens, lps, strict=False)))
+        logprobs = run.completion_logprobs(entries) if run.wants_logprobs else None
+        return self._body(rid, [self._choice(run, text, tokens, None, logprobs)])
 
-    def last(self, rid: str, finish: str | None) -> dict[str, Any]:
-        return self._body(rid, [self._choice("", [], finish)])
+    def last(self, rid: str, run: TextRun) -> dict[str, Any]:
+        text, entries = run.echoed("", [])  # max_tokens 0: the prompt alone
+        logprobs = run.completion_logprobs(entries) if run.wants_logprobs and entries else None
+        return self._body(rid, [self._choice(run, text, [], run.finish, logprobs)])
 
     def usage(self, rid: str, usage: dict[str, int]) -> dict[str, Any]:
         return self._body(rid, [], usage=usage)
@@ -180,30 +216,30 @@ class ChatShape:
                 "model": self.model_id, "choices": choices, **extra}
 
     @staticmethod
-    def _delta(delta: dict[str, Any], finish: str | None, logprobs: dict | None = None) -> dict[str, Any]:
-        return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+    def _delta(run: TextRun, delta: dict[str, Any], finish: str | None, logprobs: dict | None = None) -> dict:
+        return {"index": run.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
-    def whole(self, rid: str, text: str, run: TextRun) -> dict[str, Any]:
-        logprobs = run.chat_logprobs(list(zip(run.ids, run.job.token_logprobs, strict=False))) \
-            if run.wants_logprobs else None
+    def whole(self, rid: str, texts: list[str], runs: list[TextRun]) -> dict[str, Any]:
+        choices = []
+        for run, text in zip(runs, texts, strict=True):
+            logprobs = run.chat_logprobs(list(zip(run.ids, run.job.token_logprobs, strict=False))) \
+                if run.wants_logprobs else None
+            choices.append({"index": run.index, "message": {"role": "assistant", "content": text},
+                            "logprobs": logprobs, "finish_reason": run.finish})
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model_id,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "logprobs": logprobs, "finish_reason": run.finish}], "usage": run.usage()}
+                "choices": choices, "usage": usage(runs)}
 
-    def first(self, rid: str) -> tuple:
-        return (self._chunk(rid, [self._delta({"role": "assistant", "content": ""}, None)]),)
-
-    def echo(self, rid: str, run: TextRun) -> None:
-        return None  # chat has no echo
+    def first(self, rid: str, runs: list[TextRun]) -> tuple:
+        return tuple(self._chunk(rid, [self._delta(run, {"role": "assistant", "content": ""}, None)]) for run in runs)
 
     def delta(self, rid: str, text: str, tokens: list[int], run: TextRun, lps: list) -> dict[str, Any] | None:
         logprobs = run.chat_logprobs(list(zip(tokens, lps, strict=True))) if run.wants_logprobs and lps else None
         if not text and logprobs is None:
             return None  # no empty deltas
-        return self._chunk(rid, [self._delta({"content": text}, None, logprobs)])
+        return self._chunk(rid, [self._delta(run, {"content": text}, None, logprobs)])
 
-    def last(self, rid: str, finish: str | None) -> dict[str, Any]:
-        return self._chunk(rid, [self._delta({}, finish)])
+    def last(self, rid: str, run: TextRun) -> dict[str, Any]:
+        return self._chunk(rid, [self._delta(run, {}, run.finish)])
 
     def usage(self, rid: str, usage: dict[str, int]) -> dict[str, Any]:
         return self._chunk(rid, [], usage=usage)

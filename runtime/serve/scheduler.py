@@ -105,6 +105,7 @@ class Job:
         self.prompt_logprobs: list | None = None  # per prompt token after the first
         self._timer: asyncio.TimerHandle | None = None
         self._scheduler: Scheduler | None = None
+        self._group: list[Job] = [self]  # the request's jobs (its `n` choices), this one among them
 
     async def started(self) -> None:
         """Returns once the job runs; QueueTimeout or Cancelled if it never will."""
@@ -196,13 +197,22 @@ class Scheduler:
         return [{"rank": r, "slots": total[r], "free_slots": len(self._free[r]),
                  "running": total[r] - len(self._free[r])} for r in range(self.ranks)]
 
-    def _place(self, job: Job) -> int:
-        """A free slot of the rank with the most free slots (ties: the least work placed on it,
-        then the lowest rank)."""
-        rank = max((r for r in range(self.ranks) if self._free[r]),
-                   key=lambda r: (len(self._free[r]), -self._work[r], -r))
-        self._work[rank] += _work(job)
-        return self._free[rank].pop()
+    @property
+    def max_group(self) -> int:
+        """The most sequences one request may ask for (`n`): they share a prompt's prefill, so
+        they live on one rank."""
+        return min(self.slots, max(self.owner.count(r) for r in range(self.ranks)))
+
+    def _place(self, jobs: list[Job]) -> list[int] | None:
+        """Free slots for `jobs` (one request's sequences) on one rank: the rank with the most
+        free slots (ties: the least work placed on it, then the lowest rank); None while no
+        rank has that many free."""
+        ranks = [r for r in range(self.ranks) if len(self._free[r]) >= len(jobs)]
+        if not ranks or self.slots - len(self._running) < len(jobs):
+            return None
+        rank = max(ranks, key=lambda r: (len(self._free[r]), -self._work[r], -r))
+        self._work[rank] += sum(map(_work, jobs))
+        return [self._free[rank].pop() for _ in jobs]
 
     def retry_after(self) -> int:
         """Seconds a rejected client should wait: the queue ahead, at the recent job length."""
@@ -213,16 +223,22 @@ class Scheduler:
 
     def submit(self, prompt: Sequence[int], sampling: Sampling) -> Job:
         """Queue a job (call on the event loop); it starts as soon as a slot is free."""
+        return self.submit_group(prompt, [sampling])[0]
+
+    def submit_group(self, prompt: Sequence[int], samplings: Sequence[Sampling]) -> list[Job]:
+        """Queue one job per sampling over one prompt (a request's `n` choices): they start
+        together, on one rank, and share the prompt's prefill (its KV is copied)."""
         loop = self._loop = asyncio.get_running_loop()
-        job = Job(prompt, sampling, loop)
-        job._scheduler = self
-        self._queue.append(job)
-        if self._failed is not None:
-            self._drop(job, Failed(self._failed), "failed")
-            return job
-        job._timer = loop.call_later(self.queue_timeout, self._expire, job)
+        group = [Job(prompt, sampling, loop) for sampling in samplings]
+        for job in group:
+            job._scheduler, job._group = self, group
+            self._queue.append(job)
+            if self._failed is not None:
+                self._drop(job, Failed(self._failed), "failed")
+                continue
+            job._timer = loop.call_later(self.queue_timeout, self._expire, job)
         self._dispatch()
-        return job
+        return group
 
     def fail(self, reason: str) -> None:
         """The service failed (any thread): every queued job fails now with `reason`, none is
@@ -258,13 +274,18 @@ class Scheduler:
         """Give free slots to queued jobs, oldest first; the engine thread prefills them."""
         admitted = []
         while self.free_slots and self._queue and not self._closing and self._failed is None:
-            job = self._queue.popleft()
-            if job._timer:
-                job._timer.cancel()
-            job.state, job.started_at = "running", time.perf_counter()
-            self._running.add(job)
-            job._started.set_result(None)
-            admitted.append((job, self._place(job)))
+            group = [j for j in self._queue[0]._group if j.state == "queued"]  # a member may have left
+            slots = self._place(group)
+            if slots is None:
+                break  # first come first served: the oldest request waits for room on one rank
+            for job, slot in zip(group, slots, strict=True):
+                self._queue.remove(job)
+                if job._timer:
+                    job._timer.cancel()
+                job.state, job.started_at = "running", time.perf_counter()
+                self._running.add(job)
+                job._started.set_result(None)
+                admitted.append((job, slot))
         if admitted:
             with self._wake:
                 self._inbox += admitted
