@@ -9,6 +9,10 @@ then the ratios against the baseline. A third server speculates with MTP (`--spe
 the synthetic MTP layer drafts badly, so it shows the cost and the tokens-per-step figure, not
 a speed-up).
 
+On the batched server, two more loads: all greedy vs half the requests sampled (top_p, top_k,
+min_p and every penalty set, seeded; target ≥ 0.9×), and one 128-token prompt answered four times
+as `n=4` choices of one request (one prefill, copied) vs as four separate requests.
+
 Decode step time: one engine in this process at max_seq 256 and 4096, a 200-token prompt, then
 timed single-sequence decode steps: the incremental compressed KV keeps them close.
 Reported, never asserted.
@@ -29,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 CLIENTS, ROUNDS, MAX_TOKENS = 64, 2, 16
-TARGETS = {"throughput": 10.0, "p99": 5.0, "step_4096_vs_256": 2.0}
+TARGETS = {"throughput": 10.0, "p99": 5.0, "step_4096_vs_256": 2.0, "sampled_vs_greedy": 0.9}
 ENGINES = {"one-at-a-time": ("--max-batch", "1"), "batched": (), "batched+mtp": ("--speculative", "mtp")}
 
 
@@ -52,23 +56,57 @@ def _start(model_dir: Path, tmp: Path, backend: str, *extra: str) -> tuple[subpr
     raise SystemExit("dsv4 bench service: the server did not start")
 
 
-def _request(url: str, i: int) -> tuple[float, float, int]:
-    """One streamed completion: (latency, time to first token, completion tokens)."""
+def _body(i: int) -> dict[str, Any]:
+    """The load's request: an 8-token prompt, MAX_TOKENS greedy tokens, streamed."""
+    return {"prompt": [1 + i % 13, 2 + i % 5, 3, 4, 5, 6, 7, 8], "max_tokens": MAX_TOKENS, "temperature": 0,
+            "stream": True}
+
+
+def _request(url: str, i: int, body: dict[str, Any] | None = None) -> tuple[float, float, int]:
+    """One streamed completion: (latency, time to first token, completion tokens of every choice)."""
     import httpx
 
-    body = {"prompt": [1 + i % 13, 2 + i % 5, 3, 4, 5, 6, 7, 8], "max_tokens": MAX_TOKENS, "temperature": 0,
-            "stream": True}
+    body = body or _body(i)
     t0 = time.perf_counter()
     first, tokens = None, 0
     with httpx.Client(timeout=600) as c, c.stream("POST", f"{url}/v1/completions", json=body) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if line.startswith("data: {"):
-                ids = json.loads(line[6:])["choices"][0].get("token_ids") or []
+                ids = [t for choice in json.loads(line[6:])["choices"] for t in choice.get("token_ids") or []]
                 if ids and first is None:
                     first = time.perf_counter() - t0
                 tokens += len(ids)
     return time.perf_counter() - t0, first or 0.0, tokens
+
+
+SAMPLED = {"temperature": 0.8, "top_p": 0.9, "top_k": 40, "min_p": 0.02, "presence_penalty": 0.5,
+           "frequency_penalty": 0.2, "repetition_penalty": 1.1}
+CHOICES, LONG_PROMPT = 4, 128
+
+
+def _drive(url: str, bodies: list[dict[str, Any]], clients: int) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        results = list(pool.map(lambda ib: _request(url, ib[0], ib[1]), enumerate(bodies)))
+    wall = time.perf_counter() - t0
+    tokens = sum(r[2] for r in results)
+    return {"requests": len(bodies), "tokens": tokens, "wall_s": round(wall, 2), "tokens_per_s": round(tokens / wall, 1)}
+
+
+def mixes(url: str) -> dict[str, dict[str, Any]]:
+    """On one batched server: all greedy vs half the requests sampled (every sampling parameter
+    set, seeded); and one prompt of LONG_PROMPT tokens answered CHOICES times, as `n` choices of
+    one request (one prefill) vs as CHOICES separate requests."""
+    greedy = [_body(i) for i in range(CLIENTS * ROUNDS)]
+    mixed = [b if i % 2 else {**b, **SAMPLED, "seed": i} for i, b in enumerate(greedy)]
+    prompt = [(7 * i) % 200 + 3 for i in range(LONG_PROMPT)]
+    long = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.8, "seed": 1, "stream": True,
+            "ignore_eos": True}
+    groups = CLIENTS // CHOICES
+    return {"all greedy": _drive(url, greedy, CLIENTS), "half sampled": _drive(url, mixed, CLIENTS),
+            f"{CHOICES} requests": _drive(url, [long] * (groups * CHOICES), CLIENTS),
+            f"n={CHOICES}": _drive(url, [{**long, "n": CHOICES}] * groups, groups)}
 
 
 def _load(url: str, pid: int) -> dict[str, Any]:
@@ -141,6 +179,9 @@ def measure(backend: str, progress=print) -> dict[str, Any]:
             try:
                 progress(f"{name}: {CLIENTS} clients × {ROUNDS} rounds …")
                 rows[name] = _load(url, proc.pid)
+                if name == "batched":
+                    progress(f"{name}: greedy vs sampled, n={CHOICES} vs {CHOICES} requests …")
+                    mix = mixes(url)
             finally:
                 proc.terminate()
                 proc.wait(timeout=120)
@@ -149,8 +190,10 @@ def measure(backend: str, progress=print) -> dict[str, Any]:
     base, batched = rows["one-at-a-time"], rows["batched"]
     ratios = {"throughput": round(batched["tokens_per_s"] / base["tokens_per_s"], 2),
               "p99": round(base["p99_s"] / batched["p99_s"], 2),
-              "step_4096_vs_256": round(steps[4096] / steps[256], 2)}
-    return {"backend": backend, "clients": CLIENTS, "rounds": ROUNDS, "max_tokens": MAX_TOKENS, "rows": rows,
+              "step_4096_vs_256": round(steps[4096] / steps[256], 2),
+              "sampled_vs_greedy": round(mix["half sampled"]["tokens_per_s"] / mix["all greedy"]["tokens_per_s"], 2),
+              "n_vs_requests": round(mix[f"n={CHOICES}"]["tokens_per_s"] / mix[f"{CHOICES} requests"]["tokens_per_s"], 2)}
+    return {"backend": backend, "clients": CLIENTS, "rounds": ROUNDS, "max_tokens": MAX_TOKENS, "rows": rows, "mix": mix,
             "step_s": {str(k): round(v, 5) for k, v in steps.items()}, "ratios": ratios, "targets": TARGETS,
             "load_avg_1m": round(os.getloadavg()[0], 2), "cpus": os.cpu_count()}
 
@@ -175,6 +218,11 @@ def main(backend: str = "export", json_output: bool = False) -> int:
         ["decode step at max_seq 256 (s)", result["step_s"]["256"], ""],
         ["decode step at max_seq 4096 (s)", result["step_s"]["4096"], ""],
         ["step 4096 / 256", r["step_4096_vs_256"], f"≤ {t['step_4096_vs_256']}"],
+        ["half sampled vs all greedy (tokens/s) ×", r["sampled_vs_greedy"], f"≥ {t['sampled_vs_greedy']}"],
+        [f"n={CHOICES} vs {CHOICES} requests of a {LONG_PROMPT}-token prompt (tokens/s) ×", r["n_vs_requests"], ""],
     ])
+    mix = result["mix"]
+    print_table("batched server: request mixes", ["load", "requests", "tokens", "wall (s)", "tokens/s"],
+                [[name, m["requests"], m["tokens"], m["wall_s"], m["tokens_per_s"]] for name, m in mix.items()])
     print(f"load average {result['load_avg_1m']} on {result['cpus']} CPUs")
     return 0
