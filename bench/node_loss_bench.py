@@ -24,7 +24,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-RANK_TIMEOUT_S = 5.0
+from runtime.launch.spec import DEFAULTS
+
+RANK_TIMEOUT_S = DEFAULTS.rank_timeout
 CLIENTS = 8
 POLL_S = 0.05
 GUARD_S = 120.0  # a run that has not failed closed by then is reported as such
@@ -45,9 +47,10 @@ def post_status(url: str, prompt: str, max_tokens: int) -> int | str:
         return type(e).__name__
 
 
-def _health(url: str) -> tuple[int, dict]:
+def health_status(url: str, timeout: float = 5.0) -> tuple[int, dict]:
+    """/health's status and body, whether 200 or not."""
     try:
-        with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+        with urllib.request.urlopen(f"{url}/health", timeout=timeout) as r:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
@@ -72,7 +75,7 @@ def one_run(model: Path, run_dir: Path, how: str, load: bool, rank_timeout: floa
         while time.monotonic() - lost < GUARD_S and to_exit is None:
             if to_503 is None:
                 try:
-                    status, body = _health(nodes.url)
+                    status, body = health_status(nodes.url)
                     if status == 503:
                         to_503, reason = time.monotonic() - lost, body.get("reason", "")
                 except (urllib.error.URLError, ConnectionError, TimeoutError, ValueError):

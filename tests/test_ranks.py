@@ -20,6 +20,7 @@ import psutil
 import pytest
 from conftest import MAX_SEQ, start_server
 
+from bench.node_loss_bench import health_status, post_status
 from runtime.events import parse
 
 PROMPTS = ["The quick brown fox", "DeepSeek V4", "a", "0123456789 " * 4]
@@ -35,11 +36,7 @@ def _complete(url: str, prompt: str, n: int = 10) -> list[int]:
 
 
 def _health(url: str) -> tuple[int, dict]:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=10) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    return health_status(url, timeout=10)
 
 
 def _events(path) -> list:
@@ -270,8 +267,6 @@ def test_a_lost_node_fails_closed_with_503s_never_a_5xx(tiny_ckpt_ro, tmp_path, 
     """Node 1 (its agent and its rank) killed, or stopped, as a host that loses power or
     network would be, under load: node 0 answers 503 naming rank 1, every request in flight
     gets a 503 (or had finished), never another 5xx or a hang, and node 0 exits non-zero."""
-    from bench.node_loss_bench import post_status
-
     with _torchrun_nodes(tiny_ckpt_ro, tmp_path, "--rank-timeout", "2", "--max-slots", "1",
                          "--queue-timeout", "120") as nodes, concurrent.futures.ThreadPoolExecutor(8) as pool:
         # two slots: two requests decode, six wait in the queue when the node goes

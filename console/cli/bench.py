@@ -115,7 +115,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "to node 0's /health 503 and to its agent's exit, against 2 × --rank-timeout, and the status of "
         "every request in flight (target: 200 or 503 only).",
     )
-    loss.add_argument("--rank-timeout", type=float, default=5.0, help="the services' --rank-timeout (default 5)")
+    from runtime.launch.spec import DEFAULTS  # torch-free
+
+    loss.add_argument("--rank-timeout", type=float, default=DEFAULTS.rank_timeout,
+                      help="the services' --rank-timeout (default %(default)g)")
     loss.add_argument("--json", action="store_true", help="print one JSON object")
     loss.set_defaults(func=_node_loss)
 
