@@ -137,7 +137,15 @@ HOSTILE_VALUES = {
     "stop": ["\ud800", [""], ["x"] * 17, [1], "y" * 300, {"a": 1}],
     "model": ["\ud800", "", 5, ["x"]],
     "stream": ["yes", 1, None],
-    "n": [2, 0, "1", 1.5],
+    "n": [2, 0, "1", 1.5, 129, 10**9, True],
+    "top_p": [0, -0.0, 1.0000001, NAN, INF, 1e-300, True, "0.9"],
+    "top_k": [-2, 2**63, 1.5, True, 10**9],
+    "min_p": [-1e-9, 1.5, NAN, True],
+    "presence_penalty": [2.0000001, -INF, NAN, "1"],
+    "frequency_penalty": [-2.0000001, INF, True],
+    "repetition_penalty": [0, -1, 1e308, NAN, 1e-300],
+    "logprobs": [21, -1, True, 1.5, "3", 20, 0],
+    "echo": [1, "true", None, True],
 }
 TOP_LEVEL = [b"[]", b'""', b"1", b"null", b"true", b"[" * 100_000, b"1" * 5000, b"\xff\xfe{}", b"{", b""]
 BASE = {"/v1/completions": {"prompt": [1, 2], "max_tokens": 1},
@@ -194,7 +202,8 @@ def test_hostile_values_are_never_5xx_and_every_answer_is_counted(server, tmp_pa
     for (_, status), n in statuses.items():
         by_status[int(status)] = by_status.get(int(status), 0) + n
     record(tmp_path_factory, "hostile: fuzzed values", trials=sum(by_status.values()),
-           injection="temperature/seed/max_tokens/prompt ids/stop/model/n edge values, lone surrogates, "
+           injection="temperature/seed/max_tokens/prompt ids/stop/model/n/top_p/top_k/min_p/penalties/"
+                     "logprobs/echo edge values, lone surrogates, "
                      "NaN/Infinity literals, 10 hostile top-level bodies; both endpoints",
            recovered=by_status.get(200, 0), clean_error=sum(n for s, n in by_status.items() if 400 <= s < 500),
            data_lost=sum(n for s, n in by_status.items() if s >= 500),
