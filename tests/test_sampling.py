@@ -42,7 +42,7 @@ def test_top_k_top_p_and_min_p_keep_what_their_definitions_keep():
 
 def test_penalties_move_exactly_the_logits_they_name():
     s = Sampler(Sampling(8, presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0), prompt=[2])
-    s.output.update([0, 0, 1])
+    s.remember([0, 0, 1], vocab=4)
     row = torch.tensor([1.0, -1.0, 3.0, 0.5])
     out = s.logits(row)
     # repetition over prompt + output (positive / 2, negative × 2), then frequency × count + presence

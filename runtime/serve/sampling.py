@@ -10,7 +10,6 @@ request's parameters never touch another's tokens, and the same seed draws the s
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterable
 
 import torch
@@ -18,34 +17,48 @@ import torch
 
 class Sampler:
     """A request's `params` (runtime.serve.scheduler.Sampling) over the rows of its sequence,
-    whose prompt is `prompt`."""
+    whose prompt is `prompt`. The penalties' state is two vocabulary-sized vectors (counts of
+    the output, tokens seen), updated as tokens are drawn: a step's penalty is a few vector ops,
+    never a walk over the sequence."""
 
     def __init__(self, params, prompt: Iterable[int] = ()):
         self.params = params
         self.generator = torch.Generator().manual_seed(params.seed)
-        self.output: Counter[int] = Counter()  # tokens sampled so far, for the penalties
-        self.prompt = frozenset(prompt) if params.repetition_penalty != 1.0 else frozenset()
+        self._prompt = list(prompt) if params.repetition_penalty != 1.0 else []
+        self.counts: torch.Tensor | None = None  # [V] float32: each token's count in the output
+        self.seen: torch.Tensor | None = None  # [V] bool: in the prompt or the output
+        self.drawn_from: torch.Tensor | None = None
 
     @property
     def plain_greedy(self) -> bool:
         """The argmax of the raw logits: what an MTP draft is verified against."""
         return self.params.greedy and not self.params.penalized
 
+    def remember(self, tokens: Iterable[int], vocab: int) -> None:
+        """Tokens of the output, for the penalties."""
+        if not self.params.penalized:
+            return
+        if self.counts is None:
+            self.counts = torch.zeros(vocab)
+            self.seen = torch.zeros(vocab, dtype=torch.bool)
+            self.seen[torch.tensor(self._prompt, dtype=torch.int64)] = True
+        for t in tokens:
+            self.counts[t] += 1
+            self.seen[t] = True
+
     def logits(self, row: torch.Tensor) -> torch.Tensor:
-        """The row after the penalties, in float32 (what the token is drawn from)."""
-        row = row.float()
+        """The row after the penalties, in float32 on the host (what the token is drawn from:
+        the generator is the host's, and a draw reads the row back anyway)."""
+        row = row.float().cpu()
         p = self.params
         if not p.penalized:
             return row
-        row = row.clone()
-        if p.repetition_penalty != 1.0 and (seen := self.prompt | self.output.keys()):
-            idx = torch.tensor(sorted(seen), dtype=torch.int64)
-            picked = row[idx]
-            row[idx] = torch.where(picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty)
-        if self.output and (p.frequency_penalty or p.presence_penalty):
-            idx = torch.tensor(list(self.output), dtype=torch.int64)
-            counts = torch.tensor(list(self.output.values()), dtype=torch.float32)
-            row[idx] -= p.frequency_penalty * counts + p.presence_penalty
+        self.remember((), row.shape[-1])
+        if p.repetition_penalty != 1.0:
+            scaled = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+            row = torch.where(self.seen, scaled, row)
+        if p.frequency_penalty or p.presence_penalty:
+            row = row - p.frequency_penalty * self.counts - p.presence_penalty * (self.counts > 0)
         return row
 
     def sample(self, row: torch.Tensor) -> int:
@@ -53,7 +66,7 @@ class Sampler:
         drew from (`drawn_from`: penalised, before the temperature)."""
         self.drawn_from = self.logits(row)
         token = self._draw(self.drawn_from)
-        self.output[token] += 1
+        self.remember((token,), row.shape[-1])
         return token
 
     def _draw(self, logits: torch.Tensor) -> int:
@@ -61,18 +74,19 @@ class Sampler:
         if p.greedy:
             return int(torch.argmax(logits))
         logits = logits / p.temperature
-        if 0 < p.top_k < logits.shape[-1]:
-            kth = torch.topk(logits, p.top_k).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if 0 < p.top_k < logits.shape[-1]:  # the k candidates, most likely first
+            logits, ids = torch.topk(logits, p.top_k)
+        elif p.top_p < 1.0:
+            logits, ids = torch.sort(logits, descending=True)
+        else:
+            ids = None
         probs = torch.softmax(logits, -1)
-        if p.top_p < 1.0:
-            ordered, order = torch.sort(probs, descending=True)
-            before = ordered.cumsum(-1) - ordered  # probability of the tokens ranked above each
-            drop = torch.zeros_like(probs, dtype=torch.bool).scatter_(0, order, before >= p.top_p)
-            probs = probs.masked_fill(drop, 0.0)
+        if p.top_p < 1.0:  # probs are in descending order here
+            probs = probs.masked_fill(probs.cumsum(-1) - probs >= p.top_p, 0.0)  # the mass ranked above each
         if p.min_p > 0.0:
             probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        choice = int(torch.multinomial(probs, 1, generator=self.generator))
+        return choice if ids is None else int(ids[choice])
 
 
 LogProb = tuple[float, list[tuple[int, float]]]  # a token's log-probability, and the top k (id, logprob)
