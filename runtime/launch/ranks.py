@@ -243,9 +243,10 @@ class Group:
         return op, tuple(args)
 
     def _broadcast(self, message: Any) -> Any:
-        """Rank 0's `message` (pickled: rank 0 is this service's own process) on every rank: its
-        size, then its bytes, each an interruptible collective."""
-        import pickle
+        """Rank 0's `message` (an engine call: names, numbers, lists, tensors) on every rank:
+        its size, then its bytes, each an interruptible collective. Encoded with torch.save and
+        read back with `weights_only=True`, so a message can carry data, never code."""
+        import io
 
         import torch
         import torch.distributed as dist
@@ -253,7 +254,9 @@ class Group:
         device = "cpu" if self._kind == "cpu" else f"{self._kind}:{self.env.local_rank}"
         try:
             if self.rank == 0:
-                data = torch.frombuffer(bytearray(pickle.dumps(message)), dtype=torch.uint8).to(device)
+                buf = io.BytesIO()
+                torch.save(_to_host(message), buf)
+                data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8).to(device)
                 size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
             else:
                 size = torch.zeros(1, dtype=torch.int64, device=device)
@@ -265,7 +268,10 @@ class Group:
             raise
         except Exception as e:  # a peer that died or hung: the group is gone
             raise self._lose(e) from None
-        return message if self.rank == 0 else pickle.loads(data.cpu().numpy().tobytes())
+        if self.rank == 0:
+            return message
+        payload = io.BytesIO(data.cpu().numpy().tobytes())
+        return torch.load(payload, weights_only=True)
 
     def _finish(self, work) -> None:
         """Wait for an async collective in slices; once the service is lost it fails at once
@@ -362,6 +368,15 @@ class Group:
             self._pg = False
             with contextlib.suppress(Exception):  # a group that broke cannot be torn down cleanly
                 dist.destroy_process_group()
+
+
+def _to_host(message: Any) -> Any:
+    """Tuples as lists (what a weights-only load gives back anyway), tensors on the host."""
+    if isinstance(message, list | tuple):
+        return [_to_host(m) for m in message]
+    if hasattr(message, "cpu") and hasattr(message, "dtype"):
+        return message.cpu()
+    return message
 
 
 def share_cores(env: RankEnv) -> None:

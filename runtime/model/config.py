@@ -216,9 +216,13 @@ def _named_layer_types(raw: dict, source: str) -> dict:
     if names is None:
         return raw
     n = raw.get("num_hidden_layers")
+    lo, hi = RANGES["num_hidden_layers"]
+    if not isinstance(n, int) or isinstance(n, bool) or not lo <= n <= hi:
+        # the layer count itself is wrong: that is the line to say (from_dict's checks)
+        return {k: v for k, v in raw.items() if k != "layer_types"}
     if not isinstance(names, list) or not all(isinstance(t, str) and t in LAYER_TYPES for t in names):
         raise ConfigError(f"{source}: field 'layer_types' must be a list of {', '.join(LAYER_TYPES)}, got {names!r}"[:300])
-    if not isinstance(n, int) or isinstance(n, bool) or len(names) != n:
+    if len(names) != n:
         raise ConfigError(f"{source}: field 'layer_types' has {len(names)} entries, expected num_hidden_layers ({n!r})")
     rates = raw.get("compress_rates", DEFAULT_COMPRESS_RATES)
     if not isinstance(rates, dict) or not all(
