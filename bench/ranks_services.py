@@ -149,12 +149,6 @@ def engine_stats(url: str) -> dict[str, Any]:
     return httpx.get(f"{url}/health", timeout=60).json().get("engine", {})
 
 
-def health(url: str) -> dict[str, Any]:
-    import httpx
-
-    return httpx.get(f"{url}/health", timeout=60).json()
-
-
 def memory_of(service: Service, sidecar: Path) -> dict[str, Any]:
     """PSS and RSS of each rank process, and the PSS of its mapping of the sidecar: summed over
     the ranks, that is what the weights cost the host (one page-cache copy when not duplicated)."""

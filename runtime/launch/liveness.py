@@ -69,8 +69,7 @@ class Heartbeat:
                 self.store.set(self._key("beat", self.rank), str(beat))
                 now = time.monotonic()
                 for r, (last, since) in heard.items():
-                    key = self._key("beat", r)
-                    value = self.store.get(key) if self.store.check([key]) else None
+                    value = self._read("beat", r)
                     if value != last:
                         heard[r] = (value, now)
                     elif now - since > self.rank_timeout:
@@ -83,13 +82,14 @@ class Heartbeat:
                 return
             self._stop.wait(self.every)
 
+    def _read(self, what: str, rank: int) -> str | None:
+        key = self._key(what, rank)
+        return self.store.get(key).decode(errors="replace") if self.store.check([key]) else None
+
     def _silent(self, rank: int, seconds: float) -> str:
         posted = phase = None
         with contextlib.suppress(Exception):
-            key = self._key("member", rank)
-            posted = self.store.get(key).decode() if self.store.check([key]) else None
-            key = self._key("phase", rank)
-            phase = self.store.get(key).decode() if self.store.check([key]) else None
+            posted, phase = self._read("member", rank), self._read("phase", rank)
         return (f"{describe(rank, posted)} stopped answering: no heartbeat for {seconds:.1f} s "
                 f"(--rank-timeout {self.rank_timeout:g}) during phase {phase or 'start'}")
 

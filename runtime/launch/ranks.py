@@ -147,6 +147,9 @@ class Group:
         self._told = threading.Event()  # set once `on_lost` was told (the service answers 503 by then)
         self._reason: str | None = None
         self._beat: Heartbeat | None = None
+        # the abort line's connection: once beating, the heartbeat's (its calls wait at most the
+        # rank timeout), so failing the service never blocks long on a store that is gone
+        self._quick = store
         self._kind = "cpu"
         self.exchange_s = 0.0  # seconds spent in the steps' all-to-alls (the bench's collective time)
 
@@ -157,7 +160,7 @@ class Group:
 
     def abort(self, message: str) -> str:
         """Stop every rank with `message` (unless another failure came first: that one holds)."""
-        return first_wins(self.store, "abort", message)
+        return first_wins(self._quick, "abort", message)
 
     def aborted(self) -> str | None:
         return read(self.store, "abort")
@@ -195,7 +198,7 @@ class Group:
         self.store.set(f"{PREFIX}member/{self.rank}", member(self.rank))
         store = open_store(self.env, rank_timeout, client=True)
         peers = [r for r in range(self.world) if r != self.rank]
-        self._abort_store = store
+        self._quick = store
         self._beat = Heartbeat(store, PREFIX, self.rank, peers, rank_timeout, self.lose).start()
 
     def watch(self, on_abort: Callable[[str], None]) -> None:
@@ -329,7 +332,7 @@ class Group:
             self._told.wait(LOSE_WAIT_S)
             return self.lost or self._reason
         with contextlib.suppress(Exception):  # the store's host may be gone too
-            self._reason = reason = first_wins(getattr(self, "_abort_store", self.store), "abort", reason)
+            self._reason = reason = self.abort(reason)
         if self._beat is not None:
             self._beat.stop()
         try:

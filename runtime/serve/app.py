@@ -194,7 +194,7 @@ def create_app(launched, limits: Limits = Limits(), scheduler: Scheduler | None 
 
     def choices(req, sampling: Sampling) -> list[Sampling]:
         """The request's `n` choices: choice i draws with seed + i (the same seed, the same choices)."""
-        n = getattr(req, "n", None) or 1
+        n = req.n or 1
         if n > scheduler.max_group:
             raise ApiError(400, f"n: {n} choices share one prefill on one rank, which holds {scheduler.max_group} "
                                 f"sequences at most", param="n")

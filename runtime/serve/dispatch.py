@@ -13,6 +13,7 @@ buffer, exact for ids below 2**24) and one back (whose counts are already known)
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -53,7 +54,7 @@ def gather_rows(group, owners: Sequence[int], counts: Sequence[int],
     counts[i] rows, on rank owners[i]); each rank sends its own (None: it has none). Other
     ranks get None for each output."""
     world, rank = group.world, group.rank
-    widths = [_numel(shape) for _, shape in outs]
+    widths = [math.prod(shape) for _, shape in outs]
     mine = [t for t, _ in outs]
     if mine[0] is not None:
         send = torch.cat([t.reshape(t.shape[0], -1).float() for t in mine], 1)
@@ -74,10 +75,3 @@ def gather_rows(group, owners: Sequence[int], counts: Sequence[int],
     got = got[torch.tensor(order, dtype=torch.int64, device=got.device)]
     parts = torch.split(got, widths, 1)
     return tuple(p.reshape(p.shape[0], *shape) for p, (_, shape) in zip(parts, outs, strict=True))
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n

@@ -17,7 +17,7 @@ every row's logits back.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -179,9 +179,9 @@ class Engine:
             return None
         as_tensor = lambda v: torch.tensor(v, dtype=torch.int64, device=self.device)  # noqa: E731
         some = as_tensor(picked) if len(picked) < offset else None
-        r = _Rows(tokens, as_tensor(positions), as_tensor(slots), as_tensor(starts), PREFILL if prefill else DECODE,
-                  some)
-        return replace(r, tokens=r.of(tokens.to(self.device, torch.int64)))
+        tokens = tokens.to(self.device, torch.int64)
+        return _Rows(tokens if some is None else tokens[some], as_tensor(positions), as_tensor(slots),
+                     as_tensor(starts), PREFILL if prefill else DECODE, some)
 
     def _layer(self, group: str, x: torch.Tensor | None, r: _Rows | None) -> torch.Tensor | None:
         """One block over this rank's rows (`r`; None: it has none, and only serves its experts)."""
@@ -203,9 +203,8 @@ class Engine:
             parts = out[:model.FFN_PARTS] if out is not None else None
             routed = routed_exchange(self.group, self._empty_routed() if parts is None else parts[model.ROUTED_INPUT],
                                      self.experts_per_rank, lambda *rows: self._experts(group, *rows))
-            if out is None:
-                return None
-            out = (model.ffn_out(parts, routed), *out[model.FFN_PARTS:])
+            if out is not None:
+                out = (model.ffn_out(parts, routed), *out[model.FFN_PARTS:])
         if out is None:
             return None
         for n, new in zip(names, out[1:], strict=True):

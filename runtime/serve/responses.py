@@ -113,11 +113,13 @@ class TextRun:
 
         return {"content": [{**one(t, lp[0]), "top_logprobs": [one(i, v) for i, v in lp[1]]} for t, lp in entries]}
 
-    def usage(self) -> dict[str, int]:
-        return usage([self])
+    def entries(self) -> list[tuple[int, Any]]:
+        """Every generated token with its log-probability."""
+        return list(zip(self.ids, self.job.token_logprobs, strict=False))
 
     def echoed(self, text: str, entries: list) -> tuple[str, list]:
-        """A stream's chunk text and logprob entries, the prompt's before them in its first."""
+        """The choice's text and logprob entries, the prompt's before them the first time (the
+        whole answer, or a stream's first chunk of this choice)."""
         if not self.echo_pending:
             return text, entries
         self.echo_pending = False
@@ -132,11 +134,6 @@ def usage(runs: list[TextRun]) -> dict[str, int]:
 
 async def merged(runs: list[TextRun]) -> AsyncIterator[tuple[TextRun, tuple | None]]:
     """Every choice's pieces as they come: (run, piece), and (run, None) when that one ends."""
-    if len(runs) == 1:
-        async for piece in runs[0].pieces():
-            yield runs[0], piece
-        yield runs[0], None
-        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(run: TextRun) -> None:
@@ -179,11 +176,9 @@ class CompletionShape:
     def whole(self, rid: str, texts: list[str], runs: list[TextRun]) -> dict[str, Any]:
         choices = []
         for run, text in zip(runs, texts, strict=True):
-            logprobs = None
-            if run.wants_logprobs:
-                echoed = run.prompt_entries() if run.echo is not None else []
-                logprobs = run.completion_logprobs(echoed + list(zip(run.ids, run.job.token_logprobs, strict=False)))
-            choices.append(self._choice(run, (run.echo or "") + text, run.ids, run.finish, logprobs))
+            text, entries = run.echoed(text, run.entries())
+            logprobs = run.completion_logprobs(entries) if run.wants_logprobs else None
+            choices.append(self._choice(run, text, run.ids, run.finish, logprobs))
         return self._body(rid, choices, usage=usage(runs))
 
     def first(self, rid: str, runs: list[TextRun]) -> tuple:
@@ -222,8 +217,7 @@ class ChatShape:
     def whole(self, rid: str, texts: list[str], runs: list[TextRun]) -> dict[str, Any]:
         choices = []
         for run, text in zip(runs, texts, strict=True):
-            logprobs = run.chat_logprobs(list(zip(run.ids, run.job.token_logprobs, strict=False))) \
-                if run.wants_logprobs else None
+            logprobs = run.chat_logprobs(run.entries()) if run.wants_logprobs else None
             choices.append({"index": run.index, "message": {"role": "assistant", "content": text},
                             "logprobs": logprobs, "finish_reason": run.finish})
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model_id,

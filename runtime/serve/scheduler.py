@@ -162,6 +162,7 @@ class Scheduler:
         self.batcher = Batcher(engine, self._end, lambda: self.on_token(), speculative, **batcher_options)
         self.owner = list(getattr(engine, "owner", [0] * engine.slots))  # each slot's rank
         self.ranks = max(self.owner) + 1
+        self.rank_slots = [self.owner.count(r) for r in range(self.ranks)]
         # per rank: its free slots (the last freed is taken first) and the work placed on it (tokens)
         self._free = [[s for s in range(engine.slots) if self.owner[s] == r][::-1] for r in range(self.ranks)]
         self._work = [0] * self.ranks
@@ -193,15 +194,14 @@ class Scheduler:
 
     def per_rank(self) -> list[dict]:
         """Each rank's slots, free slots and running sequences (what /health reports)."""
-        total = [self.owner.count(r) for r in range(self.ranks)]
-        return [{"rank": r, "slots": total[r], "free_slots": len(self._free[r]),
-                 "running": total[r] - len(self._free[r])} for r in range(self.ranks)]
+        return [{"rank": r, "slots": n, "free_slots": len(self._free[r]), "running": n - len(self._free[r])}
+                for r, n in enumerate(self.rank_slots)]
 
     @property
     def max_group(self) -> int:
         """The most sequences one request may ask for (`n`): they share a prompt's prefill, so
         they live on one rank."""
-        return min(self.slots, max(self.owner.count(r) for r in range(self.ranks)))
+        return min(self.slots, max(self.rank_slots))
 
     def _place(self, jobs: list[Job]) -> list[int] | None:
         """Free slots for `jobs` (one request's sequences) on one rank: the rank with the most
