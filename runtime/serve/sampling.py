@@ -96,7 +96,7 @@ def logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> list[LogProb]:
     """Per row of `logits` [R, V]: the log-probability (float32 log-softmax) of its token, and
     the k most likely tokens with theirs."""
     lp = torch.log_softmax(logits.float(), -1)
-    chosen = lp.gather(1, torch.tensor(tokens, dtype=torch.int64)[:, None])[:, 0].tolist()
+    chosen = lp.gather(1, torch.tensor(tokens, dtype=torch.int64, device=lp.device)[:, None])[:, 0].tolist()
     if not k:
         return [(c, []) for c in chosen]
     top = lp.topk(min(k, lp.shape[-1]), -1)
