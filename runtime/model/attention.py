@@ -108,7 +108,7 @@ def attention(d: Dims, w: dict[str, torch.Tensor], kind: str, ratio: int, h: tor
               rows: Rows, cache: dict[str, torch.Tensor], prefill: bool):
     t = h.shape[0]
     positions = rows.positions
-    inv_freq = rope_inv_freq(d, compressed=kind != SLIDING)
+    inv_freq = rope_inv_freq(d, compressed=kind != SLIDING, device=h.device)
     qa = rms_norm(linear(w, "attn.wq_a", h), w["attn.q_norm.weight"])
     q = rms_norm(linear(w, "attn.wq_b", qa).reshape(t, d.heads, d.head_dim))  # per-head norm
     q = rope(q, positions, inv_freq)

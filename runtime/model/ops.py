@@ -160,13 +160,14 @@ def linear(w: dict[str, torch.Tensor], name: str, x: torch.Tensor) -> torch.Tens
     return torch.cat([x @ weight(columns(c), name) for c in range(0, o, step)], dim=-1)
 
 
-def rope_inv_freq(d: Dims, compressed: bool) -> torch.Tensor:
-    """Inverse frequencies [rope_dim / 2]: plain `rope_theta` on sliding layers; on compressed
+def rope_inv_freq(d: Dims, compressed: bool, device: torch.device) -> torch.Tensor:
+    """Inverse frequencies [rope_dim / 2] on `device` (the positions' own: a constant made on
+    the cpu would not meet cuda tensors): plain `rope_theta` on sliding layers; on compressed
     layers `compress_rope_theta`, with YaRN's ramp between extrapolated and interpolated
     frequencies when the config asks for it (cos/sin are not rescaled: V4 uses no mscale)."""
     dim = d.rope_dim
     base = d.compress_rope_theta if compressed else d.rope_theta
-    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim)
     inv = 1.0 / pos_freqs
     if not compressed or d.rope_factor == 1.0:
         return inv
@@ -178,7 +179,7 @@ def rope_inv_freq(d: Dims, compressed: bool) -> torch.Tensor:
     high = min(math.ceil(correction_dim(d.rope_beta_slow)), dim - 1)
     if low == high:
         high += 0.001
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
     keep = 1 - ramp  # 1: extrapolate (high frequencies), 0: interpolate (low frequencies)
     return (1.0 / (d.rope_factor * pos_freqs)) * (1 - keep) + inv * keep
 
