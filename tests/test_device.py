@@ -1,6 +1,8 @@
 """The device interface: cpu memory and caps, and the accelerator upload path driven through a
 stand-in accelerator module (no GPU/NPU here; the same code runs against torch.cuda/torch_npu)."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -42,17 +44,44 @@ def test_unavailable_accelerators_are_clear_errors():
 
 
 class _FakeModule:
-    """What the accelerator code asks of torch.cuda / torch.npu."""
+    """What the accelerator code asks of torch.cuda / torch.npu. A copy to the "device" is only
+    queued (as on a real copy engine) and lands when an event recorded after it, or the device,
+    is synchronised: a staging buffer refilled too early would land the wrong bytes."""
 
     def __init__(self):
-        self.synced = 0
-        self.emptied = 0
+        self.synced = self.emptied = self.events = 0
+        self.queue: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.landed = 0
 
     def mem_get_info(self, index):
         return 3 << 30, 8 << 30
 
+    def current_stream(self, index):
+        return ("stream", index)
+
+    def run_until(self, n):
+        while self.landed < n:
+            dst, src = self.queue[self.landed]
+            dst.copy_(src)
+            self.landed += 1
+
+    def Event(self):  # torch.cuda.Event
+        module = self
+
+        class Event:
+            def record(self, stream):
+                assert stream == ("stream", 0)
+                module.events += 1
+                self.upto = len(module.queue)
+
+            def synchronize(self):
+                module.run_until(self.upto)
+
+        return Event()
+
     def synchronize(self, index):
         self.synced += 1
+        self.run_until(len(self.queue))
 
     def empty_cache(self):
         self.emptied += 1
@@ -71,19 +100,32 @@ class FakeAccelerator(_Accelerator):
     def _staging_buffer(self):
         return torch.empty(self.chunk, dtype=torch.uint8)  # pinned memory needs a real device
 
+    def _copy_async(self, dst, staging):
+        self.fake.queue.append((dst, staging))
 
-def test_accelerator_upload_chunks_through_staging_with_progress():
+
+def test_accelerator_upload_overlaps_two_staging_buffers_and_never_refills_one_in_flight():
     dev = FakeAccelerator(chunk=1000)
-    src = {"w": torch.randn(100, 37), "q": torch.randint(-127, 127, (5, 999), dtype=torch.int8)}
+    src = {"w": torch.randn(100, 37), "q": torch.randint(-127, 127, (5, 999), dtype=torch.int8),
+           "empty": torch.empty(0, 4), "one": torch.tensor([7], dtype=torch.int64)}
     seen = []
-    out = dev.upload(src, lambda done, total: seen.append((done, total)))
+    out = dev.upload(src, lambda done, total: (seen.append((done, total)),
+                                               # at most one chunk queued beyond what has landed
+                                               dev.fake.landed >= len(dev.fake.queue) - 1))
     for k in src:
-        assert torch.equal(out[k], src[k]) and out[k].data_ptr() != src[k].data_ptr()
+        assert torch.equal(out[k], src[k]) and out[k].shape == src[k].shape
+        assert out[k].numel() == 0 or out[k].data_ptr() != src[k].data_ptr()
     total = sum(t.nbytes for t in src.values())
+    chunks = sum(-(-t.nbytes // 1000) for t in src.values())
     assert seen[-1] == (total, total) and [d for d, _ in seen] == sorted(d for d, _ in seen)
-    assert len(seen) == -(-src["w"].nbytes // 1000) + -(-src["q"].nbytes // 1000)
-    assert dev.fake.synced == len(seen) and dev.allocated == total
+    assert len(seen) == chunks == dev.fake.events == len(dev.fake.queue) == dev.fake.landed
+    # the transfers alternate between the two buffers
+    buffers = [staging.untyped_storage().data_ptr() for _, staging in dev.fake.queue]
+    assert len(set(buffers)) == 2 and all(a != b for a, b in itertools.pairwise(buffers))
+    assert dev.allocated == total
     m = dev.memory()
     assert (m.total, m.free, m.used) == (8 << 30, 3 << 30, 5 << 30)
+    dev.trim()
+    assert dev.fake.emptied == 1
     dev.release()
-    assert dev.fake.emptied == 1 and dev.allocated == 0
+    assert dev.fake.emptied == 2 and dev.allocated == 0

@@ -309,6 +309,8 @@ def _size_kv(launched: Launched, runners, rank_env, detail: dict):
     spec, device, group, programs = launched.spec, launched.device, launched.group, launched.programs
     if group is not None:  # every rank uploaded before any measures: one rank's KV is not another's "used"
         group.gather("kv-measure", "", "kv")
+    # blocks the allocator kept from the upload are free memory, not residual use
+    device.trim()
     mem = device.memory()
     per_slot = kv_slot_bytes(programs)
     share = kv_share(device.kind, rank_env.local_world if rank_env is not None else 1, spec.device_memory)
@@ -338,6 +340,7 @@ def _size_kv(launched: Launched, runners, rank_env, detail: dict):
         except OutOfMemory as e:
             attempts.append({"slots": want, "error": str(e)})  # a partly built engine is garbage now
             device.free_bytes(device.allocated - before)
+            device.trim()
             want //= 2
             continue
         rank_slots = [want]
