@@ -46,8 +46,8 @@ class Service:
 
 @contextlib.contextmanager
 def serving(model: Path, cache: Path, run_dir: Path, backend: str, ranks: int,
-            options: Sequence[str] = ("--max-slots", str(MAX_SLOTS))) -> Iterator[Service]:
-    """`dsv4 serve --ranks N [options]` until the `serve` `end` event; stopped by SIGTERM
+            options: Sequence[str] = ("--max-slots", str(MAX_SLOTS)), device: str = "cpu") -> Iterator[Service]:
+    """`dsv4 serve --ranks N --device D [options]` until the `serve` `end` event; stopped by SIGTERM
     (drained) on the way out, and on any error every process of it is killed: nothing is left
     behind."""
     run_dir.mkdir(parents=True)
@@ -56,7 +56,7 @@ def serving(model: Path, cache: Path, run_dir: Path, backend: str, ranks: int,
     with open(log, "wb") as err:
         proc = subprocess.Popen(
             [sys.executable, "-m", "console.cli", "serve", str(model), "--ranks", str(ranks), "--backend", backend,
-             "--kernel-cache-dir", str(cache), "--device", "cpu", "--port", "0", "--max-seq", str(MAX_SEQ),
+             "--kernel-cache-dir", str(cache), "--device", device, "--port", "0", "--max-seq", str(MAX_SEQ),
              *options, "--queue-timeout", "3600", "--events", str(events)],
             stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
     seen: set[int] = set()  # every rank pid ever seen, to kill them should the launcher go first

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -122,6 +123,35 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     loss.add_argument("--json", action="store_true", help="print one JSON object")
     loss.set_defaults(func=_node_loss)
 
+    acc = sub.add_parser(
+        "accelerator",
+        help="the whole path on one device: cold and hot launch, upload GB/s, memory, console, greedy vs cpu, tok/s",
+        description="One prepared run on --device (bench/accelerator.sh runs it on a bare GPU host from carried "
+        "wheels): per preset, synthesise; a cold `dsv4 serve` (every program compiled into an empty kernel "
+        "cache, weights packed); prepack and warm the sidecar; on an accelerator, the upload of the mapped "
+        "sidecar through one and two staging buffers beside pinned and pageable copies; a hot launch "
+        "(programs HIT, sidecar MAP) and beside it the device's memory, `dsv4-console --once --json`'s Device "
+        "pane against the runtime's figures, greedy completions against the cpu eager reference (equal, or "
+        "log-probabilities within a stated tolerance with the first divergent position), and decode tokens/s "
+        "under concurrent requests. Every figure goes into OUT/accelerator.json. Exits 1 when the greedy "
+        "tokens disagree beyond the tolerance.",
+    )
+    from bench.accelerator_bench import GREEDY_TOKENS, LOADS  # light: torch runs in child processes
+
+    acc.add_argument("--out", type=Path, required=True, help="results directory (accelerator.json, work files)")
+    acc.add_argument("--device", choices=("auto", "cpu", "cuda", "npu"), default="auto",
+                     help="device to serve on (default %(default)s: npu > cuda > cpu)")
+    acc.add_argument("--preset", default="small",
+                     help="comma-separated synthetic presets, run in turn (tiny, small, medium; default %(default)s)")
+    acc.add_argument("--backend", choices=("aoti", "export", "eager"), default="aoti",
+                     help="program backend of both launches (default %(default)s: AOTInductor)")
+    acc.add_argument("--loads", default=",".join(map(str, LOADS)),
+                     help="comma-separated concurrent request counts for decode tokens/s (default %(default)s)")
+    acc.add_argument("--greedy-tokens", type=int, default=GREEDY_TOKENS,
+                     help="greedy tokens per prompt compared with the cpu reference (default %(default)s)")
+    acc.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    acc.set_defaults(func=_accelerator)
+
     plan = sub.add_parser(
         "plan",
         help="fresh-process `dsv4 plan --json` on the small and the full V4-Flash layout",
@@ -190,6 +220,24 @@ def _node_loss(args: argparse.Namespace) -> int:
     from bench.node_loss_bench import main
 
     return main(rank_timeout=args.rank_timeout, json_output=args.json)
+
+
+def _accelerator(args: argparse.Namespace) -> int:
+    from bench.accelerator_bench import main
+
+    presets = [p.strip() for p in args.preset.split(",") if p.strip()]
+    if not presets or any(p not in ("tiny", "small", "medium") for p in presets):
+        raise SystemExit(f"dsv4 bench accelerator: --preset {args.preset}: choose from tiny, small, medium")
+    try:
+        loads = [int(n) for n in args.loads.split(",") if n.strip()]
+    except ValueError:
+        loads = []
+    if not loads or min(loads) < 1 or max(loads) > 4096:
+        raise SystemExit(f"dsv4 bench accelerator: --loads {args.loads}: comma-separated counts 1..4096")
+    if not 1 <= args.greedy_tokens <= 128:
+        raise SystemExit(f"dsv4 bench accelerator: --greedy-tokens {args.greedy_tokens}: allowed 1..128")
+    return main(args.device, presets, args.out, backend=args.backend, loads=loads,
+                greedy_tokens=args.greedy_tokens, json_output=args.json)
 
 
 def _plan(args: argparse.Namespace) -> int:
