@@ -203,13 +203,15 @@ def _load_aoti(data: bytes) -> Callable[..., Any]:
     import torch
 
     loader_class = getattr(getattr(torch._C, "_aoti", None), "AOTIModelPackageLoader", None)
-    if loader_class is None:  # another torch build: fall back to the public (slower) loader
-        return torch._inductor.aoti_load_package(io.BytesIO(data))
-    with tempfile.NamedTemporaryFile(prefix="dsv4-program-", suffix=".pt2") as f:
-        f.write(data)
-        f.flush()
-        loader = loader_class(f.name, "model", False, 1, -1)
-    return _AotiProgram(loader)
+    if loader_class is not None:
+        with tempfile.NamedTemporaryFile(prefix="dsv4-program-", suffix=".pt2") as f:
+            f.write(data)
+            f.flush()
+            try:  # (path, model name, run single-threaded, runners, device index: -1 the current)
+                return _AotiProgram(loader_class(f.name, "model", False, 1, -1))
+            except TypeError:  # another torch's signature (the GPU hosts run their own torch)
+                pass
+    return torch._inductor.aoti_load_package(io.BytesIO(data))  # the public (slower) loader
 
 
 class _AotiProgram:
