@@ -19,7 +19,8 @@ wheels first); the test suite runs it on the cpu, so the run cannot rot. For eac
      streamed requests (1, 16 and 64 by default).
 
 Every figure goes into OUT/accelerator.json, rewritten after each step: a run cut short keeps
-what it measured. This process never imports torch, so it holds no device memory of its own
+what it measured; checkpoints, kernel caches and service logs go under --work (default
+OUT/work). This process never imports torch, so it holds no device memory of its own
 while it reads the device's; torch runs in the services and in its own child processes.
 """
 
@@ -51,7 +52,9 @@ TOLERANCE = 2e-2
 
 
 def main(device: str, presets: Sequence[str], out: Path, backend: str = "aoti", loads: Sequence[int] = LOADS,
-         greedy_tokens: int = GREEDY_TOKENS, json_output: bool = False) -> int:
+         greedy_tokens: int = GREEDY_TOKENS, json_output: bool = False, work: Path | None = None) -> int:
+    """`out` gets accelerator.json alone (and the script's log.txt); checkpoints, kernel
+    caches and service logs go under `work` (default out/work)."""
     from runtime.launch.hardware import resolve_device
 
     kind = resolve_device(device)
@@ -62,7 +65,7 @@ def main(device: str, presets: Sequence[str], out: Path, backend: str = "aoti", 
     for preset in presets:
         figures: dict[str, Any] = {}
         result["presets"][preset] = figures
-        run_preset(preset, kind, backend, out / preset, loads, greedy_tokens, figures,
+        run_preset(preset, kind, backend, (work or out / "work") / preset, loads, greedy_tokens, figures,
                    lambda: write_json(out / FIGURES, result), say)
     write_json(out / FIGURES, result)
     print(json.dumps(result, indent=2) if json_output else report(result))

@@ -51,6 +51,12 @@ def test_penalties_move_exactly_the_logits_they_name():
     assert Sampler(Sampling(8)).logits(row) is not None and not Sampling(8).penalized
 
 
+def test_a_plain_greedy_row_stays_on_its_device_and_a_drawn_one_comes_to_the_host():
+    on_device = torch.empty(4096, device="meta")  # stands in for cuda: a copy to the host would fail
+    assert Sampler(Sampling(8)).logits(on_device).device.type == "meta"
+    assert Sampler(Sampling(8, temperature=0.7)).logits(LOGITS).device.type == "cpu"
+
+
 def test_the_same_seed_draws_the_same_tokens():
     logits = torch.randn(64, generator=torch.Generator().manual_seed(1))
 

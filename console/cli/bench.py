@@ -139,6 +139,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     from bench.accelerator_bench import GREEDY_TOKENS, LOADS  # light: torch runs in child processes
 
     acc.add_argument("--out", type=Path, required=True, help="results directory (accelerator.json, work files)")
+    acc.add_argument("--work", type=Path, default=None,
+                     help="checkpoints, kernel caches and service logs (default OUT/work; each preset's is "
+                     "replaced on a rerun)")
     acc.add_argument("--device", choices=("auto", "cpu", "cuda", "npu"), default="auto",
                      help="device to serve on (default %(default)s: npu > cuda > cpu)")
     acc.add_argument("--preset", default="small",
@@ -237,7 +240,7 @@ def _accelerator(args: argparse.Namespace) -> int:
     if not 1 <= args.greedy_tokens <= 128:
         raise SystemExit(f"dsv4 bench accelerator: --greedy-tokens {args.greedy_tokens}: allowed 1..128")
     return main(args.device, presets, args.out, backend=args.backend, loads=loads,
-                greedy_tokens=args.greedy_tokens, json_output=args.json)
+                greedy_tokens=args.greedy_tokens, json_output=args.json, work=args.work)
 
 
 def _plan(args: argparse.Namespace) -> int:

@@ -47,10 +47,13 @@ class Sampler:
             self.seen[t] = True
 
     def logits(self, row: torch.Tensor) -> torch.Tensor:
-        """The row after the penalties, in float32 on the host (what the token is drawn from:
-        the generator is the host's, and a draw reads the row back anyway)."""
-        row = row.float().cpu()
+        """The row after the penalties, in float32: what the token is drawn from. A plain greedy
+        row stays where it is (only its argmax comes back: 8 bytes, not a vocabulary of floats
+        per sequence and step); any other comes to the host, whose generator draws from it."""
         p = self.params
+        if not p.penalized and p.greedy:
+            return row.float()
+        row = row.float().cpu()
         if not p.penalized:
             return row
         self.remember((), row.shape[-1])
