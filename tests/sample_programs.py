@@ -54,3 +54,14 @@ def sleeps(seconds: float):
 
     time.sleep(seconds)
     return scaled_mlp
+
+
+def noisy(hidden: int):
+    """A factory that says more than a pipe holds (as Inductor and Triton can, compiling for a
+    GPU) before it returns: a worker writing into a full pipe would never exit."""
+    import sys
+
+    for _ in range(4096):
+        sys.stderr.write("warning: " + "x" * 246 + "\n")  # 1 MiB in all
+    sys.stderr.flush()
+    return scaled_mlp

@@ -92,6 +92,22 @@ def test_a_killed_worker_fails_its_program_naming_the_signal(tmp_path):
     assert not result.ok and "killed by signal 9 (out of memory?)" in result.error
 
 
+def test_a_worker_that_says_more_than_a_pipe_holds_still_publishes(tmp_path):
+    import threading
+
+    noisy = ProgramSpec("noisy", "tests.sample_programs:noisy", sp.spec().inputs, sp.spec().dims, captures={"hidden": 8})
+    stop, results = threading.Event(), {}
+    pool = CompilePool(tmp_path / "kc", "export", "cpu", jobs=1, stop=stop)
+    t = threading.Thread(target=lambda: results.update(pool.run([noisy])))
+    t.start()
+    t.join(600)  # a hang guard, not a speed bound: a worker blocked on a full pipe never exits
+    if t.is_alive():
+        stop.set()
+        t.join()
+    assert "noisy" in results, "the pool never saw its worker exit"
+    assert results["noisy"].ok and results["noisy"].outcome == "compiled", results
+
+
 def test_jobs_zero_is_one_line(tiny_ckpt_ro, capsys):
     assert cli(["compile", str(tiny_ckpt_ro), "--jobs", "0"]) == 1
     err = capsys.readouterr().err.strip()

@@ -83,6 +83,7 @@ def _ignore(compiled: Compiled) -> None:
 class _Running:
     spec: Any
     proc: subprocess.Popen
+    out: tuple[Any, Any]  # the worker's stdout and stderr: files, read once it has exited
     started: float
     expected_rss: int
 
@@ -174,31 +175,43 @@ class CompilePool:
             if running and available - expected < self.floor_bytes:
                 return  # would push the host below the floor: wait for a running job to end
             queue.pop(0)
-            proc = self._spawn(spec)
-            running.append(_Running(spec, proc, time.monotonic(), expected))
+            proc, out = self._spawn(spec)
+            running.append(_Running(spec, proc, out, time.monotonic(), expected))
             self.on_event(spec.name, "compiling", {"expected_rss": expected, "available": available, "pid": proc.pid})
 
-    def _spawn(self, spec) -> subprocess.Popen:
+    def _spawn(self, spec) -> tuple[subprocess.Popen, tuple[Any, Any]]:
+        """A worker whose stdout and stderr go to unnamed temporary files, not pipes: a compile
+        that says more than a pipe holds (Inductor's and Triton's warnings on a GPU) would block
+        on its write while the pool waits for it to exit."""
+        import tempfile
+
         job = {"spec": spec_to_json(spec), "cache_root": str(self.cache_root), "backend": self.backend,
                "device": self.device}
-        proc = subprocess.Popen([sys.executable, "-m", "runtime.programs.worker"], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                cwd=Path(__file__).resolve().parents[2], start_new_session=True)
+        # closed by _finish or _cancel, once the worker has exited
+        out = (tempfile.TemporaryFile(), tempfile.TemporaryFile())  # noqa: SIM115
+        try:
+            proc = subprocess.Popen([sys.executable, "-m", "runtime.programs.worker"], stdin=subprocess.PIPE,
+                                    stdout=out[0], stderr=out[1], text=True,
+                                    cwd=Path(__file__).resolve().parents[2], start_new_session=True)
+        except BaseException:
+            _close(out)
+            raise
         proc.stdin.write(json.dumps(job))
         proc.stdin.close()
-        return proc
+        return proc, out
 
     def _finish(self, r: _Running) -> Compiled:
-        out, err = r.proc.stdout.read(), r.proc.stderr.read()
+        out, err = (_read(f).strip().splitlines() for f in r.out)
+        _close(r.out)
         elapsed = time.monotonic() - r.started
         result = None
         with contextlib.suppress(ValueError, IndexError):
-            result = json.loads(out.strip().splitlines()[-1])
+            result = json.loads(out[-1])  # the worker's last line: its result
         if r.proc.returncode != 0 or not isinstance(result, dict):
             code = r.proc.returncode
             why = (f"killed by signal {-code}" + (" (out of memory?)" if code == -signal.SIGKILL else "")
                    if code < 0 else f"exit {code}")
-            tail = err.strip().splitlines()[-1:] if err.strip() else []
+            tail = err[-1:]
             compiled = Compiled(r.spec.name, False, elapsed, 0, "; ".join([why, *tail]))
         else:
             compiled = Compiled(r.spec.name, bool(result.get("ok")), float(result.get("seconds", elapsed)),
@@ -233,9 +246,20 @@ class CompilePool:
 
         cache = KernelCache(self.cache_root)
         for r in running:
+            _close(r.out)
             with contextlib.suppress(Exception):
                 cache.sweep_staging(r.spec.name)
             self.on_event(r.spec.name, "cancelled", {})
+
+
+def _read(f) -> str:
+    f.seek(0)
+    return f.read().decode(errors="replace")
+
+
+def _close(files) -> None:
+    for f in files:
+        f.close()
 
 
 def compile_history(cache_root: Path, programs: Iterable[str]) -> dict[str, tuple[float, int]]:
