@@ -54,3 +54,30 @@ def test_each_kind_of_program_compiles_for_a_device_other_than_the_cpu():
         devices = {n.meta["val"].device.type for n in exported.graph.nodes
                    if isinstance(n.meta.get("val"), torch.Tensor)}
         assert devices == {"meta"}, (name, devices)
+
+
+def test_the_engine_runs_every_kind_of_step_on_a_device_other_than_the_cpu(tiny_ckpt_ro):
+    """The engine's own glue (row indices, slots, cache writes, MTP rows) on the meta device: a
+    tensor it made on the cpu fails as on cuda, and so does reading the device back (`.item()`,
+    a boolean mask's nonzero), which on a GPU would stall every layer of every step."""
+    from runtime.model.config import load_config
+    from runtime.serve.engine import Engine
+    from runtime.weights.pack import pack_in_memory
+    from runtime.weights.views import packed_views
+    from store.checkpoint import Checkpoint
+
+    config = load_config(tiny_ckpt_ro)
+    layout = PackedLayout(config, 1)
+    host = pack_in_memory(Checkpoint.open(tiny_ckpt_ro), layout)
+    weights = packed_views(layout, {name: t.to("meta") for name, t in host.items()})
+    engine = Engine(build_programs(config, layout, 128), weights, device="meta", slots=3)
+    step = engine.forward(torch.arange(1, 18), 0)  # a prefill past the compressed layers' windows
+    assert step.logits.device.type == "meta" and step.logits.shape == (17, config.vocab_size)
+    for _ in range(4):  # decode steps across a window's end, beside a packed prompt's rows
+        step = engine.step([(0, torch.tensor([5])), (1, torch.tensor([6, 7, 8]))])
+        assert step.logits.device.type == "meta" and step.logits.shape[0] == 4
+    drafts = engine.mtp_step([(0, 17, step.hidden[:1], [9]), (1, 0, step.hidden[1:], [7, 8, 9])])
+    assert drafts.device.type == "meta" and drafts.shape[0] == 4
+    engine.copy_slot(0, 2)
+    engine.truncate(0, 18)
+    assert engine.lengths == [18, 12, 21]

@@ -53,6 +53,14 @@ class _Rows:
     starts: torch.Tensor
     mode: str
     picked: torch.Tensor | None = None  # which of the step's rows these are (None: all of them)
+    host_positions: tuple[int, ...] = ()  # `positions` and the first local slot, as the host
+    first_slot: int = 0  # knows them: cache writes index by these, never reading the device back
+
+    def completing(self, ratio: int) -> torch.Tensor | None:
+        """Rows whose position completes a window of `ratio` (None: none does), as an index on
+        the rows' device: a boolean mask there would make every layer wait for the device."""
+        done = [i for i, p in enumerate(self.host_positions) if (p + 1) % ratio == 0]
+        return torch.tensor(done, dtype=torch.int64, device=self.positions.device) if done else None
 
     def of(self, t: torch.Tensor) -> torch.Tensor:
         """These rows of a tensor holding every row of the step."""
@@ -181,7 +189,7 @@ class Engine:
         some = as_tensor(picked) if len(picked) < offset else None
         tokens = tokens.to(self.device, torch.int64)
         return _Rows(tokens if some is None else tokens[some], as_tensor(positions), as_tensor(slots),
-                     as_tensor(starts), PREFILL if prefill else DECODE, some)
+                     as_tensor(starts), PREFILL if prefill else DECODE, some, tuple(positions), slots[0])
 
     def _layer(self, group: str, x: torch.Tensor | None, r: _Rows | None) -> torch.Tensor | None:
         """One block over this rank's rows (`r`; None: it has none, and only serves its experts)."""
@@ -212,9 +220,8 @@ class Engine:
             if n not in WINDOW_CACHES:  # per token
                 cache.index_put_((r.slots, r.positions), new.to(cache.dtype))
             elif prefill:  # the slot's every window, recomputed from its rows
-                cache[int(r.slots[0])].copy_(new)
-            else:  # only rows that complete their window carry a finished entry
-                done = (r.positions + 1) % v.ratio == 0
+                cache[r.first_slot].copy_(new)
+            elif (done := r.completing(v.ratio)) is not None:  # only they carry a finished entry
                 cache.index_put_((r.slots[done], r.positions[done] // v.ratio), new[done].to(cache.dtype))
         return out[0]
 
