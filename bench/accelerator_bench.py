@@ -49,6 +49,7 @@ PROMPTS = ([0, 17, 42, 99, 3, 250, 7], [5] * 12, [400, 401, 402, 403, 404, 300, 
 # |Δ log-probability| of a greedy token, device vs cpu eager: float32 on both, but other kernels
 # and reduction orders (the cpu export programs agree with eager to 2e-3 in tests/test_logprobs.py)
 TOLERANCE = 2e-2
+MESSAGES = 100  # log and error lines kept per launch
 
 
 def main(device: str, presets: Sequence[str], out: Path, backend: str = "aoti", loads: Sequence[int] = LOADS,
@@ -169,11 +170,14 @@ def memory_json(reading) -> dict[str, Any]:
 
 def launch_figures(events: Path, started: float) -> dict[str, Any]:
     """One launch's events: seconds to ready, each registration phase's seconds and end detail
-    (programs counts, weights path, upload bytes, KV sizing, validation), upload GB/s."""
+    (programs counts, weights path, upload bytes, KV sizing, validation), upload GB/s, and what
+    it said on the way (log and error lines: on a first GPU run, what did not work)."""
     phases: dict[str, Any] = {}
-    ready = None
+    ready, said = None, []
     for line in events.read_text().splitlines():
         e = json.loads(line)
+        if e.get("kind") in ("log", "error") and len(said) < MESSAGES:  # a compile that failed, a fallback
+            said.append({"phase": e["phase"], "kind": e["kind"], "message": e.get("message")})
         if e.get("kind") != "end":
             continue
         if e["phase"] == "serve":
@@ -184,7 +188,7 @@ def launch_figures(events: Path, started: float) -> dict[str, Any]:
     upload = phases.get("upload", {})
     seconds, nbytes = upload.get("seconds"), upload.get("bytes")
     gbps = None if upload.get("zero_copy") or not seconds or not nbytes else round(nbytes / seconds / 1e9, 3)
-    return {"ready_s": ready, "phases": phases, "upload_gb_per_s": gbps,
+    return {"ready_s": ready, "phases": phases, "upload_gb_per_s": gbps, "messages": said,
             "programs": phases.get("programs", {}).get("counts"), "weights": phases.get("weights", {}).get("path")}
 
 
