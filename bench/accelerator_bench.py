@@ -66,8 +66,13 @@ def main(device: str, presets: Sequence[str], out: Path, backend: str = "aoti", 
     for preset in presets:
         figures: dict[str, Any] = {}
         result["presets"][preset] = figures
-        run_preset(preset, kind, backend, (work or out / "work") / preset, loads, greedy_tokens, figures,
-                   lambda: write_json(out / FIGURES, result), say)
+        try:
+            run_preset(preset, kind, backend, (work or out / "work") / preset, loads, greedy_tokens, figures,
+                       lambda: write_json(out / FIGURES, result), say)
+        except Exception as e:  # what was measured stays, and the failure is a figure too
+            figures["error"] = f"{type(e).__name__}: {e}"[-6000:]
+            say(f"{preset}: FAILED: {figures['error']}")
+            break  # the next preset would fail the same way, on more bytes
     write_json(out / FIGURES, result)
     print(json.dumps(result, indent=2) if json_output else report(result))
     return 0 if all(f.get("greedy", {}).get("equal_or_within_tolerance") for f in result["presets"].values()) else 1
@@ -333,6 +338,8 @@ def report(result: dict[str, Any]) -> str:
              f"machine: {json.dumps(result['machine'])}"]
     for preset, f in result["presets"].items():
         lines.append(f"\n== {preset} ==")
+        if "error" in f:
+            lines.append(f"FAILED: {f['error'].splitlines()[0]}")
         for name in ("cold", "hot"):
             launch = f.get(name)
             if launch:

@@ -45,6 +45,21 @@ def test_the_accelerator_run_works_end_to_end_on_the_cpu(tmp_path):
         assert f[name]["devices"][0]["total"] > 0
 
 
+def test_a_run_that_fails_keeps_what_it_measured_and_says_why(tmp_path):
+    """No NPU here: the cold launch fails; the figures hold the synthesis, the memory reading
+    (npu-smi absent, in one line) and the launch's own error, and the exit status is 1."""
+    out = tmp_path / "results"
+    r = subprocess.run([str(ROOT / "bench" / "accelerator.sh"), str(out), "--device", "npu", "--preset", "tiny,small"],
+                       env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
+    result = json.loads((out / "accelerator.json").read_text())
+    assert list(result["presets"]) == ["tiny"]  # the next preset would fail the same way: not tried
+    f = result["presets"]["tiny"]
+    assert f["synth_s"] > 0 and f["memory_before"]["error"] and "cold" not in f
+    assert "torch_npu" in f["error"]
+    assert "FAILED" in (out / "log.txt").read_text()
+
+
 def _row(tokens, logprobs, gaps=None):
     return {"tokens": tokens, "logprobs": logprobs, "gaps": gaps or [1.0] * len(tokens)}
 
