@@ -116,6 +116,55 @@ def test_nvml_memory_is_read_per_device(monkeypatch, cap):
     assert reading.devices[0].total == (cap or 80 * GIB) and reading.source == "nvml"
 
 
+def _four_gpus(monkeypatch):
+    class Info:
+        total, used = 80 * GIB, 2 * GIB
+
+    uuids = {f"GPU-{i}aa": i for i in range(4)}
+    fake = types.SimpleNamespace(
+        nvmlInit=lambda: None, nvmlShutdown=lambda: None, nvmlDeviceGetCount=lambda: 4,
+        nvmlDeviceGetHandleByIndex=lambda i: i, nvmlDeviceGetHandleByUUID=lambda u: uuids[u],
+        nvmlDeviceGetMemoryInfo=lambda h: Info, nvmlDeviceGetName=lambda h: f"GPU{h}",
+        nvmlDeviceGetCudaComputeCapability=lambda h: (9, h))
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+
+
+@pytest.mark.parametrize(("visible", "names"), [
+    (None, ["cuda:0 GPU0", "cuda:1 GPU1", "cuda:2 GPU2", "cuda:3 GPU3"]),
+    ("2,0", ["cuda:0 GPU2", "cuda:1 GPU0"]),  # reordered: cuda:0 is the host's third GPU
+    ("1,7,3", ["cuda:0 GPU1"]),  # CUDA stops at the first entry that names no device
+    ("3,-1,0", ["cuda:0 GPU3"]),
+    ("GPU-2aa,GPU-nope,1", ["cuda:0 GPU2"]),  # by UUID, as far as NVML knows them
+    ("", []),
+])
+def test_device_memory_and_capability_follow_cuda_visible_devices(monkeypatch, visible, names):
+    from runtime.programs import toolchain
+
+    _four_gpus(monkeypatch)
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    reading = hardware.read_memory("cuda")
+    assert [m.name for m in reading.devices] == names
+    assert bool(reading.error) == (not names)
+    toolchain._nvml_capability.cache_clear()
+    try:  # the program keys' capability is cuda:0's: the first GPU this process sees
+        assert toolchain._nvml_capability() == (f"sm_9{names[0].split('GPU')[1]}" if names else None)
+    finally:
+        toolchain._nvml_capability.cache_clear()
+
+
+def test_the_devices_a_process_sees_are_counted_as_its_runtime_counts_them(monkeypatch):
+    monkeypatch.setenv("ASCEND_RT_VISIBLE_DEVICES", "6,2,2,9")
+    assert hardware.visible("npu", 8) == ["6", "2"]  # a repeat is one device; 9 is past the last
+    assert hardware.visible("npu", 4) == []  # its first entry names no device: none after it counts
+    monkeypatch.delenv("ASCEND_RT_VISIBLE_DEVICES")
+    assert hardware.visible("npu", 3) == ["0", "1", "2"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert hardware.accelerator_count("cuda") == 0  # nothing visible, whatever /dev holds
+
+
 def test_npu_smi_rows_are_read_as_devices():
     text = ("| 0     910B3               | OK            | 93.5        45                0    / 0             |\n"
             "| 0                         | 0000:C1:00.0  | 0           0    / 0          3396 / 65536         |\n")

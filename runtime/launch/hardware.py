@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import psutil
 
 from runtime.launch.budget import Memory
-from runtime.programs.toolchain import torch_build
+from runtime.programs.toolchain import nvml_handles, torch_build, visible
 
 NVML_HINT = "install nvidia-ml-py (pip install -e '.[cuda]')"
 
@@ -39,14 +39,16 @@ _NODES = {"cuda": re.compile(r"nvidia\d+"), "npu": re.compile(r"davinci\d+")}
 
 
 def accelerator_count(kind: str) -> int:
-    """Accelerators of this host by their driver's device nodes (no device context)."""
+    """Accelerators this process may use: the driver's device nodes (no device context), as
+    far as CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES let it see them."""
     pattern = _NODES.get(kind)
     if pattern is None:
         return 0
     try:
-        return sum(bool(pattern.fullmatch(n)) for n in os.listdir("/dev"))
+        present = sum(bool(pattern.fullmatch(n)) for n in os.listdir("/dev"))
     except OSError:
         return 0
+    return len(visible(kind, present))
 
 
 @dataclass(frozen=True)
@@ -85,8 +87,7 @@ def _nvml() -> tuple[list[Memory], str, str]:
         return [], "nvml", f"NVML did not answer ({e})"
     try:
         out = []
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+        for i, h in enumerate(nvml_handles(pynvml)):
             mem = pynvml.nvmlDeviceGetMemoryInfo(h)
             name = pynvml.nvmlDeviceGetName(h)
             name = name.decode() if isinstance(name, bytes) else name

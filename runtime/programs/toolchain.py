@@ -89,9 +89,50 @@ def device_capability(device: str) -> Any:
     return UNKNOWN
 
 
+VISIBLE_ENV = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
+
+
+def visible(kind: str, present: int) -> list[str]:
+    """The devices of `kind` this process sees, in its own order (its device 0 first), out of
+    `present`: every one when the visibility variable is unset; else its entries as the device
+    runtime reads them, up to the first that names no device (an index past the last, "-1",
+    an empty entry); an entry that is not a number (a UUID) is kept as given."""
+    raw = os.environ.get(VISIBLE_ENV.get(kind, ""))
+    if raw is None:
+        return [str(i) for i in range(present)]
+    out: list[str] = []
+    for entry in (e.strip() for e in raw.split(",")):
+        if entry.isdigit() and int(entry) < present:
+            name = str(int(entry))
+        elif entry and not entry.lstrip("+-").isdigit():
+            name = entry
+        else:
+            break
+        if name not in out:
+            out.append(name)
+    return out
+
+
+def nvml_handles(pynvml) -> list:
+    """NVML's handles of the GPUs this process sees, in CUDA's order (cuda:0 first): NVML itself
+    counts every GPU of the host, whatever CUDA_VISIBLE_DEVICES hides or reorders. (CUDA's
+    default FASTEST_FIRST order is taken to be NVML's PCI order, as on a host of one model.)"""
+    handles = []
+    for entry in visible("cuda", pynvml.nvmlDeviceGetCount()):
+        if entry.isdigit():
+            handles.append(pynvml.nvmlDeviceGetHandleByIndex(int(entry)))
+            continue
+        try:
+            handles.append(pynvml.nvmlDeviceGetHandleByUUID(entry))
+        except Exception:  # an entry that names no GPU: CUDA stops there too
+            break
+    return handles
+
+
 @functools.cache
 def _nvml_capability() -> str | None:
-    """Device 0's compute capability through NVML (what torch.cuda.get_device_capability says)."""
+    """cuda:0's compute capability through NVML (what torch.cuda.get_device_capability says):
+    the first GPU this process sees, not NVML's first."""
     try:
         import pynvml
     except ImportError:
@@ -99,7 +140,10 @@ def _nvml_capability() -> str | None:
     try:
         pynvml.nvmlInit()
         try:
-            major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(pynvml.nvmlDeviceGetHandleByIndex(0))
+            handles = nvml_handles(pynvml)
+            if not handles:
+                return None
+            major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handles[0])
         finally:
             pynvml.nvmlShutdown()
     except Exception:
