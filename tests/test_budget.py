@@ -4,8 +4,11 @@ cannot be read said so — never taken for cpu."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 from console_fakes import SPEC
@@ -14,6 +17,8 @@ from console.tui.data.host import collect_device
 from runtime.launch import hardware
 from runtime.launch.budget import Memory, kv_budget, launch_kv
 from runtime.launch.device import get_device
+
+REPO = Path(__file__).resolve().parents[1]
 
 GIB = 1 << 30
 
@@ -170,3 +175,27 @@ def test_npu_smi_rows_are_read_as_devices():
             "| 0                         | 0000:C1:00.0  | 0           0    / 0          3396 / 65536         |\n")
     [npu] = hardware.parse_npu_smi(text)
     assert npu.name == "npu:0 910B3" and npu.total == 65536 << 20 and npu.used == 3396 << 20
+
+
+def test_the_compute_capability_comes_from_nvidia_smi_without_nvml_and_never_through_torch_in_the_console(
+        tmp_path):
+    """No nvidia-ml-py: `nvidia-smi` answers (cuda:0 is the GPU CUDA_VISIBLE_DEVICES names
+    first); with neither, the console's process says UNKNOWN rather than import torch."""
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.parent.mkdir()
+    smi.write_text("#!/bin/sh\nprintf '0, GPU-aaa, 8.0\\n1, GPU-bbb, 9.0\\n'\n")
+    smi.chmod(0o755)
+    script = ("import sys; sys.modules['pynvml'] = None\n"
+              "from runtime.programs import toolchain\n"
+              "toolchain.stay_torch_free()\n"
+              "print(toolchain.device_capability('cuda'), 'torch' in sys.modules)\n")
+
+    def ask(path: str, visible: str) -> str:
+        env = {**os.environ, "PATH": path, "CUDA_VISIBLE_DEVICES": visible}
+        r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, cwd=REPO)
+        assert r.returncode == 0, r.stderr
+        return r.stdout.strip()
+
+    assert ask(f"{smi.parent}:/usr/bin:/bin", "1") == "sm_90 False"
+    assert ask(f"{smi.parent}:/usr/bin:/bin", "GPU-aaa") == "sm_80 False"
+    assert ask(str(tmp_path / "nothing"), "0") == "<unknown> False"

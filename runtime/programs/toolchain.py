@@ -65,15 +65,29 @@ def torch_build() -> dict[str, str]:
     return dict(re.findall(r"^(\w+)\s*(?::[^=]*)?=\s*['\"]([^'\"]*)['\"]", text, re.MULTILINE))
 
 
+_torch_free = False
+
+
+def stay_torch_free() -> None:
+    """This process never imports torch (dsv4-console: it starts fast and opens no device
+    context): a capability only torch could read is UNKNOWN here, and the plan says so."""
+    global _torch_free
+    _torch_free = True
+
+
 def device_capability(device: str) -> Any:
     """CPU ISA flags / CUDA compute capability / NPU SoC name; UNKNOWN if undeterminable.
 
-    CUDA's comes from NVML when nvidia-ml-py is installed (the `cuda` extra), so a process
-    without torch (the console's plan) computes the same keys as the launch; torch otherwise."""
+    CUDA's comes without torch (NVML when nvidia-ml-py is installed, the `cuda` extra; else
+    `nvidia-smi`, which every driver ships), so a process without torch (the console's plan)
+    computes the same keys as the launch. Only where neither answers is torch asked, and never
+    in a process that said it stays torch-free (`stay_torch_free`: the console)."""
     if device == "cpu":
         return {"machine": platform.machine(), "flags": _cpu_flags()}
-    if device == "cuda" and (capability := _nvml_capability()) is not None:
+    if device == "cuda" and (capability := _nvml_capability() or _smi_capability()) is not None:
         return capability
+    if _torch_free:
+        return UNKNOWN
     try:
         import torch
 
@@ -148,6 +162,27 @@ def _nvml_capability() -> str | None:
             pynvml.nvmlShutdown()
     except Exception:
         return None
+    return f"sm_{major}{minor}"
+
+
+@functools.cache
+def _smi_capability() -> str | None:
+    """cuda:0's compute capability as `nvidia-smi` reports it (NVML's order, mapped through
+    CUDA_VISIBLE_DEVICES like `nvml_handles`)."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=index,uuid,compute_cap", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    rows = [[c.strip() for c in line.split(",")] for line in out.stdout.splitlines() if line.count(",") == 2]
+    by_name = {**{r[0]: r[2] for r in rows}, **{r[1]: r[2] for r in rows}}
+    seen = visible("cuda", len(rows))
+    cap = by_name.get(seen[0]) if out.returncode == 0 and seen else None
+    if not cap or not re.fullmatch(r"\d+\.\d+", cap):
+        return None
+    major, minor = cap.split(".")
     return f"sm_{major}{minor}"
 
 
