@@ -177,7 +177,7 @@ def test_npu_smi_rows_are_read_as_devices():
     assert npu.name == "npu:0 910B3" and npu.total == 65536 << 20 and npu.used == 3396 << 20
 
 
-def test_the_compute_capability_comes_from_nvidia_smi_without_nvml_and_never_through_torch_in_the_console(
+def test_capability_comes_from_nvidia_smi_or_npu_smi_without_torch_and_never_through_torch_in_the_console(
         tmp_path):
     """No nvidia-ml-py: `nvidia-smi` answers (cuda:0 is the GPU CUDA_VISIBLE_DEVICES names
     first); with neither, the console's process says UNKNOWN rather than import torch."""
@@ -185,17 +185,23 @@ def test_the_compute_capability_comes_from_nvidia_smi_without_nvml_and_never_thr
     smi.parent.mkdir()
     smi.write_text("#!/bin/sh\nprintf '0, GPU-aaa, 8.0\\n1, GPU-bbb, 9.0\\n'\n")
     smi.chmod(0o755)
-    script = ("import sys; sys.modules['pynvml'] = None\n"
-              "from runtime.programs import toolchain\n"
-              "toolchain.stay_torch_free()\n"
-              "print(toolchain.device_capability('cuda'), 'torch' in sys.modules)\n")
+    (tmp_path / "bin" / "npu-smi").write_text(
+        "#!/bin/sh\nprintf '| 0     910B3     | OK  | 93.5  45  0 / 0 |\\n| 0           | 0000:C1:00.0 | 0 0 / 0 3396 / 65536 |\\n"
+        "| 1     910B4     | OK  | 93.5  45  0 / 0 |\\n| 0           | 0000:C2:00.0 | 0 0 / 0 3396 / 65536 |\\n'\n")
+    (tmp_path / "bin" / "npu-smi").chmod(0o755)
 
-    def ask(path: str, visible: str) -> str:
-        env = {**os.environ, "PATH": path, "CUDA_VISIBLE_DEVICES": visible}
+    def ask(path: str, kind: str, visible: str) -> str:
+        script = ("import sys; sys.modules['pynvml'] = None\n"
+                  "from runtime.programs import toolchain\n"
+                  "toolchain.stay_torch_free()\n"
+                  f"print(toolchain.device_capability({kind!r}), 'torch' in sys.modules)\n")
+        env = {**os.environ, "PATH": path, "CUDA_VISIBLE_DEVICES": visible, "ASCEND_RT_VISIBLE_DEVICES": visible}
         r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, cwd=REPO)
         assert r.returncode == 0, r.stderr
         return r.stdout.strip()
 
-    assert ask(f"{smi.parent}:/usr/bin:/bin", "1") == "sm_90 False"
-    assert ask(f"{smi.parent}:/usr/bin:/bin", "GPU-aaa") == "sm_80 False"
-    assert ask(str(tmp_path / "nothing"), "0") == "<unknown> False"
+    assert ask(f"{smi.parent}:/usr/bin:/bin", "cuda", "1") == "sm_90 False"
+    assert ask(f"{smi.parent}:/usr/bin:/bin", "cuda", "GPU-aaa") == "sm_80 False"
+    assert ask(f"{smi.parent}:/usr/bin:/bin", "npu", "1") == "910B4 False"
+    assert ask(str(tmp_path / "nothing"), "cuda", "0") == "<unknown> False"
+    assert ask(str(tmp_path / "nothing"), "npu", "0") == "<unknown> False"

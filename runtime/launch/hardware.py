@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import psutil
 
 from runtime.launch.budget import Memory
-from runtime.programs.toolchain import nvml_handles, torch_build, visible
+from runtime.programs.toolchain import NPU_ROW, nvml_handles, torch_build, visible
 
 NVML_HINT = "install nvidia-ml-py (pip install -e '.[cuda]')"
 
@@ -101,7 +101,6 @@ def _nvml() -> tuple[list[Memory], str, str]:
 
 
 # `npu-smi info` prints, per NPU, a row whose HBM column reads "used / total" in MB.
-_NPU_ROW = re.compile(r"^\|\s*(\d+)\s+(\S+)\s*\|")
 _NPU_HBM = re.compile(r"(\d+)\s*/\s*(\d+)\s*\|?\s*$")
 
 
@@ -116,7 +115,7 @@ def _npu_smi() -> tuple[list[Memory], str, str]:
 def parse_npu_smi(text: str) -> list[Memory]:
     out, current = [], None
     for line in text.splitlines():
-        m = _NPU_ROW.match(line)
+        m = NPU_ROW.match(line)
         if m:
             current = f"npu:{m.group(1)} {m.group(2)}"
             continue

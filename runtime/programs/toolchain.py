@@ -79,13 +79,15 @@ def device_capability(device: str) -> Any:
     """CPU ISA flags / CUDA compute capability / NPU SoC name; UNKNOWN if undeterminable.
 
     CUDA's comes without torch (NVML when nvidia-ml-py is installed, the `cuda` extra; else
-    `nvidia-smi`, which every driver ships), so a process without torch (the console's plan)
-    computes the same keys as the launch. Only where neither answers is torch asked, and never
+    `nvidia-smi`, which every driver ships), an NPU's from `npu-smi` (its chip name), so a
+    process without torch (the console's plan) computes the same keys as the launch. Only where neither answers is torch asked, and never
     in a process that said it stays torch-free (`stay_torch_free`: the console)."""
     if device == "cpu":
         return {"machine": platform.machine(), "flags": _cpu_flags()}
     if device == "cuda" and (capability := _nvml_capability() or _smi_capability()) is not None:
         return capability
+    if device == "npu" and (chip := _npu_chip()) is not None:
+        return chip
     if _torch_free:
         return UNKNOWN
     try:
@@ -184,6 +186,24 @@ def _smi_capability() -> str | None:
         return None
     major, minor = cap.split(".")
     return f"sm_{major}{minor}"
+
+
+# `npu-smi info`: each NPU's first row, "| 0     910B3    | OK | …": its id and chip name
+NPU_ROW = re.compile(r"^\|\s*(\d+)\s+(\S+)\s*\|")
+
+
+@functools.cache
+def _npu_chip() -> str | None:
+    """The chip name `npu-smi info` gives the first NPU this process sees."""
+    if not shutil.which("npu-smi"):
+        return None
+    try:
+        text = subprocess.run(["npu-smi", "info"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    chips = dict(m.groups() for line in text.splitlines() if (m := NPU_ROW.match(line)))
+    seen = visible("npu", len(chips))
+    return chips.get(seen[0]) if seen else None
 
 
 @functools.cache
