@@ -5,7 +5,7 @@
 #
 #   bench/accelerator_wheels.sh DIR [PYTHON_VERSION]
 #
-# The host's own torch, numpy, safetensors, tokenizers, psutil, xxhash, filelock, httpx,
+# The host's own torch, numpy, safetensors, tokenizers, psutil, xxhash, filelock, httpx, h11, click,
 # prometheus-client and nvidia-ml-py are used as they are: none of them is downloaded.
 set -euo pipefail
 dir=${1:?usage: bench/accelerator_wheels.sh DIR [PYTHON_VERSION]}
@@ -13,7 +13,7 @@ pyver=${2:-3.12}
 python=${PYTHON:-python3}
 packages=(textual rich markdown-it-py mdit-py-plugins linkify-it-py platformdirs
           fastapi starlette pydantic pydantic_core annotated-types typing-inspection typing_extensions
-          opentelemetry-api uvicorn watchfiles shtab)
+          opentelemetry-api anyio uvicorn watchfiles shtab)
 pinned=()
 for p in "${packages[@]}"; do
     version=$("$python" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$p") || {
