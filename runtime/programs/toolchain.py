@@ -80,8 +80,9 @@ def device_capability(device: str) -> Any:
 
     CUDA's comes without torch (NVML when nvidia-ml-py is installed, the `cuda` extra; else
     `nvidia-smi`, which every driver ships), an NPU's from `npu-smi` (its chip name), so a
-    process without torch (the console's plan) computes the same keys as the launch. Only where neither answers is torch asked, and never
-    in a process that said it stays torch-free (`stay_torch_free`: the console)."""
+    process without torch (the console's plan) computes the same keys as the launch. Only
+    where none answers is torch asked, and never in a process that said it stays torch-free
+    (`stay_torch_free`: the console)."""
     if device == "cpu":
         return {"machine": platform.machine(), "flags": _cpu_flags()}
     if device == "cuda" and (capability := _nvml_capability() or _smi_capability()) is not None:

@@ -17,7 +17,7 @@ every row's logits back.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -53,14 +53,11 @@ class _Rows:
     starts: torch.Tensor
     mode: str
     picked: torch.Tensor | None = None  # which of the step's rows these are (None: all of them)
-    host_positions: tuple[int, ...] = ()  # `positions` and the first local slot, as the host
-    first_slot: int = 0  # knows them: cache writes index by these, never reading the device back
-
-    def completing(self, ratio: int) -> torch.Tensor | None:
-        """Rows whose position completes a window of `ratio` (None: none does), as an index on
-        the rows' device: a boolean mask there would make every layer wait for the device."""
-        done = [i for i, p in enumerate(self.host_positions) if (p + 1) % ratio == 0]
-        return torch.tensor(done, dtype=torch.int64, device=self.positions.device) if done else None
+    # Cache writes index by what the host knows, made with the step's other indices: a boolean
+    # mask or int() of a device tensor in a layer would make every layer wait for the device.
+    first_slot: int = 0  # the first row's local slot (a prefill's one)
+    completing: dict[int, torch.Tensor | None] = field(default_factory=dict)  # ratio → rows whose
+    # position completes a window of that ratio (None: none does)
 
     def of(self, t: torch.Tensor) -> torch.Tensor:
         """These rows of a tensor holding every row of the step."""
@@ -188,8 +185,12 @@ class Engine:
         as_tensor = lambda v: torch.tensor(v, dtype=torch.int64, device=self.device)  # noqa: E731
         some = as_tensor(picked) if len(picked) < offset else None
         tokens = tokens.to(self.device, torch.int64)
+        completing = {}
+        for ratio in {v.ratio for v in self.p.variants.values() if v.ratio > 0}:  # compressed layers
+            done = [i for i, p in enumerate(positions) if (p + 1) % ratio == 0]
+            completing[ratio] = as_tensor(done) if done else None
         return _Rows(tokens if some is None else tokens[some], as_tensor(positions), as_tensor(slots),
-                     as_tensor(starts), PREFILL if prefill else DECODE, some, tuple(positions), slots[0])
+                     as_tensor(starts), PREFILL if prefill else DECODE, some, slots[0], completing)
 
     def _layer(self, group: str, x: torch.Tensor | None, r: _Rows | None) -> torch.Tensor | None:
         """One block over this rank's rows (`r`; None: it has none, and only serves its experts)."""
@@ -221,7 +222,7 @@ class Engine:
                 cache.index_put_((r.slots, r.positions), new.to(cache.dtype))
             elif prefill:  # the slot's every window, recomputed from its rows
                 cache[r.first_slot].copy_(new)
-            elif (done := r.completing(v.ratio)) is not None:  # only they carry a finished entry
+            elif (done := r.completing[v.ratio]) is not None:  # only they carry a finished entry
                 cache.index_put_((r.slots[done], r.positions[done] // v.ratio), new[done].to(cache.dtype))
         return out[0]
 
