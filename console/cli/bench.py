@@ -133,12 +133,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "(programs HIT, sidecar MAP) and beside it the device's memory, `dsv4-console --once --json`'s Device "
         "pane against the runtime's figures, greedy completions against the cpu eager reference (equal, or "
         "log-probabilities within a stated tolerance with the first divergent position), and decode tokens/s "
-        "under concurrent requests. Every figure goes into OUT/accelerator.json. Exits 1 when the greedy "
-        "tokens disagree beyond the tolerance.",
+        "under concurrent requests. Every figure goes into OUT/accelerator.json, rewritten after each step. "
+        "Exits 1 when a step fails (its error is among the figures) or the greedy tokens disagree beyond the "
+        "tolerance.",
     )
     from bench.accelerator_bench import GREEDY_TOKENS, LOADS  # light: torch runs in child processes
 
-    acc.add_argument("--out", type=Path, required=True, help="results directory (accelerator.json, work files)")
+    acc.add_argument("--out", type=Path, required=True,
+                     help="results directory: accelerator.json (and the work files, unless --work)")
     acc.add_argument("--work", type=Path, default=None,
                      help="checkpoints, kernel caches and service logs (default OUT/work; each preset's is "
                      "replaced on a rerun)")
