@@ -50,6 +50,7 @@ PROMPTS = ([0, 17, 42, 99, 3, 250, 7], [5] * 12, [400, 401, 402, 403, 404, 300, 
 # and reduction orders (the cpu export programs agree with eager to 2e-3 in tests/test_logprobs.py)
 TOLERANCE = 2e-2
 MESSAGES = 100  # log and error lines kept per launch
+MARK = ".dsv4-bench-accelerator"  # in each preset's work directory: only such a directory is replaced
 
 
 def main(device: str, presets: Sequence[str], out: Path, backend: str = "aoti", loads: Sequence[int] = LOADS,
@@ -82,9 +83,12 @@ def run_preset(preset: str, kind: str, backend: str, work: Path, loads: Sequence
                figures: dict[str, Any], save: Callable[[], None], say: Callable[[str], None]) -> None:
     from runtime.launch.hardware import read_memory
 
-    if work.exists():  # the bench's own directory from an earlier run: cold means cold
+    if work.is_symlink() or (work.exists() and not (work / MARK).is_file()):
+        raise RuntimeError(f"{work} exists and is not this bench's own work directory; choose another --work")
+    if work.exists():  # the bench's own, from an earlier run: cold means cold
         shutil.rmtree(work)
     work.mkdir(parents=True)
+    (work / MARK).write_text("made by dsv4 bench accelerator: replaced on its next run\n")
     model, cache = work / "model", work / "kernel-cache"
     say(f"{preset}: synthesising")
     figures["synth_s"] = timed(_dsv4, "synth", "--preset", preset, str(model))

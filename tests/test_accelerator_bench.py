@@ -60,6 +60,18 @@ def test_a_run_that_fails_keeps_what_it_measured_and_says_why(tmp_path):
     assert "FAILED" in (out / "log.txt").read_text()
 
 
+def test_a_work_directory_it_did_not_make_is_never_replaced(tmp_path):
+    theirs = tmp_path / "work" / "tiny"
+    theirs.mkdir(parents=True)
+    (theirs / "keep.txt").write_text("someone's")
+    r = subprocess.run([str(ROOT / "bench" / "accelerator.sh"), str(tmp_path / "out"), "--device", "cpu",
+                        "--preset", "tiny", "--work", str(tmp_path / "work")],
+                       env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and (theirs / "keep.txt").read_text() == "someone's"
+    error = json.loads((tmp_path / "out" / "accelerator.json").read_text())["presets"]["tiny"]["error"]
+    assert "is not this bench's own work directory" in error
+
+
 def _row(tokens, logprobs, gaps=None):
     return {"tokens": tokens, "logprobs": logprobs, "gaps": gaps or [1.0] * len(tokens)}
 
