@@ -81,10 +81,7 @@ class Dsv4Console(JobActions, ServiceActions, App):
         """`spec`: what the console was started with (its model and kernel cache dir resolved):
         every action it starts carries it (`w` compiles for it, `l` launches it, `p` packs for its
         ranks, `x` purges by its plan)."""
-        from runtime.programs.toolchain import stay_torch_free
-
         super().__init__()
-        stay_torch_free()
         self.spec = spec
         self.collectors = collectors or Collectors(spec)
         self.readonly, self.interval, self.watch_files = readonly, interval, watch

@@ -58,9 +58,6 @@ def _bad(message: str, code: int = 2) -> int:
 
 
 def run(argv: list[str] | None, app_class) -> int:
-    from runtime.programs.toolchain import stay_torch_free
-
-    stay_torch_free()  # the plan reads program keys: never through torch, never opening a device
     args = build_parser().parse_args(argv)
     if args.interval < 0.1:
         return _bad("--interval must be at least 0.1 s")

@@ -200,7 +200,9 @@ class Collectors:
 
     def __init__(self, spec: LaunchSpec):
         from runtime.launch.hardware import resolve_device
+        from runtime.programs.toolchain import stay_torch_free
 
+        stay_torch_free()  # the plan reads program keys: never through torch, never opening a device
         self.spec = spec
         self.device_kind = resolve_device(spec.device)
         self.host = HostCollector()
