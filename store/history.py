@@ -2,6 +2,11 @@
 
 Appended with O_APPEND in one write, so concurrent launches never interleave; read without
 blocking on a special file, skipping lines that do not parse (a crash mid-line loses one line).
+
+A launch is one record however many lines speak of it: lines with the same `launch` (the
+service's identity, `store.services.ServiceId.key`) merge in order, a later line's outcome and
+end replacing an earlier one's (the service recorded "ok" when it served; its launcher, or the
+console whose child it was, records later that it was killed).
 """
 
 from __future__ import annotations
@@ -47,10 +52,28 @@ def read_history(limit: int | None = None) -> list[dict[str, Any]]:
         data = os.pread(fd, st.st_size - start, start)
     finally:
         os.close(fd)
-    out = []
+    out: list[dict[str, Any]] = []
+    by_launch: dict[str, dict[str, Any]] = {}
     for line in data.decode(errors="replace").splitlines():
         with contextlib.suppress(ValueError):
             record = json.loads(line)
-            if isinstance(record, dict):
-                out.append(record)
+            if not isinstance(record, dict):
+                continue
+            key = record.get("launch")
+            if isinstance(key, str) and key in by_launch:
+                merge(by_launch[key], record)
+                continue
+            if isinstance(key, str):
+                by_launch[key] = record
+            out.append(record)
     return out[-limit:] if limit else out
+
+
+def merge(base: dict[str, Any], later: dict[str, Any]) -> None:
+    """A later line about the same launch into its record: its words win, except that phases
+    the record has keep their seconds (a launcher's line knows none) and the start stays."""
+    phases = {**(later.get("phases") or {}), **(base.get("phases") or {})}
+    predicted = base.get("predicted") or later.get("predicted") or {}
+    started = base.get("started", later.get("started"))
+    base.update({k: v for k, v in later.items() if v not in (None, "", {})})
+    base.update(phases=phases, predicted=predicted, started=started)

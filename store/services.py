@@ -1,10 +1,17 @@
-"""The runtime registry of running `dsv4 serve` processes: one small JSON file per service
-under `<state dir>/services/`, written by the service itself, so any console (or script) of
-this user sees every service on the host, whoever started it.
+"""The runtime registry of `dsv4 serve` processes: one small JSON file per service under
+`<state dir>/services/`, written by the service itself, so any console (or script) of this user
+sees every service on the host, whoever started it.
 
-A record is trusted only while its process is the one that wrote it: the pid must be alive
-with the same start time and command line. A pid reused by another process fails that check,
-is never reported and never signalled, and its stale record is removed.
+A service is one identity (`ServiceId`: host, the launcher's pid and start time) whatever its
+rank count: the launcher of `--ranks N` announces it and rank 0 fills in its URL. A record is
+trusted only while its process is the one that wrote it: the pid must be alive with the same
+start time and command line; a pid reused by another process is never reported as that service
+and never signalled.
+
+A service that ends is not forgotten: its record keeps how it ended (`Ending`: exit status or
+signal, its phase, its error line), written by whoever knew — the service itself, its launcher,
+the console whose child it was, or, when nobody could (a SIGKILL of a process nobody waited
+for), the registry's own "gone" — until the operator dismisses it.
 """
 
 from __future__ import annotations
@@ -14,9 +21,10 @@ import json
 import os
 import re
 import signal
+import socket
 import stat
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +32,16 @@ import psutil
 
 from store import atomic, paths
 
-VERSION = 1
+VERSION = 2  # 2: host, launch settings, rank logs and the ending; a v1 record still reads
 RECORD = re.compile(r"^(\d+)\.json$")
 MAX_RECORD_BYTES = 64 << 10  # a record is a few hundred bytes; anything larger is not ours
-REGISTERING, SERVING = "registering", "serving"
+REGISTERING, SERVING, ENDED = "registering", "serving", "ended"
 _START_TOLERANCE = 0.05  # psutil's create_time is rounded to clock ticks (10 ms)
+KEEP_ENDED = 20  # ended records kept (newest first) until dismissed; older ones go
+ID_ENV = "DSV4_SERVICE_ID"  # the launcher's identity, handed to its ranks (they are that service)
+# who recorded an ending, weakest first: a stronger witness replaces a weaker one's words (the
+# launcher saw a rank die, which rank 0 only hears of)
+WITNESSES = ("registry", "console", "service", "launcher")
 
 
 def registry_dir() -> Path:
@@ -42,6 +55,71 @@ def output_paths(stamp: str) -> tuple[Path, Path]:
     return base / f"serve-{stamp}.log", base / f"serve-{stamp}.events.jsonl"
 
 
+def _create_time(pid: int) -> float | None:
+    try:
+        return psutil.Process(pid).create_time()
+    except (psutil.Error, OSError):
+        return None
+
+
+@dataclass(frozen=True)
+class ServiceId:
+    """Which service: the host, and the pid and start time of its launcher (a single process:
+    its own). The same in the registry, /health, the launch history and every console line."""
+
+    host: str
+    pid: int
+    started: float
+
+    @property
+    def key(self) -> str:
+        return f"{self.host}/{self.pid}/{self.started:.2f}"
+
+    def to_env(self) -> dict[str, str]:
+        return {ID_ENV: json.dumps(asdict(self))}
+
+    @classmethod
+    def of_process(cls, pid: int) -> ServiceId:
+        return cls(socket.gethostname(), pid, round(_create_time(pid) or 0.0, 2))
+
+    @classmethod
+    def of_this_process(cls) -> ServiceId:
+        """The service this process is (one of the ranks of): its launcher's identity when one
+        handed it down, else this process's own."""
+        with contextlib.suppress(KeyError, ValueError, TypeError):
+            raw = json.loads(os.environ[ID_ENV])
+            return cls(str(raw["host"]), int(raw["pid"]), float(raw["started"]))
+        return cls.of_process(os.getpid())
+
+
+def how(code: int) -> str:
+    """An exit status in words, as a shell would say it (negative: the signal that killed it)."""
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-code).name}"
+        return f"killed by signal {-code}"
+    return "stopped" if code == 0 else f"exited {code}"
+
+
+@dataclass(frozen=True)
+class Ending:
+    """How a service ended: `how` ("killed by SIGKILL", "exited 1", "stopped by SIGTERM", "gone"),
+    the phase it was in, its error line, and who recorded it."""
+
+    at: float
+    how: str
+    phase: str = ""
+    error: str = ""
+    by: str = "service"
+
+    def line(self, now: float | None = None) -> str:
+        """`killed by SIGKILL 12 s ago during serve: <error>`."""
+        ago = max(0.0, (now or time.time()) - self.at)
+        when = f"{ago:.0f} s ago" if ago < 120 else f"{ago / 60:.0f} min ago" if ago < 7200 else f"{ago / 3600:.0f} h ago"
+        text = f"{self.how} {when}" + (f" during {self.phase}" if self.phase else "")
+        return text + (f": {self.error}" if self.error else "")
+
+
 @dataclass(frozen=True)
 class Service:
     pid: int
@@ -53,7 +131,22 @@ class Service:
     log: str = ""
     events: str = ""
     started: float = field(default_factory=time.time)
+    host: str = field(default_factory=socket.gethostname)
+    backend: str = ""
+    device: str = ""
+    max_seq: int | None = None
+    ranks: int = 1
+    rank_logs: tuple[str, ...] = ()  # rank r's own log (the launcher of several ranks keeps them apart)
+    ending: Ending | None = None
     v: int = VERSION
+
+    @property
+    def identity(self) -> ServiceId:
+        return ServiceId(self.host, self.pid, round(self.create_time, 2))
+
+    @property
+    def ended(self) -> bool:
+        return self.ending is not None
 
     @property
     def from_console(self) -> bool:
@@ -61,7 +154,15 @@ class Service:
         return bool(self.events) and Path(self.events).parent == registry_dir() / "output"
 
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "cmdline": list(self.cmdline)}
+        return {**asdict(self), "cmdline": list(self.cmdline), "rank_logs": list(self.rank_logs),
+                "ending": asdict(self.ending) if self.ending else None}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> Service:
+        known = {k: raw[k] for k in cls.__dataclass_fields__ if k in raw}
+        ending = raw.get("ending")
+        return cls(**{**known, "cmdline": tuple(raw["cmdline"]), "rank_logs": tuple(raw.get("rank_logs") or ()),
+                      "ending": Ending(**ending) if isinstance(ending, dict) else None, "v": VERSION})
 
 
 def _identity(pid: int) -> tuple[float, tuple[str, ...]] | None:
@@ -74,6 +175,8 @@ def _identity(pid: int) -> tuple[float, tuple[str, ...]] | None:
 
 def is_current(service: Service) -> bool:
     """The pid still runs the process that registered (same start time and command line)."""
+    if service.host != socket.gethostname():
+        return False  # another host's pid says nothing here
     found = _identity(service.pid)
     return (found is not None and abs(found[0] - service.create_time) <= _START_TOLERANCE
             and found[1] == service.cmdline)
@@ -87,28 +190,70 @@ def _stdout_file() -> str:
     return ""
 
 
-class Announcement:
-    """A running service's own record: written at start, updated when it serves, removed on exit."""
+def _path(pid: int) -> Path:
+    return registry_dir() / f"{pid}.json"
 
-    def __init__(self, model: str, events: str = ""):
+
+def _write(service: Service) -> None:
+    path = _path(service.pid)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic.write_bytes_atomic(path, json.dumps(service.to_json()).encode())
+
+
+class Announcement:
+    """A running service's own record: written at start, updated when it serves, and at its end
+    turned into how it ended. Rank 0 under the project's launcher adopts the launcher's record
+    (the service is the launcher's identity) instead of writing one of its own."""
+
+    def __init__(self, model: str, events: str = "", **settings: Any):
         me = psutil.Process()
         self.service = Service(os.getpid(), me.create_time(), tuple(me.cmdline()), model,
-                               log=_stdout_file(), events=events)
-        self.path = registry_dir() / f"{self.service.pid}.json"
+                               log=_stdout_file(), events=events, **settings)
         self._write()
+
+    @classmethod
+    def adopt(cls, identity: ServiceId) -> Announcement | None:
+        """The launcher's record of `identity`, to update as rank 0 (None: there is none)."""
+        found = _read(_path(identity.pid))
+        if found is None or found.identity != identity:
+            return None
+        self = cls.__new__(cls)
+        self.service = found
+        return self
 
     def _write(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        atomic.write_bytes_atomic(self.path, json.dumps(self.service.to_json()).encode())
+        _write(self.service)
 
-    def serving(self, url: str) -> None:
-        self.service = Service(**{**self.service.to_json(), "cmdline": self.service.cmdline,
-                                  "state": SERVING, "url": url})
+    def update(self, **changes: Any) -> None:
+        self.service = replace(self.service, **changes)
         self._write()
 
+    def serving(self, url: str) -> None:
+        self.update(state=SERVING, url=url)
+
+    def end(self, how_: str, phase: str = "", error: str = "", by: str = "service") -> None:
+        """Record how this service ended (see `end`)."""
+        end(self.service, how_, phase, error, by)
+
     def withdraw(self) -> None:
+        """Gone without a word to say (a stop the operator asked for): the record goes."""
         with contextlib.suppress(OSError):
-            self.path.unlink()
+            _path(self.service.pid).unlink()
+
+
+def end(service: Service, how_: str, phase: str = "", error: str = "", by: str = "service") -> Service:
+    """Record how `service` ended, unless a better witness already did (its launcher's words on a
+    dead rank beat the service's own, which beat a console's, which beat the registry's "gone")."""
+    current = _read(_path(service.pid))
+    if current is not None and current.identity != service.identity:
+        return service  # the pid's record is another service's now
+    base = current or service
+    if base.ending is not None and WITNESSES.index(base.ending.by) >= WITNESSES.index(by):
+        return base
+    ended = replace(base, state=ENDED, ending=Ending(round(time.time(), 3), how_, phase, error[:500], by))
+    with contextlib.suppress(OSError):
+        _write(ended)
+    return ended
 
 
 def _read(path: Path) -> Service | None:
@@ -121,35 +266,65 @@ def _read(path: Path) -> Service | None:
         if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_RECORD_BYTES:
             return None
         raw = json.loads(os.read(fd, MAX_RECORD_BYTES))
-        if not isinstance(raw, dict) or raw.get("v") != VERSION:
+        if not isinstance(raw, dict) or raw.get("v") not in (1, VERSION):
             return None
-        return Service(**{**raw, "cmdline": tuple(raw["cmdline"])})
+        return Service.from_json(raw)
     except (OSError, ValueError, TypeError, KeyError):
         return None
     finally:
         os.close(fd)
 
 
-def running() -> list[Service]:
-    """Every registered service whose process is still the one that registered, oldest first.
-    Records of dead or reused pids are removed (only files the registry's naming produced)."""
+def services() -> list[Service]:
+    """Every service of this host the registry knows: the running ones (whose process is still
+    the one that registered), oldest first, then the ended ones, newest first. A record whose
+    process is gone without an ending becomes an ended one ("gone"); only files the registry's
+    naming produced are touched, and ended records past the newest KEEP_ENDED are removed."""
     root = registry_dir()
     try:
         names = os.listdir(root)
     except OSError:
         return []
-    out = []
+    live, ended = [], []
     for name in names:
         m = RECORD.match(name)
         if not m:
             continue
         service = _read(root / name)
-        if service is not None and service.pid == int(m.group(1)) and is_current(service):
-            out.append(service)
-        else:
+        if service is None or service.pid != int(m.group(1)):
             with contextlib.suppress(OSError):
                 (root / name).unlink()
-    return sorted(out, key=lambda s: s.create_time)
+        elif service.ended:
+            ended.append(service)
+        elif is_current(service):
+            live.append(service)
+        elif service.host == socket.gethostname():
+            ended.append(end(service, "gone", service.state, "no exit status was recorded (killed, or the host "
+                                                               "restarted)", by="registry"))
+    ended.sort(key=lambda s: s.ending.at if s.ending else 0, reverse=True)
+    for old in ended[KEEP_ENDED:]:
+        dismiss(old)
+    return sorted(live, key=lambda s: s.create_time) + ended[:KEEP_ENDED]
+
+
+def running() -> list[Service]:
+    """The services whose process still runs, oldest first."""
+    return [s for s in services() if not s.ended]
+
+
+def find(pid: int) -> Service | None:
+    """The record of `pid`, ended or not (None: none)."""
+    return _read(_path(pid))
+
+
+def dismiss(service: Service) -> bool:
+    """Forget an ended service (the operator saw it): its record goes; a live one stays."""
+    current = _read(_path(service.pid))
+    if current is None or current.identity != service.identity or not current.ended:
+        return False
+    with contextlib.suppress(OSError):
+        _path(service.pid).unlink()
+    return True
 
 
 def send(service: Service, sig: int = signal.SIGTERM) -> bool:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from console.tui.data.cache import CacheSnapshot
-from console.tui.data.collectors import (
+from console.data.cache import CacheSnapshot
+from console.data.collectors import (
     DeviceSnapshot,
     HostSnapshot,
     ProgramsSnapshot,
@@ -13,9 +13,11 @@ from console.tui.data.collectors import (
     SidecarsSnapshot,
     Snapshot,
 )
-from console.tui.data.services import ServicesSnapshot
+from console.data.services import ServicesSnapshot, ServiceView, Serving
 from runtime.launch.budget import Memory, launch_kv
 from runtime.launch.spec import LaunchSpec
+from runtime.serve.contract import Health, RankHealth
+from store.services import Service
 
 NOW = 1_800_000_000.0
 SPEC = LaunchSpec(Path("/models/tiny"), kernel_cache_dir=Path("/cache"), device="cpu", backend="eager", max_seq=64)
@@ -79,12 +81,16 @@ def snapshot(*, starving: bool = False) -> Snapshot:
         "kv": f"{device.slots} slots of 1.0 MiB" if device.slots else f"FAIL: {device.budgets[0]['problem']}"},
         "the plan of the next launch (runtime.launch.plan)", None,
         {"check": 0.05, "programs": 0.4, "weights": 0.2, "upload": 0.01, "kv": 0.01, "validate": 0.3})
-    services = ServicesSnapshot(({
-        "pid": 4242, "create_time": NOW - 3725, "cmdline": ["python", "-m", "console.cli", "serve", "/models/tiny"],
-        "model": "/models/tiny", "state": "serving", "url": "http://127.0.0.1:8000", "started": NOW - 3720,
-        "log": "/state/services/output/serve-1.log", "events": "/state/services/output/serve-1.events.jsonl",
-        "v": 1, "from_console": True, "health": "ok",
-        "engine": {"steps": 812, "mean_batch": 12.4, "acceptance": 0.61}},))
+    services = ServicesSnapshot((ServiceView(
+        Service(4242, NOW - 3725, ("python", "-m", "console.cli", "serve", "/models/tiny"), "/models/tiny",
+                "serving", "http://127.0.0.1:8000", "/state/services/output/serve-1.log",
+                "/state/services/output/serve-1.events.jsonl", NOW - 3720, host="host-a", backend="export",
+                max_seq=64),
+        "ok", Health("ok", "/models/tiny", "tiny", 32, 20, 1, 12, 64, backend="export", device="cpu", host="host-a",
+                     pid=4242, engine={"steps": 812, "mean_batch": 12.4, "acceptance": 0.61},
+                     ranks=(RankHealth(0, 32, 20, 12, "host-a", 4242, "cpu", "serve"),)),
+        serving=Serving(60.0, 3.5, 182.4, 0.031, 0.12, 0.019, 0.044, 12, 1, 12, 32, 2, 0, 1, 52000,
+                        {"tokens_s": (150.0, 170.0, 182.4)})),),)
     plan = {"model": "/models/tiny", "programs": list(programs.entries), "sidecar": sidecars.sidecars[0],
             "kv": {"slots": device.slots, "fits": device.fits, "slot_bytes": 1 << 20, "max_slots": 32},
             "predicted": registration.predicted, "problems": [],

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from console_fakes import SPEC
 
-from console.tui.data.host import collect_device
+from console.data.host import collect_device
 from runtime.launch import hardware
 from runtime.launch.budget import Memory, kv_budget, launch_kv
 from runtime.launch.device import get_device

@@ -14,9 +14,9 @@ import pytest
 from console_fakes import SPEC, FakeCollectors, fake_app, record, snapshot
 from textual.widgets import DataTable
 
+from console.data.collectors import collect_device, default_model_dir, predict
+from console.data.launch_state import DONE, LaunchState
 from console.tui.app import MUTATING, Dsv4Console
-from console.tui.data.collectors import collect_device, default_model_dir, predict
-from console.tui.data.launch_state import DONE, LaunchState
 from console.tui.screens.confirm import ConfirmScreen
 from runtime.events import PHASES, Event
 
@@ -107,7 +107,7 @@ def test_once_json_prints_every_pane(tmp_path, tiny_ckpt_ro):
                           "--kernel-cache-dir", str(tmp_path / "programs"), "--device", "cpu"],
                          cwd=REPO, capture_output=True, text=True, timeout=60, check=True)
     data = json.loads(out.stdout)
-    assert data["v"] == 3
+    assert data["v"] == 4 and data["host_name"] == "local"
     assert set(data) >= {"settings", "plan", "programs", "cache", "sidecars", "services", "host", "device",
                          "registration"}
     assert data["sidecars"]["sidecars"][0]["next_launch"] == "REPACK (missing)"
@@ -127,7 +127,7 @@ def test_console_never_imports_torch(tmp_path, tiny_ckpt_ro):
         import asyncio, sys
         from pathlib import Path
         from console.tui.app import Dsv4Console
-        from console.tui.data.collectors import console_spec
+        from console.data.collectors import console_spec
 
         async def main():
             app = Dsv4Console(console_spec({str(tiny_ckpt_ro)!r}, {str(tmp_path / "programs")!r}), interval=0.2)
@@ -154,8 +154,9 @@ def test_console_never_imports_torch(tmp_path, tiny_ckpt_ro):
 @pytest.mark.asyncio
 async def test_launching_a_model_that_is_already_served_asks_first(tiny_ckpt_ro):
     snap = snapshot()
-    row = {**snap.services.services[0], "model": str(tiny_ckpt_ro), "from_console": False}
-    snap = dataclasses.replace(snap, services=dataclasses.replace(snap.services, services=(row,)))
+    view = snap.services.services[0]
+    view = dataclasses.replace(view, record=dataclasses.replace(view.record, model=str(tiny_ckpt_ro), events=""))
+    snap = dataclasses.replace(snap, services=dataclasses.replace(snap.services, services=(view,)))
     app = Dsv4Console(SPEC.with_(model=tiny_ckpt_ro), collectors=FakeCollectors(snap), watch=False,
                       create_default=False, interval=0)
     async with app.run_test() as pilot:
@@ -197,7 +198,7 @@ def test_compile_pool_log_events_give_done_total_and_what_compiles_now():
 
 
 def test_registration_shows_programs_by_tier_until_every_swap():
-    from console.tui.data.launch_state import LaunchState
+    from console.data.launch_state import LaunchState
     from runtime.events import Event
 
     launch = LaunchState()
@@ -232,7 +233,7 @@ async def test_a_finished_launch_shows_its_own_prediction_beside_its_actuals():
     async with app.run_test(size=(200, 50)) as pilot:
         await pilot.pause()
         app.launch = state
-        app._show_registration()
+        app.show_registration()
         await pilot.pause()
         summary = str(app.query_one("#registration-summary", Static).render())
         table = app.query_one("#registration-table", DataTable)

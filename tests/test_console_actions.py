@@ -15,9 +15,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+from console.data.collectors import console_spec, default_model_dir
+from console.data.launch_state import DONE
 from console.tui.app import Dsv4Console
-from console.tui.data.collectors import console_spec, default_model_dir
-from console.tui.data.launch_state import DONE
 from console.tui.detached import Detached
 from console.tui.screens.confirm import ConfirmScreen
 from console.tui.screens.quit import QuitScreen
@@ -163,7 +163,9 @@ async def test_launch_streams_every_phase_survives_the_console_and_a_new_console
             await until(pilot, lambda: again.service is not None, "re-attached")
             assert again.service.pid == pid
             rows = again.snapshot.services.services
-            assert [(r["pid"], r["url"], r["health"], r["from_console"]) for r in rows] == [(pid, url, "ok", True)]
+            assert [(r.pid, r.url, r.health, r.from_console) for r in rows] == [(pid, url, "ok", True)]
+            found = subprocess.run(["pgrep", "-f", "dsv4 serve"], capture_output=True, text=True).stdout.split()
+            assert str(pid) in found  # the service the console launched says what it is
             await pilot.press("s")  # the Services pane has no focus: nothing is stopped
             await pilot.pause(0.3)
             assert not isinstance(again.screen, ConfirmScreen) and psutil.pid_exists(pid)
@@ -185,15 +187,18 @@ async def test_launch_streams_every_phase_survives_the_console_and_a_new_console
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+    from store import services
     from store.history import read_history
 
-    assert read_history()[-1]["outcome"] == "ok"
+    [record] = read_history()  # one record of the launch, with its true end
+    assert (record["outcome"], record["pid"], record["end"]) == ("ok", pid, "stopped by SIGTERM")
+    assert services.services() == []  # stopped as the operator asked: no row left to dismiss
 
 
 def _sleeper(app: Dsv4Console, tmp_path: Path) -> Detached:
     """A detached stand-in for a service: output to a file, own session, like `l` starts one."""
     return Detached("launch", [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(600)"],
-                    on_event=app._on_event, on_line=app._on_line, log=tmp_path / "svc.log",
+                    **app.worker_callbacks(), log=tmp_path / "svc.log",
                     events=tmp_path / "svc.events.jsonl")
 
 
@@ -274,7 +279,7 @@ async def test_a_service_started_from_a_shell_is_seen_and_stopped_after_asking(t
         async with app.run_test(size=(180, 50)) as pilot:
             await until(pilot, lambda: app.snapshot is not None and app.snapshot.services.services, "services")
             [row] = app.snapshot.services.services
-            assert (row["pid"], row["url"], row["health"], row["from_console"]) == (shell.pid, found.url, "ok", False)
+            assert (row.pid, row.url, row.health, row.from_console) == (shell.pid, found.url, "ok", False)
             assert app.service is None  # seen, not adopted: it is not this console's
             app.query_one("#services-table").focus()
             await pilot.press("s")

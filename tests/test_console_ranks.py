@@ -7,8 +7,8 @@ import pytest
 from console_fakes import SPEC, device_snapshot, fake_app
 from textual.widgets import Static
 
-from console.tui.data.host import DeviceSnapshot, collect_device
-from console.tui.data.launch_state import DONE, FAILED, PENDING, RUNNING, LaunchState
+from console.data.host import DeviceSnapshot, collect_device
+from console.data.launch_state import DONE, FAILED, PENDING, RUNNING, LaunchState
 from console.tui.panes.device import DevicePane, slots_text
 from console.tui.panes.registration import rank_lines
 from runtime.events import PHASES, Event, parse
@@ -124,7 +124,7 @@ async def _registration_text(launch: LaunchState) -> tuple[str, str | None]:
     async with app.run_test(size=(200, 50)) as pilot:
         await pilot.pause()
         app.launch = launch
-        app._show_registration()
+        app.show_registration()
         await pilot.pause()
         ranks = app.query_one("#registration-ranks", Static)
         return (str(app.query_one("#registration-summary", Static).render()),

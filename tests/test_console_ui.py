@@ -12,10 +12,10 @@ import pytest
 from console_fakes import NOW, FakeCollectors, fake_app
 from textual.widgets import RichLog, Static
 
+from console import fmt
 from console.cli.output import print_table
-from console.tui import fmt
+from console.data.eta import Progress
 from console.tui.app import MUTATING
-from console.tui.data.eta import Progress
 from console.tui.screens.detail import DetailScreen, as_text, describe
 from console.tui.screens.history import HistoryScreen
 from console.tui.tables import PaneTable
@@ -207,7 +207,7 @@ def test_the_detail_of_a_sidecar_lists_the_source_key_it_was_packed_from(tiny_ck
 async def test_the_collapsed_layout_keeps_the_running_phase_residency_and_the_port():
     """Below 120×36 a pane is its title and one line: the Registration line is the running
     phase (n/total), the Sidecars title names residency, and the top bar reaches the port."""
-    from console.tui.data.launch_state import LaunchState
+    from console.data.launch_state import LaunchState
     from console.tui.panes.sidecars import SidecarsPane
     from runtime.events import Event
 
@@ -220,7 +220,7 @@ async def test_the_collapsed_layout_keeps_the_running_phase_residency_and_the_po
     async with app.run_test(size=(80, 24)) as pilot:
         await pilot.pause()
         app.launch = launch
-        app._show_registration()
+        app.show_registration()
         await pilot.pause()
         first = str(app.query_one("#registration-summary", Static).render()).splitlines()[0]
         sidecars = app.query_one(SidecarsPane).border_title
@@ -321,14 +321,14 @@ async def test_a_warm_compile_shows_in_the_programs_pane_and_says_where_each_pro
             return Text.from_markup(str(cell)).plain
         for program, state in (("layer.csa.prefill", "compiling"), ("head", "queued"),
                                ("layer.sliding.decode", "published")):
-            app._job_event(warm, Event("programs", "log", detail={"program": program, "state": state}))
+            app.jobs_control.event(warm, Event("programs", "log", detail={"program": program, "state": state}))
         await pilot.pause()
         table = app.query_one("#programs-table", PaneTable)
         states = {str(table.get_row_at(i)[0]): plain(table.get_row_at(i)[1]) for i in range(table.row_count)}
         job = str(app.query_one("#programs-job Static").render())
         elsewhere = app.query_one("#sidecars-job").display
         app.progress.pop("warm")
-        app._job_pane(Progress("compile", "programs")).job("")  # as the job's end does
+        app.jobs_control.job_pane(Progress("compile", "programs")).job("")  # as the job's end does
         await pilot.pause()
         after = {str(table.get_row_at(i)[0]): plain(table.get_row_at(i)[1]) for i in range(table.row_count)}
     assert states == {"layer.csa.prefill": "compiling", "head": "queued", "layer.sliding.decode": "published",

@@ -164,10 +164,23 @@ def test_four_ranks_equal_one_rank_and_map_less(tiny_ckpt_ro, tmp_path, one_rank
 
 
 def test_a_killed_rank_stops_the_service(tiny_ckpt_ro, tmp_path):
+    from runtime.serve.contract import Health
+    from store import services
     from store.history import read_history
 
     proc, url, events = start_server(tiny_ckpt_ro, tmp_path, "--ranks", "2", "--backend", "eager")
     ranks = _ranks_of(proc)
+    def health_now() -> Health:
+        return Health.from_json(json.loads(urllib.request.urlopen(f"{url}/health", timeout=30).read()))
+
+    deadline = time.time() + 30  # rank 1 reaches serve a beat after rank 0 answers
+    while (health := health_now()).ranks[1].phase != "serve" and time.time() < deadline:
+        time.sleep(0.2)
+    assert health.pid == proc.pid  # the service is its launcher; its ranks are its children
+    assert [(r.rank, r.pid, r.device, r.phase) for r in health.ranks] == [
+        (0, ranks[0].pid if ranks[0].environ().get("RANK") == "0" else ranks[1].pid, "cpu", "serve"),
+        (1, next(p.pid for p in ranks if p.environ().get("RANK") == "1"), "cpu", "serve")]
+    assert health.ranks[1].heartbeat_age is not None and health.ranks[1].heartbeat_age < 60
     follower = next(p for p in ranks if p.environ().get("RANK") == "1")
     follower.send_signal(signal.SIGKILL)
     statuses = []
@@ -185,10 +198,14 @@ def test_a_killed_rank_stops_the_service(tiny_ckpt_ro, tmp_path):
     assert "during phase serve" in failed[0]["reason"]
     err = (tmp_path / "stderr.log").read_text()
     assert "rank 1" in err and "SIGKILL" in err
-    launcher = [e for e in _events(events) if e.kind == "error" and e.rank is None]
-    assert len(launcher) == 1 and launcher[0].message == failed[0]["reason"]  # the console sees it too
-    record = [r for r in read_history() if r.get("model") == str(tiny_ckpt_ro)][-1]
-    assert record["outcome"] == "error" and "rank 1" in record["error"]
+    errors = [e for e in _events(events) if e.kind == "error"]
+    assert len(errors) == 1 and errors[0].message == failed[0]["reason"]  # one death, one event
+    assert errors[0].detail == {"rank": 1, "phase": "serve"} and f"on {socket.gethostname()}" in errors[0].message
+    [record] = [r for r in read_history() if r.get("model") == str(tiny_ckpt_ro)]  # one record of the launch
+    assert record["outcome"] == "error" and "rank 1" in record["error"] and record["pid"] == proc.pid
+    [ended] = services.services()  # the service stays a row, saying how it ended
+    assert (ended.pid, ended.ending.how, ended.ending.phase) == (proc.pid, "rank 1 killed by SIGKILL", "serve")
+    assert "sidecar" not in err  # advice that does not apply is not given
 
 
 def _rank(model, rank: int, world: int, port: int, tmp_path, *extra) -> subprocess.Popen:

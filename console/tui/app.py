@@ -1,15 +1,15 @@
 """`dsv4-console`: the Textual operations console (kernel cache, sidecars, services, host,
 device, registration, log) with the long actions run as `dsv4 …` worker processes.
 
-Collectors (console.tui.data.collectors) return snapshots off the UI thread; panes render them. Every
-mutating action goes through one guard (`action_mutate`), which `--readonly` closes. No torch:
-the workers import it, the console never does.
+Collectors (`console.data`, a torch-free library) return typed snapshots off the UI thread; panes
+render them. The state of what the console runs lives in two small controllers (`JobControl`: the
+cache jobs; `ServiceControl`: the service it holds and the services it acts on); worker output
+reaches the screen as Textual messages. Every mutating action goes through one guard
+(`action_mutate`), which `--readonly` closes. No torch: the workers import it, the console never does.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import time
 from collections.abc import Iterable
 from typing import Any, ClassVar
@@ -22,10 +22,11 @@ from textual.css.query import NoMatches
 from textual.screen import Screen
 from textual.widgets import Footer, Input, Static
 
-from console.tui.actions_jobs import JobActions
-from console.tui.actions_service import ServiceActions
-from console.tui.data.collectors import Collectors, Snapshot, default_model_dir
-from console.tui.data.launch_state import LaunchState
+from console.data.collectors import Collectors, Snapshot, default_model_dir
+from console.data.launch_state import LaunchState
+from console.tui.control.jobs import JobControl
+from console.tui.control.service import ServiceControl
+from console.tui.control.watch import FileWatch
 from console.tui.panes.device import DevicePane
 from console.tui.panes.host import HostPane
 from console.tui.panes.log import LogPane
@@ -37,16 +38,16 @@ from console.tui.screens.detail import DetailScreen
 from console.tui.screens.help import HelpScreen
 from console.tui.screens.history import HistoryScreen
 from console.tui.tables import PaneTable
-from runtime.events import Event
+from console.tui.workers import WorkerEvent, WorkerLine
 from runtime.launch.spec import LaunchSpec
 from store.checkpoint import INDEX_NAME
 
-MUTATING = frozenset({"prepack", "purge", "warm", "launch", "stop", "create"})
+MUTATING = frozenset({"prepack", "purge", "warm", "launch", "stop", "create", "dismiss"})
 MIN_SIZE = (80, 24)  # below this: one line saying so, not a broken layout
 COMPACT_BELOW = (120, 36)  # below this: one column, panes collapse to summaries but the focused one
 
 
-class Dsv4Console(JobActions, ServiceActions, App):
+class Dsv4Console(App):
     CSS_PATH = "app.tcss"
     TITLE = "dsv4-console"
     AUTO_FOCUS = "#programs-table"
@@ -73,6 +74,10 @@ class Dsv4Console(JobActions, ServiceActions, App):
                 tooltip="dsv4 serve on --host/--port, detached (see Registration)"),
         Binding("s", "mutate('stop')", "Stop", id="stop",
                 tooltip="stop the service selected in Services (that pane focused; asks first)"),
+        Binding("d", "mutate('dismiss')", "Dismiss", id="dismiss", show=False,
+                tooltip="forget the ended service selected in Services (it stays a row until then)"),
+        Binding("L", "service_log", "Service log", id="service-log", show=False,
+                tooltip="the log of the service selected in Services (tab: each rank's; / searches)"),
     ]
 
     def __init__(self, spec: LaunchSpec, *, collectors: Any | None = None, readonly: bool = False,
@@ -85,21 +90,40 @@ class Dsv4Console(JobActions, ServiceActions, App):
         self.spec = spec
         self.collectors = collectors or Collectors(spec)
         self.readonly, self.interval, self.watch_files = readonly, interval, watch
-        self.create_default, self.stop_timeout = create_default, stop_timeout
+        self.create_default = create_default
         self.snapshot: Snapshot | None = None
-        self.jobs: dict[str, Any] = {}
-        self.progress: dict = {}
-        self.pools: dict = {}
-        self.failures: list[Event] = []
+        self.jobs_control = JobControl(self)
+        self.service_control = ServiceControl(self, stop_timeout)
         self.refused: list[str] = []
-        self.launch: LaunchState | None = None
-        self.service = None
         self.needle = ""
-        self.status = ""
-        self._watching: tuple[str, ...] = ()
-        self._watch_stop: asyncio.Event | None = None
+        self.files = FileWatch(self)
         self.first_paint: float | None = None
         self._before_filter: Any = None  # the widget focused when `/` opened the filter
+
+    # what the controllers hold, by the names the panes and tests read
+    jobs = property(lambda self: self.jobs_control.jobs)
+    progress = property(lambda self: self.jobs_control.progress)
+    failures = property(lambda self: self.jobs_control.failures)
+
+    @property
+    def service(self):
+        return self.service_control.held
+
+    @service.setter
+    def service(self, held) -> None:
+        self.service_control.held = held
+
+    @property
+    def launch(self) -> LaunchState | None:
+        return self.service_control.launch
+
+    @launch.setter
+    def launch(self, launch: LaunchState | None) -> None:
+        self.service_control.launch = launch
+
+    @property
+    def status(self) -> str:
+        return self.service_control.status
 
     # -- layout -------------------------------------------------------------------------------
 
@@ -137,42 +161,45 @@ class Dsv4Console(JobActions, ServiceActions, App):
         compact = width < COMPACT_BELOW[0] or height < COMPACT_BELOW[1]
         screen.set_class(compact, "-compact")
         # at 80 columns the palette hint would push `s Stop` off the footer (ctrl+p still works)
-        footer = self._main(Footer)
-        if footer is not _ABSENT and footer.show_command_palette == compact:
+        footer = self.pane(Footer)
+        if footer is not None and footer.show_command_palette == compact:
             footer.show_command_palette = not compact
             footer.refresh(recompose=True)  # the footer reads it only when it composes
-        self._topbar()
+        self.topbar()
 
     def _painted(self) -> None:
         self.first_paint = time.monotonic()
 
     def _tick(self) -> None:
-        if any(j.running for j in self.jobs.values()):
-            self.tick_jobs()
-            self._show_registration()
+        if self.jobs_control.running():
+            self.jobs_control.tick_jobs()
+            self.show_registration()
 
     def _needs_default(self) -> bool:
         return self.spec.model == default_model_dir() and not (self.spec.model / INDEX_NAME).is_file()
 
-    def _topbar(self) -> None:
+    def topbar(self) -> None:
         s = self.spec
         device = getattr(self.collectors, "device_kind", s.device)
         compact = self.screen_stack[0].has_class("-compact") if self.screen_stack else False
-        # below 120 columns: the model's name only and the service before the settings, so the port shows
+        # below 120 columns: the model's name only and the service before the settings, so the URL shows
         parts = [f"[b]dsv4-console[/]  model [b]{s.model.name if compact else s.model}[/]"]
-        if self.service and self.service.running:
-            url = self.launch.url if self.launch and self.launch.url else "registering"
-            service = f"[green]service pid {self.service.pid} {url}[/]"
+        if self.service_control.running:
+            service = f"[green]service {self.service_control.name()}[/]"
+        elif self.launch and self.launch.ended and not self.launch.stopped:
+            service = f"[red]service ended: {self.launch.ended}[/]"
         else:
             service = f"[dim]l binds {s.host}:{s.port}[/]"
         settings = [f"device {device}", f"backend {s.backend}"] + ([f"ranks {s.ranks}"] if s.ranks > 1 else [])
         if self.readonly:
             parts.append("[b reverse] READ-ONLY [/]")
         parts += [service, *settings] if compact else [*settings, service]
-        running = [n for n, w in self.jobs.items() if w.running and w is not self.service]
+        running = [n for n in self.jobs_control.running() if self.jobs[n] is not self.service]
         if running:
             parts.append(f"[yellow]working: {', '.join(running)}[/]")
-        self._main("#topbar", Static).update((" │ " if compact else "  │  ").join(parts))
+        bar = self.pane("#topbar", Static)
+        if bar is not None:
+            bar.update((" │ " if compact else "  │  ").join(parts))
 
     # -- snapshots ----------------------------------------------------------------------------
 
@@ -191,14 +218,16 @@ class Dsv4Console(JobActions, ServiceActions, App):
             return
         self.call_from_thread(self.apply_snapshot, snap)
 
-    def _main(self, selector, expect_type=None):
-        """A widget of the main screen, or a stand-in that ignores calls while it is not there
+    def pane(self, selector, expect_type=None) -> Any:
+        """A widget of the main screen (a class or a selector), or None while it is not there
         (first run, shutdown): a late snapshot or worker line must never crash the console."""
         try:
             screen = self.screen_stack[0]
+            if isinstance(selector, type) and expect_type is None:
+                return screen.query_one(selector)
             return screen.query_one(selector) if expect_type is None else screen.query_one(selector, expect_type)
         except (NoMatches, IndexError):
-            return _ABSENT
+            return None
 
     def apply_snapshot(self, snap: Snapshot, force: bool = False) -> None:
         try:
@@ -216,94 +245,59 @@ class Dsv4Console(JobActions, ServiceActions, App):
         def changed(part: str) -> bool:
             return force or old is None or getattr(old, part) != getattr(snap, part)
 
+        def show(cls, *args) -> None:
+            pane = self.pane(cls)
+            if pane is not None:
+                pane.show(*args)
+
         if changed("programs") or changed("cache"):
-            self._main(ProgramsPane).show(snap.programs, snap.cache, snap.ts, self.needle)
+            show(ProgramsPane, snap.programs, snap.cache, snap.ts, self.needle)
         if changed("sidecars"):
-            self._main(SidecarsPane).show(snap.sidecars, snap.ts, self.needle)
-        self._main(ServicesPane).show(snap.services, snap.ts, self.needle)
-        self._main(HostPane).show(snap.host)
+            show(SidecarsPane, snap.sidecars, snap.ts, self.needle)
+        show(ServicesPane, snap.services, snap.ts, self.needle)
+        show(HostPane, snap.host)
         if changed("device"):
-            self._main(DevicePane).show(snap.device)
+            show(DevicePane, snap.device)
         if changed("registration"):
-            self._show_registration()
+            self.show_registration()
         if old is None:
-            self.attach()
-        self._topbar()
+            self.service_control.attach()
+        self.topbar()
         if self.watch_files:
-            self._rearm_watch()
+            self.files.rearm()
 
-    def new_launch(self, spawned: float | None = None) -> LaunchState:
-        """A launch in view, with the prediction made for it and the launch it compares with."""
-        reg = self.snapshot.registration if self.snapshot else None
-        compared = reg.previous if reg else None
-        if spawned and compared and compared.get("started", 0) >= spawned:
-            compared = reg.earlier  # re-attached: the last record is this launch's own
-        plan = (self.snapshot.plan if self.snapshot else None) or {}
-        state = LaunchState(prediction=dict(reg.prediction) if reg else {}, basis=reg.basis if reg else "",
-                            compared=compared, predicted=dict(reg.predicted) if reg else {},
-                            order=[p["program"] for p in plan.get("programs", ())])
-        if spawned:
-            state.spawned = spawned
-        return state
-
-    def _show_registration(self) -> None:
-        if self.snapshot:
-            self._main(RegistrationPane).show(self.snapshot.registration, self.launch, self.status)
-
-    def _watch_paths(self) -> tuple[str, ...]:
-        from store.paths import state_dir
-
-        candidates = (self.spec.kernel_cache_dir, self.spec.model, state_dir())
-        return tuple(str(p) for p in candidates if p.is_dir())
-
-    def _rearm_watch(self) -> None:
-        paths = self._watch_paths()
-        if paths == self._watching:
-            return
-        self._watching = paths
-        if self._watch_stop:
-            self._watch_stop.set()
-        if paths:
-            self._watch_stop = asyncio.Event()
-            self._watch(paths, self._watch_stop)
-
-    @work(group="watch")
-    async def _watch(self, paths: tuple[str, ...], stop: asyncio.Event) -> None:
-        """Another process changed a cache, a sidecar or the history: plan again and refresh at
-        once (a refresh's own stamp sees structure only, not a file changed in place)."""
-        from watchfiles import awatch
-
-        with contextlib.suppress(Exception):
-            async for _ in awatch(*paths, stop_event=stop, debounce=400, recursive=True):
-                plans = getattr(self.collectors, "plans", None)
-                if plans is not None:
-                    plans.invalidate()
-                self.refresh_now()
+    def show_registration(self) -> None:
+        pane = self.pane(RegistrationPane)
+        if self.snapshot and pane is not None:
+            pane.show(self.snapshot.registration, self.launch, self.status)
 
     # -- worker output ------------------------------------------------------------------------
 
     def log_line(self, source: str, text: str) -> None:
-        self._main(LogPane).add(source, text)
+        pane = self.pane(LogPane)
+        if pane is not None:
+            pane.add(source, text)
 
-    def _on_line(self, worker, which: str, line: str) -> None:
-        if line.strip():
-            self.log_line(worker.name, line)
+    def worker_callbacks(self) -> dict[str, Any]:
+        """A worker's callbacks: each event and line posted as a message to this app."""
+        return {"on_event": lambda worker, event: self.post_message(WorkerEvent(worker, event)),
+                "on_line": lambda worker, which, line: self.post_message(WorkerLine(worker, which, line))}
 
-    def _on_event(self, worker, event: Event) -> None:
+    def on_worker_line(self, message: WorkerLine) -> None:
+        if message.line.strip():
+            self.log_line(message.worker.name, message.line)
+
+    def on_worker_event(self, message: WorkerEvent) -> None:
+        worker, event = message.worker, message.event
         if event.kind == "error" and event.phase == worker.name:  # the parent's verdict on a dead worker
-            self.failures.append(event)
-            self.log_line("error", event.message or "failed")
-            for line in event.detail.get("stderr", [])[-5:]:
-                self.log_line("error", f"  {line}")
-            self.notify(event.message or "failed", title="failed", severity="error", timeout=8)
-            self.status = f"[red]{event.message}[/]"
-            if self.launch and worker is self.service:
+            self.jobs_control.failed(worker, event)
+            if worker is self.service and self.launch:
                 self.launch.apply(event)
-            self._show_registration()
+            self.show_registration()
         elif worker is self.service:
-            self._service_event(event)
+            self.service_control.event(event)
         else:
-            self._job_event(worker, event)
+            self.jobs_control.event(worker, event)
 
     # -- read-only actions --------------------------------------------------------------------
 
@@ -321,10 +315,13 @@ class Dsv4Console(JobActions, ServiceActions, App):
         self.push_screen(HistoryScreen(history))
 
     def action_kernel_cache(self) -> None:
-        pane = self._main(ProgramsPane)
-        table = pane.toggle()
+        pane = self.pane(ProgramsPane)
+        table = pane.toggle() if pane is not None else None
         if table is not None:
             table.focus()
+
+    def action_service_log(self) -> None:
+        self.service_control.open_log()
 
     def action_zoom(self) -> None:
         screen = self.screen
@@ -337,7 +334,8 @@ class Dsv4Console(JobActions, ServiceActions, App):
             screen.maximize(pane, container=False)
 
     def action_save_log(self) -> None:
-        path = self._main(LogPane).save()
+        pane = self.pane(LogPane)
+        path = pane.save() if pane is not None else None
         if path:
             self.notify(f"log saved to {path}", title="saved")
 
@@ -355,7 +353,9 @@ class Dsv4Console(JobActions, ServiceActions, App):
         if event.input.id != "filter":
             return
         self.needle = event.value.strip().lower()
-        self._main(LogPane).filter(self.needle)
+        pane = self.pane(LogPane)
+        if pane is not None:
+            pane.filter(self.needle)
         if self.snapshot:
             self.apply_snapshot(self.snapshot, force=True)
 
@@ -375,8 +375,8 @@ class Dsv4Console(JobActions, ServiceActions, App):
         back = self._before_filter
         self._before_filter = None
         if back is None or not back.is_attached or not back.display:
-            back = self._main("#programs-table")
-        if back is not _ABSENT:
+            back = self.pane("#programs-table")
+        if back is not None:
             back.focus()
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
@@ -391,8 +391,9 @@ class Dsv4Console(JobActions, ServiceActions, App):
 
     def _palette(self, binding: Binding) -> None:
         if binding in PaneTable.BINDINGS:  # a table's own action: on the focused table
-            table = self.focused if isinstance(self.focused, PaneTable) else self._main("#programs-table")
-            table.run_action(binding.action)
+            table = self.focused if isinstance(self.focused, PaneTable) else self.pane("#programs-table")
+            if table is not None:
+                table.run_action(binding.action)
         else:
             self.run_action(binding.action)
 
@@ -406,17 +407,21 @@ class Dsv4Console(JobActions, ServiceActions, App):
             self.notify(f"read-only: {name} refused", severity="warning")
             self.log_line("console", f"read-only: {name} refused")
             return
-        getattr(self, f"_do_{name}")()
+        jobs, service = self.jobs_control, self.service_control
+        {"create": jobs.create, "prepack": jobs.prepack, "warm": jobs.warm, "purge": jobs.purge,
+         "launch": service.launch_new, "stop": service.stop, "dismiss": service.dismiss}[name]()
 
+    # -- quit -----------------------------------------------------------------------------------
 
-class _Absent:
-    """Swallows any call: stands in for a pane that is not mounted."""
+    async def action_quit(self) -> None:
+        """Textual's own quit (ctrl+q, the palette): the same dialog as `q`."""
+        self.action_quit_console()
 
-    def __getattr__(self, _name: str):
-        return lambda *args, **kwargs: None
+    def action_quit_console(self) -> None:
+        self.service_control.quit()
 
-
-_ABSENT = _Absent()
+    def exit_message(self) -> str:
+        return self.service_control.exit_message()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from console.about import VersionAction, with_environment
-from console.tui.data.collectors import Collectors, resolved
+from console.data.collectors import Collectors, resolved
 from runtime.launch.spec import CONSOLE, LaunchSpec, add_flags, from_args
 
 

@@ -14,10 +14,13 @@ import asyncio
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
+
+import psutil
 
 from console.tui.workers import STDERR_TAIL, STOP_TIMEOUT, LineFilter
 from runtime.events import Event, EventError, parse
@@ -40,6 +43,7 @@ class Detached:
         self.stderr_tail: deque[str] = deque(maxlen=STDERR_TAIL)
         self.returncode: int | None = None
         self.stopping = False
+        self.started: float | None = service.create_time if service else None  # the process's start time
         self._filter = LineFilter()
 
     @classmethod
@@ -54,17 +58,29 @@ class Detached:
         return self.service.pid if self.service else None
 
     @property
+    def identity(self) -> services.ServiceId | None:
+        """Which service this is (host, pid and start time), once it has a process."""
+        if self.service is not None:
+            return self.service.identity
+        if self.pid is None or self.started is None:
+            return None
+        return services.ServiceId(socket.gethostname(), self.pid, round(self.started, 2))
+
+    @property
+    def log_path(self) -> str:
+        """The log file ("" for none known)."""
+        return "" if str(self.log) in ("", ".") else str(self.log)
+
+    @property
     def running(self) -> bool:
         if self.returncode is not None:
             return False
-        if self.proc is not None:
-            return self.proc.poll() is None
-        return self.service is not None and services.is_current(self.service)
+        return not self._exited()
 
     def _exited(self) -> bool:
         if self.proc is not None:
             return self.proc.poll() is not None
-        return not self.running
+        return self.service is None or not services.is_current(self.service)
 
     async def run(self) -> int:
         if self.service is None:
@@ -75,6 +91,8 @@ class Detached:
                     self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=out,
                                                  stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                                  close_fds=True)
+                with contextlib.suppress(psutil.Error):
+                    self.started = psutil.Process(self.proc.pid).create_time()
             except OSError as e:
                 self.returncode = 127
                 self.on_event(self, self.failure(f"cannot start: {e}"))
@@ -83,13 +101,8 @@ class Detached:
         skip = self.service is not None
         await asyncio.gather(self._tail(self.events, "events", skip_existing=False),
                              self._tail(self.log, "log", skip_existing=skip))
-        if self.proc is not None:
-            self.returncode = self.proc.wait()
-        else:
-            self.returncode = 0  # not our child: its exit status is not ours to read
-        if self.returncode != 0 and not self.stopping:  # stopped on request (a registration interrupted by
-            # SIGTERM exits 130): not a failure
-            self.on_event(self, self.failure(f"exit code {self.returncode}"))
+        # not our child: its exit status is not ours to read (None); the service's ending says it
+        self.returncode = self.proc.wait() if self.proc is not None else None
         return self.returncode
 
     async def _tail(self, path: Path, which: str, *, skip_existing: bool) -> None:
@@ -161,8 +174,5 @@ class Detached:
             self._signal(signal.SIGKILL)
             while self.running:
                 await asyncio.sleep(0.1)
-        if self.proc is not None:
-            self.returncode = self.proc.wait()
-        else:
-            self.returncode = 0
+        self.returncode = self.proc.wait() if self.proc is not None else None
         return self.returncode

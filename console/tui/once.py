@@ -7,9 +7,10 @@ from pathlib import Path
 
 from rich.text import Text
 
-from console.tui import fmt
-from console.tui.data.collectors import Snapshot
+from console import fmt
+from console.data.collectors import Snapshot
 from console.tui.panes.device import kv_lines
+from console.tui.panes.services import _ms, _rate, rank_line
 from runtime.events import PHASES
 
 
@@ -40,7 +41,18 @@ def render(snap: Snapshot) -> str:
     if snap.sidecars.error:
         lines.append(f"  {snap.sidecars.error}")
     lines += ["", "Services:" if snap.services.services else "Services: none running on this host"]
-    lines += [f"  pid {r['pid']}  {r['url'] or r['state']}  {r['health']}  {r['model']}" for r in snap.services.services]
+    for v in snap.services.services:
+        lines.append(f"  pid {v.pid}  {v.url or '-'}  {v.state}  {v.model}  backend {v.backend or '-'}  "
+                     f"max-seq {v.max_seq or '-'}  ranks {v.rank_count}")
+        if v.ended:
+            lines.append(f"    {v.ending_line()}")
+        if s_ := v.serving:
+            lines.append(f"    {_rate(s_.tokens_s)} tok/s  {_rate(s_.requests_s)} req/s  ttft p50 {_ms(s_.ttft_p50)} "
+                         f"p99 {_ms(s_.ttft_p99)} ms  itl p50 {_ms(s_.itl_p50)} p99 {_ms(s_.itl_p99)} ms  "
+                         f"running {s_.running} queued {s_.queued}  kv {s_.kv_used}/{s_.kv_slots}  "
+                         f"4xx {s_.errors_4xx} 5xx {s_.errors_5xx} 503 {s_.busy_503}")
+        if len(v.ranks) > 1:
+            lines.append(f"    {_plain(rank_line(v))}")
     h = snap.host
     lines += ["", f"Host: CPU {h.cpu_percent:.1f}%  load {' '.join(map(str, h.load))}  memory available "
                   f"{fmt.size(h.mem_available)} of {fmt.size(h.mem_total)}  page cache {fmt.size(h.page_cache)}"]

@@ -17,6 +17,9 @@ import sys
 from collections import Counter, deque
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+from textual.message import Message
 
 from runtime.events import Event, EventError, parse
 
@@ -58,9 +61,19 @@ def dsv4(*args: str) -> list[str]:
     return [sys.executable, "-m", "console.cli", *args]
 
 
+def service_argv(*args: str) -> list[str]:
+    """argv of `dsv4 serve …` run by this interpreter through the `dsv4` script installed beside
+    it, so the service's command line says `dsv4 serve` (`pgrep -f "dsv4 serve"` finds it);
+    through `-m console.cli` where no script is installed."""
+    script = Path(sys.executable).parent / "dsv4"
+    return [sys.executable, str(script), "serve", *args] if script.is_file() else dsv4("serve", *args)
+
+
 def shown(argv: list[str]) -> str:
-    """A `dsv4(...)` argv as a person would type it in a shell: `dsv4 serve /models/x --ranks 2`."""
-    return shlex.join(["dsv4", *argv[3:]])
+    """A `dsv4(...)` or `service_argv(...)` argv as a person would type it in a shell:
+    `dsv4 serve /models/x --ranks 2`."""
+    rest = argv[3:] if argv[1:3] == ["-m", "console.cli"] else argv[2:]
+    return shlex.join(["dsv4", *rest])
 
 
 class Worker:
@@ -143,3 +156,19 @@ class Worker:
                 self.proc.kill()
             await self.proc.wait()
         return self.proc.returncode
+
+
+class WorkerEvent(Message):
+    """An event from a worker process (a job, or the service this console holds)."""
+
+    def __init__(self, worker: Any, event: Event) -> None:
+        super().__init__()
+        self.worker, self.event = worker, event
+
+
+class WorkerLine(Message):
+    """A log line from a worker process."""
+
+    def __init__(self, worker: Any, which: str, line: str) -> None:
+        super().__init__()
+        self.worker, self.which, self.line = worker, which, line

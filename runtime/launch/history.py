@@ -10,7 +10,6 @@ MAP or REPACK). A record without a setting (one an older dsv4 wrote) is like not
 
 from __future__ import annotations
 
-import os
 import socket
 import time
 from dataclasses import dataclass
@@ -44,10 +43,12 @@ def append(spec, phases: dict[str, dict[str, Any]], started: float, outcome: str
     (`device` and `backend` as the launch resolved them, never `auto`), every phase's record,
     and the prediction made for it."""
     from runtime.model.config import synthetic_preset
+    from store.services import ServiceId
 
+    service = ServiceId.of_this_process()  # every line a launch writes, by whichever of its processes
     history.append({
-        "v": 1, "started": round(started, 3), "ended": round(time.time(), 3), "host": socket.gethostname(),
-        "pid": os.getpid(), **settings(spec, device, backend), "preset": synthetic_preset(spec.model),
+        "v": 1, "launch": service.key, "started": round(started, 3), "ended": round(time.time(), 3),
+        "host": socket.gethostname(), "pid": service.pid, **settings(spec, device, backend), "preset": synthetic_preset(spec.model),
         "cache_dir": str(spec.kernel_cache_dir or ""), "outcome": outcome, "error": error, "phases": phases,
         "predicted": predicted or {}, **(extra or {}),
     })

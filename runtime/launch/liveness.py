@@ -24,9 +24,9 @@ BEATS_PER_TIMEOUT = 5
 MIN_BEAT_S = 0.05
 
 
-def member(rank: int) -> str:
+def member(rank: int, device: str = "") -> str:
     """What a rank posts about itself when it joins: where to look for it."""
-    return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "rank": rank})
+    return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "rank": rank, "device": device})
 
 
 def describe(rank: int, posted: str | None) -> str:
@@ -48,6 +48,8 @@ class Heartbeat:
         self.rank_timeout, self.lose = rank_timeout, lose
         self.every = max(MIN_BEAT_S, rank_timeout / BEATS_PER_TIMEOUT)
         self._stop = threading.Event()
+        # peer → (when its beat last moved, its phase then), monotonic: what /health's ranks show
+        self.heard: dict[int, tuple[float, str | None]] = {}
 
     def start(self) -> Heartbeat:
         threading.Thread(target=self._run, daemon=True, name="rank-heartbeat").start()
@@ -72,6 +74,7 @@ class Heartbeat:
                     value = self._read("beat", r)
                     if value != last:
                         heard[r] = (value, now)
+                        self.heard[r] = (now, self._read("phase", r))
                     elif now - since > self.rank_timeout:
                         self.lose(self._silent(r, now - since))
                         return
@@ -81,6 +84,11 @@ class Heartbeat:
                               f"answering within {self.rank_timeout:g} s: {first_line(e)})")
                 return
             self._stop.wait(self.every)
+
+    def ages(self) -> dict[int, tuple[float, str | None]]:
+        """Each peer heard from: (seconds since its beat last moved, its phase then)."""
+        now = time.monotonic()
+        return {r: (now - at, phase) for r, (at, phase) in dict(self.heard).items()}
 
     def _read(self, what: str, rank: int) -> str | None:
         key = self._key(what, rank)

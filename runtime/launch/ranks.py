@@ -125,6 +125,9 @@ def read(store, key: str) -> str | None:
     return store.get(PREFIX + key).decode(errors="replace") if store.check([PREFIX + key]) else None
 
 
+LAUNCHER_LINE = "launcher-line"  # the launcher's line on a dead rank, posted before it aborts with it
+
+
 def phase_of(store, rank: int) -> str:
     """The phase `rank` last started ("start" before its first)."""
     return read(store, f"phase/{rank}") or "start"
@@ -152,10 +155,13 @@ class Group:
         self._quick = store
         self._kind = "cpu"
         self.exchange_s = 0.0  # seconds spent in the steps' all-to-alls (the bench's collective time)
+        self._members: dict[int, dict[str, Any]] = {}  # rank → what it posted when it joined
+        self.phase = ""
 
     # ---- the store ----
 
     def set_phase(self, phase: str) -> None:
+        self.phase = phase
         self.store.set(f"{PREFIX}phase/{self.rank}", phase)
 
     def abort(self, message: str) -> str:
@@ -164,6 +170,13 @@ class Group:
 
     def aborted(self) -> str | None:
         return read(self.store, "abort")
+
+    def said_by_launcher(self, reason: str) -> bool:
+        """Whether `reason` is the launcher's own line on a dead rank (it is in the events already)."""
+        try:
+            return read(self._quick, LAUNCHER_LINE) == reason
+        except Exception:  # the store is gone with its host: nobody said it
+            return False
 
     def post(self, key: str, value: str = "") -> None:
         """This rank reached `key` (with `value`): what `wait` and `gather` wait for."""
@@ -191,11 +204,11 @@ class Group:
             time.sleep(POLL_S)
         return [self.store.get(k).decode() for k in keys]
 
-    def beat(self, rank_timeout: float) -> None:
+    def beat(self, rank_timeout: float, device: str = "") -> None:
         """Beat in the store and watch every other rank's beat (runtime.launch.liveness), on a
         connection of its own whose calls wait at most `rank_timeout`: a rank silent that long,
         or a store that stops answering, loses the service."""
-        self.store.set(f"{PREFIX}member/{self.rank}", member(self.rank))
+        self.store.set(f"{PREFIX}member/{self.rank}", member(self.rank, device))
         store = open_store(self.env, rank_timeout, client=True)
         peers = [r for r in range(self.world) if r != self.rank]
         self._quick = store
@@ -212,6 +225,24 @@ class Group:
             on_abort(reason or self.lost)
 
         threading.Thread(target=run, daemon=True, name="rank-watch").start()
+
+    def members(self) -> list[dict[str, Any]]:
+        """Every rank as rank 0 knows it: host, pid and device (posted when it joined, read
+        once), its phase and the seconds since its heartbeat last moved (this rank: 0)."""
+        if len(self._members) < self.world:
+            with contextlib.suppress(Exception):  # a store gone: what is known so far
+                for r in range(self.world):
+                    if r not in self._members and (posted := read(self.store, f"member/{r}")):
+                        self._members[r] = json.loads(posted)
+        ages = self._beat.ages() if self._beat is not None else {}
+        out = []
+        for r in range(self.world):
+            known = self._members.get(r, {})
+            age, phase = (0.0, self.phase) if r == self.rank else ages.get(r, (None, None))
+            out.append({"rank": r, "host": known.get("host", ""), "pid": known.get("pid"),
+                        "device": known.get("device", ""), "phase": phase or "",
+                        "heartbeat_age": None if age is None else round(age, 2)})
+        return out
 
     # ---- the process group ----
 
@@ -409,7 +440,7 @@ def rendezvous(env: RankEnv, components: dict[str, Any], timeout: float, device_
                 raise RankError(f"rendezvous: rank {r} differs from rank 0 in {part} "
                                 f"({theirs.get(part)!r} vs {lead.get(part)!r}); start every rank with the same "
                                 f"checkpoint and settings")
-    group.beat(rank_timeout)
+    group.beat(rank_timeout, device_kind if device_kind == "cpu" else f"{device_kind}:{env.local_rank}")
     group.connect(device_kind)
     return group
 

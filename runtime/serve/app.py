@@ -1,4 +1,5 @@
-"""The routes: /health, /metrics, /v1/models, /v1/completions and /v1/chat/completions.
+"""The app: /health, /metrics and /v1/models (`runtime.serve.routes_status`), /v1/completions
+and /v1/chat/completions.
 
 A generation request is read (capped), parsed and tokenized in a worker thread, submitted to
 the scheduler, and answered whole or as SSE; its client leaving cancels its job.
@@ -14,9 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import PlainTextResponse, Response, StreamingResponse
-from prometheus_client import generate_latest
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -34,6 +33,8 @@ from runtime.serve.http import (
 )
 from runtime.serve.metrics import Metrics
 from runtime.serve.responses import ChatShape, CompletionShape, TextRun, merged, sse, usage
+from runtime.serve.routes_status import Service
+from runtime.serve.routes_status import router as status_routes
 from runtime.serve.scheduler import Cancelled, Failed, QueueTimeout, Sampling, Scheduler
 
 COMPLETION_DEFAULT_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -63,13 +64,13 @@ def create_app(launched, limits: Limits = Limits(), scheduler: Scheduler | None 
     if hasattr(launched, "on_failure"):  # a failed service fails its queued requests at once (503)
         launched.on_failure(scheduler.fail)
     metrics = Metrics(launched, scheduler)
-    scheduler.on_token = metrics.generated.inc
+    scheduler.on_token = metrics.on_token
+    app.state.service = service = Service(launched, scheduler, metrics, limits)
+    app.include_router(status_routes)
     app.add_middleware(CountStatuses, count=metrics.count_response)
     tokenizer, vocab = launched.tokenizer, launched.config.vocab_size
-    model_dir = launched.spec.model
-    model_id = model_dir.name
-    created = int(time.time())
-    max_seq = launched.programs.dims.max_seq
+    model_id = service.model_id
+    max_seq = service.max_seq
     eos = getattr(tokenizer, "eos_id", 1)
 
     @app.exception_handler(ApiError)
@@ -84,11 +85,7 @@ def create_app(launched, limits: Limits = Limits(), scheduler: Scheduler | None 
     async def _http(_request: Request, exc: StarletteHTTPException) -> SafeJSONResponse:
         return error_response(ApiError(exc.status_code, str(exc.detail), code=str(exc.status_code)))
 
-    def failure() -> str | None:
-        """Why the service must not generate (set on `launched.failure` by whatever watches its
-        weights, e.g. a mapped sidecar that changed, or its ranks, one of which is gone): it then
-        fails closed, 503 with the reason."""
-        return getattr(launched, "failure", None)
+    failure = service.failure
 
     def unavailable(reason: str) -> ApiError:
         return ApiError(503, f"service unavailable: {reason}", kind="service_unavailable", code="service_unavailable")
@@ -99,41 +96,7 @@ def create_app(launched, limits: Limits = Limits(), scheduler: Scheduler | None 
         reason = failure()
         return unavailable(reason) if reason else ApiError(500, GENERATION_FAILED, kind="server_error")
 
-    @app.get("/health")
-    async def health() -> Any:
-        body = {"status": "ok", "model": str(model_dir), "id": model_id, "slots": scheduler.slots,
-                "free_slots": scheduler.free_slots, "queued": scheduler.queued, "max_seq": max_seq,
-                "ranks": scheduler.per_rank(),  # each rank's own slots (it holds their sequences' KV)
-                "tokenizer": getattr(tokenizer, "kind", "bytes"),
-                # steps, mean batch, MTP drafts and acceptance: what the console's Services pane shows
-                "engine": {**scheduler.stats, "speculative": "mtp" if limits.speculative else "off"},
-                # "compiled", or "compiling 9/14" while --ready early serves some programs eager
-                "programs": tiers.status() if hasattr(tiers := getattr(launched, "tiers", None), "status") else "compiled"}
-        if reason := failure():
-            return SafeJSONResponse({**body, "status": "failed", "reason": reason}, status_code=503)
-        return body
-
-    @app.get("/metrics")
-    async def metrics_endpoint() -> PlainTextResponse:
-        return PlainTextResponse(generate_latest(metrics.registry).decode(), media_type=CONTENT_TYPE_LATEST)
-
-    def model_card() -> dict[str, Any]:
-        return {"id": model_id, "object": "model", "created": created, "owned_by": "dsv4",
-                "root": str(model_dir), "max_model_len": max_seq}
-
-    def check_model(name: str | None) -> None:
-        if name is not None and name not in (model_id, str(model_dir)):
-            raise ApiError(404, f"model {name!r} does not exist; this server serves {model_id!r}",
-                           param="model", code="model_not_found")
-
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card()]}
-
-    @app.get("/v1/models/{model}")
-    async def model(model: str) -> dict[str, Any]:
-        check_model(model)
-        return model_card()
+    check_model = service.check_model
 
     # ---- request → prompt ids and a completion length (in a worker thread) ----
 

@@ -96,9 +96,9 @@ def _link(admitted: list[Running]) -> None:
 
 class Batcher:
     """Runs steps over `engine`; `end(run, reason)` is told when a job ends (stop, length,
-    cancelled, error), `on_token()` at every token sampled."""
+    cancelled, error), `on_token(job)` at every token sampled."""
 
-    def __init__(self, engine, end: Callable[[Running, str], None], on_token: Callable[[], None],
+    def __init__(self, engine, end: Callable[[Running, str], None], on_token: Callable[[object], None],
                  speculative: bool = False, prefill_tokens: int = 512,
                  drafter: Callable[[object, list[MTPRows]], list[int]] = mtp_drafts):
         self.engine, self._end, self.on_token = engine, end, on_token
@@ -236,7 +236,7 @@ class Batcher:
 
     def _hand(self, r: Running, token: int, first_step: bool, logits) -> bool:
         """Hand one token (drawn from `logits`, one row) to the job; False when that ended it."""
-        self.on_token()
+        self.on_token(r.job)
         if r.job.cancelled:
             return self.end(r, "cancelled")
         if r.job.sampling.logprobs is not None:

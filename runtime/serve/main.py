@@ -44,9 +44,35 @@ def speculation(choice: str, model_dir: Path) -> bool:
     return has_mtp and synthetic_preset(model_dir) is None
 
 
-def interrupt(*_: object) -> None:
-    """A signal handler: SIGTERM stops like Ctrl-C."""
+STOPPED_BY: list[int] = []  # the signals that asked this process to stop, first first
+
+
+def interrupt(signum: object = None, *_: object) -> None:
+    """A signal handler: SIGTERM stops like Ctrl-C (and the service's ending names it)."""
+    if isinstance(signum, int):
+        STOPPED_BY.append(signum)
     raise KeyboardInterrupt
+
+
+def stopped_how() -> str:
+    """"stopped by SIGTERM" (or SIGINT), as this process's ending says it."""
+    return f"stopped by {signal.Signals(STOPPED_BY[0]).name}" if STOPPED_BY else "stopped"
+
+
+class LastPhase:
+    """A sink that remembers the phase the launch is in: what its ending names."""
+
+    def __init__(self) -> None:
+        self.phase = ""
+
+    def __call__(self, event: Event) -> None:
+        if event.kind == "start" and event.rank in (None, 0):
+            self.phase = event.phase
+
+
+def service_settings(spec: LaunchSpec) -> dict:
+    """What the registry keeps of a launch's settings (the Services pane's columns)."""
+    return {"backend": spec.backend, "device": spec.device, "max_seq": spec.max_seq, "ranks": spec.ranks}
 
 
 def run(spec: LaunchSpec, rank_env=None, display: Callable[[], tuple[Sink, Callable[[], None]]] | None = None) -> int:
@@ -80,20 +106,44 @@ def run(spec: LaunchSpec, rank_env=None, display: Callable[[], tuple[Sink, Calla
     signal.signal(signal.SIGTERM, interrupt)  # during registration, and re-raised by uvicorn after its drain
     never_silent()
     started = time.time()
-    from store.services import Announcement
-
-    events_file = "" if spec.events in (None, "-") else str(Path(spec.events).resolve())
-    announced = Announcement(str(spec.model), events_file)
-    atexit.register(announced.withdraw)
+    announced = announce(spec, rank_env)
+    at = LastPhase()
+    emitter.sinks.append(at)
     try:
-        launched = register(spec, emitter, rank_env=rank_env)
-    except BaseException:
-        sock.close()
+        try:
+            launched = register(spec, emitter, rank_env=rank_env)
+        except BaseException:
+            sock.close()
+            raise
+        finally:
+            if shown:
+                shown[1]()
+        code = _serve(launched, sock, emitter, announced, started, speculative)
+    except KeyboardInterrupt:
+        announced.end(stopped_how(), at.phase)
         raise
-    finally:
-        if shown:
-            shown[1]()
-    return _serve(launched, sock, emitter, announced, started, speculative)
+    except UserError as e:
+        announced.end(f"exited {e.exit_code}", at.phase, str(e))
+        raise
+    except BaseException as e:
+        announced.end("exited 1", at.phase, f"{type(e).__name__}: {e}")
+        raise
+    announced.end(stopped_how(), Phase.SERVE, "drained")
+    return code
+
+
+def announce(spec: LaunchSpec, rank_env):
+    """The service's record in the registry: rank 0 under the project's launcher fills in the
+    launcher's (the service is the launcher's identity); otherwise this process's own."""
+    from store.services import Announcement, ServiceId
+
+    identity = ServiceId.of_this_process()
+    if rank_env is not None and identity.pid != os.getpid():
+        adopted = Announcement.adopt(identity)
+        if adopted is not None:
+            return adopted
+    events_file = "" if spec.events in (None, "-") else str(Path(spec.events).resolve())
+    return Announcement(str(spec.model), events_file, **service_settings(spec))
 
 
 def _serve(launched, sock, emitter: Emitter, announced, started: float, speculative: bool) -> int:
@@ -102,6 +152,8 @@ def _serve(launched, sock, emitter: Emitter, announced, started: float, speculat
 
     spec = launched.spec
     emitter.emit(Phase.SERVE, "start", detail={"host": spec.host, "port": sock.getsockname()[1]})
+    if launched.group is not None:
+        launched.group.set_phase(Phase.SERVE)
     t0 = time.perf_counter()
 
     def ready(url: str) -> None:
@@ -122,8 +174,10 @@ def _serve(launched, sock, emitter: Emitter, announced, started: float, speculat
         if not failing.acquire(blocking=False):
             return  # the first reason holds
         launched.fail(reason)  # 503 from now on; queued requests get theirs at once
-        emitter.emit(Phase.SERVE, "error", message=reason)
-        launched.record(started, "error", reason, failed_phase=Phase.SERVE)
+        if launched.group is None or not launched.group.said_by_launcher(reason):  # a death is one event
+            emitter.emit(Phase.SERVE, "error", message=reason)
+        launched.record(started, "error", reason, failed_phase=Phase.SERVE, end="exited 1")
+        announced.end("exited 1", Phase.SERVE, reason)  # before any hard exit could skip it
         threading.Timer(FAIL_CLOSED_GRACE_S, os.kill, (os.getpid(), signal.SIGTERM)).start()
         hard = threading.Timer(EXIT_BOUND_S, hard_exit, (reason,))
         hard.daemon = True
@@ -155,9 +209,12 @@ def _serve(launched, sock, emitter: Emitter, announced, started: float, speculat
             stop_watching()
     if launched.failure:
         launched.close()  # unmap, and release the lease: the waiting writer may go on now
-        hint = "launch again" if launched.mapped is None else "run `dsv4 sidecar status`, then launch again"
+        # the sidecar advice only where the sidecar was the cause (a lost rank has nothing to do with it)
+        sidecar = launched.mapped is not None and launched.failure.startswith(f"sidecar {launched.mapped.path}")
+        hint = "run `dsv4 sidecar status`, then launch again" if sidecar else "launch again"
         raise UserError(f"{launched.failure}; stopped serving ({hint})")
     emitter.emit(Phase.SERVE, "log", message="stopped: drained and released device memory")
+    launched.record(started, "ok", end=stopped_how())  # the launch's true end, in its one record
     return 0
 
 
@@ -202,29 +259,43 @@ def check_ranks(spec: LaunchSpec, rank_env) -> None:
 
 
 def launch_ranks(spec: LaunchSpec) -> int:
-    """`dsv4 serve --ranks N`: N rank processes of this same spec (runtime.serve.rank_launcher)."""
+    """`dsv4 serve --ranks N`: N rank processes of this same spec (runtime.serve.rank_launcher).
+    The launcher is the service: it announces it (rank 0 fills in the URL), hands its identity to
+    the ranks, keeps each rank's log apart beside its own, and records a rank's death as the
+    service's ending."""
     from runtime.launch import history
     from runtime.launch.registration import resolved
-    from runtime.serve.rank_launcher import launch
+    from runtime.serve.rank_launcher import launch, rank_logs
     from runtime.serve.server import bind
+    from store.services import Announcement, find, how
 
     bind(spec.host, spec.port).close()  # the port in use is one line now, not after N registrations
     port = spec.master_port if spec.master_port is not None else int(os.environ.get("MASTER_PORT", 0) or 0)
     started = time.time()
+    events_file = "" if spec.events in (None, "-") else str(Path(spec.events).resolve())
+    announced = Announcement(str(spec.model), events_file, **service_settings(spec))
+    logs = rank_logs(announced.service.log, spec.ranks)
+    announced.update(rank_logs=tuple(map(str, logs)))
 
-    def died(rank: int, phase: str, line: str) -> None:
+    def died(rank: int, phase: str, line: str, code: int) -> None:
         """The launcher's line, in the events too, with the rank and its phase (the console
-        fails that rank's phase, whichever rank is gone); the history records the launch when
-        rank 0 is the one gone (it cannot)."""
+        fails that rank's phase, whichever rank is gone), as the service's ending, and in the
+        launch's one history record (rank 0 may be the one gone)."""
         if spec.events:
             with contextlib.suppress(OSError):
                 open_sink(spec.events)(Event(Phase.SERVE, "error", message=line, detail={"rank": rank, "phase": phase}))
-        if rank == 0:
-            device, backend = resolved(spec)
-            history.append(spec, {}, started, "error", line, device=device, backend=backend,
-                           extra={"failed_phase": Phase.SERVE, "rank": rank})
+        announced.end(f"rank {rank} {how(code)}", phase, line, by="launcher")
+        device, backend = resolved(spec)
+        history.append(spec, {}, started, "error", line, device=device, backend=backend,
+                       extra={"failed_phase": phase, "rank": rank, "end": f"rank {rank} {how(code)}"})
 
-    return launch(["serve", *spec.argv(SERVE)], spec.ranks, "127.0.0.1", port, spec.rendezvous_timeout, died)
+    env = announced.service.identity.to_env()
+    code = launch(["serve", *spec.argv(SERVE)], spec.ranks, "127.0.0.1", port, spec.rendezvous_timeout, died,
+                  env=env, logs=logs)
+    record = find(announced.service.pid)
+    if record is None or record.ending is None:  # rank 0 (or `died`) said how already, or nobody did
+        announced.end(how(code), "", by="launcher")
+    return code
 
 
 def _follow(spec: LaunchSpec, rank_env, emitter: Emitter) -> int:

@@ -1,52 +1,60 @@
-"""/metrics: every response by endpoint and status, generations, tokens, queue, launch facts."""
+"""/metrics: the exporter of the contract's metrics (`runtime.serve.contract.METRICS`): every
+response by endpoint and status, generations, tokens, time to first token and between tokens,
+queue, KV slots in use, launch facts."""
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from runtime.serve import contract as c
+
+
+def _make(metric: c.Metric, registry: CollectorRegistry):
+    if metric.kind == "counter":
+        return Counter(metric.name, metric.doc, list(metric.labels), registry=registry)
+    if metric.kind == "histogram":
+        return Histogram(metric.name, metric.doc, list(metric.labels), registry=registry, buckets=metric.buckets)
+    return Gauge(metric.name, metric.doc, list(metric.labels), registry=registry)
 
 
 class Metrics:
     def __init__(self, launched, scheduler) -> None:
         self.registry = r = CollectorRegistry()
-        self.responses = Counter("dsv4_requests", "HTTP responses by endpoint and status (499: client left first)",
-                                 ["endpoint", "status"], registry=r)
-        self.tokens = Counter("dsv4_tokens", "Tokens processed", ["kind"], registry=r)
-        self.generated = Counter("dsv4_generated_tokens", "Tokens the engines generated, delivered or not",
-                                 registry=r)
-        self.finished = Counter("dsv4_generations", "Generations by finish reason", ["reason"], registry=r)
-        self.latency = Histogram("dsv4_request_seconds", "Generation request latency", registry=r,
-                                 buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
-        self.queue_wait = Histogram("dsv4_queue_wait_seconds", "Time from submission to a slot", registry=r,
-                                    buckets=(0.001, 0.01, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60))
-        Gauge("dsv4_queue_depth", "Requests waiting for a slot", registry=r).set_function(lambda: scheduler.queued)
-        Gauge("dsv4_running", "Requests holding a slot", registry=r).set_function(lambda: scheduler.running)
-        phase = Gauge("dsv4_registration_phase_seconds", "Registration phase durations", ["phase"], registry=r)
+        m = {metric.name: _make(metric, r) for metric in c.METRICS}
+        self.responses, self.tokens = m[c.REQUESTS.name], m[c.TOKENS.name]
+        self.generated, self.finished = m[c.GENERATED.name], m[c.GENERATIONS.name]
+        self.latency, self.queue_wait = m[c.REQUEST_SECONDS.name], m[c.QUEUE_WAIT.name]
+        self.ttft, self.itl = m[c.TTFT.name], m[c.ITL.name]
+        m[c.QUEUE_DEPTH.name].set_function(lambda: scheduler.queued)
+        m[c.RUNNING.name].set_function(lambda: scheduler.running)
+        m[c.KV_SLOTS.name].set(scheduler.slots)
+        m[c.KV_SLOTS_USED.name].set_function(lambda: scheduler.slots - scheduler.free_slots)
         for name, rec in (launched.phases or {}).items():
-            phase.labels(name).set(rec.get("seconds", 0.0))
-        programs = Gauge("dsv4_kernel_cache_programs", "Programs by cache outcome at launch", ["outcome"], registry=r)
+            m[c.PHASE_SECONDS.name].labels(name).set(rec.get("seconds", 0.0))
         for outcome, n in ((launched.phases.get("programs") or {}).get("counts") or {}).items():
-            programs.labels(outcome).set(n)
+            m[c.PROGRAM_OUTCOMES.name].labels(outcome).set(n)
         weights = launched.phases.get("weights") or {}
-        Gauge("dsv4_sidecar_verdict", "1 for the weights path taken at launch", ["path", "reason"],
-              registry=r).labels(weights.get("path", "unknown"), weights.get("reason", "")).set(1)
-        Gauge("dsv4_kv_slots", "KV cache sequence slots", registry=r).set(scheduler.slots)
-        engine = {  # read from the engine thread's counters at every scrape
-            "dsv4_decode_steps": ("Decode steps the engine ran", "steps"),
-            "dsv4_decode_batch_mean": ("Mean sequences per decode step", "mean_batch"),
-            "dsv4_mtp_drafts": ("MTP drafts verified", "drafts"),
-            "dsv4_mtp_accepted": ("MTP drafts accepted", "accepted"),
-            "dsv4_mtp_acceptance": ("Accepted / verified MTP drafts", "acceptance"),
-            "dsv4_tokens_per_step": ("Tokens handed over per sequence and decode step (MTP: up to 2)", "tokens_per_step"),
-        }
-        for name, (doc, key) in engine.items():
-            Gauge(name, doc, registry=r).set_function(lambda key=key: scheduler.stats[key] or 0.0)
+        m[c.SIDECAR_VERDICT.name].labels(weights.get("path", "unknown"), weights.get("reason", "")).set(1)
+        for metric, key in c.ENGINE.items():
+            m[metric.name].set_function(lambda key=key: scheduler.stats[key] or 0.0)
         tiers = getattr(launched, "tiers", None)
-        tiers = tiers if hasattr(tiers, "steps") else None
-        if tiers is not None:  # --ready early: how many steps ran with some program still eager
-            steps = Gauge("dsv4_steps_by_tier", "Engine steps run while any program was eager, or all compiled",
-                          ["tier"], registry=r)
+        if hasattr(tiers, "steps"):  # --ready early: how many steps ran with some program still eager
             for tier in tiers.steps:
-                steps.labels(tier).set_function(lambda tier=tier: tiers.steps[tier])
+                m[c.STEPS_BY_TIER.name].labels(tier).set_function(lambda tier=tier: tiers.steps[tier])
+
+    def on_token(self, job) -> None:
+        """The engine thread handed `job` a token: counted, and timed against the job's last one
+        (or its submission, for the first)."""
+        now = time.perf_counter()
+        self.generated.inc()
+        last = getattr(job, "last_token_at", None)
+        if last is None:
+            self.ttft.observe(now - job.queued_at)
+        else:
+            self.itl.observe(now - last)
+        job.last_token_at = now
 
     def count_response(self, endpoint: str, status: int) -> None:
         self.responses.labels(endpoint, str(status)).inc()

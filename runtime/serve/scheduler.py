@@ -159,7 +159,7 @@ class Scheduler:
             raise ValueError("a scheduler needs at least one engine slot")
         self.slots = min(engine.slots, max_batch or engine.slots)  # sequences at once
         self.queue_timeout = queue_timeout
-        self.batcher = Batcher(engine, self._end, lambda: self.on_token(), speculative, **batcher_options)
+        self.batcher = Batcher(engine, self._end, lambda job: self.on_token(job), speculative, **batcher_options)
         self.owner = list(getattr(engine, "owner", [0] * engine.slots))  # each slot's rank
         self.ranks = max(self.owner) + 1
         self.rank_slots = [self.owner.count(r) for r in range(self.ranks)]
@@ -174,7 +174,7 @@ class Scheduler:
         self._closing = False
         self._failed: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.on_token: Callable[[], None] = lambda: None  # called by the engine thread per generated token
+        self.on_token: Callable[[Job], None] = lambda job: None  # the engine thread, per token handed to a job
         self._thread = threading.Thread(target=self._serve, name="engine", daemon=True)
         self._thread.start()
 

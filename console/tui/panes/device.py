@@ -11,8 +11,8 @@ from typing import Any
 from textual.app import ComposeResult
 from textual.widgets import Static
 
-from console.tui import fmt
-from console.tui.data.host import DeviceSnapshot
+from console import fmt
+from console.data.host import DeviceSnapshot
 from console.tui.panes.base import Pane
 
 

@@ -10,9 +10,9 @@ from typing import Any
 from textual.app import ComposeResult
 from textual.widgets import Static
 
-from console.tui import fmt
-from console.tui.data.cache import CacheSnapshot
-from console.tui.data.collectors import ProgramsSnapshot
+from console import fmt
+from console.data.cache import CacheSnapshot
+from console.data.collectors import ProgramsSnapshot
 from console.tui.panes.base import JobLine, Pane
 from console.tui.tables import Column, PaneTable, title
 

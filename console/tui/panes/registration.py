@@ -11,10 +11,10 @@ from typing import Any
 from textual.app import ComposeResult
 from textual.widgets import Static
 
-from console.tui import fmt
-from console.tui.data.collectors import RegistrationSnapshot
-from console.tui.data.eta import Progress
-from console.tui.data.launch_state import DONE, FAILED, RUNNING, LaunchState, delta, path_taken
+from console import fmt
+from console.data.collectors import RegistrationSnapshot
+from console.data.eta import Progress
+from console.data.launch_state import DONE, FAILED, RUNNING, LaunchState, delta, path_taken
 from console.tui.panes.base import Pane
 from console.tui.tables import Column, PaneTable
 from runtime.events import PHASES
@@ -135,11 +135,13 @@ class RegistrationPane(Pane):
             running_now = any(ph.state == RUNNING for ph in launch.phases.values())
             parts.append(f"this launch {fmt.duration(time.time() - launch.spawned)} elapsed" if running_now
                          else f"this launch {launch.total_seconds:.2f} s")
-            if launch.stopped:
+            if launch.ended and not launch.stopped:  # never "serving" beside a process that is gone
+                parts.append(f"[red]ended: {launch.ended}[/]")
+            elif launch.stopped:
                 parts.append("[yellow]service stopped[/]")
             elif launch.url:
                 parts.append(f"[green]serving {launch.url}[/]")
-            if launch.error:
+            if launch.error and launch.error not in launch.ended:  # one failure, one line
                 parts.append(f"[red]{launch.error}[/]")
             if launch.tier_line:
                 parts.append(launch.tier_line)

@@ -1,38 +1,109 @@
-"""Services pane: every `dsv4 serve` of this user on the host (whoever started it): URL,
-model, uptime, health; `s` stops the selected one."""
+"""Services pane: every `dsv4 serve` of this user on the host (whoever started it), running or
+ended: its state (an ended one says how, until `d` dismisses it), identity, settings and what it
+serves now (tokens/s, requests/s, latency, running/queued, KV in use, errors). `s` stops the
+selected one, `L` opens its log."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
 from textual.app import ComposeResult
 from textual.widgets import Static
 
-from console.tui import fmt
-from console.tui.data.services import ServicesSnapshot
+from console import fmt
+from console.data.services import ServicesSnapshot, ServiceView
 from console.tui.panes.base import Pane
 from console.tui.tables import Column, PaneTable, title
 
-COLUMNS = (  # which service it is first (two of one model differ by who started them), then how it does
+STATE_COLOR = {"serving": "green", "registering": "yellow", "failed": "red", "unreachable": "red", "ended": "red"}
+STATE_ORDER = {"failed": 0, "ended": 1, "unreachable": 2, "registering": 3, "serving": 4}  # problems first
+COLUMNS = (  # which service and how it is first; what it serves next (a narrow pane keeps the first)
+    Column("state", "state", 8, essential=True, rank=STATE_ORDER),
     Column("pid", "pid", 7, essential=True),
-    Column("url", "url", 21, essential=True),
-    Column("health", "health", 7, essential=True),
-    Column("origin", "by", 7),
+    Column("tokens_s", "tok/s", 6, essential=True),
+    Column("url", "url", 15),
+    Column("requests_s", "req/s", 5),
+    Column("ttft", "ttft p50/99", 11),
+    Column("itl", "itl p50/99", 11),
+    Column("load", "run/queue", 9),
+    Column("kv", "kv", 4),
+    Column("errors", "4xx/5xx/503", 11),
+    Column("backend", "backend", 7),
+    Column("max_seq", "max-seq", 7),
+    Column("ranks", "ranks", 5),
     Column("model", "model", 12),
-    Column("create_time", "up", 6),
-    Column("engine", "engine", 16),
+    Column("origin", "by", 7),
+    Column("up", "up", 6),
 )
 
 
-def engine_cell(engine: dict[str, Any]) -> str:
-    """"batch 12.4 · mtp 61%": the mean decode batch, and the MTP acceptance when it drafts."""
-    if not engine.get("steps"):
-        return "-"
-    text = f"batch {engine.get('mean_batch', 0):g}"
-    if engine.get("acceptance") is not None:
-        text += f" · mtp {engine['acceptance']:.0%}"
-    return text
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.0f}" if seconds < 10 else f"{seconds:.0f}s"
+
+
+def _rate(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}" if value < 100 else f"{value:.0f}"
+
+
+def cells(view: ServiceView, now: float) -> dict[str, str]:
+    color = STATE_COLOR.get(view.state, "yellow")
+    s = view.serving
+    record = view.record
+    return {
+        "state": f"[{color}]{view.state}[/]", "pid": str(view.pid),
+        "url": view.url.removeprefix("http://") if view.url else "-",
+        "tokens_s": _rate(s.tokens_s) if s else "-", "requests_s": _rate(s.requests_s) if s else "-",
+        "ttft": f"{_ms(s.ttft_p50)}/{_ms(s.ttft_p99)}" if s else "-",
+        "itl": f"{_ms(s.itl_p50)}/{_ms(s.itl_p99)}" if s else "-",
+        "load": f"{s.running}/{s.queued}" if s else "-",
+        "kv": "-" if not s or s.kv_fraction is None else f"{s.kv_fraction:.0%}",
+        "errors": f"{s.errors_4xx}/{s.errors_5xx}/{s.busy_503}" if s else "-",
+        "backend": view.backend or "-", "max_seq": str(view.max_seq or "-"), "ranks": str(view.rank_count),
+        "model": Path(view.model).name, "origin": "console" if view.from_console else "shell",
+        "up": fmt.duration(now - record.create_time) if not view.ended else "-",
+    }
+
+
+def row(view: ServiceView, now: float) -> dict[str, Any]:
+    """The table's row: the sortable values beside the typed view (what actions act on)."""
+    s = view.serving
+    return {"view": view, "state": view.state, "pid": view.pid, "tokens_s": s.tokens_s if s else None,
+            "requests_s": s.requests_s if s else None, "url": view.url, "model": view.model,
+            "backend": view.backend, "max_seq": view.max_seq, "ranks": view.rank_count,
+            "up": now - view.record.create_time, **view.to_json()}
+
+
+def rank_line(view: ServiceView) -> str:
+    """`rank 0 pid 41 cpu serve · rank 1 pid 42 cpu serve beat 0.4 s`."""
+    parts = []
+    for r in view.ranks:
+        beat = "" if r.heartbeat_age is None or r.rank == 0 else f" beat {r.heartbeat_age:.1f} s"
+        host = f" {r.host}" if r.host and r.host != view.record.host else ""
+        parts.append(f"rank {r.rank}{host} pid {r.pid or '?'} {r.device or '-'} {r.phase or '-'}{beat}"
+                     f" {r.slots - r.free_slots}/{r.slots} slots" + (f" [red]{r.error}[/]" if r.error else ""))
+    return " · ".join(parts)
+
+
+def summary(view: ServiceView, now: float) -> list[str]:
+    """The selected service in full: identity and state first (a collapsed pane shows line one)."""
+    s = view.serving
+    head = f"pid {view.pid} {view.url or view.record.state} [{STATE_COLOR.get(view.state, 'yellow')}]{view.state}[/]"
+    if s and s.tokens_s is not None:
+        head += f" {s.tokens_s:.1f} tok/s"
+    lines = [head]
+    if view.ended:
+        lines.append(f"[red]{view.ending_line(now)}[/]  [dim](d dismisses)[/]")
+    elif view.detail is not None and view.detail.reason:
+        lines.append(f"[red]{view.detail.reason}[/]")
+    if view.problem:
+        lines.append(f"[yellow]{view.problem}[/]")
+    if len(view.ranks) > 1:
+        lines.append(rank_line(view))
+    logs = view.logs()
+    lines.append(f"[dim]log[/] {logs[0][1] if logs else '-'}" + ("  [dim](L opens it)[/]" if logs else ""))
+    return lines
 
 
 class ServicesPane(Pane):
@@ -41,35 +112,27 @@ class ServicesPane(Pane):
         self.now = 0.0
 
     def compose(self) -> ComposeResult:
-        yield PaneTable("services", COLUMNS, self._cells, id="services-table")
+        yield PaneTable("services", COLUMNS, lambda r: cells(r["view"], self.now), id="services-table",
+                        sort_key="state")
         yield Static(id="services-summary", classes="totals")
 
     def on_mount(self) -> None:
         self.border_title = "Services"
 
-    def _cells(self, s: dict[str, Any]) -> dict[str, str]:
-        color = "green" if s["health"] == "ok" else "yellow"
-        health = "-" if s["health"] == s["state"] else s["health"]  # registering: nothing to ask yet
-        url = s["url"].removeprefix("http://") if s["url"] else s["state"]  # the summary line has the full URL
-        return {"pid": str(s["pid"]), "url": url, "health": f"[{color}]{health}[/]",
-                "engine": engine_cell(s.get("engine") or {}),
-                "create_time": fmt.duration(self.now - s["create_time"]), "model": Path(s["model"]).name,
-                "origin": "console" if s["from_console"] else "shell"}
-
     def show(self, snap: ServicesSnapshot, now: float, needle: str = "") -> None:
         self.now = now
         table = self.query_one(PaneTable)
-        shown, total = table.set_rows(snap.services, needle)
+        shown, total = table.set_rows([row(v, now) for v in snap.services], needle)
         self.border_title = title("Services", shown, total, needle)
-        text = ""
         if snap.error:
             text = f"[red]{snap.error}[/]"
         elif not snap.services:
             text = "[dim]no dsv4 serve running on this host (l launches one)[/]"
         else:
-            sel = table.selected() or snap.services[0]
-            text = f"pid {sel['pid']} {sel['url'] or sel['state']} {sel['health']}  [dim]log[/] {sel['log'] or '-'}"
+            sel = table.selected() or {"view": snap.services[0]}
+            text = "\n".join(summary(sel["view"], time.time()))
         self.query_one("#services-summary", Static).update(text)
 
-    def selected(self) -> dict[str, Any] | None:
-        return self.query_one(PaneTable).selected()
+    def selected(self) -> ServiceView | None:
+        row = self.query_one(PaneTable).selected()
+        return row["view"] if row else None

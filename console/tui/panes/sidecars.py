@@ -9,8 +9,8 @@ from typing import Any
 from textual.app import ComposeResult
 from textual.widgets import Static
 
-from console.tui import fmt
-from console.tui.data.collectors import SidecarsSnapshot
+from console import fmt
+from console.data.collectors import SidecarsSnapshot
 from console.tui.panes.base import JobLine, Pane
 from console.tui.tables import Column, PaneTable, title
 from store.sidecar.verdict import MAP

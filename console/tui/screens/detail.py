@@ -20,7 +20,7 @@ from textual.containers import VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Static
 
-from console.tui import fmt
+from console import fmt
 from store.units import format_age, format_size
 
 MAX_MANIFEST_BYTES = 1 << 20
@@ -28,7 +28,7 @@ MAX_MANIFEST_BYTES = 1 << 20
 TIME_KEYS = frozenset({"created", "last_used", "last_hit", "sampled_at", "started", "create_time", "when", "ended",
                        "spawned", "ts", "mtime"})
 FRACTION_KEYS = frozenset({"residency", "fraction", "utilization", "acceptance"})
-HIDDEN = frozenset({"cells"})  # the pane's rendering of the row, not what the row knows
+HIDDEN = frozenset({"cells", "view"})  # the pane's rendering of the row, not what the row knows
 Row = tuple[int, str, str | None]  # (depth, key, value in words); no value: a heading of what follows
 
 

@@ -13,9 +13,9 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Input, Static
 
-from console.tui import fmt
-from console.tui.data.collectors import launch_seconds
-from console.tui.data.launch_state import path_taken
+from console import fmt
+from console.data.collectors import launch_seconds
+from console.data.launch_state import path_taken
 from console.tui.screens.detail import DetailScreen
 from console.tui.tables import Column, PaneTable, title
 

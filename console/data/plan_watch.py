@@ -57,7 +57,7 @@ class PlanWatch:
     cache's contents as of that plan."""
 
     def __init__(self, spec: Any, clock=time.monotonic):
-        from console.tui.data.cache import CacheSnapshot
+        from console.data.cache import CacheSnapshot
 
         self.spec = spec
         self.model_dir, self.cache_dir = spec.model, spec.kernel_cache_dir
@@ -83,7 +83,7 @@ class PlanWatch:
         self.json = None
 
     def _make(self, history: list[dict[str, Any]] | None) -> None:
-        from console.tui.data.cache import collect_cache
+        from console.data.cache import collect_cache
         from runtime.launch.plan import make_plan
 
         self._made = self.clock()

@@ -1,19 +1,18 @@
 """The console's long cache actions (first-run create, prepack, warm, purge): `dsv4 …` worker
 processes whose progress (done/total, elapsed, ETA, what now) shows in the Sidecars pane (a
 compile's in the Programs pane, each program's row saying where it is), with a notification
-when each ends. A mixin of `console.tui.app.Dsv4Console`."""
+when each ends."""
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
-from textual import work
-
-from console.tui import fmt
-from console.tui.data.collectors import default_preset
-from console.tui.data.eta import Progress, program_seconds
-from console.tui.data.launch_state import ProgramStates
+from console import fmt
+from console.data.collectors import default_preset
+from console.data.eta import Progress, program_seconds
+from console.data.launch_state import ProgramStates
 from console.tui.panes.programs import ProgramsPane
 from console.tui.panes.sidecars import SidecarsPane
 from console.tui.screens.confirm import ConfirmScreen
@@ -23,49 +22,71 @@ from runtime.launch.spec import COMPILE, PREPACK
 from store import sidecar as sc
 from store.checkpoint import INDEX_NAME
 
+if TYPE_CHECKING:
+    from console.tui.app import Dsv4Console
 
-class JobActions:
-    jobs: dict[str, Any]
-    progress: dict[str, Progress]
-    pools: dict[str, ProgramStates]
+
+class JobControl:
+    """Every job this console runs (its service too, under "launch"), and their progress."""
+
+    def __init__(self, app: Dsv4Console):
+        self.app = app
+        self.jobs: dict[str, Any] = {}
+        self.progress: dict[str, Progress] = {}
+        self.pools: dict[str, ProgramStates] = {}
+        self.failures: list[Event] = []
+
+    @property
+    def spec(self):
+        return self.app.spec
+
+    @property
+    def snapshot(self):
+        return self.app.snapshot
+
+    def running(self) -> list[str]:
+        return [n for n, w in self.jobs.items() if w.running]
 
     def _busy(self, name: str) -> bool:
         job = self.jobs.get(name)
         if job and job.running:
-            self.notify(f"{name} is already running (pid {job.pid})", severity="warning")
+            self.app.notify(f"{name} is already running (pid {job.pid})", severity="warning")
             return True
         return False
 
-    def _model_ready(self) -> bool:
+    def model_ready(self) -> bool:
         if (self.spec.model / INDEX_NAME).is_file():
             return True
-        self.notify(f"no checkpoint at {self.spec.model}", severity="error")
+        self.app.notify(f"no checkpoint at {self.spec.model}", severity="error")
         return False
 
     def _start(self, name: str, argv: list[str], progress: Progress | None = None) -> Worker:
-        w = Worker(name, argv, on_event=self._on_event, on_line=self._on_line)
+        w = Worker(name, argv, **self.app.worker_callbacks())
         self.jobs[name] = w
-        self.log_line("console", f"{name}: {shown(argv)}")
+        self.app.log_line("console", f"{name}: {shown(argv)}")
         self.pools.pop(name, None)
         if progress is not None:
             self.progress[name] = progress
             self.show_job(name)
         return w
 
-    def _job_pane(self, p: Progress | None):
+    def job_pane(self, p: Progress | None):
         """Where a job's progress shows: a compile in Programs (beside its rows), the rest in Sidecars."""
-        return self._main(ProgramsPane) if p is not None and p.unit == "programs" else self._main(SidecarsPane)
+        return self.app.pane(ProgramsPane if p is not None and p.unit == "programs" else SidecarsPane)
 
     def show_job(self, name: str) -> None:
         p = self.progress.get(name)
+        programs, sidecars = self.app.pane(ProgramsPane), self.app.pane(SidecarsPane)
         if p is None:
-            self._main(SidecarsPane).job("")
-            self._main(ProgramsPane).job("")
+            for pane in (programs, sidecars):
+                if pane is not None:
+                    pane.job("")
         elif p.unit == "programs":
             pool = self.pools.get(name)
-            self._main(ProgramsPane).job(p.line(), p.done, p.total, pool.states if pool else None)
-        else:
-            self._main(SidecarsPane).job(p.line(), p.done, p.total)
+            if programs is not None:
+                programs.job(p.line(), p.done, p.total, pool.states if pool else None)
+        elif sidecars is not None:
+            sidecars.job(p.line(), p.done, p.total)
 
     def tick_jobs(self) -> None:
         """Once a second while something runs: elapsed and ETA move even between events."""
@@ -73,7 +94,15 @@ class JobActions:
             if job.running and name in self.progress:
                 self.show_job(name)
 
-    def _job_event(self, worker: Worker, event: Event) -> None:
+    def failed(self, worker: Worker, event: Event) -> None:
+        """The parent's verdict on a worker that died: its line, its last stderr lines."""
+        self.failures.append(event)
+        self.app.log_line("error", event.message or "failed")
+        for line in event.detail.get("stderr", [])[-5:]:
+            self.app.log_line("error", f"  {line}")
+        self.app.notify(event.message or "failed", title="failed", severity="error", timeout=8)
+
+    def event(self, worker: Worker, event: Event) -> None:
         p = self.progress.get(worker.name)
         d = event.detail
         if event.kind == "progress" and p is not None:
@@ -94,35 +123,45 @@ class JobActions:
             p.update(len(pool.finished), now=pool.now)
             self.show_job(worker.name)
         if event.message and event.kind != "progress":
-            self.log_line(worker.name, event.message)
+            self.app.log_line(worker.name, event.message)
 
     def _program_order(self) -> list[str]:
         """The programs in the order the last launch of this model prepared them."""
         prev = self.snapshot.registration.previous if self.snapshot else None
         return list((prev or {}).get("phases", {}).get("programs", {}).get("programs") or {})
 
-    async def _finish(self, worker: Worker, what: str = "") -> int:
-        self._topbar()
+    async def finish(self, worker: Worker, what: str = "") -> int | None:
+        """Run `worker` to its end: its exit said in the log, a job's progress line cleared and
+        its success notified (a service's end is the service control's to say)."""
+        self.app.topbar()
         code = await worker.run()
-        self.log_line("console", f"{worker.name}: exit code {code}")
+        self.app.log_line("console", f"{worker.name}: {'ended' if code is None else f'exit code {code}'}")
         p = self.progress.pop(worker.name, None)
-        if worker is not self.service:
-            self._job_pane(p).job("")
+        if worker is not self.app.service:
+            pane = self.job_pane(p)
+            if pane is not None:
+                pane.job("")
             if code == 0:
                 took = fmt.duration(time.monotonic() - p.started) if p else ""
-                self.notify(f"{what or worker.name} done{' in ' + took if took else ''}", title="done")
-        self._topbar()
-        self.refresh_now()
+                self.app.notify(f"{what or worker.name} done{' in ' + took if took else ''}", title="done")
+        self.app.topbar()
+        self.app.refresh_now()
         return code
 
-    def _do_create(self) -> None:
+    def create(self) -> None:
         if self._busy("create"):
             return
-        self.log_line("console", f"creating the embedded default checkpoint ({default_preset()}) at "
-                                 f"{self.spec.model}")
+        self.app.log_line("console", f"creating the embedded default checkpoint ({default_preset()}) at "
+                                     f"{self.spec.model}")
         w = self._start("create", dsv4("check"), Progress(f"creating the default {default_preset()} "
                                                           "checkpoint (first run)"))
-        self.run_worker(self._finish(w, "default checkpoint"), group="jobs")
+        self.app.run_worker(self._created(w), group="jobs")
+
+    async def _created(self, w: Worker) -> None:
+        if await self.finish(w, "default checkpoint") == 0:
+            self.app.notify("the default checkpoint is ready: w warms it (reads the sidecar, compiles the "
+                            "programs), then l launches", title="next", timeout=15)
+            self.app.log_line("console", "next: w warms the checkpoint (compiles its programs), then l launches")
 
     def _pack_rate(self) -> float | None:
         """Bytes per second packed by earlier prepacks (recorded in each sidecar's metadata)."""
@@ -130,28 +169,28 @@ class JobActions:
         rates = [r["size_bytes"] / r["pack_seconds"] for r in rows if r.get("pack_seconds") and r.get("size_bytes")]
         return max(rates) if rates else None
 
-    def _do_prepack(self) -> None:
-        if self._busy("prepack") or not self._model_ready():
+    def prepack(self) -> None:
+        if self._busy("prepack") or not self.model_ready():
             return
         argv = dsv4("prepack", *self.spec.with_(events="-").argv(PREPACK))
         existing = sc.default_sidecar_path(self.spec.model, self.spec.ranks)
 
         def go(extra: list[str]) -> None:
             w = self._start("prepack", [*argv, *extra], Progress("prepack", "bytes", rate=self._pack_rate()))
-            self.run_worker(self._finish(w, "prepack"), group="jobs")
+            self.app.run_worker(self.finish(w, "prepack"), group="jobs")
 
         if not existing.exists():
             go([])
             return
-        self.push_screen(ConfirmScreen("Replace the sidecar?",
+        self.app.push_screen(ConfirmScreen("Replace the sidecar?",
                                        f"{existing} ({fmt.size(existing.stat().st_size)}) exists; prepack "
                                        "writes a new one and replaces it in one rename."),
                          lambda yes: go(["--force"]) if yes else None)
 
-    def _do_warm(self) -> None:
-        if self._busy("warm") or not self._model_ready():
+    def warm(self) -> None:
+        if self._busy("warm") or not self.model_ready():
             return
-        self.run_worker(self._warm(), group="jobs")
+        self.app.run_worker(self._warm(), group="jobs")
 
     async def _warm(self) -> None:
         from store import pagecache
@@ -162,40 +201,40 @@ class JobActions:
             known = pagecache.read_throughput()
             argv = dsv4("sidecar", "warm", str(path), "--events", "-")
             p = Progress(f"warm {path.name}", "bytes", rate=known.bytes_per_s if known.measured else None)
-            if await self._finish(self._start("warm", argv, p), "warm (read)") != 0:
+            if await self.finish(self._start("warm", argv, p), "warm (read)") != 0:
                 return
         else:
-            self.log_line("console", f"warm: no sidecar at {path}; prepack first (p). Compiling programs only")
+            self.app.log_line("console", f"warm: no sidecar at {path}; prepack first (p). Compiling programs only")
         argv = dsv4("compile", *s.with_(events="-").argv(COMPILE))  # exactly the programs a launch of s needs
         planned = self.snapshot.programs.entries if self.snapshot else ()
         p = Progress("compile", "programs", items=program_seconds(planned))
-        await self._finish(self._start("warm", argv, p), "warm (compile)")
+        await self.finish(self._start("warm", argv, p), "warm (compile)")
 
-    def _do_purge(self) -> None:
-        self._purge_ask()
+    def purge(self) -> None:
+        self.app.run_worker(self._purge_ask, thread=True, group="purge")
 
     def _purge_scope(self) -> str:
         """What `x` purges: in the kernel cache view, every entry that can never be used again;
         elsewhere what the plan of this checkpoint calls stale or corrupt (runtime.launch.purge)."""
         from runtime.launch import purge
 
-        return purge.CACHE if self._main(ProgramsPane).viewing_cache is True else purge.PLAN
+        pane = self.app.pane(ProgramsPane)
+        return purge.CACHE if pane is not None and pane.viewing_cache is True else purge.PLAN
 
-    @work(thread=True, group="purge")
     def _purge_ask(self) -> None:
         """A fresh plan of this checkpoint, and what the purge rules allow: each file and why."""
         from runtime.launch import purge
 
-        scope = self.call_from_thread(self._purge_scope)
-        plan, _ = self.collectors.plan()
+        scope = self.app.call_from_thread(self._purge_scope)
+        plan, _ = self.app.collectors.plan()
         chosen = purge.targets(plan, scope) if plan is not None else []
-        self.call_from_thread(self._purge_confirm, plan, chosen, scope)
+        self.app.call_from_thread(self._purge_confirm, plan, chosen, scope)
 
     def _purge_confirm(self, plan, chosen: list, scope: str = "plan") -> None:
         which = ("that the plan of this checkpoint calls stale or corrupt" if scope == "plan" else
                  "that the kernel cache calls stale, corrupt, quarantined or abandoned")
         if not chosen:
-            self.notify(f"nothing to purge: no program entry or sidecar {which.removeprefix('that ')}")
+            self.app.notify(f"nothing to purge: no program entry or sidecar {which.removeprefix('that ')}")
             return
         nbytes = sum(t.size_bytes for t in chosen)
         programs = sum(t.kind == "program" for t in chosen)
@@ -207,24 +246,24 @@ class JobActions:
 
         def confirmed(yes: bool | None) -> None:
             if yes:
-                self._purge(plan, chosen, scope)
+                self.app.run_worker(partial(self._purge, plan, chosen, scope), thread=True, group="purge")
             else:
-                self.log_line("console", "purge: cancelled, nothing deleted")
+                self.app.log_line("console", "purge: cancelled, nothing deleted")
 
-        self.push_screen(ConfirmScreen("Delete these?", "\n".join(lines)), confirmed)
+        self.app.push_screen(ConfirmScreen("Delete these?", "\n".join(lines)), confirmed)
 
-    @work(thread=True, group="purge")
     def _purge(self, plan, chosen: list, scope: str) -> None:
         from runtime.launch import purge
 
+        app = self.app
         try:  # deletes only what a fresh look still allows
             done = purge.purge(plan, chosen, scope)
         except Exception as e:
-            self.call_from_thread(self.notify, f"purge: {e}", title="failed", severity="error")
+            app.call_from_thread(app.notify, f"purge: {e}", title="failed", severity="error")
             return
         for t in done:
-            self.call_from_thread(self.log_line, "console", f"purge: deleted {t.line()}")
+            app.call_from_thread(app.log_line, "console", f"purge: deleted {t.line()}")
         message = f"purge: deleted {len(done)} of {len(chosen)} ({fmt.size(sum(t.size_bytes for t in done))})"
-        self.call_from_thread(self.log_line, "console", message)
-        self.call_from_thread(self.notify, message, title="done")
-        self.call_from_thread(self.refresh_now)
+        app.call_from_thread(app.log_line, "console", message)
+        app.call_from_thread(app.notify, message, title="done")
+        app.call_from_thread(app.refresh_now)

@@ -181,6 +181,29 @@ class LaunchState:
     # world size its check announced
     ranks: dict[int, Track] = field(default_factory=dict)
     world: int | None = None
+    ended: str = ""  # how the service's process ended, once it has ("killed by SIGKILL 3 s ago during serve")
+
+    def current_phase(self) -> str:
+        """The phase the launch is in: the one running, else serve once it served, else the last
+        one that started ("" before any)."""
+        running = [p for p in PHASES if self.phases[p].state == RUNNING]
+        if running:
+            return running[0]
+        if self.url:
+            return "serve"
+        started = [p for p in PHASES if self.phases[p].state != PENDING]
+        return started[-1] if started else ""
+
+    def end(self, line: str, failed: bool) -> None:
+        """The service's process is gone: how, and (when it did not stop as asked) the phase it
+        was in fails, so no row says ✓ or "serving" beside a process that is not there."""
+        phase = self.current_phase()
+        self.ended = line
+        if failed and phase and self.phases[phase].state != FAILED:
+            p = self.phases[phase]
+            p.state, p.path = FAILED, line
+        elif not failed:
+            self.stopped = True
 
     @property
     def tier_line(self) -> str:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from console.tui import fmt
+from console import fmt
 
 MAX_MANIFEST_BYTES = 1 << 20  # a manifest is a few KiB; larger is corrupt (never read whole)
 HIT_SECONDS = 0.1  # a verified load of a cached program, when nothing better is recorded

@@ -1,7 +1,7 @@
 """Collectors: plain Python that returns immutable snapshots of what the console shows.
 
 The Programs, Sidecars and Registration panes render the plan of the next launch
-(`runtime.launch.plan`, torch-free, kept by `console.tui.data.plan_watch`): nothing here judges a cache or
+(`runtime.launch.plan`, torch-free, kept by `console.data.plan_watch`): nothing here judges a cache or
 predicts a program outcome itself. Nothing imports torch or opens a device context. Panes only
 render these snapshots, `--once --json` prints them (the plan under `plan`), and tests feed
 fake ones. Every collector turns its own failure into an `error` string on its snapshot.
@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from console.tui.data.cache import CacheSnapshot
-from console.tui.data.host import DeviceSnapshot, HostCollector, HostSnapshot, collect_device
-from console.tui.data.plan_watch import PlanWatch
-from console.tui.data.services import ServicesSnapshot, collect_services
+from console.data.cache import CacheSnapshot
+from console.data.host import DeviceSnapshot, HostCollector, HostSnapshot, collect_device
+from console.data.plan_watch import PlanWatch
+from console.data.services import ServicesCollector, ServicesSnapshot
 from runtime.launch.history import Likeness, basis_line, comparable, is_warm, launch_seconds
 from runtime.launch.spec import LaunchSpec
 from runtime.programs.outcome import Outcome
@@ -29,7 +29,8 @@ from store.sidecar.verdict import MAP, REPACK
 from store.units import format_size
 
 RESIDENCY_DRIFT = 0.02  # a fresh sample this far from the plan's re-plans (hot/cold may have flipped)
-SCHEMA_VERSION = 3  # 3: the launch spec under `settings`, the kernel cache's contents under `cache`
+SCHEMA_VERSION = 4  # 4: `host_name`; each service with its identity, /health, serving figures and ending
+LOCAL = "local"
 
 
 def resolved(spec: LaunchSpec) -> LaunchSpec:
@@ -87,11 +88,13 @@ class Snapshot:
     services: ServicesSnapshot = field(default_factory=ServicesSnapshot)
     plan: dict[str, Any] | None = None  # runtime.launch.plan.Plan.to_json()
     cache: CacheSnapshot = field(default_factory=CacheSnapshot)  # every entry under the kernel cache root
+    host_name: str = LOCAL  # which host this is the snapshot of (this one: local)
 
     def to_json(self) -> dict[str, Any]:
-        return {"v": SCHEMA_VERSION, "ts": self.ts, "settings": self.settings, "plan": self.plan,
+        return {"v": SCHEMA_VERSION, "host_name": self.host_name, "ts": self.ts, "settings": self.settings,
+                "plan": self.plan, "services": self.services.to_json(),
                 **{k: dataclasses.asdict(getattr(self, k))
-                   for k in ("programs", "cache", "sidecars", "services", "host", "device", "registration")}}
+                   for k in ("programs", "cache", "sidecars", "host", "device", "registration")}}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -159,8 +162,9 @@ def predict(spec: LaunchSpec, history: list[dict[str, Any]], plan: dict[str, Any
     if kv.get("problem"):
         pred["kv"] = f"FAIL: {kv['problem']}"
     elif kv.get("slots") is not None:
-        pred["kv"] = f"{kv['slots']} slots of {format_size(kv['slot_bytes'])}" + (
-            " per rank" if kv.get("ranks", 1) > 1 else "")
+        per_rank = [b.get("slots") for b in kv.get("per_rank") or ()]  # the service's slots are their sum
+        split = f" ({' + '.join(map(str, per_rank))})" if len(per_rank) > 1 else ""
+        pred["kv"] = f"{kv['slots']} slots{split} of {format_size(kv['slot_bytes'])}" + (" each" if split else "")
     else:
         pred["kv"] = kv.get("detail", "-")
     pred["validate"] = "decode check"
@@ -206,6 +210,7 @@ class Collectors:
         self.spec = spec
         self.device_kind = resolve_device(spec.device)
         self.host = HostCollector()
+        self.services = ServicesCollector()
         self.plans = PlanWatch(spec)
         self._history: list[dict[str, Any]] = []
         self._history_stamp: tuple[int, int] | None = None
@@ -255,5 +260,5 @@ class Collectors:
         settings = {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(s).items()}
         settings["device"] = self.device_kind
         return Snapshot(now, settings, programs_of(plan, s.kernel_cache_dir), sidecars_of(plan, s.model, now),
-                        self.host(), device, predict(s, history, plan, device), collect_services(), plan,
+                        self.host(), device, predict(s, history, plan, device), self.services(), plan,
                         self.plans.cache)

@@ -1,0 +1,295 @@
+"""Services: every `dsv4 serve` of this user on this host, running or ended (the registry in
+`store.services`), each as a `ServiceView`: its record, its `/health` (the contract's `Health`,
+ranks included) and what it serves, live, from its `/metrics` (`Serving`, over the last minute).
+Plain Python, no torch, off the UI thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from runtime.serve import contract as c
+from store import services as registry
+from store.services import Service
+
+HTTP_TIMEOUT = 0.5  # loopback answers in milliseconds; a wedged service must not stall a refresh
+WINDOW_S = 60.0  # rates and latency quantiles over the last minute
+HISTORY = 30  # values kept per figure for its sparkline
+MAX_BODY = 1 << 20
+
+
+def fetch(url: str, path: str, timeout: float = HTTP_TIMEOUT) -> tuple[int | None, bytes]:
+    """(status, body) of GET url+path; (None, b"") when nothing answered."""
+    import http.client  # lazily: not on the first paint's path
+    import urllib.parse
+
+    parts = urllib.parse.urlsplit(url)
+    if not parts.hostname:
+        return None, b""
+    conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=timeout)
+    try:
+        conn.request("GET", path)
+        response = conn.getresponse()
+        return response.status, response.read(MAX_BODY)
+    except (OSError, http.client.HTTPException):
+        return None, b""
+    finally:
+        conn.close()
+
+
+def health(url: str) -> tuple[str, c.Health | None, str]:
+    """(`ok` | `HTTP 503` | `no answer`, the parsed Health, a contract problem in words)."""
+    import json
+
+    status, raw = fetch(url, "/health")
+    if status is None:
+        return "no answer", None, ""
+    word = "ok" if status == 200 else f"HTTP {status}"
+    try:
+        return word, c.Health.from_json(json.loads(raw)), ""
+    except ValueError as e:  # ContractError is one, and so is a body that is not JSON
+        return word, None, str(e)
+
+
+# ---- /metrics → the serving figures ----
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def parse_metrics(text: str) -> Samples:
+    """Every sample of an exposition, by (name, sorted labels): prometheus_client's own parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = float(s.value)
+    return out
+
+
+def _sum(samples: Samples, name: str, **match: Any) -> float:
+    return sum(v for (n, labels), v in samples.items() if n == name and all(
+        pred(dict(labels).get(k, "")) for k, pred in match.items()))
+
+
+def quantile(q: float, now: Samples, then: Samples | None, name: str) -> float | None:
+    """The q-quantile of histogram `name` over the observations between two scrapes, by linear
+    interpolation inside the bucket it falls in (as PromQL's histogram_quantile)."""
+    bucket = f"{name}_bucket"
+
+    def cumulative(samples: Samples) -> dict[float, float]:
+        return {float(dict(labels)["le"]): v for (n, labels), v in samples.items() if n == bucket}
+
+    cur, old = cumulative(now), cumulative(then or {})
+    delta = sorted((le, cur[le] - old.get(le, 0.0)) for le in cur)
+    if not delta or delta[-1][1] <= 0:
+        return None
+    target, lower, below = q * delta[-1][1], 0.0, 0.0
+    for le, count in delta:
+        if count >= target:
+            if le == float("inf"):
+                return lower
+            return lower + (le - lower) * ((target - below) / (count - below) if count > below else 1.0)
+        lower, below = le, count
+    return lower
+
+
+@dataclass(frozen=True)
+class Serving:
+    """What a service serves, from two scrapes of its /metrics up to a minute apart."""
+
+    window_s: float
+    requests_s: float | None
+    tokens_s: float | None
+    ttft_p50: float | None
+    ttft_p99: float | None
+    itl_p50: float | None
+    itl_p99: float | None
+    running: int
+    queued: int
+    kv_used: int
+    kv_slots: int
+    errors_4xx: int  # since the service started (499, a client that left, is not an error)
+    errors_5xx: int  # every 5xx but 503
+    busy_503: int
+    generated: int  # tokens generated since the service started
+    history: dict[str, tuple[float, ...]] = field(default_factory=dict)  # tokens_s, requests_s
+
+    @property
+    def kv_fraction(self) -> float | None:
+        return self.kv_used / self.kv_slots if self.kv_slots else None
+
+
+def serving(now: Samples, then: Samples | None, seconds: float,
+            history: dict[str, tuple[float, ...]] | None = None) -> Serving:
+    """The figures between two scrapes `seconds` apart (`then` None: rates unknown)."""
+    def rate(name: str, **match: Any) -> float | None:
+        if then is None or seconds <= 0:
+            return None
+        return max(0.0, _sum(now, name, **match) - _sum(then, name, **match)) / seconds
+
+    generation = {"endpoint": lambda e: e in c.GENERATION_ENDPOINTS}
+    requests = f"{c.REQUESTS.name}_total"
+
+    def status_count(pred) -> int:
+        return int(_sum(now, requests, status=lambda s: s.isdigit() and pred(int(s))))
+
+    return Serving(
+        seconds, rate(requests, **generation), rate(f"{c.GENERATED.name}_total"),
+        quantile(0.5, now, then, c.TTFT.name), quantile(0.99, now, then, c.TTFT.name),
+        quantile(0.5, now, then, c.ITL.name), quantile(0.99, now, then, c.ITL.name),
+        int(_sum(now, c.RUNNING.name)), int(_sum(now, c.QUEUE_DEPTH.name)), int(_sum(now, c.KV_SLOTS_USED.name)),
+        int(_sum(now, c.KV_SLOTS.name)), status_count(lambda s: 400 <= s < 500 and s != 499),
+        status_count(lambda s: 500 <= s < 600 and s != 503), status_count(lambda s: s == 503),
+        int(_sum(now, f"{c.GENERATED.name}_total")), history or {})
+
+
+class MetricsWindow:
+    """One service's scrapes of the last minute, and each figure's recent values."""
+
+    def __init__(self) -> None:
+        self.scrapes: deque[tuple[float, Samples]] = deque()
+        self.history: dict[str, deque[float]] = {"tokens_s": deque(maxlen=HISTORY),
+                                                  "requests_s": deque(maxlen=HISTORY)}
+
+    def add(self, t: float, samples: Samples) -> Serving:
+        self.scrapes.append((t, samples))
+        while len(self.scrapes) > 2 and self.scrapes[1][0] <= t - WINDOW_S:
+            self.scrapes.popleft()  # keep one scrape at or before the window's start
+        then_t, then = self.scrapes[0] if len(self.scrapes) > 1 else (t, None)
+        figures = serving(samples, then, t - then_t)
+        for key in self.history:
+            if (value := getattr(figures, key)) is not None:
+                self.history[key].append(value)
+        return serving(samples, then, t - then_t, {k: tuple(v) for k, v in self.history.items()})
+
+
+# ---- one service, as the console shows it ----
+
+@dataclass(frozen=True)
+class ServiceView:
+    """A service of this host: its registry record (identity, settings, how it ended), its
+    /health and what it serves. `state`: registering | serving | failed | unreachable | ended."""
+
+    record: Service
+    health: str  # ok | HTTP 503 | no answer | registering | ended
+    detail: c.Health | None = None
+    problem: str = ""  # the /health contract this console could not read, in words
+    serving: Serving | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.record.pid
+
+    @property
+    def identity(self) -> registry.ServiceId:
+        return self.record.identity
+
+    @property
+    def url(self) -> str:
+        return self.record.url
+
+    @property
+    def model(self) -> str:
+        return self.record.model
+
+    @property
+    def ended(self) -> bool:
+        return self.record.ended
+
+    @property
+    def from_console(self) -> bool:
+        return self.record.from_console
+
+    @property
+    def state(self) -> str:
+        if self.record.ended:
+            return "ended"
+        if self.detail is not None:
+            return "serving" if self.detail.ok else "failed"
+        if self.record.state == registry.REGISTERING:
+            return "registering"
+        return "unreachable" if self.health == "no answer" else self.record.state
+
+    @property
+    def ranks(self) -> tuple[c.RankHealth, ...]:
+        return self.detail.ranks if self.detail else ()
+
+    @property
+    def backend(self) -> str:
+        return (self.detail.backend if self.detail else "") or self.record.backend
+
+    @property
+    def max_seq(self) -> int | None:
+        return self.detail.max_seq if self.detail else self.record.max_seq
+
+    @property
+    def rank_count(self) -> int:
+        return len(self.ranks) or self.record.ranks
+
+    @property
+    def in_flight(self) -> int | None:
+        return self.detail.in_flight if self.detail else None
+
+    def ending_line(self, now: float | None = None) -> str:
+        return self.record.ending.line(now) if self.record.ending else ""
+
+    def who(self, mine: bool = False) -> str:
+        """Who started it: this console, a console, or a shell."""
+        return "this console" if mine else "a console" if self.from_console else "a shell"
+
+    def logs(self) -> list[tuple[str, str]]:
+        """(label, path) of every log it has: the service's, then each rank's."""
+        out = [("service", self.record.log)] if self.record.log else []
+        return out + [(f"rank {r}", p) for r, p in enumerate(self.record.rank_logs) if p]
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.record.to_json(), "identity": self.identity.key, "state": self.state, "health": self.health,
+                "from_console": self.from_console, "problem": self.problem,
+                "detail": self.detail.to_json() if self.detail else None,
+                "serving": asdict(self.serving) if self.serving else None, "in_flight": self.in_flight}
+
+
+@dataclass(frozen=True)
+class ServicesSnapshot:
+    services: tuple[ServiceView, ...] = ()
+    error: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"services": [s.to_json() for s in self.services], "error": self.error}
+
+
+class ServicesCollector:
+    """Every service of this host, each live one probed (/health, /metrics) at every call."""
+
+    def __init__(self) -> None:
+        self.windows: dict[str, MetricsWindow] = {}
+
+    def view(self, record: Service, now: float) -> ServiceView:
+        if record.ended or not record.url:
+            return ServiceView(record, "ended" if record.ended else record.state)
+        word, detail, problem = health(record.url)
+        figures = None
+        status, raw = fetch(record.url, "/metrics") if detail is not None else (None, b"")
+        if status == 200:
+            try:
+                samples = parse_metrics(raw.decode(errors="replace"))
+            except ValueError as e:  # not an exposition this parser reads: say so, keep the rest
+                problem = problem or f"/metrics: {e}"
+            else:
+                figures = self.windows.setdefault(record.identity.key, MetricsWindow()).add(now, samples)
+        return ServiceView(record, word, detail, problem, figures)
+
+    def __call__(self) -> ServicesSnapshot:
+        try:
+            now = time.monotonic()
+            views = tuple(self.view(s, now) for s in registry.services())
+            live = {v.identity.key for v in views if not v.ended}
+            for key in set(self.windows) - live:  # a service gone: its scrapes go with it
+                del self.windows[key]
+            return ServicesSnapshot(views)
+        except Exception as e:  # a collector never takes the console down
+            return ServicesSnapshot(error=f"{type(e).__name__}: {e}")

@@ -1,0 +1,120 @@
+"""The service's word on itself: GET /health (the contract's `Health`), /metrics and /v1/models.
+
+Routes of a FastAPI router over the `Service` the app holds (`app.state.service`), not closures:
+what they read is that value's, and the value is what tests build around a fake engine.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import PlainTextResponse
+from prometheus_client import generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from runtime.serve.api import ApiError
+from runtime.serve.contract import FAILED, OK, Health, RankHealth
+from runtime.serve.http import SafeJSONResponse
+from runtime.serve.metrics import Metrics
+from runtime.serve.scheduler import Scheduler
+from store.services import ServiceId
+
+router = APIRouter()
+
+
+@dataclass
+class Service:
+    """What the routes serve: the launch, its scheduler and metrics, and the service's identity."""
+
+    launched: Any  # runtime.launch.registration.Launched
+    scheduler: Scheduler
+    metrics: Metrics
+    limits: Any  # runtime.serve.app.Limits
+    identity: ServiceId = field(default_factory=ServiceId.of_this_process)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def model_dir(self):
+        return self.launched.spec.model
+
+    @property
+    def model_id(self) -> str:
+        return self.model_dir.name
+
+    @property
+    def max_seq(self) -> int:
+        return self.launched.programs.dims.max_seq
+
+    def failure(self) -> str | None:
+        """Why the service must not generate (set on `launched.failure` by whatever watches its
+        weights, e.g. a mapped sidecar that changed, or its ranks, one of which is gone): it then
+        fails closed, 503 with the reason."""
+        return getattr(self.launched, "failure", None)
+
+    def ranks(self) -> tuple[RankHealth, ...]:
+        """Each rank's own slots (it holds their sequences' KV), and where it runs and beats."""
+        group = getattr(self.launched, "group", None)
+        members = group.members() if group is not None else [
+            {"rank": 0, "host": self.identity.host, "pid": self.identity.pid, "device": self._device(),
+             "phase": "serve", "heartbeat_age": None}]
+        slots = {r["rank"]: r for r in self.scheduler.per_rank()}
+        return tuple(RankHealth(**{**slots.get(m["rank"], {"slots": 0, "free_slots": 0, "running": 0}), **m})
+                     for m in members)
+
+    def _device(self) -> str:
+        device = getattr(self.launched, "device", None)
+        return device.describe() if hasattr(device, "describe") else ""
+
+    def health(self) -> Health:
+        s, plan = self.scheduler, getattr(self.launched, "plan", None)
+        tiers = getattr(self.launched, "tiers", None)
+        reason = self.failure() or ""
+        return Health(
+            status=FAILED if reason else OK, model=str(self.model_dir), id=self.model_id, slots=s.slots,
+            free_slots=s.free_slots, queued=s.queued, running=s.running, max_seq=self.max_seq,
+            backend=str(getattr(plan, "backend", "") or ""), device=str(getattr(plan, "device", "") or ""),
+            host=self.identity.host, pid=self.identity.pid, started=self.identity.started,
+            tokenizer=getattr(self.launched.tokenizer, "kind", "bytes"),
+            programs=tiers.status() if hasattr(tiers, "status") else "compiled",
+            engine={**s.stats, "speculative": "mtp" if self.limits.speculative else "off"},
+            ranks=self.ranks(), reason=reason)
+
+    def model_card(self) -> dict[str, Any]:
+        return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "dsv4",
+                "root": str(self.model_dir), "max_model_len": self.max_seq}
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in (self.model_id, str(self.model_dir)):
+            raise ApiError(404, f"model {name!r} does not exist; this server serves {self.model_id!r}",
+                           param="model", code="model_not_found")
+
+
+def service_of(request: Request) -> Service:
+    return request.app.state.service
+
+
+@router.get("/health")
+async def health(request: Request) -> Any:
+    value = service_of(request).health()
+    return SafeJSONResponse(value.to_json(), status_code=200 if value.ok else 503)
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> PlainTextResponse:
+    registry = service_of(request).metrics.registry
+    return PlainTextResponse(generate_latest(registry).decode(), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> dict[str, Any]:
+    return {"object": "list", "data": [service_of(request).model_card()]}
+
+
+@router.get("/v1/models/{model}")
+async def model(request: Request, model: str) -> dict[str, Any]:
+    service = service_of(request)
+    service.check_model(model)
+    return service.model_card()
