@@ -241,3 +241,19 @@ async def test_a_finished_launch_shows_its_own_prediction_beside_its_actuals():
     assert "predicted 4.00 s · actual 4.50 s (+12%)" in summary
     assert "weights from recorded compile seconds and throughput" in summary and "upload unknown" in summary
     assert "+25%" in cells["programs"] and "+0%" in cells["check"]
+
+
+def test_a_compile_eta_spreads_what_is_left_over_the_pools_workers_at_the_rate_seen_here():
+    from console.data.launch_state import ProgramStates
+
+    pool, t0 = ProgramStates(), 1000.0
+    for name in "abcd":
+        pool.feed({"program": name, "state": "queued", "expected_s": 10.0, "workers": 2}, t0)
+    assert pool.eta(t0) == 20.0  # four of 10 s on two workers: 20 s, not their 40 s sum
+    pool.feed({"program": "a", "state": "compiling"}, t0)
+    pool.feed({"program": "b", "state": "compiling"}, t0)
+    pool.feed({"program": "a", "state": "published", "seconds": 5.0}, t0 + 5)  # twice as fast as expected here
+    pool.feed({"program": "c", "state": "compiling"}, t0 + 5)
+    # b has run 5 s of its 5 (scaled) s, c 0 of 5, d waits 5: both workers free at +5 s
+    assert pool.eta(t0 + 5) == 10.0 - 5.0
+    assert ProgramStates().eta() == 0.0 and pool.scale() == 0.5

@@ -62,3 +62,17 @@ def test_a_prediction_never_comes_from_an_unlike_launch():
     predicted = predict_seconds(plan, unlike)
     assert predicted["programs"] is None and plan.basis["programs"] is None and plan.compared is None
     assert predicted["weights"] is None  # the sidecar verdict gives no estimate here either
+
+
+def test_a_hot_launch_with_no_like_one_is_predicted_from_its_artifact_bytes_and_this_hosts_load_rate():
+    plan = _plan(Outcome.HIT, Outcome.HIT)
+    for p in plan.programs:
+        p.size_bytes = 3_000_000
+    # the cold launch after which `w` compiled: another model, but the same backend and device,
+    # loaded 4 MB in 2 s (what it loaded, not what it compiled)
+    cold = {**LIKE, "model": "/models/other", "outcome": "ok", "phases": {"programs": {
+        "seconds": 90.0, "programs": {"a": "MISS"}, "load_bytes": 4_000_000, "load_s": 2.0}}}
+    assert predict_seconds(plan, [cold])["programs"] == 3.0
+    assert plan.basis["programs"] == "model" and plan.compared is None
+    other_backend = {**cold, "backend": "export"}
+    assert predict_seconds(plan, [other_backend])["programs"] is None  # another backend loads at its own rate

@@ -65,6 +65,7 @@ class Progress:
     rate: float | None = None  # units per second from earlier runs (pack/read throughput)
     items: dict[str, float] = field(default_factory=dict)  # expected seconds per item (programs)
     finished: set[str] = field(default_factory=set)
+    pool: Any = None  # console.data.launch_state.ProgramStates of a compile pool: its own ETA
 
     def update(self, done: float | None = None, total: float | None = None, now: str = "",
                item: str = "") -> None:
@@ -81,6 +82,8 @@ class Progress:
             return None, ""
         left = max(0.0, self.total - self.done)
         share = self.done / self.total
+        if self.pool is not None and (pooled := self.pool.eta()) is not None:  # spread over its workers
+            return pooled, "history" if not self.pool.took else "measured"
         if self.items:  # per-item history (programs): what is left, item by item
             known = [s for p, s in self.items.items() if p not in self.finished]
             if known:

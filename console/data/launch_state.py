@@ -57,20 +57,30 @@ def path_taken(phase: str, detail: dict[str, Any]) -> str:
 class ProgramStates:
     """Per-program states from a compile pool's log events (`queued`, `compiling`, `published`,
     …), as `dsv4 serve` and `dsv4 compile --events` emit them: done count, what compiles now,
-    and the expected seconds the events carry (for the ETA)."""
+    the expected seconds the events carry, when each compile started and what it took, and the
+    pool's worker count (for the ETA)."""
 
     states: dict[str, str] = field(default_factory=dict)
     expected: dict[str, float] = field(default_factory=dict)
+    started: dict[str, float] = field(default_factory=dict)  # program → when its compile started (wall)
+    took: dict[str, float] = field(default_factory=dict)  # program → the seconds its compile took
+    workers: int = 1
 
     @staticmethod
     def applies(detail: dict[str, Any]) -> bool:
         return "program" in detail and "state" in detail
 
-    def feed(self, detail: dict[str, Any]) -> None:
-        name = str(detail["program"])
-        self.states[name] = str(detail["state"])
+    def feed(self, detail: dict[str, Any], ts: float | None = None) -> None:
+        name, state = str(detail["program"]), str(detail["state"])
+        self.states[name] = state
         if isinstance(detail.get("expected_s"), int | float):
             self.expected[name] = float(detail["expected_s"])
+        if isinstance(detail.get("workers"), int) and detail["workers"] >= 1:
+            self.workers = detail["workers"]
+        if state == "compiling":
+            self.started[name] = ts or time.time()
+        elif state == "published" and isinstance(detail.get("seconds"), int | float):
+            self.took[name] = float(detail["seconds"])
 
     @property
     def finished(self) -> set[str]:
@@ -82,6 +92,39 @@ class ProgramStates:
         more = f" +{len(compiling) - 1}" if len(compiling) > 1 else ""  # a pool compiles several at once
         return f"compiling {compiling[0]}{more}" if compiling else ""
 
+    def scale(self) -> float:
+        """How this host's compiles compare with what was expected of them: the finished ones'
+        seconds over their expectation (1 until one with both has finished)."""
+        both = [(self.took[n], self.expected[n]) for n in self.took if self.expected.get(n)]
+        expected = sum(e for _, e in both)
+        return sum(t for t, _ in both) / expected if expected > 0 else 1.0
+
+    def eta(self, now: float | None = None) -> float | None:
+        """Seconds until every program is through: what is left of each (its expected seconds,
+        scaled by `scale`; a running one less what it has run), laid on the pool's workers
+        longest first, as the pool takes them; None with nothing expected to go by."""
+        import heapq
+
+        now = now or time.time()
+        left = [n for n, s in self.states.items() if s not in FINISHED]
+        if not left:
+            return 0.0
+        known = [self.expected[n] for n in left if self.expected.get(n)]
+        if not known:
+            return None
+        mean, k = sum(known) / len(known), self.scale()
+
+        def cost(name: str) -> float:
+            return (self.expected.get(name) or mean) * k
+
+        running = [max(0.0, cost(n) - (now - self.started[n])) for n in left
+                   if self.states[n] == "compiling" and n in self.started]
+        free = sorted(running)[: self.workers] + [0.0] * max(0, self.workers - len(running))
+        heapq.heapify(free)
+        for c in sorted((cost(n) for n in left if self.states[n] != "compiling"), reverse=True):
+            heapq.heappush(free, heapq.heappop(free) + c)
+        return max(free)
+
 
 def step(phases: dict[str, PhaseState], now: dict[str, str], pool: ProgramStates, order: list[str],
          event: Event) -> None:
@@ -92,7 +135,7 @@ def step(phases: dict[str, PhaseState], now: dict[str, str], pool: ProgramStates
         if isinstance(event.detail.get("total"), int | float):
             p.total = event.detail["total"]
     elif event.kind == "log" and ProgramStates.applies(event.detail):
-        pool.feed(event.detail)
+        pool.feed(event.detail, event.ts)
         if p.state != DONE:
             p.state, p.done = RUNNING, max(p.done or 0, len(pool.finished))
         now["programs"] = pool.now

@@ -37,6 +37,7 @@ class ProgramPlan:
     fingerprint: str | None
     reason: str = ""
     entry: str | None = None  # the entry a HIT loads, or the corrupt entry a launch would replace
+    size_bytes: int = 0  # a HIT's artifact bytes: what loading it reads (its seconds at this host's load rate)
 
 
 @dataclass
@@ -182,7 +183,8 @@ def judge_programs(plan: Plan, keep_verified: bool) -> list[ProgramPlan]:
             out.append(ProgramPlan(name, Outcome.UNTRUSTED, fingerprint(key), str(e)))
             continue
         if found.hit:
-            out.append(ProgramPlan(name, Outcome.HIT, found.fingerprint, "", str(found.path)))
+            out.append(ProgramPlan(name, Outcome.HIT, found.fingerprint, "", str(found.path),
+                                   sum(f.size for f in found.manifest.files)))
             if keep_verified:
                 plan.hits[name] = found
             continue
@@ -251,7 +253,7 @@ def predict_seconds(plan: Plan, history: list[dict[str, Any]]) -> dict[str, floa
                 value, basis = float(seconds), "history"
                 break
         if value is None:
-            value = _modelled(plan, phase)
+            value = _modelled(plan, phase, history)
             basis = "model" if value is not None else None
         out[phase], plan.basis[phase] = value, basis
     same = [r for r in records.comparable(history, like) if like.same_paths(r)]
@@ -259,12 +261,29 @@ def predict_seconds(plan: Plan, history: list[dict[str, Any]]) -> dict[str, floa
     return out
 
 
-def _modelled(plan: Plan, phase: str) -> float | None:
+def load_rate(history: list[dict[str, Any]], backend: str, device: str) -> float | None:
+    """Bytes per second this host loaded programs of `backend` on `device` at, in the newest
+    launch that loaded any (whatever its model: loading is reading and linking artifacts)."""
+    for record in reversed(history):
+        programs = (record.get("phases") or {}).get("programs") or {}
+        if record.get("backend") != backend or record.get("device") != device:
+            continue
+        nbytes, seconds = programs.get("load_bytes"), programs.get("load_s")
+        if isinstance(nbytes, int | float) and isinstance(seconds, int | float) and nbytes > 0 and seconds > 0:
+            return nbytes / seconds
+    return None
+
+
+def _modelled(plan: Plan, phase: str, history: list[dict[str, Any]]) -> float | None:
     """A phase's seconds from what it will do, without a like launch: compiles by the seconds
-    their programs' last manifests record, spread over the pool's workers; the weights by the
-    sidecar verdict's read or pack estimate."""
+    their programs' last manifests record, spread over the pool's workers; loading every HIT by
+    its artifact bytes at this host's measured load rate; the weights by the sidecar verdict's
+    read (MAP: the sidecar's bytes at the read rate) or pack estimate."""
     if phase == Phase.WEIGHTS:
         return plan.sidecar.get("predicted_read_s" if plan.weights_path() == MAP else "predicted_pack_s")
+    if phase == Phase.PROGRAMS and plan.programs and plan.all_hit():
+        rate = load_rate(history, plan.backend, plan.device)
+        return None if rate is None else sum(p.size_bytes for p in plan.programs) / rate
     if phase != Phase.PROGRAMS or plan.cache is None or plan.all_hit():
         return None
     from runtime.programs.pool import compile_history, default_jobs

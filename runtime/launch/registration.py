@@ -238,7 +238,10 @@ def _programs_and_weights(plan, c: _Checked, emitter: Emitter, phases: PhaseReco
                      programs={r["program"]: r["outcome"] for r in results},
                      tiers={r["program"]: r["tier"] for r in results},
                      verified_bytes=plan.cache.verified_bytes if plan.cache is not None else 0,
-                     artifact_bytes=prepared.artifact_bytes)
+                     artifact_bytes=prepared.artifact_bytes,
+                     # what loading (not compiling) took: the rate a later all-HIT launch is predicted by
+                     load_s=round(sum(r.get("load_s", 0.0) for r in results), 4),
+                     load_bytes=sum(r.get("load_bytes", 0) for r in results))
         return prepared.runners
 
     def weights_job():

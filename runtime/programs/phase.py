@@ -62,9 +62,10 @@ def prepare_programs(plan, emitter: Emitter, *, stop: threading.Event | None = N
     loaded_bytes = [0]
 
     def record(name: str, outcome: Outcome, seconds: float, fingerprint: str | None, reason: str,
-               tier: str = COMPILED) -> None:
+               tier: str = COMPILED, load: tuple[int, float] = (0, 0.0)) -> None:
         results[name] = {"program": name, "outcome": outcome, "tier": tier, "seconds": round(seconds, 4),
-                         "backend": backend, "fingerprint": fingerprint, "reason": reason}
+                         "backend": backend, "fingerprint": fingerprint, "reason": reason,
+                         "load_bytes": load[0], "load_s": round(load[1], 4)}  # this host's load rate
         emitter.emit(phase, "progress", done=len(results), total=len(specs), unit="programs", detail=results[name])
 
     def done(runners) -> Prepared:
@@ -101,7 +102,8 @@ def prepare_programs(plan, emitter: Emitter, *, stop: threading.Event | None = N
         loaded_bytes[0] += prepared.artifact_bytes
         reason = planned[spec.name].reason if compiled else prepared.reason
         record(spec.name, compiled.path_taken if compiled else _path_taken(prepared),
-               prepared.seconds + (compiled.seconds if compiled else 0.0), prepared.fingerprint, reason)
+               prepared.seconds + (compiled.seconds if compiled else 0.0), prepared.fingerprint, reason,
+               load=(prepared.artifact_bytes, prepared.seconds))
         return prepared.run
 
     early = plan.ready == "early" and bool(missing)

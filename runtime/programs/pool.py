@@ -145,7 +145,9 @@ class CompilePool:
         history = history or {}
         queue = sorted(specs, key=lambda s: -(history.get(s.name, (0.0, 0))[0]))
         for spec in queue:
-            self.on_event(spec.name, "queued", {"expected_s": history.get(spec.name, (None, 0))[0]})
+            # the workers too: an ETA is the expected seconds spread over them, not their sum
+            self.on_event(spec.name, "queued", {"expected_s": history.get(spec.name, (None, 0))[0],
+                                                "workers": self.jobs})
         running: list[_Running] = []
         done: dict[str, Compiled] = {}
         try:

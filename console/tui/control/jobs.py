@@ -117,7 +117,8 @@ class JobControl:
         elif event.kind == "log" and p is not None and ProgramStates.applies(d):
             # a compile pool's per-program events (`dsv4 compile --events`): done, what compiles now
             pool = self.pools.setdefault(worker.name, ProgramStates())
-            pool.feed(d)
+            pool.feed(d, event.ts)
+            p.pool = pool
             p.items.update(pool.expected)
             p.finished |= pool.finished
             p.update(len(pool.finished), now=pool.now)

@@ -14,7 +14,15 @@ from textual.widgets import Static
 from console import fmt
 from console.data.collectors import RegistrationSnapshot
 from console.data.eta import Progress
-from console.data.launch_state import DONE, FAILED, RUNNING, LaunchState, delta, path_taken
+from console.data.launch_state import (
+    DONE,
+    FAILED,
+    RUNNING,
+    LaunchState,
+    ProgramStates,
+    delta,
+    path_taken,
+)
 from console.tui.panes.base import Pane
 from console.tui.tables import Column, PaneTable
 from runtime.events import PHASES
@@ -52,16 +60,15 @@ def launch_name(record: dict[str, Any] | None) -> str:
     return f"{when} pid {record.get('pid', '?')} ({record.get('outcome')}, {launch_seconds(record):.2f} s)"
 
 
-def phase_progress(phase: str, p, expected: float | None, now: str, items: dict[str, float] | None = None,
-                   finished: set[str] | None = None) -> str:
-    """The running phase's progress line (elapsed, ETA from the plan or the compared launch or
-    per-program expectations, what it does now)."""
+def phase_progress(phase: str, p, expected: float | None, now: str, pool: ProgramStates | None = None) -> str:
+    """The running phase's progress line (elapsed, ETA from the plan or the compared launch, or
+    the compile pool's own: what is left spread over its workers, what it does now)."""
     elapsed = max(0.0, time.time() - (p.started or time.time()))
     tracker = Progress(phase, "bytes" if phase == "weights" else "", p.done, p.total, now,
-                       started=time.monotonic() - elapsed, items=dict(items or {}), finished=set(finished or ()))
+                       started=time.monotonic() - elapsed, pool=pool if pool is not None and pool.expected else None)
     if expected and p.total:
         tracker.rate = p.total / expected
-    elif expected:  # no done/total for this phase: the ETA is what is left of its recorded time
+    elif expected and tracker.pool is None:  # no done/total: the ETA is what is left of its recorded time
         return fmt.progress(phase, None, None, "", elapsed, max(0.0, expected - elapsed), "history", now)
     return tracker.line()
 
@@ -121,9 +128,8 @@ class RegistrationPane(Pane):
             if p and p.state == RUNNING:  # ETA: the plan's seconds, else the compared launch's
                 expected = ahead if ahead is not None else (
                     ((compared or {}).get("phases", {}).get(phase) or {}).get("seconds"))
-                items = launch.pool.expected if phase == "programs" else None
-                running.append(phase_progress(phase, p, expected, launch.now.get(phase, ""), items,
-                                              launch.pool.finished))
+                running.append(phase_progress(phase, p, expected, launch.now.get(phase, ""),
+                                              launch.pool if phase == "programs" else None))
         table = self.query_one(PaneTable)
         table.set_rows(rows)
         now_running = [i for i, phase in enumerate(PHASES) if launch and launch.phases[phase].state == RUNNING]
