@@ -152,3 +152,14 @@ def test_import_needs_the_launch_to_know_live_keys(shipped, tmp_path):
     bundle, _, trusted = shipped
     one_line_refusal(dsv4("cache", "import", bundle, "--kernel-cache-dir", tmp_path / "c", "--trusted-keys",
                           trusted), "needs --model")
+
+
+def test_the_consoles_cache_view_says_where_a_brought_entry_came_from():
+    from console.tui.panes.programs import ProgramsPane
+
+    row = {"program": "embed.decode", "state": "current", "size_bytes": 1024, "fingerprint": "ab" * 32,
+           "created": 0.0, "hits": 0, "last_used": 0.0, "reason": "",
+           "origin": {"host": "builder-1", "signer": "0123456789abcdef", "reference": "b.tar", "time": 0.0}}
+    cells = ProgramsPane()._cache_cells(row)
+    assert cells["reason"] == "from builder-1, signed by 0123456789abcdef"
+    assert ProgramsPane()._cache_cells({**row, "origin": None})["reason"] == ""
