@@ -214,6 +214,9 @@ def _pull(args: argparse.Namespace) -> int:
         print("nothing to pull: the launch misses no program")
         return 0
     bundle = oci.pull(repo, wanted)
+    absent = sorted(set(wanted) - {e.manifest.program for e in bundle.entries})
+    if absent:  # they compile at launch, as without a registry
+        print(f"not in {repo} ({len(absent)}): {', '.join(absent)}", file=sys.stderr)
     try:
         installed = kc.import_bundle(cache.layout, bundle, policy, reference)
     except kc.BundleError as e:
