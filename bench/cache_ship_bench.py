@@ -49,10 +49,10 @@ def _launch(model: Path, cache: Path, backend: str) -> dict[str, Any]:
     launched = register(spec, Emitter(events.append), record=False)
     seconds = time.perf_counter() - started
     launched.close()
-    outcomes = [e.detail.get("programs") for e in events if e.phase == "programs" and e.kind == "end"]
-    programs = outcomes[-1] if outcomes else {}
-    return {"launch_s": seconds, "all_hit": bool(programs) and set(programs.values()) == {"hit"},
-            "programs": len(programs)}
+    ends = [e.detail for e in events if e.phase == "programs" and e.kind == "end"]
+    programs = {k: str(v) for k, v in (ends[-1].get("programs") or {}).items()} if ends else {}
+    return {"launch_s": seconds, "all_hit": bool(programs) and set(programs.values()) == {"HIT"},
+            "programs": len(programs), "outcomes": sorted(set(programs.values()))}
 
 
 def measure(preset: str, backend: str, log=print) -> dict[str, Any]:
