@@ -178,3 +178,28 @@ def test_config_is_the_key(pushed, cold_export_launch):
     from store.kernel_cache.entry import key_from_json
 
     assert fingerprint(key_from_json(json.loads(config))) == fp
+
+
+def test_registry_credentials_come_from_dockers_config(tmp_path, monkeypatch):
+    import base64
+
+    from store.registry import docker_credentials
+
+    (tmp_path / "config.json").write_text(json.dumps({"auths": {
+        "https://registry.example.com": {"auth": base64.b64encode(b"ops:s3cret").decode()},
+        "other.example.com:5000": {"username": "ci", "password": "pw"},
+    }}))
+    monkeypatch.setenv("DOCKER_CONFIG", str(tmp_path))
+    assert docker_credentials("registry.example.com") == ("ops", "s3cret")
+    assert docker_credentials("other.example.com:5000") == ("ci", "pw")
+    assert docker_credentials("unknown.example.com") is None
+
+
+def test_a_repository_name_is_checked_before_anything_is_sent():
+    from store.registry import RegistryError
+
+    for bad in ("registry.example.com", "registry.example.com/Upper", "https://r.example.com/x"):
+        with pytest.raises(RegistryError):
+            Repository.parse(bad)
+    assert Repository.parse("r.example.com:5000/dsv4/programs", insecure=True).url == \
+        "http://r.example.com:5000/v2/dsv4/programs"
