@@ -11,6 +11,12 @@ ENVIRONMENT = """environment:
   DSV4_KERNEL_CACHE_MAX_SIZE
                          the kernel cache's size limit: `dsv4 cache gc` evicts down to it, the
                          console shows the disk used against it (default 10G)
+  DSV4_SIGNING_KEY       the private key `dsv4 cache export|push` sign entries with, readable by
+                         its owner only (default <user config dir>/dsv4-console/signing.key)
+  DSV4_TRUSTED_KEYS      the public keys `dsv4 cache import|pull` accept signatures by, one
+                         `NAME KEY ID` line each (`dsv4 keys show`); unset: nothing is installed
+  DOCKER_CONFIG          where `dsv4 cache push|pull` read registry credentials (config.json, as
+                         `docker login` writes them; default ~/.docker)
   DSV4_DATA_DIR          where the embedded default checkpoint lives (<user data dir>/dsv4-console)
   DSV4_DEFAULT_PRESET    preset of the embedded default checkpoint (tiny|small|medium; default small)
   DSV4_STATE_DIR         launch history, service registry and detached service logs

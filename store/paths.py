@@ -60,3 +60,12 @@ def default_preset() -> str:
 def default_model_dir(preset: str | None = None, seed: int = 0) -> Path:
     """Where the embedded default checkpoint lives (created on first use by runtime.synth.checkpoint)."""
     return data_dir() / "models" / f"{preset or default_preset()}-seed{seed}"
+
+
+def signing_key_path(override: Path | str | None = None) -> Path:
+    """Where `dsv4 keys generate` writes and `cache export|push` read the signing key:
+    `override` (--out / --signing-key), else $DSV4_SIGNING_KEY, else the user config dir."""
+    if override:
+        return Path(override).expanduser()
+    value = os.environ.get("DSV4_SIGNING_KEY")
+    return Path(value).expanduser() if value else Path(platformdirs.user_config_dir(APP)) / "signing.key"

@@ -17,6 +17,7 @@ GROUPS = (
     "console.cli.model",
     "console.cli.plan",
     "console.cli.cache",
+    "console.cli.keys",
     "console.cli.sidecar",
     "console.cli.serve",
     "console.cli.prepack",

@@ -183,6 +183,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     packing.add_argument("--json", action="store_true", help="print one JSON object")
     packing.set_defaults(func=_packing)
 
+    ship = sub.add_parser(
+        "cache-ship",
+        help="a launch's programs: cold compile vs pull from a local registry vs import of a bundle",
+        description="On one synthetic checkpoint, each in its own processes: compile every program cold "
+        "(`dsv4 compile`), pull them from a docker-registry started on 127.0.0.1 (`cache pull`), import "
+        "them from a bundle (`cache import`), each followed by a launch that HITs: seconds, bytes, and "
+        "pull + verify against the compile (target ≤ 5 %%). Without docker-registry installed, no pull row.",
+    )
+    ship.add_argument("--preset", choices=("tiny", "small", "medium"), default="small",
+                      help="synthetic checkpoint (default %(default)s; made in a temp dir)")
+    ship.add_argument("--backend", choices=("aoti", "export"), default="aoti",
+                      help="how the programs compile (default %(default)s)")
+    ship.add_argument("--json", action="store_true", help="print one JSON object")
+    ship.set_defaults(func=_cache_ship)
+
+
+def _cache_ship(args: argparse.Namespace) -> int:
+    from bench.cache_ship_bench import main
+
+    return main(preset=args.preset, backend=args.backend, json_output=args.json)
+
 
 def _startup(args: argparse.Namespace) -> int:
     from bench.startup_bench import main

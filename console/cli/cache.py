@@ -9,11 +9,14 @@ from __future__ import annotations
 import argparse
 import time
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 
+from console.cli import cache_ship
+from console.cli.cache_args import action as _action
+from console.cli.cache_args import open_cache as _cache
+from console.cli.cache_args import reference as _reference
 from console.cli.output import confirm, print_json, print_table
-from runtime.launch.spec import CACHE, add_flags, from_args
+from runtime.launch.spec import CACHE
 from store import kernel_cache as kc
 from store.errors import UserError
 from store.paths import DEFAULT_KERNEL_CACHE_MAX_SIZE, kernel_cache_dir, kernel_cache_limit
@@ -32,7 +35,7 @@ PURGE_SELECTIONS = {  # --NAME: (which entries, what --help says of them)
 def register(subparsers: argparse._SubParsersAction) -> None:
     group = subparsers.add_parser(
         "cache",
-        help="kernel cache (compiled programs): ls, verify, purge, gc, why, adopt",
+        help="kernel cache (compiled programs): ls, verify, purge, gc, why, adopt, export, import, push, pull",
         description="The kernel cache of compiled programs: inventory, verification, cleanup, diagnosis.",
     )
     sub = group.add_subparsers(dest="cache_command", metavar="ACTION", required=True)
@@ -60,38 +63,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     why = _action(sub, "why", _why, "would PROGRAM hit now; if not, what differs")
     why.add_argument("program", metavar="PROGRAM", help="a program name, as `dsv4 cache ls` lists them")
 
-
-def _action(sub: argparse._SubParsersAction, name: str, func: Callable, help: str) -> argparse.ArgumentParser:
-    p = sub.add_parser(name, help=help, description=help[0].upper() + help[1:] + ". Entries are judged "
-                       "against this host's toolchain (--device); with --model also against the live keys of "
-                       "that checkpoint's programs for the launch the other flags describe.")
-    add_flags(p, CACHE, model_help="judge entries against the live keys of this checkpoint's programs, as a "
-              "launch with the same --backend, --ranks and --max-seq would")
-    # The old name, kept working for scripts; not advertised.
-    p.add_argument("--cache-dir", type=Path, dest="kernel_cache_dir", help=argparse.SUPPRESS)
-    p.set_defaults(func=func)
-    return p
-
-
-def _cache(args: argparse.Namespace) -> kc.KernelCache:
-    """The cache the command acts on; one line (exit 1) for a root that is not a kernel cache
-    of ours: a file, unreadable, another user's, or an unmarked non-empty directory."""
-    cache = kc.KernelCache(kernel_cache_dir(args.kernel_cache_dir))
-    cache.check_trust()
-    return cache
-
-
-def _reference(args: argparse.Namespace) -> kc.Reference:
-    from runtime.launch.hardware import resolve_device
-    from runtime.programs.build import reference
-
-    spec = from_args(args, CACHE)
-    ref = reference(device=resolve_device(spec.device))
-    if spec.model is None:
-        return ref
-    from runtime.launch.plan import program_keys
-
-    return kc.Reference(components=ref.components, keys={**ref.keys, **program_keys(spec)})
+    cache_ship.register(sub)
 
 
 def _rows(entries: list[kc.Entry], now: float) -> list[list[str]]:
@@ -100,7 +72,7 @@ def _rows(entries: list[kc.Entry], now: float) -> list[list[str]]:
             e.program,
             e.fingerprint[:12],
             e.state,
-            e.reason,
+            "; ".join(filter(None, [e.reason, str(e.origin) if e.origin else ""])),
             format_size(e.size_bytes),
             f"{format_age(now - e.last_used)} ago" if e.hits else "never",
             str(e.hits),
@@ -214,7 +186,8 @@ def _why(args: argparse.Namespace) -> int:
         print(f"{args.program}: no live key (not defined by a registered program module); "
               "entries judged by toolchain only")
     for e in entries:
-        print(f"  {e.fingerprint[:12]} {e.state}" + (f": {e.reason}" if e.reason else ""))
+        print(f"  {e.fingerprint[:12]} {e.state}" + (f": {e.reason}" if e.reason else "")
+              + (f" ({e.origin}, {e.origin.reference})" if e.origin else ""))
     if not entries:
         print("  no entries cached for this program")
     return 0 if live is not None and result.hit else 1

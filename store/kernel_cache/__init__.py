@@ -40,6 +40,7 @@ reported `current` with a reason saying source and layout were not checked: `pur
 only ever deletes entries that are provably unusable.
 """
 
+from store.kernel_cache.bundle import Bundle, BundleError, EntryBundle, read_bundle, write_bundle
 from store.kernel_cache.cache import KernelCache
 from store.kernel_cache.entry import (
     CORRUPT,
@@ -66,6 +67,7 @@ from store.kernel_cache.entry import (
     Hit,
     Manifest,
     Miss,
+    Origin,
     Reference,
     Verification,
     check_program_name,
@@ -74,13 +76,15 @@ from store.kernel_cache.entry import (
 from store.kernel_cache.inventory import STAGING_MAX_AGE
 from store.kernel_cache.layout import LOCK_TIMEOUT, Layout
 from store.kernel_cache.publish import MIN_FREE_BYTES
+from store.kernel_cache.transfer import Installed, TrustPolicy, import_bundle
 from store.kernel_cache.trust import MARKER, UntrustedCacheError
 
 __all__ = [
     "CORRUPT", "CURRENT", "FORMAT_VERSION", "HITS", "LOCKS", "LOCK_TIMEOUT", "MANIFEST", "MARKER",
     "MAX_MANIFEST_BYTES", "MAX_QUARANTINE_NOTE_BYTES", "MIN_FREE_BYTES", "OTHER_LAYOUT",
     "PARTIAL", "QUARANTINE", "QUARANTINED", "QUARANTINE_NOTE", "STAGING_MAX_AGE", "STALE", "STATES",
-    "TRASH", "VERSION_DIR", "ArtifactFile", "Entry", "EntryState", "Fetch", "Hit", "KernelCache",
-    "Layout", "Manifest", "Miss", "Reference", "UntrustedCacheError", "Verification",
-    "check_program_name", "judge",
+    "TRASH", "VERSION_DIR", "ArtifactFile", "Bundle", "BundleError", "Entry", "EntryBundle", "EntryState",
+    "Fetch", "Hit", "Installed", "KernelCache", "Layout", "Manifest", "Miss", "Origin", "Reference",
+    "TrustPolicy", "UntrustedCacheError", "Verification", "check_program_name", "import_bundle", "judge",
+    "read_bundle", "write_bundle",
 ]  # fmt: skip

@@ -7,6 +7,9 @@ AOTInductor loader) writes those bytes to its own private temp file first; someo
 write as this user can tamper with that file, but such a user can already run code as us.
 
 This is the only module that composes the others; each of them takes the cache's `Layout`.
+The class holds what its callers use (lookups, publication, the operator's inventory and
+cleanup); everything else — entries that travel (store.kernel_cache.transfer), trash, the
+program list — takes `cache.layout` directly, so a new transport or policy needs no method here.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from store.kernel_cache.entry import (
 )  # fmt: skip
 from store.kernel_cache.layout import LOCK_TIMEOUT, Layout
 from store.kernel_cache.quarantine import quarantine
-from store.kernel_cache.trust import check_trust, trust_problem
+from store.kernel_cache.trust import check_trust
 
 log = logging.getLogger("store.kernel_cache")
 
@@ -66,19 +69,7 @@ class KernelCache:
     def base(self) -> Path:
         return self.layout.base
 
-    @property
-    def durable(self) -> bool:
-        return self.layout.durable
-
-    @property
-    def lock_timeout(self) -> float:
-        return self.layout.lock_timeout
-
     # -- trust -----------------------------------------------------------------------------
-
-    def trust_problem(self, program: str | None = None) -> str | None:
-        """Why using this root (and program dir) is refused, or None when it is fine."""
-        return trust_problem(self.layout, program)
 
     def check_trust(self, program: str | None = None) -> None:
         check_trust(self.layout, program)
@@ -261,17 +252,11 @@ class KernelCache:
     def sweep_staging(self, program: str) -> list[Entry]:
         return inv.sweep_staging(self.layout, program)
 
-    def empty_trash(self) -> None:
-        inv.empty_trash(self.layout)
-
     def gc(self, max_size: int, reference: Reference | None = None) -> list[Entry]:
         return inv.gc(self.layout, max_size, reference)
 
     def inventory(self, reference: Reference | None = None) -> list[Entry]:
         return inv.inventory(self.layout, reference)
-
-    def programs(self) -> list[str]:
-        return inv.programs(self.layout)
 
     def verify(self) -> Verification:
         return inv.verify(self.layout, self.read_verified)

@@ -82,6 +82,26 @@ class ArtifactFile:
 
 
 @dataclass(frozen=True)
+class Origin:
+    """Where an entry brought from elsewhere came from (absent: built on this host)."""
+
+    host: str  # the host that exported or pushed it
+    signer: str  # the signer's key id (store.signing.key_id)
+    reference: str  # the bundle file or registry reference it was read from
+    time: float  # when it was installed here
+
+    def to_json(self) -> dict[str, Any]:
+        return {"host": self.host, "signer": self.signer, "reference": self.reference, "time": self.time}
+
+    @classmethod
+    def parse(cls, data: Any) -> Origin:
+        return cls(str(data["host"]), str(data["signer"]), str(data["reference"]), float(data["time"]))
+
+    def __str__(self) -> str:
+        return f"from {self.host}, signed by {self.signer}"
+
+
+@dataclass(frozen=True)
 class Manifest:
     program: str
     fingerprint: str
@@ -94,8 +114,17 @@ class Manifest:
     pid: int
     format: int = FORMAT_VERSION
     compile_peak_rss: int = 0  # bytes: the compiling process's peak RSS (what a pool plans memory by)
+    origin: Origin | None = None  # set when the entry was brought from another host
 
     def to_json(self) -> dict[str, Any]:
+        """The manifest as stored; `origin` only when there is one (older manifests lack it)."""
+        out = self.own_json()
+        if self.origin is not None:
+            out["origin"] = self.origin.to_json()
+        return out
+
+    def own_json(self) -> dict[str, Any]:
+        """What the entry is, wherever it lies: everything but its origin (what is signed)."""
         return {
             "format": self.format,
             "program": self.program,
@@ -132,6 +161,7 @@ class Manifest:
                 pid=int(data["pid"]),
                 format=int(data["format"]),
                 compile_peak_rss=int(data.get("compile_peak_rss", 0)),
+                origin=Origin.parse(data["origin"]) if data.get("origin") is not None else None,
             )
         except (ValueError, KeyError, TypeError, RecursionError) as e:
             raise Corrupt(f"malformed manifest ({type(e).__name__}: {e})") from None
@@ -221,6 +251,7 @@ class Entry:
     hits: int
     path: Path
     busy: bool = False  # a partial entry whose writer may still be running
+    origin: Origin | None = None  # where a brought entry came from
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -234,6 +265,7 @@ class Entry:
             "hits": self.hits,
             "path": str(self.path),
             "busy": self.busy,
+            "origin": self.origin.to_json() if self.origin else None,
         }
 
 

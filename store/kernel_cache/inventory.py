@@ -182,7 +182,8 @@ def _entry(program: str, child: os.DirEntry[str], reference: Reference) -> Entry
         return Entry(program, fp, CORRUPT, reason, size, 0.0, last_used, hits, Path(path))
     state, reason = judge(manifest, reference)
     return Entry(
-        program, fp, state, reason, size, manifest.created, last_used or manifest.created, hits, Path(path)
+        program, fp, state, reason, size, manifest.created, last_used or manifest.created, hits, Path(path),
+        origin=manifest.origin,
     )
 
 

@@ -19,7 +19,7 @@ import shutil
 import socket
 import tempfile
 import time
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
 
@@ -136,13 +136,33 @@ def seal(layout: Layout, staged: Path, program: str, key: Key, config: Collectio
         pid=os.getpid(),
         compile_peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
     )
+    _write_manifest(layout, staged, manifest)
+    return Hit(program, manifest.fingerprint, None, manifest, contents)
+
+
+def _write_manifest(layout: Layout, staged: Path, manifest: Manifest) -> None:
+    """The last step of sealing: the manifest, then the dir opened up and synced."""
     path = staged / MANIFEST
     path.write_text(json.dumps(manifest.to_json(), indent=1, sort_keys=True))
     _finish_file(layout, path)
     os.chmod(staged, dir_mode())
     if layout.durable:
         fsync_dir(staged)
-    return Hit(program, manifest.fingerprint, None, manifest, contents)
+
+
+def place(layout: Layout, manifest: Manifest, contents: Mapping[str, bytes]) -> Hit | None:
+    """Publish an entry built elsewhere, its manifest kept as it is (its producer host and pid,
+    its origin): staged, synced and renamed into its slot as a local build is. The Hit in
+    place, or None when an entry already holds the slot (nothing is replaced)."""
+    ensure_layout(layout, manifest.program)
+    with staging(layout, manifest.program, manifest.fingerprint) as staged:
+        for f in manifest.files:
+            (staged / f.name).write_bytes(contents[f.name])
+            _finish_file(layout, staged / f.name)
+        _write_manifest(layout, staged, manifest)
+        ours = Hit(manifest.program, manifest.fingerprint, None, manifest, dict(contents))
+        placed = install(layout, staged, ours)
+        return placed if placed is None or placed.path is not None else None
 
 
 def install(layout: Layout, staged: Path, ours: Hit) -> Hit | None:

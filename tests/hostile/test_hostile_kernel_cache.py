@@ -26,6 +26,7 @@ from store.kernel_cache import (
     Miss,
     UntrustedCacheError,
 )  # fmt: skip
+from store.kernel_cache.inventory import empty_trash
 
 KEY = Key.of({"backend": "export", "source:p": "1", "torch": "2.13.0"})
 ART = "program.pt2"
@@ -79,7 +80,7 @@ def test_lookups_and_builds_refuse_an_unmarked_directory_and_touch_nothing(tmp_p
         cache.lookup("prog", KEY)
     with pytest.raises(UntrustedCacheError, match="not a kernel cache"):
         cache.get_or_build("prog", KEY, lambda staging: (staging / ART).write_bytes(b"x"))
-    cache.empty_trash()
+    empty_trash(cache.layout)
     assert cache.quarantine(d / "v1" / "prog" / "album", "test") is None
     assert tree(d) == before
 
@@ -97,7 +98,7 @@ def test_trash_symlinked_out_of_the_root_is_never_followed(tmp_path, capsys):
     (outside / ("a" * 64 + ".deadbeef")).mkdir(parents=True)  # even a name we would produce
     (outside / "precious").write_text("keep")
     os.symlink(outside, cache.root / TRASH)
-    cache.empty_trash()
+    empty_trash(cache.layout)
     assert cli(["cache", "purge", "--all", "--yes", "--kernel-cache-dir", str(cache.root)]) == 1
     err = capsys.readouterr().err
     assert one_line(err) and "found a symlink" in err

@@ -41,6 +41,11 @@ CACHE_COLUMNS = (  # what decides a purge first: the state and why, then use, th
 )
 
 
+def origin(o: dict[str, Any] | None) -> str:
+    """Where a brought entry came from (nothing for one built here)."""
+    return f"from {o.get('host')}, signed by {o.get('signer')}" if o else ""
+
+
 def styled(state: str) -> str:
     style = STATE_STYLE.get(state, "")
     return f"[{style}]{state}[/]" if style else state
@@ -80,7 +85,7 @@ class ProgramsPane(Pane):
                 "fingerprint": (e.get("fingerprint") or "")[:12],
                 "created": fmt.ago(e["created"], self.now).removesuffix(" ago"), "hits": str(e["hits"]),
                 "last_used": fmt.ago(e["last_used"], self.now) if e["hits"] else "never",
-                "reason": e.get("reason") or ""}
+                "reason": "; ".join(filter(None, [e.get("reason") or "", origin(e.get("origin"))]))}
 
     def job(self, label: str, done: float | None = None, total: float | None = None,
             states: dict[str, str] | None = None) -> None:
