@@ -10,8 +10,10 @@ the synthetic MTP layer drafts badly, so it shows the cost and the tokens-per-st
 a speed-up).
 
 On the batched server, two more loads: all greedy vs half the requests sampled (top_p, top_k,
-min_p and every penalty set, seeded; target ≥ 0.9×), and one 128-token prompt answered four times
-as `n=4` choices of one request (one prefill, copied) vs as four separate requests.
+min_p and every penalty set, seeded; target ≥ 0.9×), one 128-token prompt answered four times
+as `n=4` choices of one request (one prefill, copied) vs as four separate requests, and eight
+prompts as one request's batch (`prompt: [[…], …]`, what lm-eval sends) vs as eight requests at
+once (target: within 10 %).
 
 Decode step time: one engine in this process at max_seq 256 and 4096, a 200-token prompt, then
 timed single-sequence decode steps: the incremental compressed KV keeps them close.
@@ -33,7 +35,8 @@ from pathlib import Path
 from typing import Any
 
 CLIENTS, ROUNDS, MAX_TOKENS = 64, 2, 16
-TARGETS = {"throughput": 10.0, "p99": 5.0, "step_4096_vs_256": 2.0, "sampled_vs_greedy": 0.9}
+TARGETS = {"throughput": 10.0, "p99": 5.0, "step_4096_vs_256": 2.0, "sampled_vs_greedy": 0.9,
+           "batch_vs_requests": 0.9}
 ENGINES = {"one-at-a-time": ("--max-batch", "1"), "batched": (), "batched+mtp": ("--speculative", "mtp")}
 
 
@@ -83,6 +86,7 @@ def _request(url: str, i: int, body: dict[str, Any] | None = None) -> tuple[floa
 SAMPLED = {"temperature": 0.8, "top_p": 0.9, "top_k": 40, "min_p": 0.02, "presence_penalty": 0.5,
            "frequency_penalty": 0.2, "repetition_penalty": 1.1}
 CHOICES, LONG_PROMPT = 4, 128
+BATCH = 8  # prompts of one batched request
 
 
 def _drive(url: str, bodies: list[dict[str, Any]], clients: int) -> dict[str, Any]:
@@ -96,17 +100,23 @@ def _drive(url: str, bodies: list[dict[str, Any]], clients: int) -> dict[str, An
 
 def mixes(url: str) -> dict[str, dict[str, Any]]:
     """On one batched server: all greedy vs half the requests sampled (every sampling parameter
-    set, seeded); and one prompt of LONG_PROMPT tokens answered CHOICES times, as `n` choices of
-    one request (one prefill) vs as CHOICES separate requests."""
+    set, seeded); one prompt of LONG_PROMPT tokens answered CHOICES times, as `n` choices of
+    one request (one prefill) vs as CHOICES separate requests; BATCH prompts as one request's
+    batch vs as BATCH requests at once (the same sequences, CLIENTS of them in flight)."""
     greedy = [_body(i) for i in range(CLIENTS * ROUNDS)]
     mixed = [b if i % 2 else {**b, **SAMPLED, "seed": i} for i, b in enumerate(greedy)]
     prompt = [(7 * i) % 200 + 3 for i in range(LONG_PROMPT)]
     long = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.8, "seed": 1, "stream": True,
             "ignore_eos": True}
     groups = CLIENTS // CHOICES
+    singles = [{**_body(i), "ignore_eos": True} for i in range(BATCH)]
+    batch = {**singles[0], "prompt": [b["prompt"] for b in singles]}
+    batches = CLIENTS // BATCH
     return {"all greedy": _drive(url, greedy, CLIENTS), "half sampled": _drive(url, mixed, CLIENTS),
             f"{CHOICES} requests": _drive(url, [long] * (groups * CHOICES), CLIENTS),
-            f"n={CHOICES}": _drive(url, [{**long, "n": CHOICES}] * groups, groups)}
+            f"n={CHOICES}": _drive(url, [{**long, "n": CHOICES}] * groups, groups),
+            f"{BATCH} requests": _drive(url, singles * batches, CLIENTS),
+            f"batch of {BATCH}": _drive(url, [batch] * batches, batches)}
 
 
 def _load(url: str, pid: int) -> dict[str, Any]:
@@ -180,7 +190,8 @@ def measure(backend: str, progress=print) -> dict[str, Any]:
                 progress(f"{name}: {CLIENTS} clients × {ROUNDS} rounds …")
                 rows[name] = _load(url, proc.pid)
                 if name == "batched":
-                    progress(f"{name}: greedy vs sampled, n={CHOICES} vs {CHOICES} requests …")
+                    progress(f"{name}: greedy vs sampled, n={CHOICES} vs {CHOICES} requests, "
+                             f"a batch of {BATCH} vs {BATCH} requests …")
                     mix = mixes(url)
             finally:
                 proc.terminate()
@@ -192,7 +203,8 @@ def measure(backend: str, progress=print) -> dict[str, Any]:
               "p99": round(base["p99_s"] / batched["p99_s"], 2),
               "step_4096_vs_256": round(steps[4096] / steps[256], 2),
               "sampled_vs_greedy": round(mix["half sampled"]["tokens_per_s"] / mix["all greedy"]["tokens_per_s"], 2),
-              "n_vs_requests": round(mix[f"n={CHOICES}"]["tokens_per_s"] / mix[f"{CHOICES} requests"]["tokens_per_s"], 2)}
+              "n_vs_requests": round(mix[f"n={CHOICES}"]["tokens_per_s"] / mix[f"{CHOICES} requests"]["tokens_per_s"], 2),
+              "batch_vs_requests": round(mix[f"batch of {BATCH}"]["tokens_per_s"] / mix[f"{BATCH} requests"]["tokens_per_s"], 2)}
     return {"backend": backend, "clients": CLIENTS, "rounds": ROUNDS, "max_tokens": MAX_TOKENS, "rows": rows, "mix": mix,
             "step_s": {str(k): round(v, 5) for k, v in steps.items()}, "ratios": ratios, "targets": TARGETS,
             "load_avg_1m": round(os.getloadavg()[0], 2), "cpus": os.cpu_count()}
@@ -220,6 +232,8 @@ def main(backend: str = "export", json_output: bool = False) -> int:
         ["step 4096 / 256", r["step_4096_vs_256"], f"≤ {t['step_4096_vs_256']}"],
         ["half sampled vs all greedy (tokens/s) ×", r["sampled_vs_greedy"], f"≥ {t['sampled_vs_greedy']}"],
         [f"n={CHOICES} vs {CHOICES} requests of a {LONG_PROMPT}-token prompt (tokens/s) ×", r["n_vs_requests"], ""],
+        [f"a batch of {BATCH} prompts vs {BATCH} requests at once (tokens/s) ×", r["batch_vs_requests"],
+         f"≥ {t['batch_vs_requests']}"],
     ])
     mix = result["mix"]
     print_table("batched server: request mixes", ["load", "requests", "tokens", "wall (s)", "tokens/s"],

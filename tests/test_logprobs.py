@@ -7,14 +7,7 @@ from __future__ import annotations
 
 import openai
 import pytest
-import torch
-
-from runtime.model.config import load_config
-from runtime.programs.catalog import build_programs
-from runtime.serve.engine import Engine
-from runtime.weights.pack import PackedLayout, pack_in_memory
-from runtime.weights.views import packed_views
-from store.checkpoint import Checkpoint
+from eager_reference import eager_model
 
 PROMPT = [3, 17, 250, 9, 41, 8]
 TOL = 2e-3  # the service runs compiled (export) programs; the reference, the eager model
@@ -30,13 +23,9 @@ def client(tiny_server):
 @pytest.fixture(scope="module")
 def reference(tiny_ckpt_ro):
     """log-softmax of the eager forward pass over PROMPT and the greedy continuation."""
-    config = load_config(tiny_ckpt_ro)
-    layout = PackedLayout(config, ranks=1)
-    weights = packed_views(layout, pack_in_memory(Checkpoint.open(tiny_ckpt_ro), layout))
-    engine = Engine(build_programs(config, layout, max_seq=64), weights)
-    tokens = list(engine.generate(PROMPT, 4))
-    logits = Engine(build_programs(config, layout, max_seq=64), weights).forward(torch.tensor(PROMPT + tokens)).logits
-    return tokens, torch.log_softmax(logits.float(), -1)
+    log_softmax, engine = eager_model(tiny_ckpt_ro)
+    tokens = list(engine().generate(PROMPT, 4))
+    return tokens, log_softmax(PROMPT + tokens)
 
 
 def test_greedy_completion_logprobs_are_the_reference_log_softmax(client, tiny_ckpt_ro, reference):

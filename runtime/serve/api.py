@@ -15,6 +15,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    PrivateAttr,
     StrictBool,
     StrictInt,
     ValidationError,
@@ -29,14 +30,18 @@ PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's presence/frequency penalties
 REPETITION_MAX = 10.0  # vLLM takes any > 0; past this every seen token is all but banned
 TOP_K_MAX = 1 << 22  # above any vocabulary: every token
 MAX_LOGPROBS = 20  # top log-probabilities per token (OpenAI's chat bound; vLLM's default)
-MAX_CHOICES = 128  # `n`; the service bounds it further by the sequences one rank holds
+MAX_CHOICES = 128  # `n` and `best_of`; the service bounds them further by the sequences one rank holds
+MAX_PROMPTS = 1024  # prompts of one batch; the service bounds it further by the sequences it holds
+LOGIT_BIAS_MAX = 100.0  # OpenAI's range: ±100 bans or forces a token
+MAX_LOGIT_BIAS = 1024  # tokens one request may bias
 
 # Parameters clients send that this server does not implement: accepted only at their no-op
-# value, otherwise a 400 naming them (silently ignoring `n: 4` or `top_p: 0.1` would lie).
+# value, otherwise a 400 naming them (silently ignoring `tools` or a `suffix` would lie).
 NOOP_VALUES: dict[str, tuple[Any, ...]] = {
-    "best_of": (1, None), "suffix": (None, ""), "logit_bias": (None, {}), "tools": (None, []),
-    "tool_choice": (None, "none"), "functions": (None, []), "response_format": (None, {"type": "text"}),
+    "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
+    "response_format": (None, {"type": "text"}),
 }  # fmt: skip
+CHAT_NOOP_VALUES = {**NOOP_VALUES, "best_of": (1, None)}  # best_of is the completions API's only
 
 
 class ApiError(Exception):
@@ -71,6 +76,25 @@ def _stop_list(v: Any) -> Any:
     return [v] if isinstance(v, str) else v
 
 
+def _logit_bias(v: Any) -> Any:
+    """OpenAI's logit_bias: {"token id": bias in [-100, 100]} → ((id, bias), …) sorted by id
+    (the vocabulary bound is the service's to check)."""
+    if v is None:
+        return ()
+    if not isinstance(v, dict):
+        raise ValueError('must be an object mapping token ids to biases, e.g. {"50256": -100}')
+    if len(v) > MAX_LOGIT_BIAS:
+        raise ValueError(f"at most {MAX_LOGIT_BIAS} tokens may be biased, got {len(v)}")
+    out = []
+    for key, bias in v.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 9):
+            raise ValueError(f"keys must be token ids (decimal strings), got {key[:20]!r}")
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not -LOGIT_BIAS_MAX <= bias <= LOGIT_BIAS_MAX:
+            raise ValueError(f"token {key}: the bias must be a number in [-100, 100], got {str(bias)[:20]}")
+        out.append((int(key), float(bias)))
+    return tuple(sorted(out))
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: StrictBool = False
@@ -94,14 +118,28 @@ class _Common(BaseModel):
     stop: Annotated[list[StopText], Field(max_length=MAX_STOPS), BeforeValidator(_stop_list)] | None = None
     ignore_eos: StrictBool = False  # vLLM's extension: keep going past the end-of-sequence token
     n: Annotated[StrictInt, Field(ge=1, le=MAX_CHOICES)] | None = None
+    logit_bias: Annotated[tuple[tuple[int, float], ...], BeforeValidator(_logit_bias)] = ()
     user: Text | None = None
 
 
 class CompletionRequest(_Common):
-    prompt: Any = None  # a string or a list of token ids: checked by hand for a clear message
+    # a string, a list of token ids, or a batch of either (a list of strings or of id lists):
+    # checked by hand for a clear message; `prompts` is the batch, one prompt for the first two
+    prompt: Any = None
     max_tokens: Annotated[StrictInt, Field(ge=0, le=MAX_TOKENS_LIMIT)] | None = None  # 0: with echo only
     logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: StrictBool = False
+    best_of: Annotated[StrictInt, Field(ge=1, le=MAX_CHOICES)] | None = None
+    _prompts: list[str | list[int]] = PrivateAttr(default_factory=list)
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        return self._prompts
+
+    @property
+    def draws(self) -> int:
+        """Sequences drawn per prompt: best_of of them, of which the n best are returned."""
+        return self.best_of or self.n or 1
 
 
 def _content(v: Any) -> Any:
@@ -142,14 +180,14 @@ def _message(err: dict) -> str:
     return msg.removeprefix("Value error, ")
 
 
-def _load_object(body: bytes) -> dict[str, Any]:
+def _load_object(body: bytes, noops: dict[str, tuple[Any, ...]]) -> dict[str, Any]:
     try:
         raw = json.loads(body)
     except (ValueError, RecursionError) as e:  # bad UTF-8, bad JSON, 4300+ digit ints, deep nesting
         raise ApiError(400, f"body: not valid JSON ({str(e)[:120]})") from None
     if not isinstance(raw, dict):
         raise ApiError(400, f"body: expected a JSON object, got {type(raw).__name__}")
-    for name, ok in NOOP_VALUES.items():
+    for name, ok in noops.items():
         if name in raw and not any(_same(raw[name], v) for v in ok):
             allowed = " or ".join([repr(v) for v in ok if v is not None] + ["absent"])
             raise ApiError(400, f"{name}: not supported by this server (only {allowed})", param=name)
@@ -176,22 +214,45 @@ def _validate(model: type[BaseModel], raw: dict[str, Any]):
 
 
 def parse_completion(body: bytes) -> CompletionRequest:
-    req = _validate(CompletionRequest, _load_object(body))
-    p = req.prompt
-    if isinstance(p, str):
-        _check_text(p, "prompt")
-    elif isinstance(p, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in p):
-        if any(i < 0 for i in p):
-            raise ApiError(400, "prompt: token ids must not be negative", param="prompt")
-    elif isinstance(p, list) and p and all(isinstance(x, str | list) for x in p):
-        raise ApiError(400, "prompt: batches of prompts are not served; send one prompt per request", param="prompt")
-    else:
-        raise ApiError(400, "prompt: must be a string or a list of token ids", param="prompt")
-    if not p:
-        raise ApiError(400, "prompt: must not be empty", param="prompt")
+    req = _validate(CompletionRequest, _load_object(body, NOOP_VALUES))
+    req._prompts = _prompts(req.prompt)
     if req.max_tokens == 0 and not req.echo:
         raise ApiError(400, "max_tokens: 0 generates nothing; it is only served with echo: true", param="max_tokens")
+    n = req.n or 1
+    if req.best_of is not None and req.best_of < n:
+        raise ApiError(400, f"best_of: {req.best_of} must be at least n ({n})", param="best_of")
+    if req.stream and req.draws > n:  # OpenAI's rule: the best are known only at the end
+        raise ApiError(400, f"best_of: {req.best_of} above n ({n}) cannot stream", param="best_of")
     return req
+
+
+def _is_ids(p: Any) -> bool:
+    return isinstance(p, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in p)
+
+
+def _prompts(p: Any) -> list[str | list[int]]:
+    """The prompts of OpenAI's four forms: a string, a list of token ids, a list of strings, a
+    list of token-id lists (the last two a batch)."""
+    if isinstance(p, str) or (_is_ids(p) and p):
+        batch = [p]
+    elif isinstance(p, list) and p and (all(isinstance(x, str) for x in p) or all(_is_ids(x) for x in p)):
+        if len(p) > MAX_PROMPTS:
+            raise ApiError(400, f"prompt: a batch holds at most {MAX_PROMPTS} prompts, got {len(p)}", param="prompt")
+        batch = p
+    elif p == []:
+        raise ApiError(400, "prompt: must not be empty", param="prompt")
+    else:
+        raise ApiError(400, "prompt: must be a string, a list of token ids, or a batch: a list of strings or "
+                            "of token-id lists", param="prompt")
+    for i, one in enumerate(batch):
+        where = "prompt" if len(batch) == 1 and batch[0] is p else f"prompt.{i}"
+        if isinstance(one, str):
+            _check_text(one, where)
+        elif any(t < 0 for t in one):
+            raise ApiError(400, f"{where}: token ids must not be negative", param=where)
+        if not one:
+            raise ApiError(400, f"{where}: must not be empty", param=where)
+    return batch
 
 
 def _check_text(s: str, where: str) -> None:
@@ -202,7 +263,7 @@ def _check_text(s: str, where: str) -> None:
 
 
 def parse_chat(body: bytes) -> ChatRequest:
-    req = _validate(ChatRequest, _load_object(body))
+    req = _validate(ChatRequest, _load_object(body, CHAT_NOOP_VALUES))
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
     if req.messages[-1].role == "assistant":
@@ -215,8 +276,8 @@ def sampling_fields(req: _Common) -> dict[str, Any]:
     """The sampling parameters a request set (runtime.serve.scheduler.Sampling's fields), and
     the log-probabilities it wants: completions' `logprobs: k` (and, with `echo`, the prompt's),
     chat's `logprobs: true` + `top_logprobs: k`."""
-    names = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
-    out = {n: getattr(req, n) for n in names if getattr(req, n) is not None}
+    names = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
+    out = {n: getattr(req, n) for n in names if getattr(req, n) not in (None, ())}
     if isinstance(req, CompletionRequest) and req.logprobs is not None:
         out["logprobs"] = req.logprobs
         if req.echo:

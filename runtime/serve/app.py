@@ -11,7 +11,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from runtime.launch.spec import DEFAULTS
 from runtime.model import chat_template
 from runtime.serve.api import ApiError, limit_tokens, parse_chat, parse_completion, sampling_fields
+from runtime.serve.batch import Prompt, best, check_fits, draws_of
 from runtime.serve.http import (
     CLIENT_GONE,
     ClientGone,
@@ -115,26 +116,32 @@ def create_app(launched, limits: Limits = Limits(), scheduler: Scheduler | None 
     def completion_prompt(body: bytes):
         req = parse_completion(body)
         check_model(req.model)
-        ids = tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
+        return req, [one_prompt(req, p, "prompt" if p is req.prompt else f"prompt.{i}")
+                     for i, p in enumerate(req.prompts)]
+
+    def one_prompt(req, prompt: str | list[int], field: str) -> Prompt:
+        ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
-            raise ApiError(400, "prompt: encodes to no tokens", param="prompt")
+            raise ApiError(400, f"{field}: encodes to no tokens", param=field)
         if max(ids) >= vocab:
-            raise ApiError(400, f"prompt: token ids must be below the vocabulary size {vocab}", param="prompt")
-        return req, ids, fit(ids, req, "prompt", COMPLETION_DEFAULT_TOKENS)
+            raise ApiError(400, f"{field}: token ids must be below the vocabulary size {vocab}", param=field)
+        echo = (prompt if isinstance(prompt, str) else tokenizer.decode(ids)) if req.echo else None
+        return Prompt(ids, fit(ids, req, field, COMPLETION_DEFAULT_TOKENS), echo)
 
     def chat_prompt(body: bytes):
         req = parse_chat(body)
         check_model(req.model)
         parts = chat_template.render([(m.role, m.content) for m in req.messages])
         ids = chat_template.encode(tokenizer, parts)
-        return req, ids, fit(ids, req, "messages", None)
+        return req, [Prompt(ids, fit(ids, req, "messages", None))]
 
     # ---- one generation request ----
 
-    async def start(request: Request, ids: list[int], samplings: list[Sampling]):
-        """Submit one job per choice and wait until they run: the jobs and the watcher that
-        cancels them when the client leaves (while queued, too)."""
-        jobs = scheduler.submit_group(ids, samplings)
+    async def start(request: Request, groups: list[list[Sampling]], prompts: list[Prompt]):
+        """Submit one group of jobs per prompt (its choices) and wait until they run: the jobs
+        and the watcher that cancels every one of them when the client leaves (while queued, too)."""
+        jobs = [job for p, samplings in zip(prompts, groups, strict=True)
+                for job in scheduler.submit_group(p.ids, samplings)]
         watcher = asyncio.ensure_future(until_disconnect(request))
         watcher.add_done_callback(lambda w: None if w.cancelled() else [job.cancel() for job in jobs])
         try:
@@ -155,27 +162,32 @@ def create_app(launched, limits: Limits = Limits(), scheduler: Scheduler | None 
         metrics.queue_wait.observe(jobs[0].started_at - jobs[0].queued_at)
         return jobs, watcher
 
-    def choices(req, sampling: Sampling) -> list[Sampling]:
-        """The request's `n` choices: choice i draws with seed + i (the same seed, the same choices)."""
-        n = req.n or 1
-        if n > scheduler.max_group:
-            raise ApiError(400, f"n: {n} choices share one prefill on one rank, which holds {scheduler.max_group} "
-                                f"sequences at most", param="n")
-        return [replace(sampling, seed=(sampling.seed + i) % (1 << 64)) for i in range(n)]
+    def sampling_of(req) -> tuple[Sampling, bool]:
+        """The request's sampling, before each draw's length and seed (runtime.serve.batch), and
+        whether the client asked for log-probabilities."""
+        fields = sampling_fields(req)
+        shown = "logprobs" in fields
+        if bad := [t for t, _ in fields.get("logit_bias", ()) if t >= vocab]:
+            raise ApiError(400, f"logit_bias: token {bad[0]} is not below the vocabulary size {vocab}",
+                           param="logit_bias")
+        if getattr(req, "draws", 1) > (req.n or 1):  # best_of ranks its draws by their tokens' logprobs
+            fields.setdefault("logprobs", 0)
+        return Sampling(max_tokens=0, temperature=req.temperature or 0.0, seed=req.seed or 0,
+                        stop_ids=frozenset() if req.ignore_eos else frozenset({eos}), **fields), shown
 
     async def generate(request: Request, parse: Callable, shape) -> Any:
         if reason := failure():
             raise unavailable(reason)
         started = time.perf_counter()
         body = await read_body(request, limits.max_body_bytes)
-        req, ids, max_tokens = await run_in_threadpool(parse, body)
-        sampling = Sampling(max_tokens=max_tokens, temperature=req.temperature or 0.0, seed=req.seed or 0,
-                            stop_ids=frozenset() if req.ignore_eos else frozenset({eos}), **sampling_fields(req))
-        jobs, watcher = await start(request, ids, choices(req, sampling))
-        echo = None
-        if getattr(req, "echo", False):  # completions: the prompt's text before the completion's
-            echo = req.prompt if isinstance(req.prompt, str) else tokenizer.decode(ids)
-        runs = [TextRun(job, tokenizer, req.stop, echo, index=i) for i, job in enumerate(jobs)]
+        req, prompts = await run_in_threadpool(parse, body)
+        n, draws = req.n or 1, getattr(req, "draws", req.n or 1)
+        check_fits(scheduler, len(prompts), draws, "best_of" if draws > n else "n")
+        sampling, shown = sampling_of(req)
+        jobs, watcher = await start(request, [draws_of(sampling, i, p, draws) for i, p in enumerate(prompts)], prompts)
+        # draw i is prompt i // draws's; its index, i × n + k as OpenAI's, is best_of's to reassign
+        runs = [TextRun(job, tokenizer, req.stop, prompts[i // draws].echo, index=i, prompt=i // draws,
+                        logprobs=shown) for i, job in enumerate(jobs)]
         rid = f"{shape.prefix}-{uuid.uuid4().hex[:24]}"
 
         def done() -> None:
@@ -197,7 +209,7 @@ def create_app(launched, limits: Limits = Limits(), scheduler: Scheduler | None 
                 raise ClientGone
             if any(run.finish == "error" for run in runs):
                 raise generation_failed()
-            return shape.whole(rid, texts, runs)
+            return shape.whole(rid, *best(runs, texts, n, draws), usage(runs))
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 

@@ -50,19 +50,21 @@ class TextRun:
     """The tokens of one job turned into settled text, honouring stop strings.
 
     `finish` is set at the end: length | stop (a stop string or token) | cancelled | error.
-    `echo`: the prompt's text, shown before the completion (completions' `echo: true`)."""
+    `echo`: the prompt's text, shown before the completion (completions' `echo: true`); `index`:
+    the choice's place in the answer; `prompt`: which of a batch's prompts it continues;
+    `logprobs`: whether they are shown (default: whether the job computes them; best_of's
+    draws compute them to rank themselves)."""
 
-    def __init__(self, job, tokenizer, stops: list[str] | None, echo: str | None = None, index: int = 0):
+    def __init__(self, job, tokenizer, stops: list[str] | None, echo: str | None = None, index: int = 0,
+                 prompt: int = 0, logprobs: bool | None = None):
         self.job, self.ids, self.tokenizer, self.echo, self.index = job, [], tokenizer, echo, index
+        self.prompt = prompt
+        self.wants_logprobs = job.sampling.logprobs is not None if logprobs is None else logprobs
         self.decoder = IncrementalDecoder(tokenizer)
         self.stopper = StopMatcher(stops or [])
         self.finish: str | None = None
         self.offset = 0  # text_offset of the next token streamed
         self.echo_pending = echo is not None  # a stream's first chunk of this choice carries the prompt
-
-    @property
-    def wants_logprobs(self) -> bool:
-        return self.job.sampling.logprobs is not None
 
     async def pieces(self) -> AsyncIterator[tuple[list[int], str, list]]:
         """(new token ids, newly settled text, their log-probabilities when asked for) per token;
@@ -127,8 +129,10 @@ class TextRun:
 
 
 def usage(runs: list[TextRun]) -> dict[str, int]:
-    """One request's tokens: its prompt once, every choice's completion."""
-    n, done = len(runs[0].job.prompt), sum(len(r.ids) for r in runs)
+    """One request's tokens: each of its prompts once, every drawn sequence's completion
+    (best_of's unreturned ones too: they were generated, as OpenAI bills them)."""
+    n = sum({r.prompt: len(r.job.prompt) for r in runs}.values())
+    done = sum(len(r.ids) for r in runs)
     return {"prompt_tokens": n, "completion_tokens": done, "total_tokens": n + done}
 
 
@@ -173,13 +177,13 @@ class CompletionShape:
     def _choice(run: TextRun, text: str, ids: list[int], finish: str | None, logprobs: dict | None = None) -> dict:
         return {"index": run.index, "text": text, "token_ids": ids, "logprobs": logprobs, "finish_reason": finish}
 
-    def whole(self, rid: str, texts: list[str], runs: list[TextRun]) -> dict[str, Any]:
+    def whole(self, rid: str, runs: list[TextRun], texts: list[str], usage: dict[str, int]) -> dict[str, Any]:
         choices = []
         for run, text in zip(runs, texts, strict=True):
             text, entries = run.echoed(text, run.entries())
             logprobs = run.completion_logprobs(entries) if run.wants_logprobs else None
             choices.append(self._choice(run, text, run.ids, run.finish, logprobs))
-        return self._body(rid, choices, usage=usage(runs))
+        return self._body(rid, choices, usage=usage)
 
     def first(self, rid: str, runs: list[TextRun]) -> tuple:
         return ()
@@ -214,14 +218,14 @@ class ChatShape:
     def _delta(run: TextRun, delta: dict[str, Any], finish: str | None, logprobs: dict | None = None) -> dict:
         return {"index": run.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
-    def whole(self, rid: str, texts: list[str], runs: list[TextRun]) -> dict[str, Any]:
+    def whole(self, rid: str, runs: list[TextRun], texts: list[str], usage: dict[str, int]) -> dict[str, Any]:
         choices = []
         for run, text in zip(runs, texts, strict=True):
             logprobs = run.chat_logprobs(run.entries()) if run.wants_logprobs else None
             choices.append({"index": run.index, "message": {"role": "assistant", "content": text},
                             "logprobs": logprobs, "finish_reason": run.finish})
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model_id,
-                "choices": choices, "usage": usage(runs)}
+                "choices": choices, "usage": usage}
 
     def first(self, rid: str, runs: list[TextRun]) -> tuple:
         return tuple(self._chunk(rid, [self._delta(run, {"role": "assistant", "content": ""}, None)]) for run in runs)

@@ -1,6 +1,6 @@
 """One sequence's sampler: OpenAI's and vLLM's sampling parameters over one row of logits.
 
-In vLLM's order: the penalties (repetition over the prompt and the output, frequency and
+In vLLM's order: OpenAI's logit_bias (added to the raw logits), the penalties (repetition over the prompt and the output, frequency and
 presence over the output), then the temperature (0: the argmax of the penalised logits), then
 top-k, top-p (the smallest set of tokens whose probability reaches p, the one crossing it
 kept) and min-p (tokens below min_p × the most likely one's probability dropped), then one
@@ -28,11 +28,14 @@ class Sampler:
         self.counts: torch.Tensor | None = None  # [V] float32: each token's count in the output
         self.seen: torch.Tensor | None = None  # [V] bool: in the prompt or the output
         self.drawn_from: torch.Tensor | None = None
+        bias = params.logit_bias
+        self._bias = (torch.tensor([t for t, _ in bias], dtype=torch.int64),
+                      torch.tensor([b for _, b in bias], dtype=torch.float32)) if bias else None
 
     @property
     def plain_greedy(self) -> bool:
         """The argmax of the raw logits: what an MTP draft is verified against."""
-        return self.params.greedy and not self.params.penalized
+        return self.params.greedy and not self.params.processed
 
     def remember(self, tokens: Iterable[int], vocab: int) -> None:
         """Tokens of the output, for the penalties."""
@@ -47,13 +50,15 @@ class Sampler:
             self.seen[t] = True
 
     def logits(self, row: torch.Tensor) -> torch.Tensor:
-        """The row after the penalties, in float32: what the token is drawn from. A plain greedy
-        row stays where it is (only its argmax comes back: 8 bytes, not a vocabulary of floats
-        per sequence and step); any other comes to the host, whose generator draws from it."""
+        """The row after the bias and the penalties, in float32: what the token is drawn from. A
+        plain greedy row stays where it is (only its argmax comes back: 8 bytes, not a vocabulary
+        of floats per sequence and step); any other comes to the host, whose generator draws from it."""
         p = self.params
-        if not p.penalized and p.greedy:
+        if not p.processed and p.greedy:
             return row.float()
         row = row.float().cpu()
+        if self._bias is not None:  # a few entries: one indexed add, never a vocabulary-sized vector
+            row = row.index_add(0, *self._bias)
         if not p.penalized:
             return row
         self.remember((), row.shape[-1])

@@ -70,12 +70,18 @@ class Sampling:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), OpenAI's
     logprobs: int | None = None  # each generated token's log-probability and this many top ones
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (echo)
 
     @property
     def penalized(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def processed(self) -> bool:
+        """The logits are changed before the draw (a bias or a penalty): not the raw argmax."""
+        return self.penalized or bool(self.logit_bias)
 
     @property
     def greedy(self) -> bool:
@@ -202,6 +208,11 @@ class Scheduler:
         """The most sequences one request may ask for (`n`): they share a prompt's prefill, so
         they live on one rank."""
         return min(self.slots, max(self.rank_slots))
+
+    def max_groups(self, size: int) -> int:
+        """How many groups of `size` sequences (a batch's prompts, each with its choices) the
+        service holds at once: each group on one rank, every sequence in a slot."""
+        return min(sum(n // size for n in self.rank_slots), self.slots // size)
 
     def _place(self, jobs: list[Job]) -> list[int] | None:
         """Free slots for `jobs` (one request's sequences) on one rank: the rank with the most

@@ -146,6 +146,14 @@ HOSTILE_VALUES = {
     "repetition_penalty": [0, -1, 1e308, NAN, 1e-300],
     "logprobs": [21, -1, True, 1.5, "3", 20, 0],
     "echo": [1, "true", None, True],
+    # batch prompts (issue 38): each prompt's own faults, mixed forms, more prompts than the one slot
+    "prompts": [[[1]], [[1], [2]], [[]], [[1], []], [[1], "a"], [["a"], [1]], [[[1]]], [[-1]], [[2**63]], [[512]],
+                ["\ud800"], ["a", ""], [[1]] * 1025, [[True]], [[1.0]], [None]],
+    "best_of": [0, 1, 2, 129, 10**9, True, 1.5, "2", None],
+    "logit_bias": [{"1": 101}, {"1": -100.5}, {"x": 1}, {"-1": 1}, {"1" * 30: 1}, {"512": 1}, {"\ud800": 1},
+                   {"1": NAN}, {"1": INF}, {"1": True}, {"1": "1"}, {"1": None}, {"1": 100}, {}, None, [], "a",
+                   {str(i): 1 for i in range(1025)}],
+    "suffix": ["x", 1, None, "", ["a"], "\ud800"],
 }
 TOP_LEVEL = [b"[]", b'""', b"1", b"null", b"true", b"[" * 100_000, b"1" * 5000, b"\xff\xfe{}", b"{", b""]
 BASE = {"/v1/completions": {"prompt": [1, 2], "max_tokens": 1},
@@ -160,10 +168,10 @@ def _hostile_bodies():
         for field, values in HOSTILE_VALUES.items():
             for v in values:
                 body = dict(base)
-                if path == "/v1/chat/completions" and field == "prompt":
+                if path == "/v1/chat/completions" and field in ("prompt", "prompts"):
                     body["messages"] = [{"role": "user", "content": v}]
                 else:
-                    body[field] = v
+                    body["prompt" if field == "prompts" else field] = v
                 yield path, json.dumps(body, allow_nan=True).encode()
         for raw in TOP_LEVEL:
             yield path, raw
@@ -203,7 +211,7 @@ def test_hostile_values_are_never_5xx_and_every_answer_is_counted(server, tmp_pa
         by_status[int(status)] = by_status.get(int(status), 0) + n
     record(tmp_path_factory, "hostile: fuzzed values", trials=sum(by_status.values()),
            injection="temperature/seed/max_tokens/prompt ids/stop/model/n/top_p/top_k/min_p/penalties/"
-                     "logprobs/echo edge values, lone surrogates, "
+                     "logprobs/echo/batch prompts/best_of/logit_bias/suffix edge values, lone surrogates, "
                      "NaN/Infinity literals, 10 hostile top-level bodies; both endpoints",
            recovered=by_status.get(200, 0), clean_error=sum(n for s, n in by_status.items() if 400 <= s < 500),
            data_lost=sum(n for s, n in by_status.items() if s >= 500),
@@ -232,6 +240,31 @@ def test_fuzzed_chat_bodies_are_never_5xx(server, body):
     _, url, _ = server
     body["max_tokens"] = 1
     r = _post(url, "/v1/chat/completions", json.dumps(body, allow_nan=True).encode())
+    assert r.status_code < 500, r.text
+
+
+ids = st.lists(st.integers(-3, 600), max_size=4)
+completion_body = st.fixed_dictionaries({}, optional={
+    "prompt": st.one_of(st.text(max_size=8), ids, st.lists(st.text(max_size=4), max_size=3), st.lists(ids, max_size=3),
+                        st.lists(st.one_of(ids, st.text(max_size=3), st.integers()), max_size=3), st.none()),
+    "n": st.one_of(st.integers(-1, 3), st.none()),
+    "best_of": st.one_of(st.integers(-1, 3), st.floats(), st.none(), st.text(max_size=2)),
+    "logit_bias": st.one_of(st.dictionaries(st.one_of(st.text(max_size=4), st.integers(-2, 600).map(str)),
+                                            st.one_of(st.floats(), st.integers(-200, 200), st.booleans(), st.none()),
+                                            max_size=3), st.none(), st.lists(st.integers(), max_size=2)),
+    "suffix": st.one_of(st.text(max_size=3), st.none()),
+    "echo": st.booleans(),
+    "logprobs": st.one_of(st.integers(-1, 3), st.none()),
+    "stream": st.booleans(),
+})
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+@given(body=completion_body)
+def test_fuzzed_completion_batches_are_never_5xx(server, body):
+    _, url, _ = server
+    body["max_tokens"] = 1
+    r = _post(url, "/v1/completions", json.dumps(body, allow_nan=True).encode())
     assert r.status_code < 500, r.text
 
 
