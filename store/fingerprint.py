@@ -98,7 +98,26 @@ class Change:
             return f"{self.component} added ({_short(self.new)})"
         if self.new is _ABSENT:
             return f"{self.component} removed (was {_short(self.old)})"
+        if isinstance(self.old, dict) and isinstance(self.new, dict):  # the facts, not two blobs
+            leaves = list(_leaves("", self.old, self.new))
+            shown = ", ".join(f"{path} {_short(a)} → {_short(b)}" for path, a, b in leaves[:MAX_LEAVES])
+            more = f" (+{len(leaves) - MAX_LEAVES} more)" if len(leaves) > MAX_LEAVES else ""
+            return f"{self.component}: {shown}{more}"
         return f"{self.component} {_short(self.old)} → {_short(self.new)}"
+
+
+MAX_LEAVES = 3
+
+
+def _leaves(path: str, old: Any, new: Any) -> Iterable[tuple[str, Any, Any]]:
+    """The innermost values that differ between two structured values, by dotted path."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        for k in sorted(set(old) | set(new), key=str):
+            a, b = old.get(k, "-"), new.get(k, "-")
+            if a != b:
+                yield from _leaves(f"{path}.{k}" if path else str(k), a, b)
+    else:
+        yield path, old, new
 
 
 class _Absent:

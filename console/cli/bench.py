@@ -40,9 +40,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     con = sub.add_parser(
         "console",
-        help="dsv4-console: first paint, idle CPU, residency refresh of a 300 GiB sidecar on mincore",
+        help="dsv4-console: first paint, idle CPU (alone and beside 3 loaded services), refresh seconds, "
+        "residency refresh of a 300 GiB sidecar on mincore",
         description="Start dsv4-console in a pseudo-terminal on a tiny checkpoint: time to first "
-        "paint, then its CPU use while idle (default 30 s at the default 2 s interval); then the "
+        "paint, then its CPU use while idle (default 30 s at the default 2 s interval); again while "
+        "three `dsv4 serve` of it run under load (targets: <= 3 %% of a core, a refresh <= 0.5 s); then the "
         "residency refresh of a 300 GiB sparse sidecar on the mincore fallback (kernels before "
         "6.5): one sample, and the console's schedule over 300 refreshes (target <= 2 %% of a core).",
     )

@@ -186,9 +186,16 @@ class RankProgress:
     message: str = ""  # the error, when it failed
 
 
+SMALL_DELTA_S = 0.1  # a difference this small says nothing as a share (10 ms against 2 ms is "+400 %")
+
+
 def delta(actual: float | None, predicted: float | None) -> str:
-    """`+12 %`, `−3 %`; "" when either is unknown (or the prediction is zero)."""
-    if actual is None or not predicted:
+    """`+12 %`, `−3 %`; under 0.1 s apart, the seconds (`+0.04 s`); "" when either is unknown."""
+    if actual is None or predicted is None:
+        return ""
+    if abs(actual - predicted) < SMALL_DELTA_S:
+        return f"{'+' if actual >= predicted else '−'}{abs(actual - predicted):.2f} s"
+    if not predicted:
         return ""
     change = (actual - predicted) / predicted
     return f"{'+' if change >= 0 else '−'}{abs(change):.0%}"

@@ -10,6 +10,7 @@ reaches the screen as Textual messages. Every mutating action goes through one g
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterable
 from typing import Any, ClassVar
@@ -268,8 +269,15 @@ class Dsv4Console(App):
 
     def show_registration(self) -> None:
         pane = self.pane(RegistrationPane)
-        if self.snapshot and pane is not None:
-            pane.show(self.snapshot.registration, self.launch, self.status)
+        if not self.snapshot or pane is None:
+            return
+        registration, status = self.snapshot.registration, self.status
+        creating = self.jobs_control.progress.get("create") if "create" in self.jobs_control.running() else None
+        if creating is not None:  # the checkpoint a plan fails on is the one being made: say that, not FAIL
+            registration = dataclasses.replace(registration, prediction={
+                phase: "waits for the checkpoint being created" for phase in registration.prediction})
+            status = f"{creating.line()} — then w warms it, l launches"
+        pane.show(registration, self.launch, status)
 
     # -- worker output ------------------------------------------------------------------------
 

@@ -29,6 +29,24 @@ def member(rank: int, device: str = "") -> str:
     return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "rank": rank, "device": device})
 
 
+def roster(world: int, me: int, my_phase: str, known: dict[int, dict], posted: Callable[[int], str | None],
+           ages: dict[int, tuple[float, str | None]]) -> list[dict]:
+    """Every rank: host, pid and device (what it posted when it joined, read once into `known`),
+    its phase and the seconds since its heartbeat last moved (`me`: 0, and its own phase)."""
+    if len(known) < world:
+        with contextlib.suppress(Exception):  # a store gone: what is known so far
+            for r in range(world):
+                if r not in known and (raw := posted(r)):
+                    known[r] = json.loads(raw)
+    out = []
+    for r in range(world):
+        m = known.get(r, {})
+        age, phase = (0.0, my_phase) if r == me else ages.get(r, (None, None))
+        out.append({"rank": r, "host": m.get("host", ""), "pid": m.get("pid"), "device": m.get("device", ""),
+                    "phase": phase or "", "heartbeat_age": None if age is None else round(age, 2)})
+    return out
+
+
 def describe(rank: int, posted: str | None) -> str:
     """`rank 1 on host-b (pid 4242)`, from what the rank posted when it joined."""
     try:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from runtime.launch.liveness import Heartbeat, first_line, member
+from runtime.launch.liveness import Heartbeat, first_line, member, roster
 from store.errors import UserError
 
 PREFIX = "dsv4/"
@@ -227,22 +227,12 @@ class Group:
         threading.Thread(target=run, daemon=True, name="rank-watch").start()
 
     def members(self) -> list[dict[str, Any]]:
-        """Every rank as rank 0 knows it: host, pid and device (posted when it joined, read
-        once), its phase and the seconds since its heartbeat last moved (this rank: 0)."""
-        if len(self._members) < self.world:
-            with contextlib.suppress(Exception):  # a store gone: what is known so far
-                for r in range(self.world):
-                    if r not in self._members and (posted := read(self.store, f"member/{r}")):
-                        self._members[r] = json.loads(posted)
-        ages = self._beat.ages() if self._beat is not None else {}
-        out = []
-        for r in range(self.world):
-            known = self._members.get(r, {})
-            age, phase = (0.0, self.phase) if r == self.rank else ages.get(r, (None, None))
-            out.append({"rank": r, "host": known.get("host", ""), "pid": known.get("pid"),
-                        "device": known.get("device", ""), "phase": phase or "",
-                        "heartbeat_age": None if age is None else round(age, 2)})
-        return out
+        """Every rank as rank 0 knows it (runtime.launch.liveness.roster)."""
+        def posted(r: int) -> str | None:
+            return read(self.store, f"member/{r}")
+
+        return roster(self.world, self.rank, self.phase, self._members, posted,
+                      self._beat.ages() if self._beat is not None else {})
 
     # ---- the process group ----
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import time
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+from textual.app import App
 
 from console import fmt
 from console.data.collectors import default_preset
@@ -22,14 +24,11 @@ from runtime.launch.spec import COMPILE, PREPACK
 from store import sidecar as sc
 from store.checkpoint import INDEX_NAME
 
-if TYPE_CHECKING:
-    from console.tui.app import Dsv4Console
-
 
 class JobControl:
     """Every job this console runs (its service too, under "launch"), and their progress."""
 
-    def __init__(self, app: Dsv4Console):
+    def __init__(self, app: App):
         self.app = app
         self.jobs: dict[str, Any] = {}
         self.progress: dict[str, Progress] = {}

@@ -15,7 +15,8 @@ import os
 import signal
 import time
 from functools import partial
-from typing import TYPE_CHECKING
+
+from textual.app import App
 
 from console.data.launch_state import LaunchState
 from console.data.services import ServiceView
@@ -28,14 +29,11 @@ from runtime.events import Event
 from runtime.launch.spec import SERVE
 from store import history, services
 
-if TYPE_CHECKING:
-    from console.tui.app import Dsv4Console
-
 STOP_POLL = 0.1
 
 
 class ServiceControl:
-    def __init__(self, app: Dsv4Console, stop_timeout: float):
+    def __init__(self, app: App, stop_timeout: float):
         self.app, self.stop_timeout = app, stop_timeout
         self.held: Detached | None = None  # the service this console launched or re-attached to
         self.launch: LaunchState | None = None  # its launch, as the Registration pane shows it

@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from console.tui.app import Dsv4Console
+from textual.app import App
 
 
 class FileWatch:
-    def __init__(self, app: Dsv4Console):
+    def __init__(self, app: App):
         self.app = app
         self.watching: tuple[str, ...] = ()
         self._stop: asyncio.Event | None = None

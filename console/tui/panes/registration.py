@@ -151,9 +151,9 @@ class RegistrationPane(Pane):
                 parts.append(f"[red]{launch.error}[/]")
             if launch.tier_line:
                 parts.append(launch.tier_line)
-            if (both := launch.totals()) is not None:
+            if (both := launch.totals()) is not None:  # first: a collapsed pane (below 120×36) keeps it
                 predicted, actual = both
-                parts.append(f"predicted {predicted:.2f} s · actual {actual:.2f} s ({delta(actual, predicted)})")
+                parts.insert(0, f"predicted {predicted:.2f} s · actual {actual:.2f} s ({delta(actual, predicted)})")
         elif known := [s for s in seconds_ahead.values() if s is not None]:  # "at least" while a phase is unknown
             at_least = "≥ " if len(known) < len(seconds_ahead) else ""
             parts.append(f"next launch predicted {at_least}{sum(known):.2f} s")
