@@ -85,27 +85,26 @@ def _load(urls: list[str], stop: threading.Event) -> None:
                     client.post(f"{url}/v1/completions", json={"prompt": "the sea", "max_tokens": 16})
 
 
-def _refresh_seconds(model: Path, env: dict[str, str], n: int = 10) -> list[float]:
-    """Seconds of `n` console refreshes (`Collectors.snapshot()`) in the bench's user dirs."""
-    from console.data.collectors import Collectors, console_spec
+REFRESH = """
+import json, sys, time
+from console.data.collectors import Collectors, console_spec
+collectors = Collectors(console_spec(sys.argv[1], device="cpu", backend="eager", max_seq=64))
+out = []
+for _ in range(int(sys.argv[2])):
+    t0 = time.perf_counter()
+    collectors.snapshot()
+    out.append(time.perf_counter() - t0)
+    time.sleep(0.5)
+print(json.dumps(out))
+"""
 
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        collectors = Collectors(console_spec(model, device="cpu", backend="eager", max_seq=64))
-        out = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            collectors.snapshot()
-            out.append(time.perf_counter() - t0)
-            time.sleep(0.5)
-        return out
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+
+def _refresh_seconds(model: Path, env: dict[str, str], n: int = 10) -> list[float]:
+    """Seconds of `n` console refreshes (`Collectors.snapshot()`) in the bench's user dirs, in a
+    child process (bench never imports console/)."""
+    out = subprocess.run([sys.executable, "-c", REFRESH, str(model), str(n)], env=env, capture_output=True,
+                         text=True, check=True)
+    return json.loads(out.stdout)
 
 
 def measure(idle_seconds: float = 30.0, interval: float = 2.0, services: int = 0) -> dict[str, Any]:

@@ -52,6 +52,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     con.add_argument("--json", action="store_true", help="print one JSON object")
     con.set_defaults(func=_console)
 
+    eta = sub.add_parser(
+        "eta",
+        help="the console's compile ETA half-way through a real compile, against what was left",
+        description="Compile a tiny checkpoint's programs twice with `dsv4 compile --jobs N` (the first run "
+        "records each program's seconds); replay the second run's events through the console's tracker and "
+        "compare its ETA at half the programs with the seconds really left, beside the old serial sum "
+        "(target: within 25 %%).",
+    )
+    eta.add_argument("--backend", choices=("export", "aoti"), default="export", help="compile backend")
+    eta.add_argument("--jobs", type=int, default=2, help="compile workers (default 2)")
+    eta.add_argument("--json", action="store_true", help="print one JSON object")
+    eta.set_defaults(func=_eta)
+
     start = sub.add_parser(
         "startup",
         help="registration to serve-ready: cold vs warm programs vs warm + hot sidecar vs torch.compile",
@@ -205,6 +218,12 @@ def _cache_ship(args: argparse.Namespace) -> int:
     from bench.cache_ship_bench import main
 
     return main(preset=args.preset, backend=args.backend, json_output=args.json)
+
+
+def _eta(args: argparse.Namespace) -> int:
+    from bench.eta_bench import main
+
+    return main(json_output=args.json, backend=args.backend, jobs=args.jobs)
 
 
 def _startup(args: argparse.Namespace) -> int:

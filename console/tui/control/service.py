@@ -151,10 +151,14 @@ class ServiceControl:
         if identity is not None and identity.key in self.asked_to_stop and record is not None:
             services.dismiss(record)  # the operator stopped it here: nothing to dismiss later
             record = None
-        line = record.ending.line() if record is not None and record.ending else (
-            services.how(code) if code is not None else "ended")
+        ending = record.ending if record is not None else None
+        if ending is not None:
+            line = ending.line()
+        else:  # it ended before it could announce itself (a port in use, a bad flag): its own last line
+            last = held.stderr_tail[-1] if held.stderr_tail else ""
+            line = (services.how(code) if code is not None else "ended") + (f": {last}" if code and last else "")
         if launch is not None:
-            launch.end(line, failed=code not in (0, None) or (record is not None and record.ending.how == "gone"))
+            launch.end(line, failed=code not in (0, None) or (ending is not None and ending.how == "gone"))
         if code not in (0, None) and not held.stopping:
             app.notify(line, title="service ended", severity="error", timeout=10)
         self.status = "" if launch is not None else line
