@@ -170,17 +170,21 @@ def test_a_killed_rank_stops_the_service(tiny_ckpt_ro, tmp_path):
 
     proc, url, events = start_server(tiny_ckpt_ro, tmp_path, "--ranks", "2", "--backend", "eager")
     ranks = _ranks_of(proc)
-    def health_now() -> Health:
-        return Health.from_json(json.loads(urllib.request.urlopen(f"{url}/health", timeout=30).read()))
+    try:  # a failed look must not leave the service running
+        def health_now() -> Health:
+            return Health.from_json(json.loads(urllib.request.urlopen(f"{url}/health", timeout=30).read()))
 
-    deadline = time.time() + 30  # rank 1 reaches serve a beat after rank 0 answers
-    while (health := health_now()).ranks[1].phase != "serve" and time.time() < deadline:
-        time.sleep(0.2)
-    assert health.pid == proc.pid  # the service is its launcher; its ranks are its children
-    assert [(r.rank, r.pid, r.device, r.phase) for r in health.ranks] == [
-        (0, ranks[0].pid if ranks[0].environ().get("RANK") == "0" else ranks[1].pid, "cpu", "serve"),
-        (1, next(p.pid for p in ranks if p.environ().get("RANK") == "1"), "cpu", "serve")]
-    assert health.ranks[1].heartbeat_age is not None and health.ranks[1].heartbeat_age < 60
+        deadline = time.time() + 30  # rank 1 reaches serve a beat after rank 0 answers
+        while (health := health_now()).ranks[1].phase != "serve" and time.time() < deadline:
+            time.sleep(0.2)
+        assert health.pid == proc.pid  # the service is its launcher; its ranks are its children
+        assert [(r.rank, r.pid, r.device, r.phase) for r in health.ranks] == [
+            (0, ranks[0].pid if ranks[0].environ().get("RANK") == "0" else ranks[1].pid, "cpu", "serve"),
+            (1, next(p.pid for p in ranks if p.environ().get("RANK") == "1"), "cpu", "serve")]
+        assert health.ranks[1].heartbeat_age is not None and health.ranks[1].heartbeat_age < 60
+    except BaseException:
+        _stop(proc, ranks)
+        raise
     follower = next(p for p in ranks if p.environ().get("RANK") == "1")
     follower.send_signal(signal.SIGKILL)
     statuses = []
