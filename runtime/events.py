@@ -5,7 +5,8 @@ launch history share. No torch here (the console imports this module).
      "detail":{…}}
 
 A launch of several rank processes (`dsv4 serve --ranks N`) has every rank write to the same
-stream; each of its events carries `"rank": r`.
+stream; each of its events carries `"rank": r`. Every event names the host it was emitted on
+(`"host"`): ranks of one service may run on several; a line without it (an older writer) parses.
 
 `kind` is start | progress | end | log | error. `end` carries `seconds` and the path taken in
 `detail` (per program HIT/MISS/STALE; MAP or REPACK + reason).
@@ -14,6 +15,7 @@ stream; each of its events carries `"rank": r`.
 from __future__ import annotations
 
 import json
+import socket
 import sys
 import threading
 import time
@@ -56,10 +58,11 @@ class Event:
     detail: dict[str, Any] = field(default_factory=dict)
     v: int = VERSION
     rank: int | None = None  # the rank process that emitted it (a launch of several ranks)
+    host: str | None = None  # the host it was emitted on
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"v": self.v, "ts": round(self.ts, 6), "phase": self.phase, "kind": self.kind}
-        for k in ("rank", "done", "total", "unit", "seconds", "message"):
+        for k in ("rank", "host", "done", "total", "unit", "seconds", "message"):
             value = getattr(self, k)
             if value is not None:
                 out[k] = value
@@ -86,11 +89,12 @@ def parse(line: str) -> Event:
     if raw.get("kind") not in KINDS or not isinstance(raw.get("phase"), str):
         raise EventError(f"bad phase/kind: {raw.get('phase')!r}/{raw.get('kind')!r}")
     detail = raw.get("detail") or {}
-    rank = raw.get("rank")
+    rank, host = raw.get("rank"), raw.get("host")
     return Event(raw["phase"], raw["kind"], float(raw.get("ts", 0.0)), raw.get("done"), raw.get("total"),
                  raw.get("unit"), raw.get("seconds"), raw.get("message"),
                  detail if isinstance(detail, dict) else {"value": detail},
-                 rank=rank if isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0 else None)
+                 rank=rank if isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0 else None,
+                 host=host if isinstance(host, str) and host else None)
 
 
 Sink = Callable[[Event], None]
@@ -99,13 +103,14 @@ Sink = Callable[[Event], None]
 class Emitter:
     """Fans events out to sinks (a JSON-lines stream, a console renderer, the history)."""
 
-    def __init__(self, *sinks: Sink, rank: int | None = None):
+    def __init__(self, *sinks: Sink, rank: int | None = None, host: str | None = None):
         self.sinks = list(sinks)
         self.rank = rank  # stamped on every event: which rank of a multi-rank launch speaks
+        self.host = host or socket.gethostname()  # stamped too: which host it speaks from
         self._lock = threading.Lock()  # programs and weights emit from two threads
 
     def emit(self, phase: str, kind: str, **kw: Any) -> Event:
-        event = Event(phase, kind, rank=self.rank, **kw)
+        event = Event(phase, kind, rank=self.rank, host=self.host, **kw)
         with self._lock:
             for sink in self.sinks:
                 sink(event)

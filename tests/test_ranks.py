@@ -234,7 +234,8 @@ def test_ranks_with_other_settings_are_refused(tiny_ckpt_ro, tmp_path):
     errs = [p.communicate(timeout=120)[1] for p in (lead, other)]
     assert lead.returncode != 0 and other.returncode != 0
     for err in errs:
-        assert "rank 1 differs from rank 0 in max_slots" in err and "Traceback" not in err
+        host = socket.gethostname()
+        assert f"rank 1 on {host} differs from rank 0 on {host} in max_slots" in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize("args, says", [

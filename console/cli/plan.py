@@ -33,12 +33,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from runtime.launch.history import basis_line
     from runtime.launch.plan import make_plan
 
-    plan = make_plan(spec_of(args, PLAN))
+    plan = make_plan(spec_of(args, PLAN), digests="compute")
     if args.json:
         print_json(plan.to_json())
         return 1 if plan.problems else 0
     print_table(f"programs ({plan.backend} on {plan.device})", ("program", "state", "fingerprint", "why"),
                 [(p.program, p.state, (p.fingerprint or "")[:12], p.reason) for p in plan.programs])
+    if plan.content_id is not None:
+        print(f"checkpoint content {plan.content_id.summary()}")
     s = plan.sidecar
     print(f"weights: {s.get('verdict')}{' (' + s['reason'] + ')' if s.get('reason') else ''}: "
           f"{s.get('detail', '')}  [{s.get('path')}]")

@@ -60,6 +60,8 @@ class Plan:
     hits: dict[str, Any] = field(default_factory=dict, repr=False)  # program → verified Hit (kept bytes)
     basis: dict[str, str | None] = field(default_factory=dict)  # phase → "history" | "model" | None
     compared: dict[str, Any] | None = None  # the newest like launch (started, pid), or None
+    content: dict[str, Any] = field(default_factory=dict)  # the checkpoint's content identity (store.content_id)
+    content_id: Any = field(default=None, repr=False)  # store.content_id.ContentId, what the ranks compare
 
     @property
     def model(self) -> str:
@@ -90,7 +92,7 @@ class Plan:
             "model": self.model, "spec": spec, "device": self.device, "backend": self.backend, "ready": self.ready,
             "programs": [asdict(p) for p in self.programs], "sidecar": self.sidecar, "kv": self.kv,
             "predicted": self.predicted, "basis": self.basis, "compared": self.compared,
-            "like": records.likeness(self).to_json(),
+            "like": records.likeness(self).to_json(), "content": self.content,
             "problems": self.problems, "seconds": round(self.seconds, 4),
         }
 
@@ -125,9 +127,11 @@ def program_keys(spec: LaunchSpec) -> dict[str, Any]:
 
 
 def make_plan(spec: LaunchSpec, *, history: list[dict[str, Any]] | None = None,
-              keep_verified: bool = False) -> Plan:
+              keep_verified: bool = False, digests: str = "remembered") -> Plan:
     """The plan of the next launch of `spec` (its model resolved). Never raises for bad inputs.
-    `keep_verified`: keep each HIT's verified bytes in `plan.hits`, for the launch to load."""
+    `keep_verified`: keep each HIT's verified bytes in `plan.hits`, for the launch to load.
+    `digests`: "compute" reads every shard whose content digest is not known yet (a launch,
+    `dsv4 plan`); "remembered" never reads a shard (the console's refresh must stay cheap)."""
     from runtime.launch.hardware import resolve_device
 
     started = time.perf_counter()
@@ -148,6 +152,7 @@ def make_plan(spec: LaunchSpec, *, history: list[dict[str, Any]] | None = None,
         plan.kv = _kv(plan)
         if plan.kv.get("problem"):
             plan.problems.append(f"kv: {plan.kv['problem']}")
+        plan.content = _content(plan, compute=digests == "compute")
     plan.sidecar = _sidecar(plan)
     if history is None:
         from store.history import read_history
@@ -193,6 +198,18 @@ def judge_programs(plan: Plan, keep_verified: bool) -> list[ProgramPlan]:
             else None
         out.append(ProgramPlan(name, state, found.fingerprint, found.reason, entry))
     return out
+
+
+def _content(plan: Plan, compute: bool) -> dict[str, Any]:
+    """The checkpoint's content identity, each shard's digest and how it was obtained."""
+    from store.content_id import content_id
+
+    try:
+        plan.content_id = content_id(plan.spec.model, compute=compute)
+    except (UserError, OSError) as e:
+        plan.problems.append(f"check: {e}")
+        return {"identity": None, "problem": str(e)}
+    return plan.content_id.to_json()
 
 
 def _sidecar(plan: Plan) -> dict[str, Any]:

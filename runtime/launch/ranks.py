@@ -18,7 +18,6 @@ RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT. Two
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import threading
 import time
@@ -27,6 +26,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from runtime.launch.agree import Join, disagreement
 from runtime.launch.liveness import Heartbeat, first_line, member, roster
 from store.errors import UserError
 
@@ -412,24 +412,17 @@ def share_cores(env: RankEnv) -> None:
     torch.set_num_threads(max(1, cores // env.local_world))
 
 
-def rendezvous(env: RankEnv, components: dict[str, Any], timeout: float, device_kind: str,
-               rank_timeout: float = 5.0) -> Group:
-    """Join the service: every rank posts what its plan fingerprints (checkpoint, settings,
-    programs); a rank missing after `timeout` is named, a rank whose plan differs from rank
-    0's is named with the differing part. Then every rank beats (a rank silent for
-    `rank_timeout` is lost) and the process group connects."""
+def rendezvous(env: RankEnv, join: Join, timeout: float, device_kind: str, rank_timeout: float = 5.0) -> Group:
+    """Join the service: every rank posts its `join` (runtime.launch.agree: its plan's parts, the
+    checkpoint by content, its host); a rank missing after `timeout` is named, a rank whose plan
+    differs from rank 0's is named with its host and the differing part (for the checkpoint:
+    the shard). Then every rank beats (a rank silent for `rank_timeout` is lost) and the process
+    group connects."""
     share_cores(env)
     group = Group(env, open_store(env, timeout), timeout)
     group.set_phase("check")
-    mine = json.dumps(components, sort_keys=True)
-    values = [json.loads(v) for v in group.gather("join", mine, "rendezvous")]
-    lead = values[0]
-    for r, theirs in enumerate(values):
-        for part in sorted(set(lead) | set(theirs)):
-            if theirs.get(part) != lead.get(part):
-                raise RankError(f"rendezvous: rank {r} differs from rank 0 in {part} "
-                                f"({theirs.get(part)!r} vs {lead.get(part)!r}); start every rank with the same "
-                                f"checkpoint and settings")
+    if problem := disagreement(group.gather("join", join.line(), "rendezvous")):
+        raise RankError(problem)
     group.beat(rank_timeout, device_kind if device_kind == "cpu" else f"{device_kind}:{env.local_rank}")
     group.connect(device_kind)
     return group

@@ -171,7 +171,7 @@ def _check(spec: LaunchSpec, rank_env, phases: PhaseRecorder):
 
     ranks = {"rank": rank_env.rank, "ranks": rank_env.world} if rank_env is not None else {}
     with phases.run(Phase.CHECK, model=str(spec.model), **ranks) as d:
-        plan = phases.plan = make_plan(spec, keep_verified=True)
+        plan = phases.plan = make_plan(spec, keep_verified=True, digests="compute")
         d["plan"] = plan.to_json()
         for problem in plan.problems:
             if problem.startswith("check:"):  # the kv phase reports its own, with the numbers
@@ -188,10 +188,11 @@ def _check(spec: LaunchSpec, rank_env, phases: PhaseRecorder):
         device = get_device(plan.device, spec.device_memory, rank_env.local_rank if rank_env is not None else 0)
         group = None
         if rank_env is not None:
+            from runtime.launch.agree import Join
             from runtime.launch.ranks import rendezvous
 
-            group = phases.group = rendezvous(rank_env, plan_parts(plan), spec.rendezvous_timeout, device.kind,
-                                                    spec.rank_timeout)
+            join = Join.of(plan_parts(plan), plan.content_id)
+            group = phases.group = rendezvous(rank_env, join, spec.rendezvous_timeout, device.kind, spec.rank_timeout)
             d.update(ranks, store=rank_env.store_host)
         d.update(tensors=report.checked, device=device.describe(), programs=len(plan.catalog.specs),
                  layers=plan.config.summary(), tokenizer=tokenizer.kind)
@@ -200,13 +201,13 @@ def _check(spec: LaunchSpec, rank_env, phases: PhaseRecorder):
 
 def plan_parts(plan) -> dict[str, Any]:
     """What must be the same on every rank, by part (the rendezvous names the part that differs):
-    the checkpoint's key, every program's fingerprint, and the launch settings."""
-    from runtime.weights.prepack import sidecar_key
-    from store.fingerprint import fingerprint, sha256_hex
+    the checkpoint by content (never by mtimes: each host may hold its own copy), every
+    program's fingerprint, and the launch settings."""
+    from store.fingerprint import sha256_hex
 
     spec = plan.spec
     programs = sha256_hex("\n".join(f"{p.program}={p.fingerprint}" for p in plan.programs))
-    return {"checkpoint": fingerprint(sidecar_key(spec.model, spec.ranks)), "programs": programs[:16],
+    return {"checkpoint": plan.content_id.identity, "programs": programs[:16],
             "ranks": spec.ranks, "backend": plan.backend, "device": plan.device, "max_seq": spec.max_seq,
             "max_slots": spec.max_slots, "memory_utilization": spec.memory_utilization,
             "ready": plan.ready, "use_sidecar": spec.use_sidecar}

@@ -30,6 +30,18 @@ def _checkpoint_file(model_dir: Path, name: str) -> bytes:
         raise UserError(f"{path}: cannot read ({e.strerror}); check the file") from None
 
 
+def read_index(model_dir: Path) -> tuple[bytes, dict[str, Any]]:
+    """config.json's bytes and the index's weight_map (tensor → shard); one line when broken."""
+    config = _checkpoint_file(model_dir, CONFIG_NAME)
+    try:
+        weight_map = json.loads(_checkpoint_file(model_dir, INDEX_NAME))["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise TypeError("weight_map is not an object")
+    except (ValueError, KeyError, TypeError) as e:
+        raise UserError(f"{model_dir / INDEX_NAME}: not a safetensors index ({e})") from None
+    return config, weight_map
+
+
 def source_key(
     model_dir: Path | str, *, format: str, packer_version: str, ranks: int, layout: dict
 ) -> Key:
@@ -38,13 +50,7 @@ def source_key(
     A shard that is gone reads as "<missing>"; one that is not a regular file as "<not a file>".
     """
     model_dir = Path(model_dir)
-    config = _checkpoint_file(model_dir, CONFIG_NAME)
-    try:
-        weight_map = json.loads(_checkpoint_file(model_dir, INDEX_NAME))["weight_map"]
-        if not isinstance(weight_map, dict):
-            raise TypeError("weight_map is not an object")
-    except (ValueError, KeyError, TypeError) as e:
-        raise UserError(f"{model_dir / INDEX_NAME}: not a safetensors index ({e})") from None
+    config, weight_map = read_index(model_dir)
     components: list[tuple[str, Any]] = [
         ("format", format),
         ("packer_version", packer_version),

@@ -1,0 +1,313 @@
+"""A checkpoint's identity by content (store.content_id), how the plan shows it, and the ranks'
+rendezvous comparing it: copies with other mtimes serve together, other bytes are refused by shard."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from conftest import MAX_SEQ
+
+from runtime.launch.agree import Join, disagreement
+from store.content_id import (
+    COMPUTED,
+    HF_METADATA_DIR,
+    HUB_BLOB,
+    HUB_METADATA,
+    REMEMBERED,
+    UNKNOWN,
+    content_id,
+    digest_cache_dir,
+)
+from store.errors import UserError
+
+
+def _ckpt(root: Path, shards: dict[str, bytes]) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text('{"hidden": 8}')
+    weight_map = {f"t{i}": name for i, name in enumerate(shards)}
+    (root / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    for name, data in shards.items():
+        (root / name).write_bytes(data)
+    return root
+
+
+SHARDS = {"model-00001-of-00002.safetensors": b"a" * 4096, "model-00002-of-00002.safetensors": b"b" * 1000}
+
+
+def _hows(cid) -> dict[str, str]:
+    return {s.name: s.how for s in cid.shards}
+
+
+def test_digest_is_computed_once_then_remembered(tmp_path):
+    model = _ckpt(tmp_path / "m", SHARDS)
+    first = content_id(model)
+    assert set(_hows(first).values()) == {COMPUTED}
+    entries = sorted(digest_cache_dir().iterdir())
+    assert len(entries) == 2
+    by_path = {json.loads(e.read_text())["path"]: json.loads(e.read_text()) for e in entries}
+    entry = by_path[str(model / "model-00002-of-00002.safetensors")]
+    assert entry["sha256"] == hashlib.sha256(b"b" * 1000).hexdigest()
+    st = os.stat(model / "model-00002-of-00002.safetensors")
+    assert entry["file"] == {"dev": st.st_dev, "ino": st.st_ino, "size": 1000, "mtime_ns": st.st_mtime_ns,
+                             "ctime_ns": st.st_ctime_ns}
+    second = content_id(model)
+    assert set(_hows(second).values()) == {REMEMBERED}
+    assert second.identity == first.identity and second.summary().endswith("(2 shards: 2 remembered)")
+    assert sorted(digest_cache_dir().iterdir()) == entries  # nothing new was written
+
+
+def test_same_size_rewrite_with_mtime_restored_is_recomputed(tmp_path):
+    model = _ckpt(tmp_path / "m", SHARDS)
+    before = content_id(model)
+    shard = model / "model-00002-of-00002.safetensors"
+    st = os.stat(shard)
+    time.sleep(0.01)  # so the rewrite's ctime is another nanosecond count even on a coarse clock
+    with open(shard, "r+b") as f:
+        f.write(b"c")
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))  # size and mtime as before; ctime is not
+    after = content_id(model)
+    assert _hows(after)["model-00002-of-00002.safetensors"] == COMPUTED
+    assert _hows(after)["model-00001-of-00002.safetensors"] == REMEMBERED
+    assert after.identity != before.identity
+
+
+def test_the_console_never_reads_a_shard(tmp_path):
+    model = _ckpt(tmp_path / "m", SHARDS)
+    cid = content_id(model, compute=False)
+    assert cid.identity is None and set(_hows(cid).values()) == {UNKNOWN}
+    assert not digest_cache_dir().exists()
+    assert "not known yet" in cid.summary()
+
+
+def test_copies_with_other_mtimes_have_one_identity(tmp_path):
+    a = _ckpt(tmp_path / "a", SHARDS)
+    b = tmp_path / "b"
+    shutil.copytree(a, b)
+    for p in b.iterdir():
+        os.utime(p, (1_000_000, 1_000_000))
+    assert content_id(a).identity == content_id(b).identity
+
+
+def test_hub_blob_digest_is_its_name(tmp_path):
+    data = b"z" * 2048
+    sha = hashlib.sha256(data).hexdigest()
+    repo = tmp_path / "models--org--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "blobs" / sha).write_bytes(data)
+    snap = _ckpt(repo / "snapshots" / "0123abcd", {})
+    (snap / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"t": "s.safetensors"}}))
+    (snap / "s.safetensors").symlink_to(Path("../..") / "blobs" / sha)
+    [shard] = content_id(snap).shards
+    assert (shard.how, shard.sha256, shard.size) == (HUB_BLOB, sha, 2048)
+    assert not digest_cache_dir().exists()  # nothing read, nothing to remember
+
+
+def _hf_metadata(model: Path, name: str, etag: str, stamp: float) -> None:
+    meta = model / HF_METADATA_DIR / f"{name}.metadata"
+    meta.parent.mkdir(parents=True, exist_ok=True)
+    meta.write_text(f"{'1' * 40}\n{etag}\n{stamp}\n")  # huggingface_hub's write_download_metadata
+
+
+def test_local_dir_download_metadata_is_trusted_while_the_file_is_unmodified(tmp_path):
+    model = _ckpt(tmp_path / "m", SHARDS)
+    name = "model-00001-of-00002.safetensors"
+    recorded = hashlib.sha256(SHARDS[name]).hexdigest()
+    _hf_metadata(model, name, recorded, time.time() + 5)
+    assert _hows(content_id(model))[name] == HUB_METADATA
+    os.utime(model / name, (time.time() + 60, time.time() + 60))  # modified after the download
+    assert _hows(content_id(model))[name] == COMPUTED
+
+
+def test_a_fifo_shard_is_refused_in_one_line_without_blocking(tmp_path):
+    model = _ckpt(tmp_path / "m", SHARDS)
+    name = "model-00002-of-00002.safetensors"
+    (model / name).unlink()
+    os.mkfifo(model / name)
+    for compute in (True, False):
+        with pytest.raises(UserError) as e:
+            content_id(model, compute=compute)
+        assert str(e.value) == f"{model / name}: not a regular file (a FIFO); a checkpoint shard must be a file"
+
+
+def _join(host: str, model: Path) -> str:
+    cid = content_id(model)
+    return replace(Join.of({"checkpoint": cid.identity, "max_slots": 4}, cid), host=host).line()
+
+
+def test_disagreement_names_the_shard_and_both_hosts(tmp_path):
+    a = _ckpt(tmp_path / "a", SHARDS)
+    b = _ckpt(tmp_path / "b", {**SHARDS, "model-00002-of-00002.safetensors": b"B" * 1000})
+    assert disagreement([_join("host-a", a), _join("host-b", a)]) is None
+    line = disagreement([_join("host-a", a), _join("host-b", b)])
+    theirs, ours = hashlib.sha256(b"B" * 1000).hexdigest(), hashlib.sha256(b"b" * 1000).hexdigest()
+    assert line == (f"rendezvous: rank 1 on host-b holds a different checkpoint than rank 0 on host-a: shard "
+                    f"model-00002-of-00002.safetensors differs (sha256 {theirs[:8]}… vs {ours[:8]}…); "
+                    f"start every rank with the same checkpoint and settings")
+
+
+def test_a_differing_setting_names_the_hosts(tmp_path):
+    a = _ckpt(tmp_path / "a", SHARDS)
+    lead = Join.from_line(_join("host-a", a))
+    other = Join({**lead.parts, "max_slots": 3}, "host-b", lead.config_sha256, lead.weight_map_sha256, lead.shards)
+    assert disagreement([lead.line(), other.line()]) == (
+        "rendezvous: rank 1 on host-b differs from rank 0 on host-a in max_slots (3 vs 4); "
+        "start every rank with the same checkpoint and settings")
+
+
+def test_events_name_their_host_and_old_lines_still_parse():
+    from runtime.events import Emitter, parse
+
+    seen = []
+    event = Emitter(seen.append, rank=1).emit("check", "start")
+    assert event.host == socket.gethostname() and parse(event.line()).host == socket.gethostname()
+    assert parse('{"v":1,"ts":1,"phase":"check","kind":"start","rank":1}').host is None
+
+
+def test_plan_shows_the_content_identity(tiny_ckpt_ro):
+    out = subprocess.run([sys.executable, "-m", "console.cli", "plan", str(tiny_ckpt_ro), "--device", "cpu",
+                          "--backend", "eager", "--json"], capture_output=True, text=True, timeout=300)
+    content = json.loads(out.stdout)["content"]
+    assert content["identity"] and {s["how"] for s in content["shards"]} == {COMPUTED}
+    text = subprocess.run([sys.executable, "-m", "console.cli", "plan", str(tiny_ckpt_ro), "--device", "cpu",
+                           "--backend", "eager"], capture_output=True, text=True, timeout=300).stdout
+    n = len(content["shards"])
+    assert f"checkpoint content {content['identity'][:8]}… ({n} shards: {n} remembered)" in text.splitlines()
+
+
+def test_the_console_plan_uses_remembered_digests_only(tiny_ckpt_ro):
+    from runtime.launch.plan import make_plan
+    from runtime.launch.spec import LaunchSpec
+
+    plan = make_plan(LaunchSpec(model=tiny_ckpt_ro, device="cpu", backend="eager"))
+    assert plan.content["identity"] is None and set(plan.content["counts"]) == {UNKNOWN}
+    computed = make_plan(LaunchSpec(model=tiny_ckpt_ro, device="cpu", backend="eager"), digests="compute")
+    assert computed.content["identity"] and make_plan(
+        LaunchSpec(model=tiny_ckpt_ro, device="cpu", backend="eager")).content["identity"] == \
+        computed.content["identity"]
+
+
+# ---- two ranks over two copies of the checkpoint, as two hosts where this machine allows ----
+
+CHANGED = "model-00002-of-00003.safetensors"
+
+
+def _namespaces_work() -> str | None:
+    """None when this process may give a rank its own mount and UTS namespace; else why not."""
+    if shutil.which("unshare") is None:
+        return "no unshare(1) here"
+    probe = subprocess.run(["unshare", "--mount", "--uts", "--fork", "true"], capture_output=True, text=True)
+    return None if probe.returncode == 0 else f"unshare --mount --uts fails here: {probe.stderr.strip()}"
+
+
+def _copy(src: Path, dst: Path, change: bool) -> Path:
+    shutil.copytree(src, dst)
+    for p in dst.iterdir():
+        os.utime(p, (1_000_000, 1_000_000))  # other mtimes: what a copy on another host has
+    if change:
+        with open(dst / CHANGED, "r+b") as f:  # the same size, another last byte (a tensor's data)
+            f.seek(-1, os.SEEK_END)
+            last = f.read(1)
+            f.seek(-1, os.SEEK_END)
+            f.write(bytes([last[0] ^ 0xFF]))
+    return dst
+
+
+def _rank_on(model: Path, rank: int, port: int, out: Path, host: str | None, mount: Path) -> subprocess.Popen:
+    """Rank `rank` of two serving `model`; with `host`, in its own mount + UTS namespace where
+    `model` is bind-mounted at `mount` (the same path on both "hosts") and the hostname is `host`."""
+    serve = [sys.executable, "-m", "console.cli", "serve", str(mount if host else model), "--device", "cpu",
+             "--backend", "eager", "--port", "0", "--max-seq", str(MAX_SEQ), "--rendezvous-timeout", "300",
+             "--events", str(out / f"events-{rank}.jsonl")]
+    if host:
+        script = 'hostname "$1" && mount --bind "$2" "$3" && shift 3 && exec "$@"'
+        serve = ["unshare", "--mount", "--uts", "--fork", "sh", "-c", script, "sh", host, str(model), str(mount),
+                 *serve]
+    env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    with open(out / f"stderr-{rank}.log", "w") as err:
+        return subprocess.Popen(serve, env=env, stdout=subprocess.DEVNULL, stderr=err, text=True)
+
+
+def _stop(procs) -> None:
+    import psutil
+
+    for proc in procs:  # unshare keeps its child through SIGTERM: stop the ranks themselves too
+        with contextlib.suppress(psutil.NoSuchProcess):
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                child.terminate()
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _checked(out: Path, rank: int):
+    from runtime.events import parse
+
+    path = out / f"events-{rank}.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return next((e for e in map(parse, lines) if e.phase == "check" and e.kind == "end"), None)
+
+
+def _two_ranks(tiny_ckpt_ro, tmp_path, hosts: bool, change: bool):
+    if hosts and (why := _namespaces_work()):
+        pytest.skip(why)
+    a = _copy(tiny_ckpt_ro, tmp_path / "host-a", change=False)
+    b = _copy(tiny_ckpt_ro, tmp_path / "host-b", change=change)
+    mount = tmp_path / "models" / "tiny"
+    mount.mkdir(parents=True)
+    port = _free_port()
+    procs = [_rank_on(m, r, port, tmp_path, f"host-{'ab'[r]}" if hosts else None, mount)
+             for r, m in enumerate((a, b))]
+    return procs, [f"host-{'ab'[r]}" if hosts else socket.gethostname() for r in range(2)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("hosts", [False, True], ids=["copies", "hosts"])
+def test_ranks_over_copies_with_other_mtimes_join(tiny_ckpt_ro, tmp_path, hosts):
+    procs, names = _two_ranks(tiny_ckpt_ro, tmp_path, hosts, change=False)
+    try:
+        deadline = time.monotonic() + 600
+        while not all(_checked(tmp_path, r) for r in range(2)):
+            dead = [r for r, p in enumerate(procs) if p.poll() is not None]
+            assert not dead, (tmp_path / f"stderr-{dead[0]}.log").read_text()[-2000:]
+            assert time.monotonic() < deadline, "the ranks did not pass the rendezvous"
+            time.sleep(0.5)
+        for r in range(2):  # both passed the rendezvous, each event naming its own host
+            assert _checked(tmp_path, r).host == names[r]
+    finally:
+        _stop(procs)
+
+
+@pytest.mark.parametrize("hosts", [False, True], ids=["copies", "hosts"])
+def test_ranks_over_a_copy_with_other_bytes_are_refused_naming_the_shard(tiny_ckpt_ro, tmp_path, hosts):
+    procs, names = _two_ranks(tiny_ckpt_ro, tmp_path, hosts, change=True)
+    try:
+        for p in procs:
+            p.wait(600)
+    finally:
+        _stop(procs)
+    assert [p.returncode != 0 for p in procs] == [True, True]
+    for r in range(2):
+        err = (tmp_path / f"stderr-{r}.log").read_text()
+        assert (f"rank 1 on {names[1]} holds a different checkpoint than rank 0 on {names[0]}: "
+                f"shard {CHANGED} differs (sha256 ") in err, err[-2000:]
+        assert "start every rank with the same checkpoint and settings" in err and "Traceback" not in err
