@@ -64,7 +64,9 @@ def test_chunked_weights_compute_the_same_model(model, monkeypatch):
     engine = Engine(programs, packed)
     got = [engine.forward(TOKENS[:20]).logits, engine.forward(TOKENS[20:21]).logits]
     for g, w in zip(got, want, strict=True):
-        assert _rel(g, w) < 1e-6
+        # chunks sum in another order than one matmul, and how intra-op threads split each depends
+        # on the thread count: on two threads the same model differs by ~1.03e-6 relative here
+        assert _rel(g, w) < 1e-5
         assert torch.equal(g.argmax(-1), w.argmax(-1))
 
 

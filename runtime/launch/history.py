@@ -21,6 +21,7 @@ from store import history
 from store.sidecar import MAP
 
 SETTINGS = ("model", "backend", "device", "ranks", "max_seq", "sidecar", "sidecar_path")
+SERVICE_LAUNCH: str | None = None  # set by a `dsv4 serve` process: its service's identity (one launch)
 
 
 def settings(spec, device: str, backend: str, sidecar_path: str | None = None) -> dict[str, Any]:
@@ -45,9 +46,12 @@ def append(spec, phases: dict[str, dict[str, Any]], started: float, outcome: str
     from runtime.model.config import synthetic_preset
     from store.services import ServiceId
 
-    service = ServiceId.of_this_process()  # every line a launch writes, by whichever of its processes
+    service = ServiceId.of_this_process()
+    # every line of one service's launch carries its identity, by whichever of its processes writes
+    # it; a launch run inside another program (a test, a bench) is its own by its start time
+    launch = SERVICE_LAUNCH or f"{service.key}/{started:.3f}"
     history.append({
-        "v": 1, "launch": service.key, "started": round(started, 3), "ended": round(time.time(), 3),
+        "v": 1, "launch": launch, "started": round(started, 3), "ended": round(time.time(), 3),
         "host": socket.gethostname(), "pid": service.pid, **settings(spec, device, backend), "preset": synthetic_preset(spec.model),
         "cache_dir": str(spec.kernel_cache_dir or ""), "outcome": outcome, "error": error, "phases": phases,
         "predicted": predicted or {}, **(extra or {}),

@@ -135,9 +135,11 @@ def run(spec: LaunchSpec, rank_env=None, display: Callable[[], tuple[Sink, Calla
 def announce(spec: LaunchSpec, rank_env):
     """The service's record in the registry: rank 0 under the project's launcher fills in the
     launcher's (the service is the launcher's identity); otherwise this process's own."""
+    from runtime.launch import history
     from store.services import Announcement, ServiceId
 
     identity = ServiceId.of_this_process()
+    history.SERVICE_LAUNCH = identity.key  # this process serves one launch: its lines are one record
     if rank_env is not None and identity.pid != os.getpid():
         adopted = Announcement.adopt(identity)
         if adopted is not None:
@@ -274,6 +276,7 @@ def launch_ranks(spec: LaunchSpec) -> int:
     started = time.time()
     events_file = "" if spec.events in (None, "-") else str(Path(spec.events).resolve())
     announced = Announcement(str(spec.model), events_file, **service_settings(spec))
+    history.SERVICE_LAUNCH = announced.service.identity.key
     logs = rank_logs(announced.service.log, spec.ranks)
     announced.update(rank_logs=tuple(map(str, logs)))
 
