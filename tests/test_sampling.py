@@ -111,7 +111,17 @@ def test_speculation_stays_exact_beside_sampled_and_penalised_rows(tiny):
     assert drafted == plain
 
 
-def test_n_choices_share_one_prefill_and_each_draws_as_it_would_alone(tiny):
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: how several threads split a matmul depends on its rows, so a row's
+    last bits (and a sampled draw near a top-p edge) would depend on what it was batched with."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_n_choices_share_one_prefill_and_each_draws_as_it_would_alone(tiny, one_thread):
     programs, weights = tiny
     prompt = list(range(30, 70))
     samplings = [Sampling(12, temperature=1.0, top_p=0.95, seed=11 + i) for i in range(3)]
