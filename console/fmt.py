@@ -54,3 +54,13 @@ def progress(label: str, done: float | None, total: float | None, unit: str, ela
         parts.append(f"ETA {duration(eta)}" + (f" ({basis})" if basis else ""))
     line = " · ".join(parts)
     return f"{line} · now: {now}" if now else line
+
+
+def millis(seconds: float | None) -> str:
+    """A latency in milliseconds (seconds past 10 s), "-" for none."""
+    return "-" if seconds is None else f"{seconds * 1000:.0f}" if seconds < 10 else f"{seconds:.0f}s"
+
+
+def per_second(value: float | None) -> str:
+    """A rate: one decimal below 100, "-" for none."""
+    return "-" if value is None else f"{value:.1f}" if value < 100 else f"{value:.0f}"

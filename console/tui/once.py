@@ -10,7 +10,7 @@ from rich.text import Text
 from console import fmt
 from console.data.collectors import Snapshot
 from console.tui.panes.device import kv_lines
-from console.tui.panes.services import _ms, _rate, rank_line
+from console.tui.panes.services import rank_line
 from runtime.events import PHASES
 
 
@@ -47,8 +47,8 @@ def render(snap: Snapshot) -> str:
         if v.ended:
             lines.append(f"    {v.ending_line()}")
         if s_ := v.serving:
-            lines.append(f"    {_rate(s_.tokens_s)} tok/s  {_rate(s_.requests_s)} req/s  ttft p50 {_ms(s_.ttft_p50)} "
-                         f"p99 {_ms(s_.ttft_p99)} ms  itl p50 {_ms(s_.itl_p50)} p99 {_ms(s_.itl_p99)} ms  "
+            lines.append(f"    {fmt.per_second(s_.tokens_s)} tok/s  {fmt.per_second(s_.requests_s)} req/s  ttft p50 {fmt.millis(s_.ttft_p50)} "
+                         f"p99 {fmt.millis(s_.ttft_p99)} ms  itl p50 {fmt.millis(s_.itl_p50)} p99 {fmt.millis(s_.itl_p99)} ms  "
                          f"running {s_.running} queued {s_.queued}  kv {s_.kv_used}/{s_.kv_slots}  "
                          f"4xx {s_.errors_4xx} 5xx {s_.errors_5xx} 503 {s_.busy_503}")
         if len(v.ranks) > 1:

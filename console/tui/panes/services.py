@@ -39,14 +39,6 @@ COLUMNS = (  # which service and how it is first; what it serves next (a narrow 
 )
 
 
-def _ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1000:.0f}" if seconds < 10 else f"{seconds:.0f}s"
-
-
-def _rate(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f}" if value < 100 else f"{value:.0f}"
-
-
 def cells(view: ServiceView, now: float) -> dict[str, str]:
     color = STATE_COLOR.get(view.state, "yellow")
     s = view.serving
@@ -54,9 +46,9 @@ def cells(view: ServiceView, now: float) -> dict[str, str]:
     return {
         "state": f"[{color}]{view.state}[/]", "pid": str(view.pid),
         "url": view.url.removeprefix("http://") if view.url else "-",
-        "tokens_s": _rate(s.tokens_s) if s else "-", "requests_s": _rate(s.requests_s) if s else "-",
-        "ttft": f"{_ms(s.ttft_p50)}/{_ms(s.ttft_p99)}" if s else "-",
-        "itl": f"{_ms(s.itl_p50)}/{_ms(s.itl_p99)}" if s else "-",
+        "tokens_s": fmt.per_second(s.tokens_s) if s else "-", "requests_s": fmt.per_second(s.requests_s) if s else "-",
+        "ttft": f"{fmt.millis(s.ttft_p50)}/{fmt.millis(s.ttft_p99)}" if s else "-",
+        "itl": f"{fmt.millis(s.itl_p50)}/{fmt.millis(s.itl_p99)}" if s else "-",
         "load": f"{s.running}/{s.queued}" if s else "-",
         "kv": "-" if not s or s.kv_fraction is None else f"{s.kv_fraction:.0%}",
         "errors": f"{s.errors_4xx}/{s.errors_5xx}/{s.busy_503}" if s else "-",
