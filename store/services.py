@@ -17,6 +17,7 @@ for), the registry's own "gone" — until the operator dismisses it.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import re
@@ -24,6 +25,7 @@ import signal
 import socket
 import stat
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -243,17 +245,38 @@ class Announcement:
 
 def end(service: Service, how_: str, phase: str = "", error: str = "", by: str = "service") -> Service:
     """Record how `service` ended, unless a better witness already did (its launcher's words on a
-    dead rank beat the service's own, which beat a console's, which beat the registry's "gone")."""
-    current = _read(_path(service.pid))
-    if current is not None and current.identity != service.identity:
-        return service  # the pid's record is another service's now
-    base = current or service
-    if base.ending is not None and WITNESSES.index(base.ending.by) >= WITNESSES.index(by):
-        return base
-    ended = replace(base, state=ENDED, ending=Ending(round(time.time(), 3), how_, phase, error[:500], by))
-    with contextlib.suppress(OSError):
-        _write(ended)
-    return ended
+    dead rank beat the service's own, which beat a console's, which beat the registry's "gone").
+    The read, the comparison and the write hold the registry's lock: a registry sweep that read
+    the record before a console wrote its words must not write "gone" over them."""
+    with _locked():
+        current = _read(_path(service.pid))
+        if current is not None and current.identity != service.identity:
+            return service  # the pid's record is another service's now
+        base = current or service
+        if base.ending is not None and WITNESSES.index(base.ending.by) >= WITNESSES.index(by):
+            return base
+        ended = replace(base, state=ENDED, ending=Ending(round(time.time(), 3), how_, phase, error[:500], by))
+        with contextlib.suppress(OSError):
+            _write(ended)
+        return ended
+
+
+@contextlib.contextmanager
+def _locked() -> Iterator[None]:
+    """An exclusive flock on the registry directory itself (no lock file to leave behind); held
+    for one read-compare-write of a few hundred bytes. Without a directory, nothing to guard."""
+    root = registry_dir()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _read(path: Path) -> Service | None:

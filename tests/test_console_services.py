@@ -61,3 +61,35 @@ def test_foreign_and_oversized_files_in_the_registry_are_ignored():
     (root / "123.json").write_bytes(b"{" * (services.MAX_RECORD_BYTES + 1))
     assert services.running() == []
     assert (root / "notes.txt").read_text() == "mine"  # not a name the registry produced: untouched
+
+
+def test_a_registry_sweep_that_read_before_a_console_wrote_never_writes_gone_over_its_words(monkeypatch):
+    """The lost update: a sweep reads the record (no ending yet), the console then records
+    "killed by SIGKILL", and the sweep writes "gone" — unless the read-compare-write is one."""
+    import threading
+
+    proc = _announcer()
+    proc.kill()
+    proc.wait(30)
+    [record] = [s for s in map(services._read, services.registry_dir().glob("*.json")) if s]
+    swept, console_done = threading.Event(), threading.Event()
+    real_read = services._read
+
+    def sweep_read(path):  # the sweep's read, then the console acts before the sweep writes
+        found = real_read(path)
+        if threading.current_thread().name == "sweep":
+            swept.set()
+            console_done.wait(2)  # with the lock, the console waits for the sweep instead
+        return found
+
+    monkeypatch.setattr(services, "_read", sweep_read)
+    sweep = threading.Thread(target=services.end, args=(record, "gone", "", "", "registry"), name="sweep")
+    sweep.start()
+    assert swept.wait(30)
+    console = threading.Thread(target=lambda: (services.end(record, "killed by SIGKILL", "serve", by="console"),
+                                               console_done.set()))
+    console.start()
+    sweep.join(30)
+    console.join(30)
+    [ended] = services.services()
+    assert (ended.ending.how, ended.ending.by) == ("killed by SIGKILL", "console")
