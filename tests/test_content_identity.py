@@ -3,7 +3,6 @@ rendezvous comparing it: copies with other mtimes serve together, other bytes ar
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -16,7 +15,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from conftest import MAX_SEQ
+from hosts import free_port, namespaces_work, stop
+from hosts import hosts as make_hosts
 
 from runtime.launch.agree import Join, disagreement
 from store.content_id import (
@@ -202,56 +202,13 @@ def test_the_console_plan_uses_remembered_digests_only(tiny_ckpt_ro):
 CHANGED = "model-00002-of-00003.safetensors"
 
 
-def _namespaces_work() -> str | None:
-    """None when this process may give a rank its own mount and UTS namespace; else why not."""
-    if shutil.which("unshare") is None:
-        return "no unshare(1) here"
-    probe = subprocess.run(["unshare", "--mount", "--uts", "--fork", "true"], capture_output=True, text=True)
-    return None if probe.returncode == 0 else f"unshare --mount --uts fails here: {probe.stderr.strip()}"
-
-
-def _copy(src: Path, dst: Path, change: bool) -> Path:
-    shutil.copytree(src, dst)
-    for p in dst.iterdir():
-        os.utime(p, (1_000_000, 1_000_000))  # other mtimes: what a copy on another host has
-    if change:
-        with open(dst / CHANGED, "r+b") as f:  # the same size, another last byte (a tensor's data)
-            f.seek(-1, os.SEEK_END)
-            last = f.read(1)
-            f.seek(-1, os.SEEK_END)
-            f.write(bytes([last[0] ^ 0xFF]))
-    return dst
-
-
-def _rank_on(model: Path, rank: int, port: int, out: Path, host: str | None, mount: Path) -> subprocess.Popen:
-    """Rank `rank` of two serving `model`; with `host`, in its own mount + UTS namespace where
-    `model` is bind-mounted at `mount` (the same path on both "hosts") and the hostname is `host`."""
-    serve = [sys.executable, "-m", "console.cli", "serve", str(mount if host else model), "--device", "cpu",
-             "--backend", "eager", "--port", "0", "--max-seq", str(MAX_SEQ), "--rendezvous-timeout", "300",
-             "--events", str(out / f"events-{rank}.jsonl")]
-    if host:
-        script = 'hostname "$1" && mount --bind "$2" "$3" && shift 3 && exec "$@"'
-        serve = ["unshare", "--mount", "--uts", "--fork", "sh", "-c", script, "sh", host, str(model), str(mount),
-                 *serve]
-    env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    with open(out / f"stderr-{rank}.log", "w") as err:
-        return subprocess.Popen(serve, env=env, stdout=subprocess.DEVNULL, stderr=err, text=True)
-
-
-def _stop(procs) -> None:
-    import psutil
-
-    for proc in procs:  # unshare keeps its child through SIGTERM: stop the ranks themselves too
-        with contextlib.suppress(psutil.NoSuchProcess):
-            for child in psutil.Process(proc.pid).children(recursive=True):
-                child.terminate()
-        proc.terminate()
-    for proc in procs:
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+def _change(model: Path) -> None:
+    """The same size, another last byte (a tensor's data)."""
+    with open(model / CHANGED, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 0xFF]))
 
 
 def _checked(out: Path, rank: int):
@@ -263,22 +220,14 @@ def _checked(out: Path, rank: int):
 
 
 def _two_ranks(tiny_ckpt_ro, tmp_path, hosts: bool, change: bool):
-    if hosts and (why := _namespaces_work()):
+    if hosts and (why := namespaces_work()):
         pytest.skip(why)
-    a = _copy(tiny_ckpt_ro, tmp_path / "host-a", change=False)
-    b = _copy(tiny_ckpt_ro, tmp_path / "host-b", change=change)
-    mount = tmp_path / "models" / "tiny"
-    mount.mkdir(parents=True)
-    port = _free_port()
-    procs = [_rank_on(m, r, port, tmp_path, f"host-{'ab'[r]}" if hosts else None, mount)
-             for r, m in enumerate((a, b))]
-    return procs, [f"host-{'ab'[r]}" if hosts else socket.gethostname() for r in range(2)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    pair = make_hosts(tmp_path, tiny_ckpt_ro, ["host-a", "host-b"] if hosts else [None, None])
+    if change:
+        _change(pair[1].root / "model")
+    port = free_port()
+    procs = [h.rank(r, 2, port, tmp_path) for r, h in enumerate(pair)]
+    return procs, [h.name or socket.gethostname() for h in pair]
 
 
 @pytest.mark.parametrize("hosts", [False, True], ids=["copies", "hosts"])
@@ -294,7 +243,7 @@ def test_ranks_over_copies_with_other_mtimes_join(tiny_ckpt_ro, tmp_path, hosts)
         for r in range(2):  # both passed the rendezvous, each event naming its own host
             assert _checked(tmp_path, r).host == names[r]
     finally:
-        _stop(procs)
+        stop(procs)
 
 
 @pytest.mark.parametrize("hosts", [False, True], ids=["copies", "hosts"])
@@ -304,7 +253,7 @@ def test_ranks_over_a_copy_with_other_bytes_are_refused_naming_the_shard(tiny_ck
         for p in procs:
             p.wait(600)
     finally:
-        _stop(procs)
+        stop(procs)
     assert [p.returncode != 0 for p in procs] == [True, True]
     for r in range(2):
         err = (tmp_path / f"stderr-{r}.log").read_text()

@@ -41,6 +41,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 [(p.program, p.state, (p.fingerprint or "")[:12], p.reason) for p in plan.programs])
     if plan.content_id is not None:
         print(f"checkpoint content {plan.content_id.summary()}")
+    if plan.across_hosts:
+        print(plan.across_hosts)
     s = plan.sidecar
     print(f"weights: {s.get('verdict')}{' (' + s['reason'] + ')' if s.get('reason') else ''}: "
           f"{s.get('detail', '')}  [{s.get('path')}]")

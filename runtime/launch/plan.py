@@ -62,6 +62,7 @@ class Plan:
     compared: dict[str, Any] | None = None  # the newest like launch (started, pid), or None
     content: dict[str, Any] = field(default_factory=dict)  # the checkpoint's content identity (store.content_id)
     content_id: Any = field(default=None, repr=False)  # store.content_id.ContentId, what the ranks compare
+    across_hosts: str = ""  # how a service over several hosts gets its missing programs (runtime.launch.share)
 
     @property
     def model(self) -> str:
@@ -92,7 +93,7 @@ class Plan:
             "model": self.model, "spec": spec, "device": self.device, "backend": self.backend, "ready": self.ready,
             "programs": [asdict(p) for p in self.programs], "sidecar": self.sidecar, "kv": self.kv,
             "predicted": self.predicted, "basis": self.basis, "compared": self.compared,
-            "like": records.likeness(self).to_json(), "content": self.content,
+            "like": records.likeness(self).to_json(), "content": self.content, "across_hosts": self.across_hosts,
             "problems": self.problems, "seconds": round(self.seconds, 4),
         }
 
@@ -153,6 +154,10 @@ def make_plan(spec: LaunchSpec, *, history: list[dict[str, Any]] | None = None,
         if plan.kv.get("problem"):
             plan.problems.append(f"kv: {plan.kv['problem']}")
         plan.content = _content(plan, compute=digests == "compute")
+        if plan.backend != "eager":
+            from runtime.launch.share import Keys
+
+            plan.across_hosts = Keys.here().line()
     plan.sidecar = _sidecar(plan)
     if history is None:
         from store.history import read_history

@@ -40,6 +40,8 @@ POLL_S = 0.05
 LOSE_WAIT_S = 10.0  # a second failure waits this long for the first to have failed the service
 LAUNCHER_GRACE_S = 1.0  # a failed collective waits this long for the launcher's line on a dead rank
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+PROGRESS_EVERY_S = 0.5  # a rank posts its progress at most this often; a waiter reads it as often
+SHOW_WAIT_EVERY_S = 5.0  # a waiting rank says whom it waits for, and what they do, this often
 
 
 class RankError(UserError):
@@ -157,12 +159,44 @@ class Group:
         self.exchange_s = 0.0  # seconds spent in the steps' all-to-alls (the bench's collective time)
         self._members: dict[int, dict[str, Any]] = {}  # rank → what it posted when it joined
         self.phase = ""
+        self.hosts: list[str] = []  # each rank's host, from the joins (rank order)
+        self._progress = (0, 0.0, "")  # (posts, when, phase) of this rank's last progress post
+        self._subgroups: dict[tuple[int, ...], Any] = {}
 
     # ---- the store ----
 
     def set_phase(self, phase: str) -> None:
         self.phase = phase
         self.store.set(f"{PREFIX}phase/{self.rank}", phase)
+
+    def who(self, rank: int) -> str:
+        """`rank 1 on host-b`: how every line names a rank."""
+        host = self.hosts[rank] if rank < len(self.hosts) else ""
+        return f"rank {rank} on {host}" if host else f"rank {rank}"
+
+    def leader(self, rank: int | None = None) -> int:
+        """The lowest rank on `rank`'s host (this one's by default): it compiles for its host."""
+        rank = self.rank if rank is None else rank
+        if rank >= len(self.hosts):
+            return 0
+        return self.hosts.index(self.hosts[rank])
+
+    def progress_sink(self, event) -> None:
+        """An emitter sink: this rank's events are its progress, posted where a rank that waits
+        for it reads them (throttled; a phase change is posted at once). Waits judge a rank by
+        whether this moves, not by a fixed deadline."""
+        if event.rank not in (None, self.rank) or event.kind not in ("start", "progress", "log", "end"):
+            return
+        posts, when, phase = self._progress
+        now = time.monotonic()
+        if event.phase == phase and now - when < PROGRESS_EVERY_S and event.kind != "end":
+            return
+        counted = event.done is not None and event.total is not None
+        done = f" {event.done:g}/{event.total:g} {event.unit or ''}".rstrip() if counted else ""
+        text = f"{posts + 1} {event.phase}{done} {event.kind}"
+        self._progress = (posts + 1, now, event.phase)
+        with contextlib.suppress(Exception):  # the store's host gone: the heartbeat says so
+            self.store.set(f"{PREFIX}progress/{self.rank}", text)
 
     def abort(self, message: str) -> str:
         """Stop every rank with `message` (unless another failure came first: that one holds)."""
@@ -182,27 +216,40 @@ class Group:
         """This rank reached `key` (with `value`): what `wait` and `gather` wait for."""
         self.store.set(f"{PREFIX}{key}/{self.rank}", value)
 
-    def gather(self, key: str, value: str, what: str, timeout: float | None = None) -> list[str]:
-        """Every rank's `value` for `key`, in rank order, once all have posted it. Raises with the
-        ranks that did not within `timeout`, or at once with the reason when a rank aborted."""
+    def gather(self, key: str, value: str, what: str, timeout: float | None = None, *, ranks=None,
+               stall: float | None = None, shown: Callable[[str], None] | None = None) -> list[str]:
+        """Every rank's (or `ranks`') `value` for `key`, in rank order, once all have posted it.
+        Raises at once with the reason when a rank aborted; otherwise see `wait`."""
         self.post(key, value)
-        return self.wait(key, range(self.world), what, timeout)
+        return self.wait(key, range(self.world) if ranks is None else ranks, what, timeout, stall=stall, shown=shown)
 
-    def wait(self, key: str, ranks, what: str, timeout: float | None = None) -> list[str]:
-        """The values `ranks` posted for `key` (see `gather`)."""
+    def wait(self, key: str, ranks, what: str, timeout: float | None = None, *, stall: float | None = None,
+             shown: Callable[[str], None] | None = None) -> list[str]:
+        """The values `ranks` posted for `key`. Without `stall`: they must arrive within `timeout`
+        (the rendezvous). With `stall`: a rank is waited for as long as it is alive (its
+        heartbeat) and its progress moves; one whose progress stood still for `stall` seconds is
+        named with its host and phase. `shown` hears what the awaited ranks are doing, now and then."""
+        ranks = list(ranks)
         keys = [f"{PREFIX}{key}/{r}" for r in ranks]
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        limit = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        waiting = _Waiting(self, stall, shown) if stall is not None else None
         while not self.store.check(keys):
             if self.lost is not None:
                 raise RankError(self.lost)
             if reason := self.aborted():
                 raise RankError(f"stopped: {reason}")
-            if time.monotonic() > deadline:
-                missing = [r for r, k in zip(ranks, keys, strict=True) if not self.store.check([k])]
-                raise RankError(f"{what}: rank {', '.join(map(str, missing))} did not arrive within "
-                                f"{self.timeout if timeout is None else timeout:g} s")
+            if waiting is not None:
+                if problem := waiting.stalled(lambda: self._missing(ranks, keys)):
+                    raise RankError(f"{what}: {problem}")
+            elif time.monotonic() > deadline:
+                missing = ", ".join(map(str, self._missing(ranks, keys)))
+                raise RankError(f"{what}: rank {missing} did not arrive within {limit:g} s")
             time.sleep(POLL_S)
         return [self.store.get(k).decode() for k in keys]
+
+    def _missing(self, ranks: list[int], keys: list[str]) -> list[int]:
+        return [r for r, k in zip(ranks, keys, strict=True) if not self.store.check([k])]
 
     def beat(self, rank_timeout: float, device: str = "") -> None:
         """Beat in the store and watch every other rank's beat (runtime.launch.liveness), on a
@@ -267,35 +314,57 @@ class Group:
         return op, tuple(args)
 
     def _broadcast(self, message: Any) -> Any:
-        """Rank 0's `message` (an engine call: names, numbers, lists, tensors) on every rank:
-        its size, then its bytes, each an interruptible collective. Encoded with torch.save and
-        read back with `weights_only=True`, so a message can carry data, never code."""
+        """Rank 0's `message` (an engine call: names, numbers, lists, tensors) on every rank.
+        Encoded with torch.save and read back with `weights_only=True`, so a message can carry
+        data, never code."""
         import io
 
+        import torch
+
+        if self.rank == 0:
+            buf = io.BytesIO()
+            torch.save(_to_host(message), buf)
+            self.share_bytes(buf.getvalue(), 0)
+            return message
+        return torch.load(io.BytesIO(self.share_bytes(None, 0)), weights_only=True)
+
+    def share_bytes(self, data: bytes | None, src: int, ranks: list[int] | None = None) -> bytes:
+        """`src`'s `data` on every rank of `ranks` (default: all; each of them calls this, in the
+        same order): its size, then its bytes, each an interruptible collective."""
         import torch
         import torch.distributed as dist
 
         device = "cpu" if self._kind == "cpu" else f"{self._kind}:{self.env.local_rank}"
+        group = self._subgroup(ranks)
         try:
-            if self.rank == 0:
-                buf = io.BytesIO()
-                torch.save(_to_host(message), buf)
-                data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8).to(device)
-                size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+            if self.rank == src:
+                payload = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if data
+                           else torch.empty(0, dtype=torch.uint8)).to(device)
+                size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
             else:
                 size = torch.zeros(1, dtype=torch.int64, device=device)
-            self._finish(dist.broadcast(size, 0, async_op=True))
-            if self.rank != 0:
-                data = torch.empty(int(size), dtype=torch.uint8, device=device)
-            self._finish(dist.broadcast(data, 0, async_op=True))
+            self._finish(dist.broadcast(size, src, group=group, async_op=True))
+            if self.rank != src:
+                payload = torch.empty(int(size), dtype=torch.uint8, device=device)
+            if payload.numel():
+                self._finish(dist.broadcast(payload, src, group=group, async_op=True))
         except RankError:
             raise
         except Exception as e:  # a peer that died or hung: the group is gone
             raise self._lose(e) from None
-        if self.rank == 0:
-            return message
-        payload = io.BytesIO(data.cpu().numpy().tobytes())
-        return torch.load(payload, weights_only=True)
+        return data if self.rank == src and data is not None else payload.cpu().numpy().tobytes()
+
+    def _subgroup(self, ranks: list[int] | None):
+        """The process group of `ranks` (None: the whole service), made once; only its members
+        take part in making it, so the others go on with their phases."""
+        if ranks is None or len(ranks) == self.world:
+            return None
+        key = tuple(sorted(ranks))
+        if key not in self._subgroups:
+            import torch.distributed as dist
+
+            self._subgroups[key] = dist.new_group(list(key), use_local_synchronization=True)
+        return self._subgroups[key]
 
     def _finish(self, work) -> None:
         """Wait for an async collective in slices; once the service is lost it fails at once
@@ -394,6 +463,46 @@ class Group:
                 dist.destroy_process_group()
 
 
+class _Waiting:
+    """A wait's view of the ranks it waits for: when each one's progress last moved, and what it
+    is doing (read from the store at most every PROGRESS_EVERY_S)."""
+
+    def __init__(self, group: Group, stall: float, shown: Callable[[str], None] | None):
+        self.group, self.stall, self.shown = group, stall, shown
+        self.seen: dict[int, tuple[str | None, float]] = {}
+        self.read_at = 0.0
+        self.shown_at = time.monotonic()
+
+    def stalled(self, missing: Callable[[], list[int]]) -> str | None:
+        now = time.monotonic()
+        if now - self.read_at < PROGRESS_EVERY_S:
+            return None
+        self.read_at = now
+        doing = []
+        for r in missing():
+            text = read(self.group.store, f"progress/{r}")
+            before = self.seen.get(r)
+            if before is None or before[0] != text:
+                self.seen[r] = before = (text, now)
+            what = _doing(text, phase_of(self.group.store, r))
+            if now - before[1] > self.stall:
+                return (f"{self.group.who(r)} made no progress for {self.stall:g} s (--stall-timeout) while "
+                        f"the others waited for it; its last: {what}")
+            doing.append(f"{self.group.who(r)}: {what}")
+        if self.shown is not None and doing and now - self.shown_at >= SHOW_WAIT_EVERY_S:
+            self.shown_at = now
+            self.shown("waiting for " + "; ".join(doing))
+        return None
+
+
+def _doing(progress: str | None, phase: str) -> str:
+    """What a rank's progress line says it does: `programs 5/14 programs progress` → `programs 5/14`."""
+    if not progress:
+        return phase
+    words = progress.split()[1:]  # the post counter first
+    return " ".join(words[:-1] if words and words[-1] in ("progress", "log", "start") else words) or phase
+
+
 def _to_host(message: Any) -> Any:
     """Tuples as lists (what a weights-only load gives back anyway), tensors on the host."""
     if isinstance(message, list | tuple):
@@ -421,8 +530,10 @@ def rendezvous(env: RankEnv, join: Join, timeout: float, device_kind: str, rank_
     share_cores(env)
     group = Group(env, open_store(env, timeout), timeout)
     group.set_phase("check")
-    if problem := disagreement(group.gather("join", join.line(), "rendezvous")):
+    joined = group.gather("join", join.line(), "rendezvous")
+    if problem := disagreement(joined):
         raise RankError(problem)
+    group.hosts = [Join.from_line(line).host for line in joined]
     group.beat(rank_timeout, device_kind if device_kind == "cpu" else f"{device_kind}:{env.local_rank}")
     group.connect(device_kind)
     return group

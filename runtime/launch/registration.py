@@ -27,8 +27,6 @@ from runtime.launch.spec import LaunchSpec
 from store.sidecar import REPACK
 from store.units import format_size
 
-PROGRAMS_WAIT_S = 3600.0  # the other ranks wait this long for rank 0's compiles
-
 
 @dataclass
 class Launched:
@@ -151,7 +149,7 @@ def _register(spec: LaunchSpec, rank_env, emitter: Emitter, phases: PhaseRecorde
     try:
         _upload(launched, loaded, checked, emitter, phases)
         with phases.run(Phase.KV, utilization=spec.memory_utilization) as d:
-            launched.engine = _size_kv(launched, runners, rank_env, d)
+            launched.engine = _size_kv(launched, runners, rank_env, d, phases.emitter)
         _validate(launched, phases)
     except BaseException:
         release(False)
@@ -196,6 +194,7 @@ def _check(spec: LaunchSpec, rank_env, phases: PhaseRecorder):
 
             join = Join.of(plan_parts(plan), plan.content_id)
             group = phases.group = rendezvous(rank_env, join, spec.rendezvous_timeout, device.kind, spec.rank_timeout)
+            phases.emitter.sinks.append(group.progress_sink)  # what the ranks waiting for this one read
             d.update(ranks, store=rank_env.store_host)
         d.update(tensors=report.checked, device=device.describe(), programs=len(plan.catalog.specs),
                  layers=plan.config.summary(), tokenizer=tokenizer.kind)
@@ -229,12 +228,15 @@ def _programs_and_weights(plan, c: _Checked, emitter: Emitter, phases: PhaseReco
 
     def programs_job():
         with phases.run(Phase.PROGRAMS, total=len(plan.catalog.specs), backend=plan.backend) as d:
-            if c.group is not None and c.rank > 0 and not plan.all_hit():
-                # rank 0 compiles each missing key once, then this rank HITs; all HIT: load at once
-                c.group.wait("programs", [0], "programs", timeout=PROGRAMS_WAIT_S)
+            across = c.group is not None and plan.backend != "eager"
+            if across:  # each host's leader compiles (its share) or receives; its other ranks then HIT
+                from runtime.launch import share
+
+                d.update(share.before_programs(plan, c.group, emitter, spec.stall_timeout, lambda only: (
+                    prepare_programs(plan, emitter, stop=stop, load=False, only=only))))
             prepared = prepare_programs(plan, emitter, stop=stop)
-            if c.group is not None and c.rank == 0:
-                c.group.post("programs")
+            if across:
+                share.after_programs(c.group)
             results = prepared.results
             # verified = every artifact byte this launch hashed, its plan's probes included: each
             # HIT is hashed once, so on a hot launch it equals the bytes loaded
@@ -305,7 +307,7 @@ def _upload(launched: Launched, loaded, c: _Checked, emitter: Emitter, phases: P
         d.update(bytes=total, zero_copy=zero_copy, host_released_bytes=released)
 
 
-def _size_kv(launched: Launched, runners, rank_env, detail: dict):
+def _size_kv(launched: Launched, runners, rank_env, detail: dict, emitter: Emitter):
     """As many KV slots as the budget holds (runtime.launch.budget, the plan's rule) on the memory
     this device has now, halving on an allocation that fails."""
     from runtime.launch.budget import kv_budget, kv_share
@@ -315,7 +317,8 @@ def _size_kv(launched: Launched, runners, rank_env, detail: dict):
 
     spec, device, group, programs = launched.spec, launched.device, launched.group, launched.programs
     if group is not None:  # every rank uploaded before any measures: one rank's KV is not another's "used"
-        group.gather("kv-measure", "", "kv")
+        group.gather("kv-measure", "", "kv", stall=spec.stall_timeout,
+                     shown=lambda line: emitter.log(Phase.KV, line))
     # blocks the allocator kept from the upload are free memory, not residual use
     device.trim()
     mem = device.memory()

@@ -57,6 +57,7 @@ class LaunchSpec:
     master_port: int | None = None
     rendezvous_timeout: float = 60.0
     rank_timeout: float = 5.0  # a rank whose heartbeat is silent this long is lost
+    stall_timeout: float = 600.0  # a rank others wait for may show no progress this long
     events: str | None = None
 
     def with_(self, **changes: Any) -> LaunchSpec:
@@ -188,9 +189,13 @@ FLAGS: tuple[Flag, ...] = (
          lo=0, hi=65535, allowed="0..65535 (0: any free port)"),
     Flag("master_port", "--master-port", "--ranks N: port of the ranks' rendezvous on 127.0.0.1 (default "
          "$MASTER_PORT, else any free port)", LAUNCH, type=int, metavar="P", lo=1, hi=65535),
-    Flag("rendezvous_timeout", "--rendezvous-timeout", f"seconds every rank has to join, and to reach each "
-         f"registration sync point (default {DEFAULTS.rendezvous_timeout:g})", LAUNCH, type=float, metavar="SECONDS", lo=0.1, hi=86400,
+    Flag("rendezvous_timeout", "--rendezvous-timeout", f"seconds every rank has to join the service "
+         f"(default {DEFAULTS.rendezvous_timeout:g})", LAUNCH, type=float, metavar="SECONDS", lo=0.1, hi=86400,
          allowed="above 0 up to 86400 seconds"),
+    Flag("stall_timeout", "--stall-timeout", f"at a registration sync point the other ranks wait for a slower one "
+         f"while it is alive and its progress (programs compiled, layers loaded) moves; one whose progress "
+         f"stands still this many seconds is named and the launch fails (default {DEFAULTS.stall_timeout:g})",
+         LAUNCH, type=float, metavar="SECONDS", lo=1, hi=86400, allowed="1 to 86400 seconds"),
     Flag("rank_timeout", "--rank-timeout", f"seconds a rank's heartbeat may be silent before the service counts it "
          f"lost (dead, stopped or cut off) and fails closed (default {DEFAULTS.rank_timeout:g})", LAUNCH,
          type=float, metavar="SECONDS", lo=0.5, hi=3600, allowed="0.5 to 3600 seconds"),

@@ -44,14 +44,15 @@ class Prepared:
 
 
 def prepare_programs(plan, emitter: Emitter, *, stop: threading.Event | None = None, load: bool = True,
-                     phase: str = Phase.PROGRAMS) -> Prepared:
+                     phase: str = Phase.PROGRAMS, only: set[str] | None = None) -> Prepared:
     """Every program of the plan ready to run. The plan's HITs load from the bytes its probe
     verified (`plan.hits`; never read again); the others compile in a pool of worker processes
     (`--jobs`, longest first, within a memory floor), each loading as soon as it publishes — a
     MISS that another process published since the plan was made loads at once. With the plan's
     `ready == "early"` the missing ones run eager meanwhile and swap in as they publish
     (`TieredRunners`); otherwise this returns when all are loaded. `load=False` (`dsv4 compile`)
-    only makes sure every program is published."""
+    only makes sure every program is published (`only`: those programs; another host of the
+    service compiles the rest)."""
     from runtime.programs.build import prepare
     from runtime.programs.tiers import COMPILED, EAGER, TieredRunners
 
@@ -85,6 +86,9 @@ def prepare_programs(plan, emitter: Emitter, *, stop: threading.Event | None = N
             if found.hit:
                 hits[spec.name] = found
     missing = [s for s in specs if planned[s.name].state != Outcome.HIT and s.name not in hits]
+    if only is not None:
+        specs = [s for s in specs if s.name in only]
+        missing = [s for s in missing if s.name in only]
     pool = _pool(plan, cache.root, emitter, phase, stop)
     if not load:
         compiled = _run_pool(pool, missing, emitter, phase) if missing else {}
