@@ -114,6 +114,7 @@ def test_jobs_zero_is_one_line(tiny_ckpt_ro, capsys):
     assert err.count("\n") == 0 and "--jobs 0 is out of range" in err
 
 
+@pytest.mark.heavy  # many cold compiles: `pytest -m heavy`
 def test_tokens_do_not_depend_on_the_tier_even_across_a_swap_mid_generation(tiny_ckpt_ro, tmp_path):
     compiled, _ = launch(tiny_ckpt_ro, cache_dir=tmp_path / "kc", max_slots=1)
     expected = compiled.validation_tokens

@@ -58,6 +58,7 @@ def _evict(path: Path) -> None:
         os.close(fd)
 
 
+@pytest.mark.heavy  # many cold compiles: `pytest -m heavy`
 def test_prediction_equals_outcome_under_every_perturbation(tiny_ckpt, tmp_path, monkeypatch):
     cache_dir = tmp_path / "programs"
     model = tiny_ckpt

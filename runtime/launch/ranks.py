@@ -326,7 +326,8 @@ class Group:
             torch.save(_to_host(message), buf)
             self.share_bytes(buf.getvalue(), 0)
             return message
-        return torch.load(io.BytesIO(self.share_bytes(None, 0)), weights_only=True)
+        payload = io.BytesIO(self.share_bytes(None, 0))
+        return torch.load(payload, weights_only=True)
 
     def share_bytes(self, data: bytes | None, src: int, ranks: list[int] | None = None) -> bytes:
         """`src`'s `data` on every rank of `ranks` (default: all; each of them calls this, in the
