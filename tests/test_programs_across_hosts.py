@@ -146,6 +146,19 @@ def _serving(out, procs, ranks: int = 2, limit: float = 1200):
         time.sleep(0.5)
 
 
+def _served_once(out, hosts):
+    """One export service over `hosts` until it serves, then stopped: every rank's events, and
+    each rank's programs end detail."""
+    out.mkdir()
+    port = _port()
+    procs = [h.rank(r, len(hosts), port, out, backend="export") for r, h in enumerate(hosts)]
+    try:
+        events = _serving(out, procs, len(hosts))
+    finally:
+        stop(procs)
+    return events, {r: _end(events[r], "programs").detail for r in range(len(hosts))}
+
+
 def _end(events, phase):
     return next(e for e in events if e.phase == phase and e.kind == "end")
 
@@ -165,15 +178,7 @@ def test_a_cold_service_over_two_hosts_compiles_each_program_once_then_each_host
         pytest.skip(why)
     a, b = make_hosts(tmp_path, tiny_ckpt_ro, ["host-a", "host-b"])
     trust_each_other([a, b])
-    out = tmp_path / "cold"
-    out.mkdir()
-    port = _port()
-    procs = [h.rank(r, 2, port, out, backend="export") for r, h in enumerate((a, b))]
-    try:
-        events = _serving(out, procs)
-    finally:
-        stop(procs)
-    programs = {r: _end(events[r], "programs").detail for r in (0, 1)}
+    events, programs = _served_once(tmp_path / "cold", (a, b))
     sharing = programs[0]["sharing"]
     assert sharing["mode"] == "shared" and sharing == programs[1]["sharing"]
     here = [set(programs[r]["compiled_here"]) for r in (0, 1)]
@@ -198,15 +203,7 @@ def test_a_cold_service_over_two_hosts_compiles_each_program_once_then_each_host
     gone = sorted(here[0])[0]
     [entry] = [m.parent for m in (b.root / "programs").rglob("manifest.json") if f"/{gone}/" in str(m)]
     shutil.rmtree(entry)
-    out = tmp_path / "alone"
-    out.mkdir()
-    port = _port()
-    procs = [h.rank(r, 2, port, out, backend="export") for r, h in enumerate((a, b))]
-    try:
-        events = _serving(out, procs)
-    finally:
-        stop(procs)
-    programs = {r: _end(events[r], "programs").detail for r in (0, 1)}
+    events, programs = _served_once(tmp_path / "alone", (a, b))
     assert programs[0]["sharing"]["mode"] == "each" and "no trusted keys" in programs[0]["sharing"]["why"]
     assert programs[0]["counts"].get("MISS", 0) == 0 and programs[1]["counts"]["MISS"] == 1
     assert "received" not in programs[1]
