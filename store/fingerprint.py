@@ -89,21 +89,34 @@ def _short(value: Any, limit: int = 40) -> str:
 
 @dataclass(frozen=True)
 class Change:
+    """One component that differs between a stored key (`old`: what the entry or file was made
+    with, "here") and the live one (`new`: what this launch uses)."""
+
     component: str
     old: Any
     new: Any
 
     def __str__(self) -> str:
+        """The fact as a sentence naming the component and both values: `max_seq is 512 here;
+        this launch uses 1024` (a structured component: each differing fact, not two blobs)."""
         if self.old is _ABSENT:
-            return f"{self.component} added ({_short(self.new)})"
+            return f"{self.component} is absent here; this launch uses {_short(self.new)}"
         if self.new is _ABSENT:
-            return f"{self.component} removed (was {_short(self.old)})"
-        if isinstance(self.old, dict) and isinstance(self.new, dict):  # the facts, not two blobs
+            return f"{self.component} is {_short(self.old)} here; this launch has none"
+        if isinstance(self.old, dict) and isinstance(self.new, dict):
             leaves = list(_leaves("", self.old, self.new))
-            shown = ", ".join(f"{path} {_short(a)} → {_short(b)}" for path, a, b in leaves[:MAX_LEAVES])
-            more = f" (+{len(leaves) - MAX_LEAVES} more)" if len(leaves) > MAX_LEAVES else ""
-            return f"{self.component}: {shown}{more}"
-        return f"{self.component} {_short(self.old)} → {_short(self.new)}"
+            shown = ". ".join(f"{self.component}'s {path} is {_short(a)} here; this launch uses {_short(b)}"
+                              for path, a, b in leaves[:MAX_LEAVES])
+            return shown + (f" (and {len(leaves) - MAX_LEAVES} more)" if len(leaves) > MAX_LEAVES else "")
+        return f"{self.component} is {_short(self.old)} here; this launch uses {_short(self.new)}"
+
+    def raw(self) -> str:
+        """The difference as the keys hold it (`old → new`, each value in canonical JSON, whole):
+        what a details view shows under the sentence."""
+        def text(v: Any) -> str:
+            return "(absent)" if v is _ABSENT else canonical_json(v)
+
+        return f"{text(self.old)} → {text(self.new)}"
 
 
 MAX_LEAVES = 3
@@ -137,4 +150,10 @@ def diff(old: Key, new: Key) -> list[Change]:
 
 
 def describe(changes: list[Change]) -> str:
-    return "; ".join(str(c) for c in changes) if changes else "no component differs"
+    """Every change as its sentence (see `Change.__str__`), one after the other."""
+    return ". ".join(str(c) for c in changes) if changes else "no component differs"
+
+
+def raw_difference(changes: list[Change]) -> dict[str, str]:
+    """Every change as the keys hold it, by component (for a details view)."""
+    return {c.component: c.raw() for c in changes}

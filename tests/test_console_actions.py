@@ -92,7 +92,7 @@ async def test_purge_deletes_only_what_the_plan_calls_stale_or_corrupt_after_lis
         await pilot.press("x")
         await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), "confirm")
         assert "2 program entries and 0 sidecars" in app.screen.body
-        assert "torch 2.99.0" in app.screen.body and "manifest" in app.screen.body  # each file says why
+        assert "torch is 2.99.0 here" in app.screen.body and "manifest" in app.screen.body  # each file says why
         await pilot.press("n")
         await pilot.pause(0.3)
         assert len(cache.inventory()) == 3
@@ -131,11 +131,18 @@ async def test_the_kernel_cache_view_lists_every_entry_and_x_there_deletes_only_
         rows = {(r["program"], r["state"]): r for r in table.rows_shown}
         assert set(rows) == {(current, "current"), (layout, "other-layout"), (stale, "stale"),
                              (broken, "quarantined")}
-        assert "max_seq" in rows[(layout, "other-layout")]["reason"]
-        assert "torch" in rows[(stale, "stale")]["reason"]
+        # every why is a sentence naming the component and both values; the raw key difference
+        # (each differing component, whole) is kept for the details
+        assert "max_seq is 128 here; this launch uses 64" in rows[(layout, "other-layout")]["reason"]
+        assert "→" not in rows[(layout, "other-layout")]["reason"]
+        torch_now = dict(keys[stale].components)["torch"]
+        assert f"torch is 2.99.0 here; this launch uses {torch_now}" in rows[(stale, "stale")]["reason"]
+        assert rows[(stale, "stale")]["key difference"] == {"torch": f'"2.99.0" → "{torch_now}"'}
+        raw = rows[(layout, "other-layout")]["key difference"]
+        assert raw and all(" → " in v for v in raw.values()) and any('"max_seq":128' in v for v in raw.values())
         await pilot.press("x")
         await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), "confirm")
-        assert "2 program entries and 0 sidecars" in app.screen.body and "torch 2.99.0" in app.screen.body
+        assert "2 program entries and 0 sidecars" in app.screen.body and "torch is 2.99.0 here" in app.screen.body
         await pilot.press("y")
         await until(pilot, lambda: sorted(e.program for e in cache.inventory()) == sorted([current, layout]), "purge")
         await pilot.press("c")

@@ -107,7 +107,7 @@ def test_other_ranks_are_stale_naming_ranks(packed, tiny_ckpt_ro):
     path, _ = packed
     verdict = judge(tiny_ckpt_ro, 2, path)
     assert (verdict.action, verdict.reason) == (REPACK, "stale")
-    assert verdict.changes == ("ranks 1 → 2",)
+    assert verdict.changes == ("ranks is 1 here; this launch uses 2",)
 
 
 def test_a_new_packer_version_is_stale_naming_it(packed, tiny_ckpt_ro, monkeypatch):
@@ -116,7 +116,7 @@ def test_a_new_packer_version_is_stale_naming_it(packed, tiny_ckpt_ro, monkeypat
     monkeypatch.setattr(layout_module, "PACKER_VERSION", new)
     verdict = judge(tiny_ckpt_ro, 1, path)
     assert (verdict.action, verdict.reason) == (REPACK, "stale")
-    assert verdict.changes == (f"packer_version {old} → {new}",)
+    assert verdict.changes == (f"packer_version is {old} here; this launch uses {new}",)
 
 
 def test_a_missing_tensor_is_repack_names(tiny_ckpt, tmp_path):
@@ -241,7 +241,7 @@ def test_status_of_a_checkpoint_judges_as_loading_would(tiny_ckpt, capsys, monke
     assert cli(["sidecar", "status", str(tiny_ckpt), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert (data["verdict"], data["reason"]) == (REPACK, "stale")
-    assert data["changes"] == [f"packer_version {old} → 999"]
+    assert data["changes"] == [f"packer_version is {old} here; this launch uses 999"]
 
     # A sidecar FILE in a checkpoint dir is judged as a launch from that dir would judge it.
     path = sidecar.default_sidecar_path(tiny_ckpt, 1)

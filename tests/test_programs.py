@@ -135,7 +135,7 @@ def test_why_judges_a_model_program_by_its_live_key(cache, tiny_ckpt_ro, monkeyp
             "--max-seq", "64"]
     # the live key uses the default backend (aoti): the export entry is another configuration
     assert cli(args) == 1
-    assert "not cached for this configuration: backend export → aoti" in capsys.readouterr().out
+    assert "not cached for this configuration: backend is export here; this launch uses aoti" in capsys.readouterr().out
     assert cli([*args, "--backend", "export"]) == 0
 
 

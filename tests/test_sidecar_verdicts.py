@@ -55,7 +55,7 @@ def test_stale_names_the_changed_component(model_dir):
     path, _, _ = write(model_dir)
     verdict = sidecar.inspect(path, expected_key=key_of(model_dir, ranks=4))
     assert (verdict.action, verdict.reason) == (REPACK, "stale")
-    assert verdict.changes == ("ranks 2 → 4",)
+    assert verdict.changes == ("ranks is 2 here; this launch uses 4",)
 
     (model_dir / "config.json").write_text(json.dumps({"hidden_size": 16}))
     verdict = sidecar.inspect(path)

@@ -187,7 +187,7 @@ def test_key_is_taken_before_packing_so_a_shard_touched_while_writing_leaves_it_
     verdict = sidecar.inspect(path)  # judged against the checkpoint it records
     assert (verdict.action, verdict.reason) == (REPACK, "stale")
     assert verdict.changes == (
-        f"shard:{SHARDS[1]} (mtime_ns {key.as_dict()[f'shard:{SHARDS[1]}']['mtime_ns']} → 1)",
+        f"shard:{SHARDS[1]}'s mtime_ns is {key.as_dict()[f'shard:{SHARDS[1]}']['mtime_ns']} here; this launch uses 1",
     )
 
 

@@ -105,13 +105,6 @@ def recompute_key(stored: Key, metadata: dict[str, str], sidecar: Path) -> Key:
 
 
 def change_text(change: Change) -> str:
-    """One changed key component; for objects (a shard's size and mtime) only what differs."""
-    old, new = change.old, change.new
-    if isinstance(old, dict) and isinstance(new, dict):
-        parts = [
-            f"{k} {old.get(k)} → {new.get(k)}"
-            for k in sorted({*old, *new})
-            if old.get(k) != new.get(k)
-        ]
-        return f"{change.component} ({', '.join(parts)})"
+    """One changed key component as its sentence; for objects (a shard's size and mtime) only
+    what differs (`store.fingerprint.Change`)."""
     return str(change)

@@ -169,7 +169,7 @@ def judge(
             return repack(path, Reason.SOURCE, f"source checkpoint unreadable: {e}", **facts), header
     if fingerprint(expected_key) != header.metadata["source_fingerprint"]:
         changes = tuple(change_text(c) for c in diff(stored, expected_key))
-        detail = "changed: " + "; ".join(changes)
+        detail = "changed: " + ". ".join(changes)
         return repack(path, Reason.STALE, detail, changes=changes, **facts), header
     shapes = {p.name: p for p in expected_tensors} if expected_tensors is not None else None
     if expected_names is None and shapes is not None:

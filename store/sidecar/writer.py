@@ -247,7 +247,7 @@ def write_sidecar(
             stored = key_from_metadata(metadata)
             live = recompute_key(stored, metadata, path)
             if fingerprint(live) != metadata["source_fingerprint"]:
-                stale = "; ".join(change_text(c) for c in diff(stored, live))
+                stale = ". ".join(change_text(c) for c in diff(stored, live))
                 log.warning(
                     "sidecar %s: checkpoint changed while packing (%s): it is stale", path, stale
                 )
