@@ -84,3 +84,20 @@ def test_a_store_that_stops_answering_loses_the_service():
 def test_what_a_rank_posts_names_it():
     assert describe(3, member(3)).startswith(f"rank 3 on {socket.gethostname()} (pid ")
     assert describe(3, "not json") == "rank 3"
+
+
+def test_the_silent_rank_is_blamed_by_name_and_its_line_is_its_error_in_the_roster(store):
+    """What /health's ranks show: the line that named a rank (here: the heartbeat's on a silent
+    one) as that rank's last error, posted for rank 0 to read; the others have none."""
+    from runtime.launch.liveness import roster
+
+    blamed: list[tuple[int, str, bool]] = []
+    lost: list[str] = []
+    said = threading.Event()
+    watch = Heartbeat(_client(store), PREFIX, 0, [1], TIMEOUT, lambda reason: (lost.append(reason), said.set()),
+                      lambda rank, line, post: blamed.append((rank, line, post))).start()
+    assert said.wait(20 * TIMEOUT)  # rank 1 never beats
+    watch.stop()
+    assert blamed == [(1, lost[0], True)]
+    ranks = roster(2, 0, "serve", {}, lambda r: None, {}, {r: line for r, line, _ in blamed})
+    assert [r["error"] for r in ranks] == ["", lost[0]]

@@ -22,6 +22,7 @@ from conftest import MAX_SEQ, start_server
 
 from bench.node_loss_bench import health_status, post_status
 from runtime.events import parse
+from runtime.serve.contract import Health
 
 PROMPTS = ["The quick brown fox", "DeepSeek V4", "a", "0123456789 " * 4]
 CONCURRENT = [f"request {i}: " + "abcdefgh"[i % 8] * (1 + i % 5) for i in range(16)]
@@ -35,7 +36,7 @@ def _complete(url: str, prompt: str, n: int = 10) -> list[int]:
         return json.loads(r.read())["choices"][0]["token_ids"]
 
 
-def _health(url: str) -> tuple[int, dict]:
+def _health(url: str) -> tuple[int, Health]:
     return health_status(url, timeout=10)
 
 
@@ -95,13 +96,13 @@ def test_sixteen_concurrent_requests_over_ranks_decode_as_one_rank_alone(tiny_ck
     ranks_seen = _ranks_of(proc) if ranks > 1 else []
     try:
         status, health = _health(url)
-        assert status == 200 and health["slots"] == ranks * PER_RANK_SLOTS
-        assert [(r["rank"], r["slots"]) for r in health["ranks"]] == [(r, PER_RANK_SLOTS) for r in range(ranks)]
+        assert status == 200 and health.slots == ranks * PER_RANK_SLOTS
+        assert [(r.rank, r.slots) for r in health.ranks] == [(r, PER_RANK_SLOTS) for r in range(ranks)]
         with concurrent.futures.ThreadPoolExecutor(len(CONCURRENT)) as pool:
             got = list(pool.map(lambda p: _complete(url, p, 12), CONCURRENT))
         assert got == one_rank_alone
         _, health = _health(url)
-        assert health["free_slots"] == health["slots"] and health["engine"]["drafts"] > 0
+        assert health.free_slots == health.slots and health.engine["drafts"] > 0
     finally:
         if ranks > 1:
             assert _stop(proc, ranks_seen) == 0
@@ -128,7 +129,7 @@ def test_two_ranks_compiled_equal_one_rank(tiny_ckpt, tmp_path, one_rank_tokens)
         assert len(ranks) == 2
         assert [_complete(url, p) for p in PROMPTS] == one_rank_tokens
         status, health = _health(url)
-        assert status == 200 and health["status"] == "ok"
+        assert status == 200 and health.ok
     finally:
         assert _stop(proc, ranks) == 0
     seen = _events(events)
@@ -164,7 +165,6 @@ def test_four_ranks_equal_one_rank_and_map_less(tiny_ckpt_ro, tmp_path, one_rank
 
 
 def test_a_killed_rank_stops_the_service(tiny_ckpt_ro, tmp_path):
-    from runtime.serve.contract import Health
     from store import services
     from store.history import read_history
 
@@ -198,12 +198,14 @@ def test_a_killed_rank_stops_the_service(tiny_ckpt_ro, tmp_path):
     assert not alive
     failed = [h for s, h in statuses if s == 503]
     assert failed, statuses
-    assert "rank 1" in failed[0]["reason"] and "SIGKILL" in failed[0]["reason"]
-    assert "during phase serve" in failed[0]["reason"]
+    assert "rank 1" in failed[0].reason and "SIGKILL" in failed[0].reason
+    assert "during phase serve" in failed[0].reason
+    # the dead rank's last error is its own line in /health's ranks, the launcher's words on it
+    assert failed[0].ranks[1].error == failed[0].reason and not failed[0].ranks[0].error
     err = (tmp_path / "stderr.log").read_text()
     assert "rank 1" in err and "SIGKILL" in err
     errors = [e for e in _events(events) if e.kind == "error"]
-    assert len(errors) == 1 and errors[0].message == failed[0]["reason"]  # one death, one event
+    assert len(errors) == 1 and errors[0].message == failed[0].reason  # one death, one event
     assert errors[0].detail == {"rank": 1, "phase": "serve"} and f"on {socket.gethostname()}" in errors[0].message
     [record] = [r for r in read_history() if r.get("model") == str(tiny_ckpt_ro)]  # one record of the launch
     assert record["outcome"] == "error" and "rank 1" in record["error"] and record["pid"] == proc.pid
@@ -300,14 +302,15 @@ def test_a_lost_node_fails_closed_with_503s_never_a_5xx(tiny_ckpt_ro, tmp_path, 
         deadline = time.time() + 60  # a hang guard, not a bound: `dsv4 bench node-loss` measures the time
         while time.time() < deadline and nodes.agents[0].poll() is None:
             with contextlib.suppress(urllib.error.URLError, ConnectionError):
-                status, body = _health(nodes.url)
+                status, value = _health(nodes.url)
                 if status == 503:
-                    health = body
+                    health = value
                     break
             time.sleep(0.1)
         statuses = [f.result(timeout=120) for f in inflight]
         assert health is not None, (tmp_path / "node0.log").read_text()[-3000:]
-        assert "rank 1 on " in health["reason"] and "during phase serve" in health["reason"]
+        assert "rank 1 on " in health.reason and "during phase serve" in health.reason
+        assert health.ranks[1].error.startswith("rank 1 on ")  # the silent rank's line, by its rank
         assert set(statuses) <= {200, 503} and 503 in statuses, statuses
         assert nodes.agents[0].wait(timeout=60) != 0  # node 0's agent reports the failure
     from store.history import read_history

@@ -30,9 +30,10 @@ def member(rank: int, device: str = "") -> str:
 
 
 def roster(world: int, me: int, my_phase: str, known: dict[int, dict], posted: Callable[[int], str | None],
-           ages: dict[int, tuple[float, str | None]]) -> list[dict]:
+           ages: dict[int, tuple[float, str | None]], errors: dict[int, str] | None = None) -> list[dict]:
     """Every rank: host, pid and device (what it posted when it joined, read once into `known`),
-    its phase and the seconds since its heartbeat last moved (`me`: 0, and its own phase)."""
+    its phase, the seconds since its heartbeat last moved (`me`: 0, and its own phase) and its
+    last error (`errors`: the line that named it, e.g. the launcher's on its death)."""
     if len(known) < world:
         with contextlib.suppress(Exception):  # a store gone: what is known so far
             for r in range(world):
@@ -43,7 +44,8 @@ def roster(world: int, me: int, my_phase: str, known: dict[int, dict], posted: C
         m = known.get(r, {})
         age, phase = (0.0, my_phase) if r == me else ages.get(r, (None, None))
         out.append({"rank": r, "host": m.get("host", ""), "pid": m.get("pid"), "device": m.get("device", ""),
-                    "phase": phase or "", "heartbeat_age": None if age is None else round(age, 2)})
+                    "phase": phase or "", "heartbeat_age": None if age is None else round(age, 2),
+                    "error": (errors or {}).get(r, "")})
     return out
 
 
@@ -58,12 +60,15 @@ def describe(rank: int, posted: str | None) -> str:
 
 class Heartbeat:
     """Beat for `rank`, watch `peers`; `lose(reason)` once when one goes silent or the store
-    stops answering. `store` is this watch's own connection (its timeout: the rank timeout)."""
+    stops answering, after `blame(rank, reason, post)` names the rank the reason is about (the
+    silent one, or this one when it lost the store: nothing to post to then). `store` is this
+    watch's own connection (its timeout: the rank timeout)."""
 
     def __init__(self, store, prefix: str, rank: int, peers: list[int], rank_timeout: float,
-                 lose: Callable[[str], None]):
+                 lose: Callable[[str], None], blame: Callable[[int, str, bool], None] | None = None):
         self.store, self.prefix, self.rank, self.peers = store, prefix, rank, peers
         self.rank_timeout, self.lose = rank_timeout, lose
+        self.blame = blame or (lambda rank, reason, post: None)
         self.every = max(MIN_BEAT_S, rank_timeout / BEATS_PER_TIMEOUT)
         self._stop = threading.Event()
         # peer → (when its beat last moved, its phase then), monotonic: what /health's ranks show
@@ -94,12 +99,16 @@ class Heartbeat:
                         heard[r] = (value, now)
                         self.heard[r] = (now, self._read("phase", r))
                     elif now - since > self.rank_timeout:
-                        self.lose(self._silent(r, now - since))
+                        reason = self._silent(r, now - since)
+                        self.blame(r, reason, True)
+                        self.lose(reason)
                         return
             except Exception as e:  # the store's host is gone, or it stopped answering
                 if not self._stop.is_set():
-                    self.lose(f"rank {self.rank} lost the rendezvous store (its host is gone or stopped "
+                    reason = (f"rank {self.rank} lost the rendezvous store (its host is gone or stopped "
                               f"answering within {self.rank_timeout:g} s: {first_line(e)})")
+                    self.blame(self.rank, reason, False)
+                    self.lose(reason)
                 return
             self._stop.wait(self.every)
 

@@ -130,6 +130,12 @@ def read(store, key: str) -> str | None:
 LAUNCHER_LINE = "launcher-line"  # the launcher's line on a dead rank, posted before it aborts with it
 
 
+def error_key(rank: int) -> str:
+    """Where the line naming `rank`'s last error is posted (by the launcher on its death, by the
+    rank that saw it fall silent, by the rank itself): what /health's ranks show."""
+    return f"error/{rank}"
+
+
 def phase_of(store, rank: int) -> str:
     """The phase `rank` last started ("start" before its first)."""
     return read(store, f"phase/{rank}") or "start"
@@ -158,6 +164,7 @@ class Group:
         self._kind = "cpu"
         self.exchange_s = 0.0  # seconds spent in the steps' all-to-alls (the bench's collective time)
         self._members: dict[int, dict[str, Any]] = {}  # rank → what it posted when it joined
+        self.errors: dict[int, str] = {}  # rank → the line naming its last error (/health's ranks)
         self.phase = ""
         self.hosts: list[str] = []  # each rank's host, from the joins (rank order)
         self._progress = (0, 0.0, "")  # (posts, when, phase) of this rank's last progress post
@@ -204,6 +211,23 @@ class Group:
 
     def aborted(self) -> str | None:
         return read(self.store, "abort")
+
+    def blame(self, rank: int, line: str, post: bool = True) -> None:
+        """`line` is `rank`'s last error: kept here and (`post`) in the store, where rank 0 reads
+        it for /health once the service fails (not when the store is what was lost)."""
+        self.errors[rank] = line
+        if post:
+            with contextlib.suppress(Exception):  # the store's host may be gone too
+                self._quick.set(PREFIX + error_key(rank), line)
+
+    def read_errors(self) -> None:
+        """Every rank's last error posted in the store (the launcher's line on a dead rank, a
+        peer's on a silent one), into `errors`; only once the service fails, so a healthy
+        /health costs no store round trip."""
+        for r in range(self.world):
+            line = read(self._quick, error_key(r))
+            if line:
+                self.errors.setdefault(r, line)
 
     def said_by_launcher(self, reason: str) -> bool:
         """Whether `reason` is the launcher's own line on a dead rank (it is in the events already)."""
@@ -259,7 +283,7 @@ class Group:
         store = open_store(self.env, rank_timeout, client=True)
         peers = [r for r in range(self.world) if r != self.rank]
         self._quick = store
-        self._beat = Heartbeat(store, PREFIX, self.rank, peers, rank_timeout, self.lose).start()
+        self._beat = Heartbeat(store, PREFIX, self.rank, peers, rank_timeout, self.lose, self.blame).start()
 
     def watch(self, on_abort: Callable[[str], None]) -> None:
         """Call `on_abort(reason)` (once, on a daemon thread) when any rank or the launcher aborts."""
@@ -269,6 +293,10 @@ class Group:
                     time.sleep(0.2)
             except Exception as e:  # the store's host is gone
                 reason = f"rank {self.rank} lost the rendezvous store ({first_line(e)})"
+                self.blame(self.rank, reason, post=False)
+            else:
+                with contextlib.suppress(Exception):  # the rank the abort is about, for /health
+                    self.read_errors()
             on_abort(reason or self.lost)
 
         threading.Thread(target=run, daemon=True, name="rank-watch").start()
@@ -279,7 +307,7 @@ class Group:
             return read(self.store, f"member/{r}")
 
         return roster(self.world, self.rank, self.phase, self._members, posted,
-                      self._beat.ages() if self._beat is not None else {})
+                      self._beat.ages() if self._beat is not None else {}, self.errors)
 
     # ---- the process group ----
 
@@ -424,6 +452,7 @@ class Group:
             return self.lost or self._reason
         with contextlib.suppress(Exception):  # the store's host may be gone too
             self._reason = reason = self.abort(reason)
+            self.read_errors()  # the store answered: the rank a reason posted first is about
         if self._beat is not None:
             self._beat.stop()
         try:
@@ -441,9 +470,13 @@ class Group:
             # silent one and its host within the rank timeout: either line is better
             wait = LAUNCHER_GRACE_S + (self._beat.rank_timeout if self._beat is not None else 0.0)
             deadline = time.monotonic() + wait
+            named, store_answers = False, False
             with contextlib.suppress(Exception):  # the store's host may be gone too
                 while self._reason is None and self.aborted() is None and time.monotonic() < deadline:
                     time.sleep(POLL_S)
+                named, store_answers = self.aborted() is not None, True
+            if self._reason is None and not named:  # nobody named a cause: this rank's own error
+                self.blame(self.rank, line, post=store_answers)
             self.lose(line)
         return RankError(self.lost or self._reason)
 

@@ -106,7 +106,9 @@ def register(spec: LaunchSpec, emitter: Emitter, *, rank_env=None, record: bool 
     except BaseException as e:
         if phases.group is not None:  # every other rank stops at once, with this reason
             with contextlib.suppress(Exception):
-                phases.group.abort(f"rank {rank} failed in {phases.failed or 'check'}: {why(e)}")
+                line = f"rank {rank} failed in {phases.failed or 'check'}: {why(e)}"
+                phases.group.blame(rank, line)
+                phases.group.abort(line)
         if record and rank == 0:
             device, backend = resolved(spec, phases.plan)
             history.append(spec, phases.records, started, "error", why(e), device=device, backend=backend,

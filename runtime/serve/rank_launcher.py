@@ -30,6 +30,7 @@ from runtime.launch.ranks import (
     LAUNCHER_LINE,
     PREFIX,
     RankEnv,
+    error_key,
     first_wins,
     open_store,
     phase_of,
@@ -108,6 +109,7 @@ def launch(argv: Sequence[str], world: int, addr: str = "127.0.0.1", port: int =
                         phase = phase_of(store, r)
                         line = (f"rank {r} on {socket.gethostname()} (pid {procs[r].pid}) {how_it_ended(code)} "
                                 f"during phase {phase}")
+                        store.set(PREFIX + error_key(r), line)  # the dead rank's last error (/health's ranks)
                         store.set(PREFIX + LAUNCHER_LINE, line)  # before the abort: rank 0 then knows it is said
                         held = first_wins(store, "abort", line)
                         failed = True

@@ -59,7 +59,7 @@ class Service:
         group = getattr(self.launched, "group", None)
         members = group.members() if group is not None else [
             {"rank": 0, "host": self.identity.host, "pid": self.identity.pid, "device": self._device(),
-             "phase": "serve", "heartbeat_age": None}]
+             "phase": "serve", "heartbeat_age": None, "error": self.failure() or ""}]
         slots = {r["rank"]: r for r in self.scheduler.per_rank()}
         return tuple(RankHealth(**{**slots.get(m["rank"], {"slots": 0, "free_slots": 0, "running": 0}), **m})
                      for m in members)
