@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.launch.spec import DEFAULTS
+from runtime.serve.contract import Health
 
 RANK_TIMEOUT_S = DEFAULTS.rank_timeout
 CLIENTS = 8
@@ -47,13 +48,13 @@ def post_status(url: str, prompt: str, max_tokens: int) -> int | str:
         return type(e).__name__
 
 
-def health_status(url: str, timeout: float = 5.0) -> tuple[int, dict]:
-    """/health's status and body, whether 200 or not."""
+def health_status(url: str, timeout: float = 5.0) -> tuple[int, Health]:
+    """/health's HTTP status and its value (the contract's `Health`), whether 200 or 503."""
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=timeout) as r:
-            return r.status, json.loads(r.read())
+            return r.status, Health.from_json(json.loads(r.read()))
     except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+        return e.code, Health.from_json(json.loads(e.read()))
 
 
 def one_run(model: Path, run_dir: Path, how: str, load: bool, rank_timeout: float, max_seq: int) -> dict[str, Any]:
@@ -77,7 +78,7 @@ def one_run(model: Path, run_dir: Path, how: str, load: bool, rank_timeout: floa
                 try:
                     status, body = health_status(nodes.url)
                     if status == 503:
-                        to_503, reason = time.monotonic() - lost, body.get("reason", "")
+                        to_503, reason = time.monotonic() - lost, body.reason
                 except (urllib.error.URLError, ConnectionError, TimeoutError, ValueError):
                     pass
             if nodes.agents[0].poll() is not None:

@@ -146,7 +146,9 @@ def engine_stats(url: str) -> dict[str, Any]:
     seconds of several ranks)."""
     import httpx
 
-    return httpx.get(f"{url}/health", timeout=60).json().get("engine", {})
+    from runtime.serve.contract import Health
+
+    return Health.from_json(httpx.get(f"{url}/health", timeout=60).json()).engine
 
 
 def memory_of(service: Service, sidecar: Path) -> dict[str, Any]:

@@ -34,6 +34,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from runtime.serve.contract import Health
+
 CLIENTS, ROUNDS, MAX_TOKENS = 64, 2, 16
 TARGETS = {"throughput": 10.0, "p99": 5.0, "step_4096_vs_256": 2.0, "sampled_vs_greedy": 0.9,
            "batch_vs_requests": 0.9}
@@ -137,7 +139,7 @@ def _load(url: str, pid: int) -> dict[str, Any]:
             results += pool.map(lambda i: _request(url, i), range(CLIENTS))
     wall = time.perf_counter() - t0
     done.set()
-    engine = httpx.get(f"{url}/health").json().get("engine", {})
+    engine = Health.from_json(httpx.get(f"{url}/health").json()).engine  # the contract's value, not keys
     lat = sorted(r[0] for r in results)
     return {"requests": len(results), "tokens": sum(r[2] for r in results), "wall_s": round(wall, 2),
             "tokens_per_s": round(sum(r[2] for r in results) / wall, 1), "requests_per_s": round(len(results) / wall, 2),
