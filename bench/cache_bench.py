@@ -133,13 +133,14 @@ def _run_phase(name: str, cache_dir: Path, inductor_dir: Path) -> dict[str, Any]
 
 def _time_ls(n: int) -> dict[str, Any]:
     from runtime.programs.build import reference
+    from store.kernel_cache.inventory import inventory
 
     with tempfile.TemporaryDirectory(prefix="dsv4-bench-ls-") as tmp:
         cache = synthetic_cache(Path(tmp) / "programs", n)
         runs = []
         for _ in range(5):
             started = time.perf_counter()
-            entries = cache.inventory(reference())
+            entries = inventory(cache.layout, reference())
             json.dumps([e.to_json() for e in entries])
             runs.append(time.perf_counter() - started)
         cli = [sys.executable, "-m", "console.cli", "cache", "ls", "--json", "--cache-dir", str(cache.root)]

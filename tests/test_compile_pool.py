@@ -19,6 +19,8 @@ from runtime.programs.pool import CompilePool
 from runtime.programs.spec import ProgramSpec, build_function
 from runtime.programs.tiers import COMPILED, EAGER, TieredRunners
 from store.kernel_cache import KernelCache
+from store.kernel_cache.inventory import inventory
+from store.kernel_cache.read import manifests
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +32,7 @@ def _specs(model_dir, *names):
 
 def _entries(root) -> dict[str, int]:
     counts: dict[str, int] = {}
-    for e in KernelCache(root).inventory():
+    for e in inventory(KernelCache(root).layout):
         counts[e.program] = counts.get(e.program, 0) + 1
     return counts
 
@@ -52,7 +54,7 @@ def test_two_pools_on_one_cache_compile_each_key_once(tiny_ckpt_ro, tmp_path):
         outcomes = sorted(r[s.name].outcome for r in results)
         assert all(r[s.name].ok for r in results)
         assert outcomes in (["compiled", "hit"], ["compiled", "compiled"]) and outcomes.count("compiled") == 1
-    manifest = next(KernelCache(tmp_path / "kc").manifests("embed.decode"))
+    manifest = next(manifests(KernelCache(tmp_path / "kc").layout, "embed.decode"))
     assert manifest.compile_peak_rss > 50 << 20  # the worker's own peak, a torch process
 
 

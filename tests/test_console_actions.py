@@ -25,6 +25,7 @@ from runtime.events import PHASES
 from store import pagecache, sidecar
 from store.fingerprint import Key
 from store.kernel_cache import KernelCache
+from store.kernel_cache.inventory import inventory
 
 pytestmark = pytest.mark.asyncio
 WAIT = 120.0  # an upper bound for a worker on a loaded two-core machine, never a timing assertion
@@ -82,7 +83,7 @@ async def test_purge_deletes_only_what_the_plan_calls_stale_or_corrupt_after_lis
     foreign = Key.of([(n, "2.99.0" if n == "torch" else v) for n, v in keys[stale].components])
     cache.publish(stale, foreign, {"program.pt2": b"s" * 4096})  # built by another toolchain
     cache.publish(corrupt, keys[corrupt], {"program.pt2": b"c" * 4096})
-    manifest = next(e.path for e in cache.inventory() if e.program == corrupt) / "manifest.json"
+    manifest = next(e.path for e in inventory(cache.layout) if e.program == corrupt) / "manifest.json"
     manifest.write_text("{not json")
     app = Dsv4Console(spec, watch=False, interval=0.5, create_default=False)
     async with app.run_test() as pilot:
@@ -95,11 +96,11 @@ async def test_purge_deletes_only_what_the_plan_calls_stale_or_corrupt_after_lis
         assert "torch is 2.99.0 here" in app.screen.body and "manifest" in app.screen.body  # each file says why
         await pilot.press("n")
         await pilot.pause(0.3)
-        assert len(cache.inventory()) == 3
+        assert len(inventory(cache.layout)) == 3
         await pilot.press("x")
         await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), "confirm")
         await pilot.press("y")
-        await until(pilot, lambda: [e.program for e in cache.inventory()] == [hit], "purge")
+        await until(pilot, lambda: [e.program for e in inventory(cache.layout)] == [hit], "purge")
 
 
 async def test_the_kernel_cache_view_lists_every_entry_and_x_there_deletes_only_the_unusable(tiny_ckpt_ro, tmp_path):
@@ -144,7 +145,7 @@ async def test_the_kernel_cache_view_lists_every_entry_and_x_there_deletes_only_
         await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), "confirm")
         assert "2 program entries and 0 sidecars" in app.screen.body and "torch is 2.99.0 here" in app.screen.body
         await pilot.press("y")
-        await until(pilot, lambda: sorted(e.program for e in cache.inventory()) == sorted([current, layout]), "purge")
+        await until(pilot, lambda: sorted(e.program for e in inventory(cache.layout)) == sorted([current, layout]), "purge")
         await pilot.press("c")
         assert app.query_one("#programs-table").display
 

@@ -31,6 +31,7 @@ from store.kernel_cache import (
     Miss,
     UntrustedCacheError,
 )
+from store.kernel_cache.inventory import inventory
 
 # ---------------------------------------------------------------------------------------------
 # Round trip and MISS reasons
@@ -157,7 +158,7 @@ def test_corrupt_entry_misses_and_is_quarantined(cache, damage):
     assert isinstance(miss, Miss) and miss.kind == "corrupt"
     assert not entry_dir(cache, key).exists()
     assert len(quarantined(cache)) == 1
-    [listed] = [e for e in cache.inventory() if e.state == QUARANTINED]
+    [listed] = [e for e in inventory(cache.layout) if e.state == QUARANTINED]
     assert listed.reason.startswith("quarantined: corrupt")
     rebuilt = cache.get_or_build("layer", key, lambda d: (d / ART).write_bytes(PAYLOAD))
     assert rebuilt.built and rebuilt.hit.path == entry_dir(cache, key)
@@ -168,7 +169,7 @@ def test_verify_quarantines_what_ls_cannot_see(cache):
     put(cache, good)
     put(cache, bad)
     _flip_byte(entry_dir(cache, bad))  # same size: only hashing finds it
-    assert {e.state for e in cache.inventory()} == {CURRENT}
+    assert {e.state for e in inventory(cache.layout)} == {CURRENT}
     result = cache.verify()
     assert result.checked == 2
     [found] = result.quarantined
@@ -184,7 +185,7 @@ def test_staging_dirs_are_invisible_to_readers(cache):
     entry.rename(staging)  # a complete entry, but under a staging name
     miss = cache.lookup("layer", key)
     assert isinstance(miss, Miss) and miss.kind == "absent"
-    assert [e.state for e in cache.inventory()] == [PARTIAL]
+    assert [e.state for e in inventory(cache.layout)] == [PARTIAL]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -212,7 +213,7 @@ def test_eight_processes_one_key_compile_once_with_the_lock(tmp_path):
     assert all(r["verified"] and r["published"] for r in results)
     assert sum(r["built"] for r in results) == 1
     assert len(_visible_entries(tmp_path / "programs")) == 1
-    assert [e.state for e in KernelCache(tmp_path / "programs").inventory()] == [CURRENT]
+    assert [e.state for e in inventory(KernelCache(tmp_path / "programs").layout)] == [CURRENT]
 
 
 def test_eight_processes_stay_correct_without_the_lock(tmp_path):
@@ -220,7 +221,7 @@ def test_eight_processes_stay_correct_without_the_lock(tmp_path):
     assert all(r["verified"] for r in results)
     assert len(_visible_entries(tmp_path / "programs")) == 1
     # losers discarded their staging dirs: nothing partial is left behind
-    assert [e.state for e in KernelCache(tmp_path / "programs").inventory()] == [CURRENT]
+    assert [e.state for e in inventory(KernelCache(tmp_path / "programs").layout)] == [CURRENT]
 
 
 def test_sigkill_mid_publish_leaves_no_visible_entry(tmp_path):
@@ -240,11 +241,11 @@ def test_sigkill_mid_publish_leaves_no_visible_entry(tmp_path):
 
     assert isinstance(cache.lookup("racer", key()), Miss)
     assert _visible_entries(root) == []
-    [partial] = cache.inventory()
+    [partial] = inventory(cache.layout)
     assert partial.state == PARTIAL and "writer gone" in partial.reason and not partial.busy
     # the next writer sweeps the dead writer's staging dir and publishes normally
     fetch = cache.get_or_build("racer", key(), lambda d: (d / ART).write_bytes(PAYLOAD))
-    assert fetch.built and [e.state for e in cache.inventory()] == [CURRENT]
+    assert fetch.built and [e.state for e in inventory(cache.layout)] == [CURRENT]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -30,6 +30,8 @@ from store.kernel_cache import (
     Miss,
     Reference,
 )
+from store.kernel_cache.inventory import gc, inventory
+from store.kernel_cache.quarantine import quarantine
 
 # ---------------------------------------------------------------------------------------------
 # Inventory, stats, purge, gc
@@ -49,7 +51,7 @@ def test_ls_states_on_a_prepared_cache(cache):
     put(cache, make_key(), program="unlisted")
 
     reference = Reference(components=dict(toolchain_components("cpu")), keys={"layer": live})
-    states = {(e.program, e.state): e for e in cache.inventory(reference)}
+    states = {(e.program, e.state): e for e in inventory(cache.layout, reference)}
     assert set(states) == {
         ("layer", CURRENT),
         ("layer", OTHER_LAYOUT),
@@ -73,7 +75,7 @@ def test_hits_and_last_use_are_recorded_without_touching_the_manifest(cache):
     before = manifest.read_bytes(), manifest.stat().st_mtime_ns
     for _ in range(3):
         cache.lookup("layer", key)
-    [entry] = cache.inventory()
+    [entry] = inventory(cache.layout)
     assert entry.hits == 3 and entry.last_used >= entry.created
     assert (manifest.read_bytes(), manifest.stat().st_mtime_ns) == before
 
@@ -86,9 +88,9 @@ def test_gc_evicts_least_recently_used_first(cache):
         stamp = entry_dir(cache, key) / ".hits"
         os.utime(stamp, (1_000_000 + n, 1_000_000 + n))  # keys[0] used longest ago
     newest = {fingerprint(k) for k in keys[1:]}
-    removed = cache.gc(max_size=sum(e.size_bytes for e in cache.inventory() if e.fingerprint in newest))
+    removed = gc(cache.layout, max_size=sum(e.size_bytes for e in inventory(cache.layout) if e.fingerprint in newest))
     assert [e.fingerprint for e in removed] == [fingerprint(keys[0])]
-    assert {e.fingerprint for e in cache.inventory()} == {fingerprint(k) for k in keys[1:]}
+    assert {e.fingerprint for e in inventory(cache.layout)} == {fingerprint(k) for k in keys[1:]}
 
 
 def test_purge_stale_keeps_current_entries(cache, capsys):
@@ -96,9 +98,9 @@ def test_purge_stale_keeps_current_entries(cache, capsys):
     put(cache, make_key(torch="2.12.0"))
     root = str(cache.root)
     assert cli(["cache", "purge", "--stale", "--dry-run", "--kernel-cache-dir", root]) == 0
-    assert len(cache.inventory()) == 2
+    assert len(inventory(cache.layout)) == 2
     assert cli(["cache", "purge", "--stale", "--yes", "--kernel-cache-dir", root]) == 0
-    assert [e.state for e in cache.inventory(Reference(dict(toolchain_components("cpu"))))] == [CURRENT]
+    assert [e.state for e in inventory(cache.layout, Reference(dict(toolchain_components("cpu"))))] == [CURRENT]
     assert "deleted 1 entries" in capsys.readouterr().out
 
 
@@ -107,7 +109,7 @@ def test_purge_without_yes_on_a_pipe_refuses_in_one_line(cache, capsys, monkeypa
     monkeypatch.setattr("sys.stdin.isatty", lambda: False)
     assert cli(["cache", "purge", "--all", "--kernel-cache-dir", str(cache.root)]) == 1
     assert "pass --yes" in capsys.readouterr().err
-    assert len(cache.inventory()) == 1
+    assert len(inventory(cache.layout)) == 1
 
 
 def test_cache_ls_json_lists_states(cache, capsys):
@@ -146,11 +148,11 @@ def test_purge_one_program_and_gc_from_the_cli(cache, capsys):
     put(cache, make_key(), program="drop")
     root = str(cache.root)
     assert cli(["cache", "purge", "--program", "drop", "--yes", "--kernel-cache-dir", root]) == 0
-    assert [e.program for e in cache.inventory()] == ["keep"]
+    assert [e.program for e in inventory(cache.layout)] == ["keep"]
     assert cli(["cache", "gc", "--max-size", "lots", "--kernel-cache-dir", root]) == 1
     assert "not a size" in capsys.readouterr().err
     assert cli(["cache", "gc", "--max-size", "0", "--kernel-cache-dir", root]) == 0
-    assert cache.inventory() == []
+    assert inventory(cache.layout) == []
 
 
 def test_probe_without_verify_checks_structure_and_reads_no_artifact(cache):
@@ -193,25 +195,25 @@ def test_record_hit_counts_a_probed_hit_as_a_lookup_would(cache):
     key = make_key()
     put(cache, key)
     hit = cache.probe("layer", key)
-    assert [e.hits for e in cache.inventory()] == [0]  # a probe records nothing
+    assert [e.hits for e in inventory(cache.layout)] == [0]  # a probe records nothing
     cache.record_hit(hit)
     cache.lookup("layer", key)
-    assert [e.hits for e in cache.inventory()] == [2]
+    assert [e.hits for e in inventory(cache.layout)] == [2]
     built = cache.get_or_build("layer", make_key(compiler=UNKNOWN), lambda d: (d / ART).write_bytes(b"x"))
     cache.record_hit(built.hit)  # never published: nothing to count
-    assert [e.hits for e in cache.inventory()] == [2]
+    assert [e.hits for e in inventory(cache.layout)] == [2]
 
 
 def test_a_quarantined_entry_is_listed_quarantined_and_gc_removes_it(cache, capsys):
     key = make_key()
     put(cache, key)
     put(cache, key, program="kept")
-    cache.quarantine(entry_dir(cache, key), "load failed: test")
-    [q] = [e for e in cache.inventory() if e.program == "layer"]
+    quarantine(cache.layout, entry_dir(cache, key), "load failed: test")
+    [q] = [e for e in inventory(cache.layout) if e.program == "layer"]
     assert q.state == QUARANTINED and q.reason == "quarantined: load failed: test"
     assert q.to_json()["state"] == "quarantined"
     assert cli(["cache", "purge", "--corrupt", "--dry-run", "--kernel-cache-dir", str(cache.root)]) == 0
     assert "would delete layer/" in capsys.readouterr().out
-    removed = cache.gc(max_size=1 << 30)
+    removed = gc(cache.layout, max_size=1 << 30)
     assert [e.state for e in removed] == [QUARANTINED]
-    assert quarantined(cache) == [] and [e.program for e in cache.inventory()] == ["kept"]
+    assert quarantined(cache) == [] and [e.program for e in inventory(cache.layout)] == ["kept"]

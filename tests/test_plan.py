@@ -24,6 +24,7 @@ from runtime.weights.prepack import prepack
 from store import sidecar
 from store.fingerprint import Key
 from store.kernel_cache import KernelCache
+from store.kernel_cache.inventory import inventory, remove
 
 pytestmark = pytest.mark.slow
 
@@ -123,7 +124,7 @@ def test_prediction_equals_outcome_under_every_perturbation(tiny_ckpt, tmp_path,
     key = Key.from_json(manifest["key"])
     foreign = Key.of([(n, "2.99.0" if n == "torch" else v) for n, v in key.components])
     cache.publish(other.program, foreign, {"program.pt2": (entry / "program.pt2").read_bytes()})
-    cache.remove([e for e in cache.inventory() if e.fingerprint == other.fingerprint])
+    remove(cache.layout, [e for e in inventory(cache.layout) if e.fingerprint == other.fingerprint])
     plan = _assert_predicted(model, cache_dir)
     assert plan.states()[other.program] == Outcome.STALE
     assert "torch" in next(p.reason for p in plan.programs if p.program == other.program)
@@ -160,7 +161,7 @@ def test_an_entry_the_plan_calls_corrupt_is_purged_even_though_its_listing_looks
     plan = _plan(tiny_ckpt_ro, tmp_path / "kc")
     name = plan.programs[0].program
     cache.publish(name, plan.keys[name], {"program.pt2": b"an artifact"})
-    entry = next(e.path for e in cache.inventory() if e.program == name)
+    entry = next(e.path for e in inventory(cache.layout) if e.program == name)
     (entry / "program.pt2").write_bytes(b"an artifacT")  # same size: only the sha256 tells
     plan = _plan(tiny_ckpt_ro, tmp_path / "kc")
     assert plan.states()[name] == Outcome.CORRUPT

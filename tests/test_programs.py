@@ -21,6 +21,7 @@ from runtime.programs.source_hash import source_components
 from runtime.programs.spec import CaptureError, ProgramSpec, build_function, program_key
 from store.fingerprint import UNKNOWN, fingerprint
 from store.kernel_cache import QUARANTINE, KernelCache
+from store.kernel_cache.inventory import inventory
 
 TESTS = Path(__file__).parent
 
@@ -103,7 +104,7 @@ def test_function_without_readable_source_is_compiled_but_never_cached(cache):
     spec = ProgramSpec("anonymous", namespace["anonymous"], sp.spec().inputs, sp.spec().dims)
     prepared = prepare(spec, cache=cache, backend="export")
     assert prepared.outcome == "uncached" and "unknown components" in prepared.reason
-    assert cache.inventory() == []
+    assert inventory(cache.layout) == []
     x = sp.inputs()
     assert torch.allclose(prepared.run(*x), namespace["anonymous"](*x))
 
@@ -120,7 +121,7 @@ def test_entry_that_fails_to_load_is_quarantined_and_recompiled(cache):
 def test_eager_backend_bypasses_the_cache(cache):
     prepared = prepare(sp.spec(), cache=cache, backend="eager")
     assert prepared.outcome == "eager" and prepared.run is sp.scaled_mlp
-    assert cache.inventory() == []
+    assert inventory(cache.layout) == []
 
 
 def test_why_judges_a_model_program_by_its_live_key(cache, tiny_ckpt_ro, monkeypatch, capsys):
@@ -165,7 +166,7 @@ def test_purge_while_another_process_holds_a_loaded_program(cache):
     try:
         assert child.stdout.readline().strip() == "hit"
         assert cli(["cache", "purge", "--all", "--yes", "--cache-dir", str(cache.root)]) == 0
-        assert cache.inventory() == []
+        assert inventory(cache.layout) == []
         out, _ = child.communicate("go\n", timeout=60)
     finally:
         child.kill()
@@ -230,7 +231,7 @@ def test_a_program_capturing_a_value_outside_its_key_is_refused(cache):
         build_function(_factory_spec("leaky", k=2.0))
     with pytest.raises(CaptureError):
         prepare(_factory_spec("leaky", k=2.0), cache=cache, backend="export")
-    assert cache.inventory() == []
+    assert inventory(cache.layout) == []
     made_elsewhere = ProgramSpec("closure", scale_by(2.0), sp.spec().inputs, sp.spec().dims)
     with pytest.raises(CaptureError):  # a closure with no captures declared: its 2.0 is in no key
         build_function(made_elsewhere)

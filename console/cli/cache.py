@@ -19,6 +19,7 @@ from console.cli.output import confirm, print_json, print_table
 from runtime.launch.spec import CACHE
 from store import kernel_cache as kc
 from store.errors import UserError
+from store.kernel_cache import inventory as inv
 from store.paths import DEFAULT_KERNEL_CACHE_MAX_SIZE, kernel_cache_dir, kernel_cache_limit
 from store.units import format_age, format_size, parse_size
 
@@ -97,7 +98,7 @@ def render_ls(entries: list[kc.Entry], root: Path) -> None:
 
 def _ls(args: argparse.Namespace) -> int:
     cache = _cache(args)
-    entries = cache.inventory(_reference(args))
+    entries = inv.inventory(cache.layout, _reference(args))
     if args.json:
         print_json([e.to_json() for e in entries])
         return 0
@@ -134,7 +135,7 @@ def _purge(args: argparse.Namespace) -> int:
         return run_purge(args, "program", CACHE)
     cache = _cache(args)
     needs_reference = args.selection == "stale"
-    entries = cache.inventory(_reference(args) if needs_reference else None)
+    entries = inv.inventory(cache.layout, _reference(args) if needs_reference else None)
     if args.program:
         chosen = [e for e in entries if e.program == args.program]
     else:
@@ -151,7 +152,7 @@ def _purge(args: argparse.Namespace) -> int:
               + (" (dry run)" if args.dry_run else ""))
         return 0
     confirm(args.yes, f"delete {len(chosen)} entries from {cache.root}?")
-    removed = cache.remove(chosen)
+    removed = inv.remove(cache.layout, chosen)
     print(f"deleted {len(removed)} entries, {format_size(sum(e.size_bytes for e in removed))}")
     return 0
 
@@ -165,10 +166,10 @@ def _gc(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise UserError(f"--max-size {args.max_size}: {e}") from None
     cache = _cache(args)
-    removed = cache.gc(max_size)
+    removed = inv.gc(cache.layout, max_size)
     for e in removed:
         print(f"delete {e.program}/{e.fingerprint[:12]} ({e.state}, {format_size(e.size_bytes)})")
-    left = sum(e.size_bytes for e in cache.inventory())
+    left = sum(e.size_bytes for e in inv.inventory(cache.layout))
     print(f"deleted {len(removed)} entries; cache now {format_size(left)} (limit {format_size(max_size)})")
     return 0
 
@@ -177,7 +178,7 @@ def _why(args: argparse.Namespace) -> int:
     cache = _cache(args)
     reference = _reference(args)
     live = reference.keys.get(args.program)
-    entries = [e for e in cache.inventory(reference) if e.program == args.program]
+    entries = [e for e in inv.inventory(cache.layout, reference) if e.program == args.program]
     if live is not None:
         result = cache.probe(args.program, live)
         verdict = "HIT" if result.hit else f"MISS: {result.reason}"

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from runtime.launch.spec import CACHE, add_flags, from_args
 from store import kernel_cache as kc
+from store.kernel_cache.trust import check_trust
 from store.paths import kernel_cache_dir
 
 
@@ -28,7 +29,7 @@ def open_cache(args: argparse.Namespace) -> kc.KernelCache:
     """The cache the command acts on; one line (exit 1) for a root that is not a kernel cache
     of ours: a file, unreadable, another user's, or an unmarked non-empty directory."""
     cache = kc.KernelCache(kernel_cache_dir(args.kernel_cache_dir))
-    cache.check_trust()
+    check_trust(cache.layout)
     return cache
 
 

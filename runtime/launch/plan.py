@@ -199,7 +199,7 @@ def judge_programs(plan: Plan, keep_verified: bool) -> list[ProgramPlan]:
                 plan.hits[name] = found
             continue
         state = Outcome.of_miss(found.kind)
-        entry = str(plan.cache.base / name / found.fingerprint) if state in (Outcome.CORRUPT, Outcome.UNTRUSTED) \
+        entry = str(plan.cache.layout.base / name / found.fingerprint) if state in (Outcome.CORRUPT, Outcome.UNTRUSTED) \
             else None
         out.append(ProgramPlan(name, state, found.fingerprint, found.reason, entry))
     return out

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from store.errors import UserError
+from store.kernel_cache import inventory as inv
 from store.sidecar.verdict import REPACK, Reason
 
 SIDECAR_PURGE_REASONS = (Reason.STALE, Reason.CORRUPT, Reason.NAMES)
@@ -71,7 +72,7 @@ def inventory(plan) -> list:
     cache = cache_of(plan)
     if not cache.root.is_dir():
         return []
-    return cache.inventory(reference(plan.device, plan.keys))
+    return inv.inventory(cache.layout, reference(plan.device, plan.keys))
 
 
 def program_targets(plan) -> list[Target]:
@@ -131,7 +132,7 @@ def purge(plan, chosen: list[Target], scope: str = PLAN) -> list[Target]:
     if programs:
         wanted = {t.path for t in programs}
         entries = [e for e in inventory(plan) if str(e.path) in wanted]
-        removed = {str(e.path) for e in cache_of(plan).remove(entries)}
+        removed = {str(e.path) for e in inv.remove(cache_of(plan).layout, entries)}
         done += [t for t in programs if t.path in removed]
     for t in chosen:
         if t.kind == "sidecar":

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from runtime.events import Emitter, Phase
 from runtime.programs.outcome import Outcome
 from store.errors import UserError
+from store.kernel_cache.trust import check_trust
 from store.units import format_size
 
 if TYPE_CHECKING:
@@ -141,7 +142,7 @@ def _trusted_cache(plan):
         if untrusted:
             raise UntrustedCacheError(untrusted)
         return KernelCache(kernel_cache_dir(plan.spec.kernel_cache_dir))
-    plan.cache.check_trust()
+    check_trust(plan.cache.layout)
     return plan.cache
 
 

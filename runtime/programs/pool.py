@@ -28,6 +28,8 @@ from typing import Any
 
 from runtime.programs.outcome import Outcome
 from runtime.programs.worker import spec_to_json
+from store.kernel_cache.inventory import sweep_staging
+from store.kernel_cache.read import manifests
 
 log = logging.getLogger(__name__)
 DEFAULT_RSS = 1 << 30  # expected peak of a compile never measured on this host
@@ -250,7 +252,7 @@ class CompilePool:
         for r in running:
             _close(r.out)
             with contextlib.suppress(Exception):
-                cache.sweep_staging(r.spec.name)
+                sweep_staging(cache.layout, r.spec.name)
             self.on_event(r.spec.name, "cancelled", {})
 
 
@@ -272,7 +274,7 @@ def compile_history(cache_root: Path, programs: Iterable[str]) -> dict[str, tupl
     cache = KernelCache(cache_root)
     for program in programs:
         with contextlib.suppress(Exception):
-            newest = max(cache.manifests(program), key=lambda m: m.created, default=None)
+            newest = max(manifests(cache.layout, program), key=lambda m: m.created, default=None)
             if newest is not None:
                 out[program] = (newest.compile_seconds, newest.compile_peak_rss)
     return out

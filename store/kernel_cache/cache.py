@@ -7,9 +7,11 @@ AOTInductor loader) writes those bytes to its own private temp file first; someo
 write as this user can tamper with that file, but such a user can already run code as us.
 
 This is the only module that composes the others; each of them takes the cache's `Layout`.
-The class holds what its callers use (lookups, publication, the operator's inventory and
-cleanup); everything else — entries that travel (store.kernel_cache.transfer), trash, the
-program list — takes `cache.layout` directly, so a new transport or policy needs no method here.
+The class holds what needs its state (the verified-bytes count, the read seam the concurrency
+tests replace): lookups, publication, rejection and verification. Everything else takes
+`cache.layout` and calls its module: the inventory, gc, removal and staging sweeps
+(store.kernel_cache.inventory), trust checks (.trust), quarantine (.quarantine), manifests
+(.read), entries that travel (.transfer); a new transport or policy needs no method here.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 
 from store.atomic import shared_mode
@@ -31,18 +33,15 @@ from store.kernel_cache import read
 from store.kernel_cache.entry import (
     HITS,
     Corrupt,
-    Entry,
     Fetch,
     Hit,
     Manifest,
     Miss,
-    Reference,
     Verification,
     is_artifact_name,
 )  # fmt: skip
 from store.kernel_cache.layout import LOCK_TIMEOUT, Layout
 from store.kernel_cache.quarantine import quarantine
-from store.kernel_cache.trust import check_trust
 
 log = logging.getLogger("store.kernel_cache")
 
@@ -64,15 +63,6 @@ class KernelCache:
     @property
     def root(self) -> Path:
         return self.layout.root
-
-    @property
-    def base(self) -> Path:
-        return self.layout.base
-
-    # -- trust -----------------------------------------------------------------------------
-
-    def check_trust(self, program: str | None = None) -> None:
-        check_trust(self.layout, program)
 
     # -- lookup ----------------------------------------------------------------------------
 
@@ -110,7 +100,7 @@ class KernelCache:
         except Corrupt as e:
             if not record:
                 return Miss(program, fp, e.kind, f"{e.kind}: {e}")
-            if self.quarantine(entry, f"{e.kind}: {e}", expect=e.dir_id) is None:
+            if quarantine(self.layout, entry, f"{e.kind}: {e}", expect=e.dir_id) is None:
                 # replaced (or removed) since we read it: judge what is there now, once
                 return self._resolve(program, key, record=record, _again=False) if _again else \
                     Miss(program, fp, "absent", "entry replaced while reading it")
@@ -118,10 +108,6 @@ class KernelCache:
         if record:
             self._stamp_hit(entry)
         return Hit(program, fp, entry, manifest, contents)
-
-    def manifests(self, program: str) -> Iterator[Manifest]:
-        """Every readable manifest of `program` (unverified: for history, never for loading)."""
-        return read.manifests(self.layout, program)
 
     def read_verified(self, entry: Path, program: str, fp: str) -> tuple[Manifest, dict[str, bytes]]:
         """Manifest and sha256-verified contents of one entry dir (store.kernel_cache.read);
@@ -178,14 +164,14 @@ class KernelCache:
                 raise
             log.warning("kernel cache %s is not writable (%s): %s runs uncached", self.root, e.strerror, program)
             return uncached()
-        self.sweep_staging(program)
+        inv.sweep_staging(self.layout, program)
         with pub.compile_lock(self.layout, program, fingerprint(key)):
             again = self.lookup(program, key)
             if isinstance(again, Hit):
                 return Fetch(again, built=False, miss=first)
             # A nearly full cache filesystem: build unpublished (torch's archive writer aborts
             # the whole process on ENOSPC instead of raising, so never let it hit a full disk).
-            free = pub.free_bytes(self.base / program)
+            free = pub.free_bytes(self.layout.base / program)
             if free is not None and free < pub.MIN_FREE_BYTES:
                 log.warning("kernel cache %s has %d bytes free: %s runs uncached", self.root, free, program)
                 return uncached()
@@ -239,24 +225,10 @@ class KernelCache:
     def reject(self, hit: Hit, reason: str) -> None:
         """A verified entry failed to load: quarantine it so the next lookup MISSes."""
         if hit.path is not None:
-            self.quarantine(hit.path, f"load failed: {reason}")
+            quarantine(self.layout, hit.path, f"load failed: {reason}")
 
-    # -- inventory and cleanup (store.kernel_cache.inventory, .quarantine) -----------------
-
-    def quarantine(self, entry: Path, reason: str, expect: tuple[int, int] | None = None) -> Path | None:
-        return quarantine(self.layout, entry, reason, expect)
-
-    def remove(self, entries: Iterable[Entry]) -> list[Entry]:
-        return inv.remove(self.layout, entries)
-
-    def sweep_staging(self, program: str) -> list[Entry]:
-        return inv.sweep_staging(self.layout, program)
-
-    def gc(self, max_size: int, reference: Reference | None = None) -> list[Entry]:
-        return inv.gc(self.layout, max_size, reference)
-
-    def inventory(self, reference: Reference | None = None) -> list[Entry]:
-        return inv.inventory(self.layout, reference)
+    # -- inventory ------------------------------------------------------------------------
 
     def verify(self) -> Verification:
+        """Hash every entry (counted in `verified_bytes`); quarantine those that fail."""
         return inv.verify(self.layout, self.read_verified)

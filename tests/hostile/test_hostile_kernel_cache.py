@@ -26,7 +26,8 @@ from store.kernel_cache import (
     Miss,
     UntrustedCacheError,
 )  # fmt: skip
-from store.kernel_cache.inventory import empty_trash
+from store.kernel_cache.inventory import empty_trash, inventory
+from store.kernel_cache.quarantine import quarantine
 
 KEY = Key.of({"backend": "export", "source:p": "1", "torch": "2.13.0"})
 ART = "program.pt2"
@@ -39,7 +40,7 @@ def cached(root: Path) -> KernelCache:
 
 
 def entry(cache: KernelCache) -> Path:
-    return cache.base / "prog" / fingerprint(KEY)
+    return cache.layout.base / "prog" / fingerprint(KEY)
 
 
 def tree(path: Path) -> list[str]:
@@ -81,7 +82,7 @@ def test_lookups_and_builds_refuse_an_unmarked_directory_and_touch_nothing(tmp_p
     with pytest.raises(UntrustedCacheError, match="not a kernel cache"):
         cache.get_or_build("prog", KEY, lambda staging: (staging / ART).write_bytes(b"x"))
     empty_trash(cache.layout)
-    assert cache.quarantine(d / "v1" / "prog" / "album", "test") is None
+    assert quarantine(cache.layout, d / "v1" / "prog" / "album", "test") is None
     assert tree(d) == before
 
 
@@ -126,7 +127,7 @@ def test_a_program_dir_symlinked_outside_is_never_purged_through(tmp_path):
     outside = tmp_path / "outside" / ("c" * 64)
     outside.mkdir(parents=True)
     (outside / MANIFEST).write_text("{}")
-    os.symlink(tmp_path / "outside", cache.base / "linked")
+    os.symlink(tmp_path / "outside", cache.layout.base / "linked")
     assert cli(["cache", "purge", "--all", "--yes", "--kernel-cache-dir", str(cache.root)]) == 0
     assert (outside / MANIFEST).read_text() == "{}"
 
@@ -140,7 +141,7 @@ def test_a_special_file_in_an_entry_is_corrupt_never_a_hang(tmp_path, kind, vict
     with no_hang():
         probe = cache.probe("prog", KEY)
         assert isinstance(probe, Miss) and probe.kind == "corrupt"
-        [listed] = cache.inventory()
+        [listed] = inventory(cache.layout)
         assert listed.state == CORRUPT
         assert cli(["cache", "verify", "--kernel-cache-dir", str(cache.root)]) == 1
     assert "quarantined prog/" in capsys.readouterr().out
@@ -150,7 +151,7 @@ def test_an_oversized_manifest_is_corrupt_without_being_read(tmp_path):
     cache = cached(tmp_path / "programs")
     with open(entry(cache) / MANIFEST, "r+b") as f:
         f.truncate(8 << 30)  # sparse: 8 GiB that would take minutes to read and parse
-    [listed] = cache.inventory()
+    [listed] = inventory(cache.layout)
     assert listed.state == CORRUPT and "limit" in listed.reason
     probe = cache.probe("prog", KEY)
     assert isinstance(probe, Miss) and "limit" in probe.reason
@@ -171,7 +172,7 @@ def test_an_artifact_larger_than_its_manifest_says_is_refused_before_hashing(tmp
 def test_a_malformed_quarantine_record_is_one_line_and_keeps_the_listing(tmp_path, record, capsys):
     cache = cached(tmp_path / "programs")
     cache.publish("other", KEY, {ART: b"other"})
-    bad = cache.quarantine(entry(cache), "test")
+    bad = quarantine(cache.layout, entry(cache), "test")
     (bad / QUARANTINE_NOTE).unlink()
     if record == "fifo":
         os.mkfifo(bad / QUARANTINE_NOTE)
@@ -207,7 +208,7 @@ def test_a_root_owned_by_another_user_is_one_line(tmp_path, capsys):
 
 def test_a_cache_made_before_the_marker_is_adopted_only_when_all_of_it_is_ours(tmp_path, capsys):
     cache = cached(tmp_path / "programs")
-    cache.quarantine(entry(cache), "test")
+    quarantine(cache.layout, entry(cache), "test")
     cache.publish("prog", KEY, {ART: b"again"})
     (cache.root / MARKER).unlink()  # as an older dsv4 left it
     assert cli(["cache", "ls", "--kernel-cache-dir", str(cache.root)]) == 1

@@ -63,6 +63,7 @@ def launch_mode(work: Path, n: int) -> dict:
     from runtime.weights.prepack import prepack
     from store import pagecache
     from store.kernel_cache import KernelCache
+    from store.kernel_cache.inventory import inventory
 
     ckpt, root = work / "ckpt", work / "programs"
     prepack(ckpt, force=True)
@@ -100,7 +101,7 @@ def launch_mode(work: Path, n: int) -> dict:
         "results": results,
         "compiled": {p: sum(1 for r in results if r and r["programs"][p]["outcome"] == "compiled")
                      for p in PROGRAMS},
-        "states": sorted(e.state for e in cache.inventory()),
+        "states": sorted(e.state for e in inventory(cache.layout)),
         "verified": cache.verify().checked,
         "quarantined": len(cache.verify().quarantined),
         "sidecar_unchanged": sidecar_path.read_bytes() == before,
@@ -110,6 +111,7 @@ def launch_mode(work: Path, n: int) -> dict:
 def purge_mode(work: Path, n: int) -> dict:
     from store.fingerprint import Key
     from store.kernel_cache import QUARANTINE, Hit, KernelCache
+    from store.kernel_cache.inventory import inventory, remove
 
     root = work / "programs"
     cache = KernelCache(root)
@@ -147,7 +149,7 @@ def purge_mode(work: Path, n: int) -> dict:
     def purger() -> None:
         c = KernelCache(root)
         for g in range(1, generations + 1):
-            c.remove(c.inventory())
+            remove(c.layout, inventory(c.layout))
             for i, k in enumerate(keys):
                 c.publish("prog", k, {"program.pt2": payload(i, g)})
             time.sleep(0.002)
@@ -156,7 +158,7 @@ def purge_mode(work: Path, n: int) -> dict:
     results = [json.loads(o.read_text()) if o.exists() else None for o in outs]
     quarantined = sorted(p.name for p in (root / QUARANTINE).iterdir()) if (root / QUARANTINE).exists() else []
     return {"codes": codes, "readers": results, "quarantined": quarantined,
-            "final_states": sorted(e.state for e in cache.inventory())}  # fmt: skip
+            "final_states": sorted(e.state for e in inventory(cache.layout))}  # fmt: skip
 
 
 if __name__ == "__main__":

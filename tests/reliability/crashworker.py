@@ -39,6 +39,7 @@ torch.set_num_threads(1)
 from store import pagecache, sidecar  # noqa: E402
 from store.atomic import is_staging  # noqa: E402
 from store.kernel_cache import CORRUPT, CURRENT, PARTIAL, QUARANTINED, Hit, KernelCache  # noqa: E402
+from store.kernel_cache.inventory import inventory, remove  # noqa: E402
 
 
 def fork_run(fn) -> int:
@@ -187,7 +188,7 @@ class Publish:
 
     def setup(self) -> float:
         self._prepare("bystander")  # in the parent: warms export up for every child
-        [self.bystander] = [e for e in self.cache.inventory() if e.program == "bystander"]
+        [self.bystander] = [e for e in inventory(self.cache.layout) if e.program == "bystander"]
         self.bystander_bytes = {p.name: p.read_bytes() for p in self.bystander.path.iterdir() if p.name != ".hits"}
         t0 = time.monotonic()
         assert run_to_end(self.run) == 0
@@ -195,11 +196,11 @@ class Publish:
 
     def before(self, trial: int) -> None:
         # The program must be absent so the child compiles and publishes it again.
-        self.cache.remove([e for e in self.cache.inventory() if e.program == "mlp" and e.state != PARTIAL])
+        remove(self.cache.layout, [e for e in inventory(self.cache.layout) if e.program == "mlp" and e.state != PARTIAL])
 
     def check(self, before: None) -> tuple[list[str], bool]:
         problems, lost = [], False
-        for e in self.cache.inventory():
+        for e in inventory(self.cache.layout):
             if e.state in (CORRUPT, QUARANTINED):
                 problems.append(f"corrupt entry {e.program}/{e.fingerprint[:12]}: {e.reason}")
             if e.program == "mlp" and e.state == CURRENT and not self._verifies(e):
@@ -218,7 +219,7 @@ class Publish:
         return isinstance(self.cache.probe(entry.program, manifest.key), Hit)
 
     def leftovers(self) -> list[str]:
-        return sorted(e.path.name for e in self.cache.inventory() if e.state == PARTIAL)
+        return sorted(e.path.name for e in inventory(self.cache.layout) if e.state == PARTIAL)
 
     def final_run(self) -> list[str]:
         self.before(0)
@@ -236,7 +237,7 @@ class Publish:
             problems.append("the next compile+publish failed or computed a wrong result")
         if self.leftovers():
             problems.append(f"staging dirs not swept: {self.leftovers()}")
-        if any(e.state != CURRENT for e in self.cache.inventory()):
+        if any(e.state != CURRENT for e in inventory(self.cache.layout)):
             problems.append("cache not all current after the next run")
         return problems
 

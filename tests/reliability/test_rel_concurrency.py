@@ -16,6 +16,8 @@ from pathlib import Path
 
 from relcounts import record
 
+from store.kernel_cache.inventory import inventory, remove
+
 WORKER = Path(__file__).with_name("concworker.py")
 N = 8
 
@@ -84,7 +86,7 @@ def test_entry_replaced_between_manifest_and_artifact_read_is_never_mixed_nor_qu
         name = args[2]  # (entry, dir fd, name, size cap)
         if name == MANIFEST and not fired:
             fired.append(1)
-            cache.remove([e for e in cache.inventory() if e.program == "prog"])
+            remove(cache.layout, [e for e in inventory(cache.layout) if e.program == "prog"])
             cache.publish("prog", key, {"program.pt2": new})
         return out
 

@@ -18,6 +18,7 @@ from relcounts import record
 
 from store.fingerprint import Key
 from store.kernel_cache import MANIFEST, Hit, KernelCache
+from store.kernel_cache.inventory import inventory
 
 SETTINGS = settings(max_examples=60, deadline=None, derandomize=True, database=None,
                     suppress_health_check=list(HealthCheck))
@@ -74,7 +75,7 @@ def _fresh_cache(tmp: Path) -> tuple[KernelCache, Path]:
 
 def _judge_lookup(cache: KernelCache, name: str) -> None:
     got = cache.lookup("prog", KEY)  # must not raise
-    cache.inventory()
+    inventory(cache.layout)
     if isinstance(got, Hit):
         ok = got.data("program.pt2") == PAYLOAD
         _count(name, "recovered" if ok else "data_lost")

@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 from relcounts import record
 
+from store.kernel_cache.inventory import inventory
+
 REPO = Path(__file__).resolve().parents[2]
 TESTS = REPO / "tests"
 sys.path.insert(0, str(TESTS))
@@ -123,7 +125,7 @@ def test_full_filesystem_kernel_cache_runs_uncached_and_keeps_valid_entries(tmp_
         prepared = prepare(sample_programs.spec("mlp"), cache=cache, backend="export")
         x = sample_programs.inputs()
         correct = bool(torch.allclose(prepared.run(*x), sample_programs.scaled_mlp(*x)))
-        states = [(e.program, e.state) for e in cache.inventory()]
+        states = [(e.program, e.state) for e in inventory(cache.layout)]
         again = prepare(sample_programs.spec("kept"), cache=cache, backend="export")
         key_hit = isinstance(cache.lookup("kept", _key(cache, "kept")), Hit)
     fallback = prepared.outcome == "uncached" and correct and states == [("kept", "current")]
@@ -138,7 +140,7 @@ def test_full_filesystem_kernel_cache_runs_uncached_and_keeps_valid_entries(tmp_
 def _key(cache, program):
     from store.kernel_cache import MANIFEST, Manifest
 
-    [entry] = [e for e in cache.inventory() if e.program == program]
+    [entry] = [e for e in inventory(cache.layout) if e.program == program]
     return Manifest.parse((entry.path / MANIFEST).read_bytes(), program, entry.fingerprint).key
 
 
