@@ -64,3 +64,18 @@ def millis(seconds: float | None) -> str:
 def per_second(value: float | None) -> str:
     """A rate: one decimal below 100, "-" for none."""
     return "-" if value is None else f"{value:.1f}" if value < 100 else f"{value:.0f}"
+
+
+SPARKS = "▁▂▃▄▅▆▇█"
+
+
+def spark(values, width: int = 8) -> str:
+    """The last `width` values as a one-line sparkline, scaled from 0 to their peak (a flat 0
+    is a floor of `▁`); "-" for none."""
+    values = [max(0.0, float(v)) for v in values][-width:]
+    if not values:
+        return "-"
+    peak = max(values)
+    if peak <= 0:
+        return SPARKS[0] * len(values)
+    return "".join(SPARKS[min(len(SPARKS) - 1, int(v / peak * (len(SPARKS) - 1) + 0.5))] for v in values)

@@ -9,9 +9,11 @@ start time and command line; a pid reused by another process is never reported a
 and never signalled.
 
 A service that ends is not forgotten: its record keeps how it ended (`Ending`: exit status or
-signal, its phase, its error line), written by whoever knew — the service itself, its launcher,
-the console whose child it was, or, when nobody could (a SIGKILL of a process nobody waited
-for), the registry's own "gone" — until the operator dismisses it.
+signal, its phase, its error line, the last lines of its log), written by whoever knew — the
+service itself, its launcher, the console whose child it was, or, when nobody could (a SIGKILL
+of a process nobody waited for), the registry's own "gone" — until the operator dismisses it.
+A "gone" is also the launch's true end in the launch history (`store.history`): the line the
+service wrote when it served said "ok", and no launch that ended unseen predicts another.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import re
 import signal
 import socket
 import stat
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
@@ -32,7 +35,7 @@ from typing import Any
 
 import psutil
 
-from store import atomic, paths
+from store import atomic, history, paths
 
 VERSION = 2  # 2: host, launch settings, rank logs and the ending; a v1 record still reads
 RECORD = re.compile(r"^(\d+)\.json$")
@@ -44,6 +47,9 @@ ID_ENV = "DSV4_SERVICE_ID"  # the launcher's identity, handed to its ranks (they
 # who recorded an ending, weakest first: a stronger witness replaces a weaker one's words (the
 # launcher saw a rank die, which rank 0 only hears of)
 WITNESSES = ("registry", "console", "service", "launcher")
+LOG_TAIL_LINES = 5  # an ending keeps this many last lines of the service's log
+LOG_TAIL_BYTES = 16 << 10  # read from the log's end, never more
+GONE = "gone"
 
 
 def registry_dir() -> Path:
@@ -106,13 +112,22 @@ def how(code: int) -> str:
 @dataclass(frozen=True)
 class Ending:
     """How a service ended: `how` ("killed by SIGKILL", "exited 1", "stopped by SIGTERM", "gone"),
-    the phase it was in, its error line, and who recorded it."""
+    the phase it was in, its error line, who recorded it, and the last lines of its log then."""
 
     at: float
     how: str
     phase: str = ""
     error: str = ""
     by: str = "service"
+    log: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "log": list(self.log)}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> Ending:
+        known = {k: raw[k] for k in cls.__dataclass_fields__ if k in raw}
+        return cls(**{**known, "log": tuple(str(x) for x in raw.get("log") or ())})
 
     def line(self, now: float | None = None) -> str:
         """`killed by SIGKILL 12 s ago during serve: <error>`."""
@@ -157,14 +172,14 @@ class Service:
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "cmdline": list(self.cmdline), "rank_logs": list(self.rank_logs),
-                "ending": asdict(self.ending) if self.ending else None}
+                "ending": self.ending.to_json() if self.ending else None}
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> Service:
         known = {k: raw[k] for k in cls.__dataclass_fields__ if k in raw}
         ending = raw.get("ending")
         return cls(**{**known, "cmdline": tuple(raw["cmdline"]), "rank_logs": tuple(raw.get("rank_logs") or ()),
-                      "ending": Ending(**ending) if isinstance(ending, dict) else None, "v": VERSION})
+                      "ending": Ending.from_json(ending) if isinstance(ending, dict) else None, "v": VERSION})
 
 
 def _identity(pid: int) -> tuple[float, tuple[str, ...]] | None:
@@ -234,7 +249,10 @@ class Announcement:
         self.update(state=SERVING, url=url)
 
     def end(self, how_: str, phase: str = "", error: str = "", by: str = "service") -> None:
-        """Record how this service ended (see `end`)."""
+        """Record how this service ended (see `end`), after what it wrote so far reached its log."""
+        with contextlib.suppress(OSError, ValueError):
+            sys.stdout.flush()
+            sys.stderr.flush()
         end(self.service, how_, phase, error, by)
 
     def withdraw(self) -> None:
@@ -245,20 +263,70 @@ class Announcement:
 
 def end(service: Service, how_: str, phase: str = "", error: str = "", by: str = "service") -> Service:
     """Record how `service` ended, unless a better witness already did (its launcher's words on a
-    dead rank beat the service's own, which beat a console's, which beat the registry's "gone").
-    The read, the comparison and the write hold the registry's lock: a registry sweep that read
-    the record before a console wrote its words must not write "gone" over them."""
+    dead rank beat the service's own, which beat a console's, which beat the registry's "gone"),
+    with the last lines of its log. The read, the comparison and the write hold the registry's
+    lock: a registry sweep that read the record before a console wrote its words must not write
+    "gone" over them."""
+    return _end(service, how_, phase, error, by)[0]
+
+
+def gone(service: Service, phase: str, error: str, by: str = "registry") -> Service:
+    """Record that `service` ended with nobody to say how (its pid is gone, or is another
+    process now): its ending "gone", and — once, by whoever wrote that ending — the launch's true
+    end in the launch history (outcome `unknown`: it never predicts another launch)."""
+    ended, wrote = _end(service, GONE, phase, error, by)
+    if wrote:
+        with contextlib.suppress(OSError):
+            history.append({"v": 1, "launch": ended.identity.key, "outcome": "unknown", "end": GONE,
+                            "error": error, "failed_phase": phase, "ended": ended.ending.at,
+                            "model": ended.model, "host": ended.host, "pid": ended.pid,
+                            "started": round(ended.started, 3)})
+    return ended
+
+
+def _end(service: Service, how_: str, phase: str, error: str, by: str) -> tuple[Service, bool]:
+    """(the record after `end`, whether this call wrote the ending)."""
+    tail = log_tail(service.log)  # before the lock: a read of the log's end, bounded
     with _locked():
         current = _read(_path(service.pid))
         if current is not None and current.identity != service.identity:
-            return service  # the pid's record is another service's now
+            return service, False  # the pid's record is another service's now
         base = current or service
         if base.ending is not None and WITNESSES.index(base.ending.by) >= WITNESSES.index(by):
-            return base
-        ended = replace(base, state=ENDED, ending=Ending(round(time.time(), 3), how_, phase, error[:500], by))
-        with contextlib.suppress(OSError):
+            return base, False
+        ending = Ending(round(time.time(), 3), how_, phase, error[:500], by, tail or (base.ending.log if base.ending
+                                                                                     else ()))
+        ended = replace(base, state=ENDED, ending=ending)
+        try:
             _write(ended)
-        return ended
+        except OSError:
+            return ended, False
+        return ended, True
+
+
+def log_tail(path: str, lines: int = LOG_TAIL_LINES) -> tuple[str, ...]:
+    """The last `lines` non-empty lines of a log: a regular file only, opened without blocking,
+    at most LOG_TAIL_BYTES read from its end (() when there is none to read)."""
+    if not path:
+        return ()
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return ()
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return ()
+        start = max(0, st.st_size - LOG_TAIL_BYTES)
+        data = os.pread(fd, st.st_size - start, start)
+    except OSError:
+        return ()
+    finally:
+        os.close(fd)
+    text = data.decode(errors="replace").splitlines()
+    if start > 0 and text:
+        text = text[1:]  # the first line read from the middle of the file is a fragment
+    return tuple(line[:500] for line in text if line.strip())[-lines:]
 
 
 @contextlib.contextmanager
@@ -322,8 +390,7 @@ def services() -> list[Service]:
         elif is_current(service):
             live.append(service)
         elif service.host == socket.gethostname():
-            ended.append(end(service, "gone", service.state, "no exit status was recorded (killed, or the host "
-                                                               "restarted)", by="registry"))
+            ended.append(gone(service, service.state, "no exit status was recorded (killed, or the host restarted)"))
     ended.sort(key=lambda s: s.ending.at if s.ending else 0, reverse=True)
     for old in ended[KEEP_ENDED:]:
         dismiss(old)

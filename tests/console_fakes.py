@@ -59,7 +59,8 @@ def record(seconds: float, outcome: str = "ok", weights: str = "MAP", pid: int =
 def snapshot(*, starving: bool = False) -> Snapshot:
     programs = ProgramsSnapshot("/cache", (
         _program("layer.sliding.prefill", "a1", "HIT"),
-        _program("layer.sliding.decode", "b2", "STALE", "torch 2.12.0 → 2.13.0", entry=False),
+        _program("layer.sliding.decode", "b2", "STALE", "stale: torch is 2.12.0 here; this launch uses 2.13.0",
+                 entry=False),
         _program("head", "c3", "CORRUPT", "program.pt2: sha256 mismatch"),
         _program("layer.csa.prefill", "d4", "MISS", "not cached", entry=False),
     ))
@@ -100,21 +101,22 @@ def snapshot(*, starving: bool = False) -> Snapshot:
 
 
 def _entry(program: str, fp: str, state: str, reason: str, size: int, age: float, hits: int,
-           purgeable: bool = False) -> dict:
+           purgeable: bool = False, **extra) -> dict:
     where = f"/cache/quarantine/{program}--{fp * 8}--1--abcd1234" if state == "quarantined" else \
         f"/cache/v1/{program}/{fp * 32}"
     return {"program": program, "fingerprint": fp * 32, "state": state, "reason": reason, "size_bytes": size,
             "created": NOW - age, "last_used": NOW - age / 2 if hits else NOW - age, "hits": hits, "path": where,
-            "busy": False, "purgeable": purgeable}
+            "busy": False, "purgeable": purgeable, **extra}
 
 
 def cache_snapshot() -> CacheSnapshot:
     """Every state an entry can be in, as the kernel cache view lists them."""
     entries = (
         _entry("layer.sliding.prefill", "a1", "current", "", 3 << 20, 7200, 12),
-        _entry("layer.sliding.prefill", "e5", "other-layout", "layout: {'max_seq': 1024} → {'max_seq': 64}",
-               3 << 20, 86400 * 3, 40),
-        _entry("layer.sliding.decode", "b2", "stale", "torch 2.12.0 → 2.13.0", 2 << 20, 86400 * 9, 3, True),
+        _entry("layer.sliding.prefill", "e5", "other-layout", "layout's max_seq is 1024 here; this launch uses 64",
+               3 << 20, 86400 * 3, 40, **{"key difference": {"layout": '{"max_seq":1024} → {"max_seq":64}'}}),
+        _entry("layer.sliding.decode", "b2", "stale", "torch is 2.12.0 here; this launch uses 2.13.0", 2 << 20,
+               86400 * 9, 3, True, **{"key difference": {"torch": '"2.12.0" → "2.13.0"'}}),
         _entry("head", "c3", "corrupt", "program.pt2 does not match its sha256", 1 << 20, 600, 0, True),
         _entry("layer.csa.prefill", "d4", "partial", "staging dir of pid 77 on host, age 2h (writer gone)",
                1 << 19, 7200, 0, True),

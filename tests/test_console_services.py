@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -93,3 +94,64 @@ def test_a_registry_sweep_that_read_before_a_console_wrote_never_writes_gone_ove
     console.join(30)
     [ended] = services.services()
     assert (ended.ending.how, ended.ending.by) == ("killed by SIGKILL", "console")
+
+
+def test_a_service_killed_unseen_ends_gone_once_with_its_last_log_lines_and_its_true_end_in_the_history(tmp_path):
+    """SIGKILL of a service nobody waited for: the registry's sweep records "gone" with the last
+    lines of its log, and the launch's one history record (the service wrote "ok" when it
+    served) gets that end, outcome unknown, never a basis for predictions; a second sweep adds
+    nothing."""
+    from runtime.launch.history import Likeness, comparable
+    from store import history
+
+    log = tmp_path / "serve.log"
+    script = ("import time; from store.services import Announcement; a = Announcement('/models/m'); "
+              "a.serving('http://127.0.0.1:9'); [print(f'line {i}', flush=True) for i in range(8)]; "
+              "print('ready', flush=True); time.sleep(600)")
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60  # a hang guard only
+        while "ready" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        [running] = services.running()
+        settings = {"model": "/models/m", "backend": "eager", "device": "cpu", "ranks": 1, "max_seq": 64,
+                    "sidecar": True, "sidecar_path": "/models/m/x"}
+        history.append({"v": 1, "launch": running.identity.key, "outcome": "ok", "pid": proc.pid, **settings,
+                        "phases": {"serve": {"seconds": 0.1}}})  # what the service writes when it serves
+    finally:
+        proc.kill()
+        proc.wait(30)
+    [gone] = services.services()
+    services.services()  # a second sweep: the ending is written already
+    assert (gone.ending.how, gone.ending.by, gone.ending.phase) == ("gone", "registry", "serving")
+    assert gone.ending.log == ("line 4", "line 5", "line 6", "line 7", "ready")
+    raw = [json.loads(line) for line in history.history_path().read_text().splitlines()]
+    assert len([r for r in raw if r["launch"] == running.identity.key]) == 2  # "ok", then its end, once
+    [record] = history.read_history()  # one record of the launch, with its true end
+    assert (record["outcome"], record["end"], record["pid"]) == ("unknown", "gone", proc.pid)
+    assert comparable([record], Likeness(settings, False, None)) == []
+
+
+def test_the_log_tail_reads_a_regular_files_end_only(tmp_path):
+    big = tmp_path / "big.log"
+    big.write_text("".join(f"line {i}\n" for i in range(100_000)))
+    assert services.log_tail(str(big)) == tuple(f"line {i}" for i in range(99_995, 100_000))
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    assert services.log_tail(str(fifo)) == ()  # never blocks on a FIFO
+    assert services.log_tail(str(tmp_path / "absent")) == () and services.log_tail("") == ()
+
+
+def test_every_serving_figure_keeps_its_last_minute():
+    from console.data.services import FIGURES, MetricsWindow
+
+    window = MetricsWindow()
+    for i in range(10):  # a scrape every 10 s: 1000 tokens more each time, i requests running
+        figures = window.add(i * 10.0, {("dsv4_generated_tokens_total", ()): 1000.0 * i, ("dsv4_running", ()): i,
+                                        ("dsv4_kv_slots", ()): 10, ("dsv4_kv_slots_used", ()): i})
+    assert set(figures.history) == set(FIGURES)
+    assert figures.history["running"] == tuple(float(i) for i in range(3, 10))  # t ≥ 90 − 60
+    assert figures.history["kv_fraction"] == tuple(i / 10 for i in range(3, 10))
+    assert figures.history["tokens_s"] == (100.0,) * 7 and figures.tokens_s == 100.0
+    assert figures.history["ttft_p50"] == ()  # no latency observed: no history, not zeros

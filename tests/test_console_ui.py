@@ -345,3 +345,136 @@ def test_the_host_pane_labels_each_core_and_sums_up_a_big_host():
     assert cores_line(big) == "192 cores: busiest c3 95% · median 10% · 2 at 90%+"
     assert scale((5.0, 80.0, 12.0), "%") == "5–80%" and scale((), "%") == "-"
     assert scale((0.0, 12e6), " MB/s", 1e6, 1) == "0.0–12.0 MB/s"
+
+
+# ---- what the compact layout keeps, an ended service's last log lines, launches compared ----
+
+
+def _launch_done(predicted: dict, actual: dict):
+    """A launch whose every registration phase ended, with the plan's prediction it carried."""
+    from console.data.launch_state import LaunchState
+    from runtime.events import REGISTRATION, Event
+
+    state = LaunchState()
+    plan = {"predicted": predicted, "basis": {p: "history" for p in predicted}}
+    for phase in REGISTRATION:
+        state.apply(Event(phase, "start"))
+        state.apply(Event(phase, "end", seconds=actual[phase], detail={"plan": plan} if phase == "check" else {}))
+    return state
+
+
+@pytest.mark.asyncio
+async def test_the_collapsed_registration_keeps_predicted_vs_actual_first():
+    seconds = {"check": 0.1, "programs": 2.0, "weights": 1.0, "upload": 0.1, "kv": 0.1, "validate": 0.7}
+    launch = _launch_done(seconds, {**seconds, "programs": 2.5})
+    app = fake_app()
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause()
+        app.launch = launch
+        app.show_registration()
+        await pilot.pause()
+        first = str(app.query_one("#registration-summary", Static).render()).splitlines()[0]
+    assert first.startswith("predicted 4.00 s · actual 4.50 s (+12%)")
+
+
+@pytest.mark.asyncio
+async def test_the_collapsed_header_keeps_the_url_of_the_running_service():
+    from types import SimpleNamespace
+
+    from runtime.events import Event
+
+    seconds = {"check": 0.1, "programs": 2.0, "weights": 1.0, "upload": 0.1, "kv": 0.1, "validate": 0.7}
+    launch = _launch_done(seconds, seconds)
+    launch.apply(Event("serve", "end", seconds=0.1, detail={"url": "http://127.0.0.1:18701"}))
+    app = fake_app()
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause()
+        app.service_control.held = SimpleNamespace(running=True, pid=41234, identity=None)
+        app.launch = launch
+        app.topbar()
+        await pilot.pause()
+        top = app.query_one("#topbar", Static)
+        shown = top.render_line(0).text  # what the 80 columns show
+    assert "service pid 41234 http://127.0.0.1:18701" in shown
+
+
+@pytest.mark.asyncio
+async def test_collapsed_services_keep_each_services_state_and_tokens_s():
+    import dataclasses
+
+    from console_fakes import snapshot
+
+    from console.data.services import ServicesSnapshot, ServiceView
+    from store.services import Ending
+
+    snap = snapshot()
+    serving = snap.services.services[0]
+    ended = ServiceView(dataclasses.replace(serving.record, pid=4300, state="ended",
+                                            ending=Ending(NOW - 12, "killed by SIGKILL", "serve", by="console")),
+                        "ended")
+    app = fake_app(collectors=FakeCollectors(dataclasses.replace(snap, services=ServicesSnapshot((serving, ended)))))
+    async with app.run_test(size=(100, 30)) as pilot:
+        await pilot.pause()
+        summary = app.query_one("#services-summary", Static)
+        first = str(summary.render()).splitlines()[0]
+        seen = summary.render_line(0).text
+    assert first == "4242 serving 182 tok/s · 4300 ended" and first in seen
+
+
+@pytest.mark.asyncio
+async def test_an_ended_services_summary_and_details_keep_its_last_log_lines():
+    import dataclasses
+
+    from console_fakes import snapshot
+    from rich.text import Text
+
+    from console.data.services import ServicesSnapshot, ServiceView
+    from store.services import Ending
+
+    snap = snapshot()
+    tail = ("validate: decode check ok", "serving at [http://127.0.0.1:8000]", "Fatal Python error: Bus error",
+            "Current thread 0x00007f (most recent call first):", '  File "runtime/serve/engine.py", line 88')
+    record = dataclasses.replace(snap.services.services[0].record, state="ended",
+                                 ending=Ending(NOW - 12, "killed by SIGBUS", "serve", by="console", log=tail))
+    app = fake_app(collectors=FakeCollectors(dataclasses.replace(snap, services=ServicesSnapshot(
+        (ServiceView(record, "ended"),)))))
+    async with app.run_test(size=(200, 50)) as pilot:
+        await pilot.pause()
+        summary = str(app.query_one("#services-summary", Static).render())
+        app.query_one("#services-table").focus()
+        await pilot.press("enter")
+        await pilot.pause()
+        details = Text.from_markup(app.screen.text).plain
+    assert f"last log: {tail[-1]}" in summary and "its last 5 lines" in summary
+    assert "\n".join(f"    {line}" for line in tail) in details  # each line as written, under the ending
+
+
+def test_a_re_attached_launch_is_never_compared_with_itself():
+    """Re-attaching, the last record is the running launch's own (it recorded "ok" as it
+    served): the launch is compared with the one before it."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from console_fakes import record, snapshot
+
+    from console.tui.control.service import ServiceControl
+
+    snap = snapshot()
+    spawned = NOW - 100
+    own, before = {**record(0.5, pid=4242), "started": spawned + 0.2}, record(0.6, pid=4100)
+    snap = dataclasses.replace(snap, registration=dataclasses.replace(snap.registration, previous=own, earlier=before))
+    control = ServiceControl(SimpleNamespace(snapshot=snap), stop_timeout=10)
+    assert control.new_launch(spawned=spawned).compared is before
+    assert control.new_launch().compared is own  # a new launch: the last one is another's
+
+
+def test_deltas_under_a_tenth_of_a_second_are_seconds_not_shares():
+    from console.data.launch_state import delta
+
+    assert delta(0.048, 0.010) == "+0.04 s" and delta(0.010, 0.048) == "−0.04 s"  # not +380 %
+    assert delta(2.5, 2.0) == "+25%" and delta(1.0, 2.0) == "−50%" and delta(None, 1.0) == ""
+
+
+def test_a_sparkline_scales_the_last_values_to_their_peak():
+    assert fmt.spark([0, 4, 8]) == "▁▅█" and fmt.spark([0.0, 0.0]) == "▁▁" and fmt.spark([]) == "-"
+    assert len(fmt.spark(range(100), 8)) == 8 and fmt.spark(range(100), 8)[-1] == "█"

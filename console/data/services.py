@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from runtime.serve import contract as c
@@ -16,8 +16,9 @@ from store import services as registry
 from store.services import Service
 
 HTTP_TIMEOUT = 0.5  # loopback answers in milliseconds; a wedged service must not stall a refresh
-WINDOW_S = 60.0  # rates and latency quantiles over the last minute
-HISTORY = 30  # values kept per figure for its sparkline
+WINDOW_S = 60.0  # rates and latency quantiles over the last minute; each figure's history too
+FIGURES = ("tokens_s", "requests_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "running", "queued",
+           "kv_fraction", "errors_4xx", "errors_5xx", "busy_503")  # every figure keeps its last minute
 MAX_BODY = 1 << 20
 
 
@@ -116,7 +117,7 @@ class Serving:
     errors_5xx: int  # every 5xx but 503
     busy_503: int
     generated: int  # tokens generated since the service started
-    history: dict[str, tuple[float, ...]] = field(default_factory=dict)  # tokens_s, requests_s
+    history: dict[str, tuple[float, ...]] = field(default_factory=dict)  # each of FIGURES: its last minute
 
     @property
     def kv_fraction(self) -> float | None:
@@ -148,12 +149,11 @@ def serving(now: Samples, then: Samples | None, seconds: float,
 
 
 class MetricsWindow:
-    """One service's scrapes of the last minute, and each figure's recent values."""
+    """One service's scrapes of the last minute, and each figure's values over it (FIGURES)."""
 
     def __init__(self) -> None:
         self.scrapes: deque[tuple[float, Samples]] = deque()
-        self.history: dict[str, deque[float]] = {"tokens_s": deque(maxlen=HISTORY),
-                                                  "requests_s": deque(maxlen=HISTORY)}
+        self.history: dict[str, deque[tuple[float, float]]] = {k: deque() for k in FIGURES}
 
     def add(self, t: float, samples: Samples) -> Serving:
         self.scrapes.append((t, samples))
@@ -161,10 +161,12 @@ class MetricsWindow:
             self.scrapes.popleft()  # keep one scrape at or before the window's start
         then_t, then = self.scrapes[0] if len(self.scrapes) > 1 else (t, None)
         figures = serving(samples, then, t - then_t)
-        for key in self.history:
+        for key, values in self.history.items():
             if (value := getattr(figures, key)) is not None:
-                self.history[key].append(value)
-        return serving(samples, then, t - then_t, {k: tuple(v) for k, v in self.history.items()})
+                values.append((t, float(value)))
+            while values and values[0][0] < t - WINDOW_S:
+                values.popleft()
+        return replace(figures, history={k: tuple(v for _, v in values) for k, values in self.history.items()})
 
 
 # ---- one service, as the console shows it ----

@@ -14,6 +14,8 @@ from console.about import VersionAction, with_environment
 from console.data.collectors import Collectors, resolved
 from runtime.launch.spec import CONSOLE, LaunchSpec, add_flags, from_args
 
+ONCE_SCRAPE_GAP_S = 1.0  # --once: between the two /metrics scrapes of a live service
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dsv4-console", description="Operations console for DeepSeek V4 serving "
@@ -41,7 +43,10 @@ def once(spec: LaunchSpec, as_json: bool = False) -> dict[str, Any]:
     from console.tui.once import render
 
     collectors = Collectors(spec)
-    time.sleep(0.25)  # host rates need two samples
+    # rates need two samples: the host's, and each live service's /metrics (tokens/s, requests/s:
+    # the figures the screen shows), scraped about a second apart
+    first = collectors.services()
+    time.sleep(ONCE_SCRAPE_GAP_S if any(not v.ended for v in first.services) else 0.25)
     snap = collectors.snapshot()
     data = snap.to_json()
     if as_json:

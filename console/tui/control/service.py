@@ -147,7 +147,7 @@ class ServiceControl:
                 history.append({"v": 1, "launch": identity.key, "outcome": "killed", "error": error or how,
                                 "end": how, "ended": round(time.time(), 3), "failed_phase": phase})
         elif code is None and record is not None and not record.ended:  # not our child: nobody saw its end
-            record = services.end(record, "gone", phase, "no exit status (not this console's child)", by="console")
+            record = services.gone(record, phase, "no exit status (not this console's child)", by="console")
         if identity is not None and identity.key in self.asked_to_stop and record is not None:
             services.dismiss(record)  # the operator stopped it here: nothing to dismiss later
             record = None
@@ -158,7 +158,7 @@ class ServiceControl:
             last = held.stderr_tail[-1] if held.stderr_tail else ""
             line = (services.how(code) if code is not None else "ended") + (f": {last}" if code and last else "")
         if launch is not None:
-            launch.end(line, failed=code not in (0, None) or (ending is not None and ending.how == "gone"))
+            launch.end(line, failed=code not in (0, None) or (ending is not None and ending.how == services.GONE))
         if code not in (0, None) and not held.stopping:
             app.notify(line, title="service ended", severity="error", timeout=10)
         self.status = "" if launch is not None else line

@@ -1,7 +1,8 @@
 """Services pane: every `dsv4 serve` of this user on the host (whoever started it), running or
 ended: its state (an ended one says how, until `d` dismisses it), identity, settings and what it
-serves now (tokens/s, requests/s, latency, running/queued, KV in use, errors). `s` stops the
-selected one, `L` opens its log."""
+serves now (tokens/s with its last minute as a sparkline, requests/s, latency, running/queued,
+KV in use, errors). `s` stops the selected one, `L` opens its log. Collapsed (below 120×36) the
+summary's one line is every service's state and tokens/s."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rich.markup import escape
 from textual.app import ComposeResult
 from textual.widgets import Static
 
@@ -23,6 +25,7 @@ COLUMNS = (  # which service and how it is first; what it serves next (a narrow 
     Column("state", "state", 8, essential=True, rank=STATE_ORDER),
     Column("pid", "pid", 7, essential=True),
     Column("tokens_s", "tok/s", 6, essential=True),
+    Column("trend", "tok/s 1m", 8),  # the last minute of tokens/s, a sparkline
     Column("url", "url", 15),
     Column("requests_s", "req/s", 5),
     Column("ttft", "ttft p50/99", 11),
@@ -46,7 +49,8 @@ def cells(view: ServiceView, now: float) -> dict[str, str]:
     return {
         "state": f"[{color}]{view.state}[/]", "pid": str(view.pid),
         "url": view.url.removeprefix("http://") if view.url else "-",
-        "tokens_s": fmt.per_second(s.tokens_s) if s else "-", "requests_s": fmt.per_second(s.requests_s) if s else "-",
+        "tokens_s": fmt.per_second(s.tokens_s) if s else "-", "trend": fmt.spark(s.history.get("tokens_s", ()))
+        if s else "-", "requests_s": fmt.per_second(s.requests_s) if s else "-",
         "ttft": f"{fmt.millis(s.ttft_p50)}/{fmt.millis(s.ttft_p99)}" if s else "-",
         "itl": f"{fmt.millis(s.itl_p50)}/{fmt.millis(s.itl_p99)}" if s else "-",
         "load": f"{s.running}/{s.queued}" if s else "-",
@@ -74,7 +78,7 @@ def rank_line(view: ServiceView) -> str:
         beat = "" if r.heartbeat_age is None or r.rank == 0 else f" beat {r.heartbeat_age:.1f} s"
         host = f" {r.host}" if r.host and r.host != view.record.host else ""
         parts.append(f"rank {r.rank}{host} pid {r.pid or '?'} {r.device or '-'} {r.phase or '-'}{beat}"
-                     f" {r.slots - r.free_slots}/{r.slots} slots" + (f" [red]{r.error}[/]" if r.error else ""))
+                     f" {r.slots - r.free_slots}/{r.slots} slots" + (f" [red]{escape(r.error)}[/]" if r.error else ""))
     return " · ".join(parts)
 
 
@@ -86,7 +90,10 @@ def summary(view: ServiceView, now: float) -> list[str]:
         head += f" {s.tokens_s:.1f} tok/s"
     lines = [head]
     if view.ended:
-        lines.append(f"[red]{view.ending_line(now)}[/]  [dim](d dismisses)[/]")
+        lines.append(f"[red]{escape(view.ending_line(now))}[/]  [dim](d dismisses)[/]")
+        if view.record.ending.log:  # its last log lines are in its details (enter)
+            lines.append(f"[dim]last log:[/] {escape(view.record.ending.log[-1])}  [dim](enter: its last "
+                         f"{len(view.record.ending.log)} lines)[/]")
     elif view.detail is not None and view.detail.reason:
         lines.append(f"[red]{view.detail.reason}[/]")
     if view.problem:
@@ -96,6 +103,17 @@ def summary(view: ServiceView, now: float) -> list[str]:
     logs = view.logs()
     lines.append(f"[dim]log[/] {logs[0][1] if logs else '-'}" + ("  [dim](L opens it)[/]" if logs else ""))
     return lines
+
+
+def overview(views: tuple[ServiceView, ...]) -> str:
+    """Every service's state and tokens/s on one line (`4242 serving 182 tok/s · 4300 ended`):
+    what a collapsed pane keeps of each."""
+    parts = []
+    for v in views:
+        tokens = v.serving.tokens_s if v.serving else None
+        parts.append(f"{v.pid} [{STATE_COLOR.get(v.state, 'yellow')}]{v.state}[/]"
+                     + (f" {fmt.per_second(tokens)} tok/s" if tokens is not None else ""))
+    return " · ".join(parts)
 
 
 class ServicesPane(Pane):
@@ -122,7 +140,10 @@ class ServicesPane(Pane):
             text = "[dim]no dsv4 serve running on this host (l launches one)[/]"
         else:
             sel = table.selected() or {"view": snap.services[0]}
-            text = "\n".join(summary(sel["view"], time.time()))
+            lines = summary(sel["view"], time.time())
+            if len(snap.services) > 1 and self.screen.has_class("-compact"):  # its one line: every service
+                lines.insert(0, overview(snap.services))
+            text = "\n".join(lines)
         self.query_one("#services-summary", Static).update(text)
 
     def selected(self) -> ServiceView | None:

@@ -29,6 +29,7 @@ TIME_KEYS = frozenset({"created", "last_used", "last_hit", "sampled_at", "starte
                        "spawned", "ts", "mtime"})
 FRACTION_KEYS = frozenset({"residency", "fraction", "utilization", "acceptance"})
 HIDDEN = frozenset({"cells", "view"})  # the pane's rendering of the row, not what the row knows
+LINES = frozenset({"log"})  # a list of text lines under one of these keys: one line each, as written
 Row = tuple[int, str, str | None]  # (depth, key, value in words); no value: a heading of what follows
 
 
@@ -76,6 +77,8 @@ def rows(data: dict[str, Any], now: float, depth: int = 0) -> list[Row]:
             continue
         if isinstance(v, dict) and v:
             out += [(depth, k, None), *rows(v, now, depth + 1)]
+        elif k in LINES and isinstance(v, list | tuple) and v and all(isinstance(x, str) for x in v):
+            out += [(depth, k, None), *((depth + 1, "", line) for line in v)]
         elif _components(v):
             out.append((depth, k, None))
             out += [(depth + 1, name, json.dumps(value, separators=(",", ":"), default=str)
@@ -93,8 +96,8 @@ def rows(data: dict[str, Any], now: float, depth: int = 0) -> list[Row]:
 
 def as_text(described: list[Row]) -> str:
     """Rows as console markup, one a line (what the screen holds as `text`)."""
-    return "\n".join(f"{'  ' * d}[b]{escape(k)}:[/]" + (f"  {escape(v)}" if v is not None else "")
-                     for d, k, v in described)
+    return "\n".join(f"{'  ' * d}" + (f"[b]{escape(k)}:[/]" + (f"  {escape(v)}" if v is not None else "")
+                                        if k else escape(v or "")) for d, k, v in described)
 
 
 def as_renderable(described: list[Row]) -> RenderableType:
@@ -108,7 +111,7 @@ def as_renderable(described: list[Row]) -> RenderableType:
             grid.add_column(no_wrap=True, style="bold")
             grid.add_column(overflow="fold")
             for _, k, v in block:
-                grid.add_row(f"{k}:", Text(v or ""))
+                grid.add_row(f"{k}:" if k else "", Text(v or ""))
             parts.append(Padding(grid, (0, 0, 0, 2 * block[0][0])))
             block.clear()
 
