@@ -19,6 +19,7 @@ from console.data.collectors import console_spec, default_model_dir
 from console.data.launch_state import DONE
 from console.tui.app import Dsv4Console
 from console.tui.detached import Detached
+from console.tui.panes.log import LogPane
 from console.tui.screens.confirm import ConfirmScreen
 from console.tui.screens.quit import QuitScreen
 from runtime.events import PHASES
@@ -260,13 +261,33 @@ async def test_first_run_creates_the_embedded_default_with_progress(tmp_path, mo
     monkeypatch.setenv("DSV4_DEFAULT_PRESET", "tiny")
     target = default_model_dir()
     app = Dsv4Console(console_spec(kernel_cache=tmp_path / "programs", backend="eager"), watch=False, interval=0.5)
+    shown: list[tuple[float | None, float | None, str, str]] = []  # (done, total, job line, Registration's)
     async with app.run_test() as pilot:
+        real = app.jobs_control.event
+
+        def event(worker, e) -> None:  # every event the creation sends, and what the panes say then
+            real(worker, e)
+            if worker.name == "create" and (p := app.jobs_control.progress.get("create")) is not None:
+                shown.append((p.done, p.total, str(app.query_one("#sidecars-job Static").render()),
+                              str(app.query_one("#registration-summary").render())))
+
+        app.jobs_control.event = event
         await until(pilot, lambda: "create" in app.jobs, "create started")
         assert "creating the default" in str(app.query_one("#sidecars-job Static").render())
         await until(pilot, lambda: done(app, "create"), "create")
         await asyncio.sleep(0)
+        logged = [text for _, _, text in app.query_one(LogPane).lines]
+        told = [n.message for n in app._notifications]
     assert app.jobs["create"].returncode == 0
     assert (target / sidecar.INDEX_NAME).is_file()
+    # real progress: bytes written of the checkpoint's total, then what comes next
+    total = json.loads((target / sidecar.INDEX_NAME).read_text())["metadata"]["total_size"]
+    counted = [(d, t, job, reg) for d, t, job, reg in shown if d is not None and t]
+    assert counted and {t for _, t, _, _ in counted} == {total} and counted[-1][0] == total
+    assert all(" / " in job and "MiB" in job and "creating the default" in job for _, _, job, _ in counted)
+    assert any(" / " in reg and "then w warms it, l launches" in reg for _, _, _, reg in counted)
+    assert "next: w warms the checkpoint (compiles its programs), then l launches" in logged
+    assert any(m.startswith("the default checkpoint is ready: w warms it") for m in told)
 
 
 async def test_a_service_started_from_a_shell_is_seen_and_stopped_after_asking(tiny_ckpt_ro, tmp_path):

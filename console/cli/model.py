@@ -31,6 +31,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model_dir", metavar="MODEL_DIR", type=Path, nargs="?",
                    help="checkpoint directory (default: the embedded synthetic checkpoint, made on first run)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--events", metavar="FILE|-", default=None,
+                   help="while the embedded default is created, write its progress (bytes done/total, the "
+                   "tensor now) as events (JSON lines) to FILE or stdout: what the console shows")
     p.set_defaults(func=cmd_check)
 
 
@@ -50,17 +53,47 @@ def cmd_synth(args: argparse.Namespace) -> int:
     return 0
 
 
-def resolve_model_dir(model_dir: Path | None) -> Path:
-    """An explicit MODEL_DIR, or the embedded default synthetic checkpoint (made on first run)."""
+def resolve_model_dir(model_dir: Path | None, events: str | None = None) -> Path:
+    """An explicit MODEL_DIR, or the embedded default synthetic checkpoint (made on first run;
+    its progress to `events`, FILE or `-`, as well as to the terminal's bar)."""
     if model_dir is not None:
         return model_dir
     from runtime.synth.checkpoint import default_model_dir, ensure_default_model
 
     with byte_progress(f"creating default model at {default_model_dir()}") as progress:
-        path, created = ensure_default_model(progress=progress)
+        path, created = ensure_default_model(progress=_with_events(progress, events))
     if created:
         print(f"created the default synthetic checkpoint at {path}", file=sys.stderr)
     return path
+
+
+CREATE = "create"  # the phase of the creation's events
+EVENTS_EVERY_S = 0.2  # at most this often a progress event (a tensor is written in microseconds)
+
+
+def _with_events(progress, target: str | None):
+    """`progress` that also writes phase-`create` events (start with the total, progress with
+    bytes done/total and the tensor now, throttled, end) to `target`; `progress` alone without."""
+    if not target:
+        return progress
+    from runtime.events import Event, open_sink
+
+    sink = open_sink(target)
+    state = {"last": 0.0, "started": None}
+
+    def update(done: int, total: int, label: str) -> None:
+        progress(done, total, label)
+        now = time.monotonic()
+        if state["started"] is None:
+            state["started"] = now
+            sink(Event(CREATE, "start", total=total, unit="bytes", detail={"total": total}))
+        if done >= total or now - state["last"] >= EVENTS_EVERY_S:
+            state["last"] = now
+            sink(Event(CREATE, "progress", done=done, total=total, unit="bytes", detail={"file": label}))
+        if done >= total:
+            sink(Event(CREATE, "end", seconds=now - state["started"], detail={"bytes": total}))
+
+    return update
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -69,7 +102,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     from runtime.model.tokenizer import load_tokenizer
     from store.checkpoint import Checkpoint, check_contract
 
-    root = resolve_model_dir(args.model_dir)
+    root = resolve_model_dir(args.model_dir, args.events)
     config = load_config(root)  # first: out-of-range values stop here, before anything loops on them
     ckpt = Checkpoint.open(root)
     report = check_contract(ckpt, expected_tensors(config))

@@ -113,6 +113,7 @@ class JobControl:
             self.show_job(worker.name)
         elif event.kind == "start" and p is not None and isinstance(d.get("total"), int | float):
             p.update(0, d["total"])
+            self.show_job(worker.name)
         elif event.kind == "log" and p is not None and ProgramStates.applies(d):
             # a compile pool's per-program events (`dsv4 compile --events`): done, what compiles now
             pool = self.pools.setdefault(worker.name, ProgramStates())
@@ -153,8 +154,9 @@ class JobControl:
             return
         self.app.log_line("console", f"creating the embedded default checkpoint ({default_preset()}) at "
                                      f"{self.spec.model}")
-        w = self._start("create", dsv4("check"), Progress(f"creating the default {default_preset()} "
-                                                          "checkpoint (first run)"))
+        # its progress as events on stdout (bytes written of the total, the tensor now), as every job's
+        w = self._start("create", dsv4("check", "--events", "-"),
+                        Progress(f"creating the default {default_preset()} checkpoint (first run)", unit="bytes"))
         self.app.run_worker(self._created(w), group="jobs")
 
     async def _created(self, w: Worker) -> None:
