@@ -25,8 +25,8 @@ COLUMNS = (  # which service and how it is first; what it serves next (a narrow 
     Column("state", "state", 8, essential=True, rank=STATE_ORDER),
     Column("pid", "pid", 7, essential=True),
     Column("tokens_s", "tok/s", 6, essential=True),
-    Column("trend", "tok/s 1m", 8),  # the last minute of tokens/s, a sparkline
     Column("url", "url", 15),
+    Column("trend", "tok/s 1m", 8),  # the last minute of tokens/s, a sparkline
     Column("requests_s", "req/s", 5),
     Column("ttft", "ttft p50/99", 11),
     Column("itl", "itl p50/99", 11),
