@@ -478,3 +478,12 @@ def test_deltas_under_a_tenth_of_a_second_are_seconds_not_shares():
 def test_a_sparkline_scales_the_last_values_to_their_peak():
     assert fmt.spark([0, 4, 8]) == "▁▅█" and fmt.spark([0.0, 0.0]) == "▁▁" and fmt.spark([]) == "-"
     assert len(fmt.spark(range(100), 8)) == 8 and fmt.spark(range(100), 8)[-1] == "█"
+
+
+def test_a_stale_cache_entrys_details_keep_the_raw_key_difference_under_the_sentence():
+    from console_fakes import cache_snapshot
+
+    [entry] = [e for e in cache_snapshot().entries if e["state"] == "other-layout"]
+    text = as_text(describe("cache", entry, now=NOW))
+    assert "layout's max_seq is 1024 here; this launch uses 64" in text
+    assert '[b]key difference:[/]\n  [b]layout:[/]  {"max_seq":1024} → {"max_seq":64}' in text
