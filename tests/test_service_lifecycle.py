@@ -347,7 +347,7 @@ async def test_L_on_a_real_service_shows_its_last_lines_follows_them_and_opens_e
         tail = ended.record.ending.log  # the log's last lines when the launcher recorded the end
         written = [line for line in _lines(log) if line.strip()]
         assert len(tail) == 5 and any(written[i:i + 5] == list(tail) for i in range(len(written)))
-        assert any("stopping every rank" in line for line in tail)
+        assert any("rank 1" in line and "killed by SIGKILL" in line for line in tail)  # the launcher's words
         summary = str(app.query_one("#services-summary").render())
         assert f"last log: {tail[-1]}" in summary
         app.query_one("#services-table").focus()
