@@ -23,6 +23,7 @@ import http.client
 import json
 import os
 import re
+import ssl
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -119,7 +120,9 @@ class Client:
             raise RegistryError(f"{what}: HTTP {e.code} {e.reason}{hint}") from None
         except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
             reason = getattr(e, "reason", None) or e
-            raise RegistryError(f"{what}: {reason}") from None
+            # HTTPS to a registry that speaks plain HTTP fails in its TLS handshake
+            hint = "; if it speaks plain HTTP, pass --insecure" if isinstance(reason, ssl.SSLError) else ""
+            raise RegistryError(f"{what}: {reason}{hint}") from None
 
     def _authenticate(self, challenge: str) -> bool:
         """Answer a 401's challenge: basic with docker's credentials, or a bearer token."""

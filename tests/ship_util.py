@@ -14,11 +14,12 @@ from conftest import MAX_SEQ
 LAUNCH = ("--backend", "export", "--device", "cpu", "--max-seq", str(MAX_SEQ))
 
 
-def dsv4(*args, env: dict | None = None) -> subprocess.CompletedProcess:
-    """`dsv4 ARGS` in a subprocess (no trusted or signing keys from the environment)."""
+def dsv4(*args, env: dict | None = None, **run) -> subprocess.CompletedProcess:
+    """`dsv4 ARGS` in a subprocess (no trusted or signing keys from the environment); `run`:
+    more arguments of subprocess.run (a preexec_fn)."""
     base = {k: v for k, v in os.environ.items() if k not in ("DSV4_SIGNING_KEY", "DSV4_TRUSTED_KEYS")}
     return subprocess.run([sys.executable, "-m", "console.cli", *map(str, args)], capture_output=True, text=True,
-                          env={**base, **(env or {})}, timeout=600)
+                          env={**base, **(env or {})}, timeout=600, **run)
 
 
 def make_keys(where: Path, name: str) -> tuple[Path, Path]:
@@ -34,10 +35,10 @@ def export(model: Path, cache_dir: Path, out: Path, key: Path, *extra) -> subpro
                 "--signing-key", key, *extra)
 
 
-def import_(bundle: Path, model: Path, cache_dir: Path, trusted: Path | None, *extra) -> subprocess.CompletedProcess:
+def import_(bundle: Path, model: Path, cache_dir: Path, trusted: Path | None, *extra, **run) -> subprocess.CompletedProcess:
     trust = ("--trusted-keys", trusted) if trusted else ()
     return dsv4("cache", "import", bundle, "--model", model, *LAUNCH, "--kernel-cache-dir", cache_dir, *trust,
-                *extra)
+                *extra, **run)
 
 
 def plan_states(model: Path, cache_dir: Path, *launch) -> dict[str, str]:

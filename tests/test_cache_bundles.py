@@ -19,6 +19,7 @@ from ship_util import (
     plan_states,
 )
 
+from store.fingerprint import fingerprint
 from store.signing import key_id, load_public_key, load_signing_key
 
 
@@ -163,3 +164,35 @@ def test_the_consoles_cache_view_says_where_a_brought_entry_came_from():
     cells = ProgramsPane()._cache_cells(row)
     assert cells["reason"] == "from builder-1, signed by 0123456789abcdef"
     assert ProgramsPane()._cache_cells({**row, "origin": None})["reason"] == ""
+
+
+def test_export_reads_exactly_one_selection_verified_and_signed(tmp_path):
+    """The one export every transport uses (store.kernel_cache.export_entries): a launch's keys,
+    one program, or what is current; a corrupt entry is never shipped."""
+    from kernel_cache_samples import ART, entry_dir, make_key, put
+
+    from store import kernel_cache as kc
+    from store.signing import SigningKey, TrustedKeys
+
+    cache = kc.KernelCache(tmp_path / "programs")
+    live, other = make_key(), make_key(layout={"tp": 2})
+    put(cache, live, "layer")
+    put(cache, other, "layer")
+    put(cache, live, "head")
+    art = entry_dir(cache, live, "head") / ART
+    art.write_bytes(bytes([art.read_bytes()[0] ^ 0xFF]) + art.read_bytes()[1:])  # same size, another byte
+    key = SigningKey.generate("builder")
+    policy = kc.TrustPolicy(TrustedKeys({key.public.id: key.public}))
+
+    launch = kc.export_entries(cache, keys={"layer": live, "head": live, "embed": live}, signer=key)
+    assert [e.manifest.fingerprint for e in launch.entries] == [fingerprint(live)]
+    assert launch.missing == ("head", "embed") and all(policy.signer_problem(e) is None for e in launch.entries)
+    assert (entry_dir(cache, live, "head") / ART).exists()  # an export quarantines nothing
+
+    program = kc.export_entries(cache, program="layer")
+    assert sorted(e.manifest.fingerprint for e in program.entries) == sorted([fingerprint(live), fingerprint(other)])
+    assert all(e.signature is None for e in program.entries)
+
+    current = kc.export_entries(cache, current=kc.Reference(keys={"layer": live, "head": live}))
+    assert [e.manifest.fingerprint for e in current.entries] == [fingerprint(live)]
+    assert len(current.skipped) == 1 and current.skipped[0].startswith("head/")

@@ -78,36 +78,26 @@ def _insecure(p: argparse.ArgumentParser) -> None:
 
 
 def selected(args: argparse.Namespace, cache: kc.KernelCache) -> list[kc.EntryBundle]:
-    """The verified entries export and push ship, unsigned (one line when none)."""
-    from store.kernel_cache.entry import Corrupt
+    """The verified entries export and push ship, signed (one line when none)."""
+    from store.paths import signing_key_path
+    from store.signing import load_signing_key
 
     if args.program or args.all_current:
-        judged_by = reference(args) if args.all_current else None
-        chosen = [e for e in cache.inventory(judged_by) if e.state not in (kc.CORRUPT, kc.PARTIAL, kc.QUARANTINED)
-                  and (e.program == args.program if args.program else e.state == kc.CURRENT)]
-        out = []
-        for e in chosen:
-            try:
-                out.append(kc.EntryBundle.of(*cache.read_verified(e.path, e.program, e.fingerprint)))
-            except (Corrupt, FileNotFoundError) as err:
-                print(f"skip {e.program}/{e.fingerprint[:12]}: {err}", file=sys.stderr)
+        which = {"program": args.program} if args.program else {"current": reference(args)}
         what = f"program {args.program}" if args.program else "current entries"
     elif args.model is not None:
-        out, missing = [], []
-        for program, key in _launch_keys(args).items():
-            found = cache.probe(program, key)
-            if found.hit:
-                out.append(kc.EntryBundle.of(found.manifest, found.contents))
-            else:
-                missing.append(program)
-        if missing:
-            print(f"not cached here ({len(missing)}): {', '.join(missing)}", file=sys.stderr)
-        what = f"the launch of {args.model}"
+        which, what = {"keys": _launch_keys(args)}, f"the launch of {args.model}"
     else:
         raise UserError("say which entries: --model DIR (and the launch flags), --program P or --all-current")
-    if not out:
+    signer = load_signing_key(signing_key_path(args.signing_key))
+    exported = kc.export_entries(cache, signer=signer, **which)
+    for line in exported.skipped:
+        print(f"skip {line}", file=sys.stderr)
+    if exported.missing:
+        print(f"not cached here ({len(exported.missing)}): {', '.join(exported.missing)}", file=sys.stderr)
+    if not exported.entries:
         raise UserError(f"nothing to ship: no verified entry of {what} in {cache.root}")
-    return out
+    return list(exported.entries)
 
 
 def _launch_keys(args: argparse.Namespace) -> dict[str, Key]:
@@ -115,14 +105,6 @@ def _launch_keys(args: argparse.Namespace) -> dict[str, Key]:
     from runtime.launch.spec import CACHE, from_args
 
     return program_keys(from_args(args, CACHE))
-
-
-def _signed(args: argparse.Namespace, entries: list[kc.EntryBundle]) -> list[kc.EntryBundle]:
-    from store.paths import signing_key_path
-    from store.signing import load_signing_key
-
-    key = load_signing_key(signing_key_path(args.signing_key))
-    return [e.signed(key) for e in entries]
 
 
 def _policy(args: argparse.Namespace) -> kc.TrustPolicy:
@@ -150,7 +132,7 @@ def _export(args: argparse.Namespace) -> int:
     from store.atomic import staged_file
 
     cache = open_cache(args)
-    bundle = kc.Bundle.of(_signed(args, selected(args, cache)))
+    bundle = kc.Bundle.of(selected(args, cache))
     out = args.output
     if os.path.lexists(out):
         raise UserError(f"{out}: exists already; choose another -o (a bundle is never overwritten)")
@@ -193,7 +175,7 @@ def _push(args: argparse.Namespace) -> int:
     from store.kernel_cache import oci
 
     cache = open_cache(args)
-    entries = _signed(args, selected(args, cache))
+    entries = selected(args, cache)
     repo = oci.Repository.parse(args.target, insecure=args.insecure)
     for e in entries:
         print(f"{e.name}: pushed {oci.push(repo, e)}")
@@ -213,7 +195,10 @@ def _pull(args: argparse.Namespace) -> int:
     if not wanted:
         print("nothing to pull: the launch misses no program")
         return 0
-    bundle = oci.pull(repo, wanted)
+    try:
+        bundle = oci.pull(repo, wanted, policy)  # the signer checked before any blob is fetched
+    except kc.BundleError as e:
+        raise UserError(f"{args.target}: refused: {e}") from None
     absent = sorted(set(wanted) - {e.manifest.program for e in bundle.entries})
     if absent:  # they compile at launch, as without a registry
         print(f"not in {repo} ({len(absent)}): {', '.join(absent)}", file=sys.stderr)

@@ -236,15 +236,13 @@ def _ship(plan, group, sharing: Sharing, keys: Keys, view: HostView, emitter: Em
     verify_s = 0.0
     for src in sharing.leaders:
         if src == group.rank:
-            entries = []
-            for program in sharing.ships.get(src, ()):
-                found = plan.cache.probe(program, plan.keys[program])
-                if found.hit:  # one that failed to compile here: the others compile it themselves
-                    entries.append(kc.EntryBundle.of(found.manifest, found.contents).signed(keys.signing))
+            # a program that failed to compile here is not shipped: the others compile it themselves
+            exported = kc.export_entries(plan.cache, keys={p: plan.keys[p] for p in sharing.ships.get(src, ())},
+                                         signer=keys.signing)
             buf = io.BytesIO()
-            kc.write_bundle(buf, kc.Bundle.of(entries))
+            kc.write_bundle(buf, exported.bundle())
             group.share_bytes(buf.getvalue(), src, sharing.leaders)
-            sent = len(entries)
+            sent = len(exported.entries)
             continue
         data = group.share_bytes(None, src, sharing.leaders)
         t0 = time.perf_counter()
@@ -257,6 +255,8 @@ def _ship(plan, group, sharing: Sharing, keys: Keys, view: HostView, emitter: Em
                 raise RegistrationError(f"programs: refused the entries of {sharing.host(src)}: {e}") from None
             received += sum(i.placed for i in installed)
             received_bytes += sum(f.size for e in wanted for f in e.manifest.files)
+            except kc.InstallError as e:
+                raise RegistrationError(f"programs: the entries of {sharing.host(src)}: {e}") from None
         seconds = time.perf_counter() - t0
         verify_s += seconds
         if wanted:

@@ -76,7 +76,14 @@ from store.kernel_cache.entry import (
 from store.kernel_cache.inventory import STAGING_MAX_AGE
 from store.kernel_cache.layout import LOCK_TIMEOUT, Layout
 from store.kernel_cache.publish import MIN_FREE_BYTES
-from store.kernel_cache.transfer import Installed, TrustPolicy, import_bundle
+from store.kernel_cache.transfer import (
+    Exported,
+    Installed,
+    InstallError,
+    TrustPolicy,
+    export_entries,
+    import_bundle,
+)
 from store.kernel_cache.trust import MARKER, UntrustedCacheError
 
 __all__ = [
@@ -84,7 +91,7 @@ __all__ = [
     "MAX_MANIFEST_BYTES", "MAX_QUARANTINE_NOTE_BYTES", "MIN_FREE_BYTES", "OTHER_LAYOUT",
     "PARTIAL", "QUARANTINE", "QUARANTINED", "QUARANTINE_NOTE", "STAGING_MAX_AGE", "STALE", "STATES",
     "TRASH", "VERSION_DIR", "ArtifactFile", "Bundle", "BundleError", "Entry", "EntryBundle", "EntryState",
-    "Fetch", "Hit", "Installed", "KernelCache", "Layout", "Manifest", "Miss", "Origin", "Reference",
-    "TrustPolicy", "UntrustedCacheError", "Verification", "check_program_name", "import_bundle", "judge",
-    "read_bundle", "write_bundle",
+    "Exported", "Fetch", "Hit", "InstallError", "Installed", "KernelCache", "Layout", "Manifest", "Miss",
+    "Origin", "Reference", "TrustPolicy", "UntrustedCacheError", "Verification", "check_program_name",
+    "export_entries", "import_bundle", "judge", "read_bundle", "write_bundle",
 ]  # fmt: skip

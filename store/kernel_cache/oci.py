@@ -12,7 +12,10 @@ One artifact per entry, tagged with the entry's key digest (its fingerprint):
 - layers: the entry's manifest.json (`…manifest.v1+json`), then each artifact
   (`…artifact.v1`), each titled (`org.opencontainers.image.title`) with its file name.
 
-Pull fetches by the live key's digest, checks the config is that key, caps every layer at its
+Pull fetches by the live key's digest, checks the config is that key, and the signer before any
+blob: the signature annotation must be by a trusted key before a layer is fetched, and over the
+entry's manifest (the first layer, at most MAX_MANIFEST_BYTES) before an artifact is: an untrusted
+publisher costs one small request, never an artifact's download. It caps every layer at its
 descriptor's size (and an artifact's descriptor at its manifest's size: a layer far larger than
 its manifest says is refused before it is fetched), re-hashes every blob against its descriptor
 and yields the same `Bundle` value a bundle file gives, for the same import checks.
@@ -29,6 +32,7 @@ from typing import Any
 from store.fingerprint import Key, canonical_json, fingerprint
 from store.kernel_cache.bundle import Bundle, BundleError, EntryBundle, Signature
 from store.kernel_cache.entry import MANIFEST, MAX_MANIFEST_BYTES, Corrupt, Manifest
+from store.kernel_cache.transfer import TrustPolicy
 from store.registry import OCI_MANIFEST, Client, RegistryError, Repository
 
 ARTIFACT_TYPE = "application/vnd.dsv4.kernel-cache.entry.v1"
@@ -77,10 +81,11 @@ def _descriptor(media_type: str, digest: str, size: int, title: str) -> dict[str
     return {"mediaType": media_type, "digest": digest, "size": size, "annotations": {TITLE: title}}
 
 
-def pull(repo: Repository, wanted: Mapping[str, Key], client: Client | None = None) -> Bundle:
+def pull(repo: Repository, wanted: Mapping[str, Key], policy: TrustPolicy, client: Client | None = None) -> Bundle:
     """The entries of `wanted` (program → live key) that the registry holds, as one Bundle;
-    RegistryError (one line) when the registry fails mid-way, BundleError when an artifact is
-    not what it claims. Programs the registry lacks are left out (nothing is read of them)."""
+    RegistryError (one line) when the registry fails mid-way, BundleError when an entry is not
+    signed as `policy` asks or an artifact is not what it claims. Programs the registry lacks are
+    left out (nothing is read of them)."""
     client = client or Client(repo)
     entries = []
     for program, key in wanted.items():
@@ -89,13 +94,14 @@ def pull(repo: Repository, wanted: Mapping[str, Key], client: Client | None = No
         if found is None:
             continue
         body, digest = found
-        entries.append(_entry(client, repo, program, fp, body, digest))
+        entries.append(_entry(client, repo, program, fp, body, digest, policy))
     if not entries:
         raise RegistryError(f"{repo}: holds none of the {len(wanted)} programs this launch misses")
     return Bundle(entries[0].host, time.time(), tuple(entries), str(repo))
 
 
-def _entry(client: Client, repo: Repository, program: str, fp: str, body: bytes, digest: str) -> EntryBundle:
+def _entry(client: Client, repo: Repository, program: str, fp: str, body: bytes, digest: str,
+           policy: TrustPolicy) -> EntryBundle:
     where = f"{repo}:{fp[:12]}"
     try:
         doc = json.loads(body)
@@ -111,10 +117,20 @@ def _entry(client: Client, repo: Repository, program: str, fp: str, body: bytes,
         raise BundleError(f"{where}: its config is not the key it is tagged with")
     if not descriptors or descriptors[0][0] != MANIFEST_TYPE or descriptors[0][2] > MAX_MANIFEST_BYTES:
         raise BundleError(f"{where}: its first layer is not an entry manifest of at most {MAX_MANIFEST_BYTES} bytes")
+    signature = None
+    if A_SIGNATURE in notes:
+        try:
+            signature = Signature.parse(str(notes[A_SIGNATURE]).encode())
+        except ValueError as e:
+            raise BundleError(f"{where}: {e}") from None
+    if problem := policy.key_problem(f"{program}/{fp[:12]}", signature):  # before any blob is fetched
+        raise BundleError(problem)
     try:
         manifest = Manifest.parse(client.get_blob(descriptors[0][1], descriptors[0][2]), program, fp)
     except Corrupt as e:
         raise BundleError(f"{where}: {e}") from None
+    if problem := policy.signer_problem(EntryBundle(manifest, {}, signature)):  # before any artifact is
+        raise BundleError(problem)
     sizes = {f.name: f.size for f in manifest.files}
     contents = {}
     for media_type, blob, size, title in descriptors[1:]:
@@ -123,11 +139,5 @@ def _entry(client: Client, repo: Repository, program: str, fp: str, body: bytes,
         if size != sizes[title]:  # refused before a byte is fetched
             raise BundleError(f"{where}: layer {title} is {size} bytes, its manifest says {sizes[title]}")
         contents[title] = client.get_blob(blob, size)
-    signature = None
-    if A_SIGNATURE in notes:
-        try:
-            signature = Signature.parse(str(notes[A_SIGNATURE]).encode())
-        except ValueError as e:
-            raise BundleError(f"{where}: {e}") from None
     return EntryBundle(manifest, contents, signature, host=str(notes.get(A_HOST, repo.registry)),
                        reference=f"{repo}@{digest}")

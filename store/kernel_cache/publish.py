@@ -19,7 +19,7 @@ import shutil
 import socket
 import tempfile
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -150,19 +150,27 @@ def _write_manifest(layout: Layout, staged: Path, manifest: Manifest) -> None:
         fsync_dir(staged)
 
 
-def place(layout: Layout, manifest: Manifest, contents: Mapping[str, bytes]) -> Hit | None:
-    """Publish an entry built elsewhere, its manifest kept as it is (its producer host and pid,
-    its origin): staged, synced and renamed into its slot as a local build is. The Hit in
-    place, or None when an entry already holds the slot (nothing is replaced)."""
-    ensure_layout(layout, manifest.program)
-    with staging(layout, manifest.program, manifest.fingerprint) as staged:
-        for f in manifest.files:
-            (staged / f.name).write_bytes(contents[f.name])
-            _finish_file(layout, staged / f.name)
-        _write_manifest(layout, staged, manifest)
-        ours = Hit(manifest.program, manifest.fingerprint, None, manifest, dict(contents))
-        placed = install(layout, staged, ours)
-        return placed if placed is None or placed.path is not None else None
+def place(layout: Layout, entries: Sequence[tuple[Manifest, Mapping[str, bytes]]]) -> list[Hit | None]:
+    """Publish entries built elsewhere, each manifest kept as it is (its producer host and pid,
+    its origin), as a local build is: staged and synced, then renamed into its slot. Every
+    entry is staged before any is renamed, so a failure while writing (a full disk, a read-only
+    root: OSError) places none of them. Per entry, the Hit in place, or None when an entry
+    already holds its slot (nothing is replaced)."""
+    with contextlib.ExitStack() as stack:  # each staging dir removed on the way out unless renamed
+        staged = []
+        for manifest, contents in entries:
+            ensure_layout(layout, manifest.program)
+            path = stack.enter_context(staging(layout, manifest.program, manifest.fingerprint))
+            for f in manifest.files:
+                (path / f.name).write_bytes(contents[f.name])
+                _finish_file(layout, path / f.name)
+            _write_manifest(layout, path, manifest)
+            staged.append((path, Hit(manifest.program, manifest.fingerprint, None, manifest, dict(contents))))
+        out = []
+        for path, ours in staged:
+            placed = install(layout, path, ours)
+            out.append(placed if placed is None or placed.path is not None else None)
+        return out
 
 
 def install(layout: Layout, staged: Path, ours: Hit) -> Hit | None:

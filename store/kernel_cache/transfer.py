@@ -1,5 +1,9 @@
 """Export and import over the cache's layout: entries out as a `Bundle`, a `Bundle` in.
 
+Export (`export_entries`) reads the selected entries verified (every artifact's sha256, as a
+load does) and signs them: the one way entries leave a cache, whatever carries them on (a file,
+a registry, a service's process group).
+
 Import takes a `Bundle` value, whatever brought it (a file, a registry, a service's process
 group), and installs nothing unless every entry passes, in this order:
 
@@ -14,21 +18,89 @@ group), and installs nothing unless every entry passes, in this order:
 
 Then each entry is published through the cache's own staging and single rename
 (`publish.place`), its manifest kept as its producer wrote it plus an `origin` (host, signer key
-id, reference, time). An entry already in its slot is left as it is.
+id, reference, time). An entry already in its slot is left as it is. Every entry is staged
+before any is renamed: a cache that cannot take them (a full disk, a read-only root) is one
+line (`InstallError`) and none of them is installed.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from store.fingerprint import UNKNOWN, describe, diff, fingerprint, sha256_hex
+from store.errors import UserError
+from store.fingerprint import UNKNOWN, Key, describe, diff, fingerprint, sha256_hex
+from store.kernel_cache import inventory as inv
 from store.kernel_cache import publish as pub
-from store.kernel_cache.bundle import Bundle, BundleError, EntryBundle, signed_message
-from store.kernel_cache.entry import Manifest, Origin, Reference, build_changes
+from store.kernel_cache.bundle import Bundle, BundleError, EntryBundle, Signature, signed_message
+from store.kernel_cache.entry import (
+    CORRUPT,
+    CURRENT,
+    PARTIAL,
+    QUARANTINED,
+    Corrupt,
+    Manifest,
+    Origin,
+    Reference,
+    build_changes,
+)  # fmt: skip
 from store.kernel_cache.layout import Layout
-from store.signing import TRUSTED_KEYS_ENV, TrustedKeys
+from store.signing import TRUSTED_KEYS_ENV, SigningKey, TrustedKeys
+
+if TYPE_CHECKING:
+    from store.kernel_cache.cache import KernelCache
+
+
+@dataclass(frozen=True)
+class Exported:
+    """Entries read out of a cache for travel, and what was asked for but not read."""
+
+    entries: tuple[EntryBundle, ...]
+    missing: tuple[str, ...] = ()  # programs of the asked keys without a verified entry here
+    skipped: tuple[str, ...] = ()  # entries that failed to read or verify, one line each
+
+    def bundle(self) -> Bundle:
+        return Bundle.of(self.entries)
+
+
+def export_entries(
+    cache: KernelCache,
+    *,
+    keys: Mapping[str, Key] | None = None,
+    program: str | None = None,
+    current: Reference | None = None,
+    signer: SigningKey | None = None,
+) -> Exported:
+    """The verified entries of exactly one selection, signed by `signer` when given: `keys`
+    (program → live key: the entries a launch loads), `program` (every readable entry of it),
+    or `current` (every entry current against that reference). Reads verify every artifact's
+    sha256 and have no side effect (nothing is quarantined or counted as a hit)."""
+    if sum(x is not None for x in (keys, program, current)) != 1:
+        raise ValueError("export_entries: give exactly one of keys, program, current")
+    out: list[EntryBundle] = []
+    missing: list[str] = []
+    skipped: list[str] = []
+    if keys is not None:
+        for name, key in keys.items():
+            found = cache.probe(name, key)
+            if found.hit:
+                out.append(EntryBundle.of(found.manifest, found.contents))
+            else:
+                missing.append(name)
+    else:
+        for e in inv.inventory(cache.layout, current):
+            if e.state in (CORRUPT, PARTIAL, QUARANTINED) or (e.program != program if program else e.state != CURRENT):
+                continue
+            try:
+                out.append(EntryBundle.of(*cache.read_verified(e.path, e.program, e.fingerprint)))
+            except (Corrupt, FileNotFoundError) as err:
+                skipped.append(f"{e.program}/{e.fingerprint[:12]}: {err}")
+    if signer is not None:
+        out = [e.signed(signer) for e in out]
+    return Exported(tuple(out), tuple(missing), tuple(skipped))
 
 
 @dataclass(frozen=True)
@@ -41,18 +113,30 @@ class TrustPolicy:
 
     def signer_problem(self, entry: EntryBundle) -> str | None:
         """Why `entry`'s signature is not accepted, or None."""
+        if problem := self.key_problem(entry.name, entry.signature):
+            return problem
         sig = entry.signature
-        if sig is None:
-            return f"{entry.name}: unsigned; this host installs only entries signed by a trusted key"
         key = self.trusted.get(sig.key_id)
-        if key is None:
-            where = f"the keys in {self.trusted.source}" if self.trusted.source else \
-                f"no trusted keys are set (${TRUSTED_KEYS_ENV} or --trusted-keys)"
-            return f"{entry.name}: signed by key {sig.key_id} ({sig.signer}), which is not trusted ({where})"
         if not key.verifies(sig.signature, signed_message(entry.manifest)):
             return (f"{entry.name}: the signature by key {sig.key_id} ({key.name}) is not over this entry "
                     "(another entry's, or a changed manifest)")
         return None
+
+    def key_problem(self, name: str, sig: Signature | None) -> str | None:
+        """Why no signature like `sig` is accepted, whatever it is over (none, or by a key not
+        trusted), or None: what a transport checks before it fetches an entry's bytes."""
+        if sig is None:
+            return f"{name}: unsigned; this host installs only entries signed by a trusted key"
+        if self.trusted.get(sig.key_id) is None:
+            where = f"the keys in {self.trusted.source}" if self.trusted.source else \
+                f"no trusted keys are set (${TRUSTED_KEYS_ENV} or --trusted-keys)"
+            return f"{name}: signed by key {sig.key_id} ({sig.signer}), which is not trusted ({where})"
+        return None
+
+
+class InstallError(UserError):
+    """An accepted import that the cache's filesystem cannot take (full, read-only, not writable):
+    one line; nothing installed."""
 
 
 @dataclass(frozen=True)
@@ -124,13 +208,14 @@ def import_bundle(
     """Check `bundle` (`accept`), then publish each entry with its origin."""
     states = accept(bundle, policy, reference, other_layout)
     now = time.time()
-    out = []
-    for e, state in zip(bundle.entries, states, strict=True):
-        signer = e.signature.key_id if e.signature else ""
-        origin = Origin(e.host or bundle.host, signer, e.reference or bundle.reference, now)
-        manifest = replace(e.manifest, origin=origin)
-        placed = pub.place(layout, manifest, e.contents)
-        path = layout.entry(manifest.program, manifest.fingerprint)
-        out.append(Installed(e.name, path, state, placed is not None))
-    return out
+    manifests = [replace(e.manifest, origin=Origin(e.host or bundle.host, e.signature.key_id if e.signature else "",
+                                                   e.reference or bundle.reference, now)) for e in bundle.entries]
+    try:
+        placed = pub.place(layout, [(m, e.contents) for m, e in zip(manifests, bundle.entries, strict=True)])
+    except OSError as e:  # staged all before placing any: none of them is in place
+        raise InstallError(f"kernel cache {layout.root}: cannot install {len(manifests)} entries "
+                           f"({e.strerror or e}); nothing was installed (free some space, or choose another "
+                           "--kernel-cache-dir)") from None
+    return [Installed(e.name, layout.entry(m.program, m.fingerprint), state, p is not None)
+            for e, m, state, p in zip(bundle.entries, manifests, states, placed, strict=True)]
 

@@ -4,6 +4,8 @@ cache exactly as before. The bundles are real tar files, rewritten member by mem
 from __future__ import annotations
 
 import io
+import os
+import resource
 import tarfile
 from dataclasses import replace
 from pathlib import Path
@@ -107,13 +109,19 @@ def test_a_valid_signature_over_a_different_entry(good, receiving, tiny_ckpt_ro,
     refused(rewrite(tmp_path / "bad.tar", items), receiving, tiny_ckpt_ro, trusted, "is not over this entry")
 
 
-@pytest.mark.parametrize("component", ["torch", "device.cpu"])
-def test_a_key_for_another_torch_or_capability(good, receiving, tiny_ckpt_ro, tmp_path, component):
+@pytest.mark.parametrize("component", ["torch", "device.cpu", "source:"])
+def test_a_key_for_another_torch_capability_or_source(good, receiving, tiny_ckpt_ro, tmp_path, component):
     bundle, key, trusted = good
     parsed = read_bundle(io.BytesIO(bundle.read_bytes()), "x")
     e = parsed.entries[0]
-    value = "9.9.9" if component == "torch" else {"machine": "riscv64", "flags": []}
-    changed = Key.of({**e.manifest.key.as_dict(), component: value})
+    components = e.manifest.key.as_dict()
+    if component == "source:":  # one unit of the program's source, as another checkout hashes it
+        component = next(n for n in components if n.startswith("source:"))
+        value = "0" * len(str(components[component]))
+    else:
+        value = "9.9.9" if component == "torch" else {"machine": "riscv64", "flags": []}
+    assert components[component] != value
+    changed = Key.of({**components, component: value})
     manifest = replace(e.manifest, key=changed, fingerprint=fingerprint(changed))
     signed = EntryBundle(manifest, e.contents).signed(load_signing_key(key))  # by the trusted key
     out = tmp_path / "other.tar"
@@ -174,6 +182,27 @@ def test_a_truncated_bundle(good, receiving, tiny_ckpt_ro, tmp_path, cut):
     refused(bad, receiving, tiny_ckpt_ro, trusted, "truncated")
 
 
+def test_a_cache_that_cannot_take_the_entries_installs_none_of_them(good, receiving, tiny_ckpt_ro, tmp_path):
+    """A file-size limit below the largest artifact: a write fails half-way through the import (as
+    a full disk does): one line, and none of the entries is installed, those staged before it too.
+    The receiving cache keeps every file as it was."""
+    bundle, _, trusted = good
+    sizes = [f.size for e in read_bundle(io.BytesIO(bundle.read_bytes()), "x").entries for f in e.manifest.files]
+    limit = max(sizes) - 1
+    assert limit > 64 << 10 and sorted(sizes)[0] <= limit  # room for the small files and some artifacts
+
+    def small_files():  # SIGXFSZ is ignored by Python: a write past the limit is OSError(EFBIG)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    before = listing(receiving)
+    done = import_(bundle, tiny_ckpt_ro, receiving, trusted, preexec_fn=small_files)
+    line = one_line_refusal(done, f"kernel cache {receiving}", "File too large", "nothing was installed")
+    after = listing(receiving)
+    assert [x for x in after if x[1] >= 0] == [x for x in before if x[1] >= 0], line  # every file as it was
+    # the program dirs the staging went in stay, empty (as any writer makes them); no staging dir is left
+    assert all(path.startswith("v1/") and path.count("/") == 1 for path, _ in set(after) - set(before))
+
+
 def test_not_a_tar_at_all(good, receiving, tiny_ckpt_ro, tmp_path):
     _, _, trusted = good
     bad = tmp_path / "bad.tar"
@@ -182,8 +211,6 @@ def test_not_a_tar_at_all(good, receiving, tiny_ckpt_ro, tmp_path):
 
 
 def test_a_fifo_as_the_bundle_never_blocks(good, receiving, tiny_ckpt_ro, tmp_path):
-    import os
-
     _, _, trusted = good
     fifo = tmp_path / "bundle.tar"
     os.mkfifo(fifo)
