@@ -97,7 +97,16 @@ def test_an_imported_entry_keeps_its_origin_in_ls_and_why(shipped, tiny_ckpt_ro,
     why = dsv4("cache", "why", entries[0]["program"], "--model", tiny_ckpt_ro, *LAUNCH, "--kernel-cache-dir", dst)
     assert why.returncode == 0 and f"signed by {kid}" in why.stdout and str(bundle) in why.stdout
     table = dsv4("cache", "ls", "--kernel-cache-dir", dst).stdout
-    assert f"signed by {kid}" in table
+    assert f"from {entries[0]['origin']['host']}, signed by {kid}, {bundle.name} (" in table and " ago)" in table
+
+
+def test_ls_shortens_a_registry_reference_and_says_when_it_came():
+    from store.kernel_cache import Origin
+
+    digest = "0123456789ab" + "f" * 52
+    origin = Origin("builder-1", "fedcba9876543210", f"r.example.com:5000/dsv4/programs@sha256:{digest}", 1000.0)
+    assert origin.short(now=1000.0 + 7200) == \
+        "from builder-1, signed by fedcba9876543210, r.example.com:5000/dsv4/programs@sha256:0123456789ab (2h ago)"
 
 
 def test_another_layout_is_refused_unless_asked_then_installed_as_other_layout(shipped, tiny_ckpt_ro, tmp_path):

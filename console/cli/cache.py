@@ -73,7 +73,7 @@ def _rows(entries: list[kc.Entry], now: float) -> list[list[str]]:
             e.program,
             e.fingerprint[:12],
             e.state,
-            "; ".join(filter(None, [e.reason, str(e.origin) if e.origin else ""])),
+            "; ".join(filter(None, [e.reason, e.origin.short(now) if e.origin else ""])),
             format_size(e.size_bytes),
             f"{format_age(now - e.last_used)} ago" if e.hits else "never",
             str(e.hits),

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from store.fingerprint import UNKNOWN, Change, Key, describe, diff, fingerprint
+from store.units import format_age
 
 FORMAT_VERSION = 1
 VERSION_DIR = f"v{FORMAT_VERSION}"
@@ -99,6 +100,17 @@ class Origin:
 
     def __str__(self) -> str:
         return f"from {self.host}, signed by {self.signer}"
+
+    def short(self, now: float) -> str:
+        """All of it in a table cell: host, signer, the reference shortened (a bundle file's name,
+        a registry digest's first 12 hex digits) and how long ago it was installed."""
+        ref = self.reference
+        if "@sha256:" in ref:
+            head, _, digest = ref.partition("@sha256:")
+            ref = f"{head}@sha256:{digest[:12]}"
+        elif ref.startswith("/"):
+            ref = Path(ref).name
+        return f"{self}, {ref} ({format_age(now - self.time)} ago)"
 
 
 @dataclass(frozen=True)
