@@ -11,10 +11,16 @@ ENVIRONMENT = """environment:
   DSV4_KERNEL_CACHE_MAX_SIZE
                          the kernel cache's size limit: `dsv4 cache gc` evicts down to it, the
                          console shows the disk used against it (default 10G)
-  DSV4_SIGNING_KEY       the private key `dsv4 cache export|push` sign entries with, readable by
-                         its owner only (default <user config dir>/dsv4-console/signing.key)
-  DSV4_TRUSTED_KEYS      the public keys `dsv4 cache import|pull` accept signatures by, one
-                         `NAME KEY ID` line each (`dsv4 keys show`); unset: nothing is installed
+  DSV4_SIGNING_KEY       the private key entries are signed with, readable by its owner only:
+                         by `dsv4 cache export|push`, and by `dsv4 serve` (and the console's
+                         launches) for the programs a host compiles for the others of a service
+                         across hosts (default <user config dir>/dsv4-console/signing.key;
+                         --signing-key FILE instead)
+  DSV4_TRUSTED_KEYS      the public keys whose signed entries are installed, one `NAME KEY ID`
+                         line each (`dsv4 keys show`): by `dsv4 cache import|pull`, and by
+                         `dsv4 serve` (and the console's launches) across hosts instead of
+                         compiling (--trusted-keys FILE instead); unset: nothing from another
+                         host is installed, each host compiles for itself
   DOCKER_CONFIG          where `dsv4 cache push|pull` read registry credentials (config.json, as
                          `docker login` writes them; default ~/.docker)
   DSV4_DATA_DIR          where the embedded default checkpoint lives (<user data dir>/dsv4-console)

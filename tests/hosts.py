@@ -42,30 +42,41 @@ class Host:
     name: str | None
     root: Path
     mount: Path
+    keys_by_flag: bool = False  # its keys named by --signing-key / --trusted-keys, not by the environment
 
     @property
     def model(self) -> Path:
         return self.mount / "model"
 
+    def keys(self) -> dict[str, str]:
+        """Its signing key and (when it has the file) trusted keys, at the shared path: variable → file."""
+        here = self.mount if self.name else self.root
+        return {"DSV4_SIGNING_KEY": str(here / "keys" / "signing.key"),
+                **({"DSV4_TRUSTED_KEYS": str(here / "keys" / "trusted")} if (self.root / "keys" / "trusted").exists()
+                   else {})}
+
     def env(self) -> dict[str, str]:
         """Its user dirs and keys, at the shared path (where the bind puts its own)."""
         here = self.mount if self.name else self.root
         return {"DSV4_STATE_DIR": str(here / "state"), "DSV4_DATA_DIR": str(here / "data"),
-                "DSV4_KERNEL_CACHE_DIR": str(here / "programs"), "DSV4_SIGNING_KEY": str(here / "keys" / "signing.key"),
-                **({"DSV4_TRUSTED_KEYS": str(here / "keys" / "trusted")} if (self.root / "keys" / "trusted").exists()
-                   else {})}
+                "DSV4_KERNEL_CACHE_DIR": str(here / "programs"), **({} if self.keys_by_flag else self.keys())}
+
+    def key_flags(self) -> list[str]:
+        flags = {"DSV4_SIGNING_KEY": "--signing-key", "DSV4_TRUSTED_KEYS": "--trusted-keys"}
+        return [x for var, path in self.keys().items() for x in (flags[var], path)] if self.keys_by_flag else []
 
     def rank(self, rank: int, world: int, port: int, out: Path, *args: str, backend: str = "eager") -> subprocess.Popen:
         """Rank `rank` of `world` serving this host's checkpoint; its events and stderr in `out`."""
         model = self.model if self.name else self.root / "model"
         serve = [sys.executable, "-m", "console.cli", "serve", str(model), "--device", "cpu", "--backend", backend,
                  "--port", "0", "--max-seq", str(MAX_SEQ), "--rendezvous-timeout", "300",
-                 "--events", str(out / f"events-{rank}.jsonl"), *args]
+                 "--events", str(out / f"events-{rank}.jsonl"), *self.key_flags(), *args]
         if self.name:
             script = 'hostname "$1" && mount --bind "$2" "$3" && shift 3 && exec "$@"'
             serve = ["unshare", "--mount", "--uts", "--fork", "sh", "-c", script, "sh", self.name, str(self.root),
                      str(self.mount), *serve]
-        env = {**os.environ, **self.env(), "RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+        env = {**{k: v for k, v in os.environ.items() if k not in ("DSV4_SIGNING_KEY", "DSV4_TRUSTED_KEYS")},
+               **self.env(), "RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(port), "PYTHONPATH": str(REPO)}
         with open(out / f"stderr-{rank}.log", "w") as err:
             return subprocess.Popen(serve, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=err, text=True)

@@ -19,7 +19,8 @@ SAMPLES = {
     "ranks": 2, "max_seq": 512, "max_slots": 7, "max_batch": 3, "memory_utilization": 0.5,
     "device_memory": 8 << 30, "use_sidecar": False, "cold_policy": "read", "ready": "auto", "jobs": 3,
     "speculative": "off", "validate_tokens": 2, "max_body": 1 << 20, "queue_timeout": 2.5, "host": "0.0.0.0",
-    "port": 0, "master_port": 29400, "rendezvous_timeout": 5.0, "rank_timeout": 2.5, "stall_timeout": 30.0, "events": "-",
+    "port": 0, "master_port": 29400, "rendezvous_timeout": 5.0, "rank_timeout": 2.5, "stall_timeout": 30.0,
+    "signing_key": Path("/keys/signing.key"), "trusted_keys": Path("/keys/trusted"), "events": "-",
 }
 COMMANDS = (S.SERVE, S.COMPILE, S.PLAN, S.CONSOLE, S.PREPACK, S.CACHE, S.SIDECAR_PURGE)
 

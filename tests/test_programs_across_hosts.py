@@ -5,10 +5,12 @@ fixed deadline — on a real rendezvous store."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import threading
 import time
+from dataclasses import replace
 from datetime import timedelta
 
 import pytest
@@ -19,7 +21,7 @@ from torch.distributed import TCPStore
 
 from runtime.events import Event
 from runtime.launch.ranks import Group, RankEnv, RankError
-from runtime.launch.share import EACH, ONE_HOST, SHARED, HostView, decide
+from runtime.launch.share import EACH, ONE_HOST, SHARED, HostView, Keys, decide
 
 ALL = ("attn", "moe", "mtp", "embed", "head")
 
@@ -66,6 +68,29 @@ def test_one_host_is_its_own_mode():
 def test_a_host_view_round_trips():
     v = _view(3, "host-c", missing=("attn",), seconds={"attn": 1.5}, trusts=("k1", "k2"))
     assert HostView.from_line(v.line()) == v
+
+
+def test_a_launch_takes_its_keys_from_its_flags_before_the_environment(tmp_path, monkeypatch, tiny_ckpt_ro):
+    from conftest import MAX_SEQ
+
+    from runtime.launch.plan import make_plan
+    from runtime.launch.spec import PLAN, SERVE, LaunchSpec, parse
+    from store.signing import SigningKey
+
+    key = SigningKey.generate("flagged")
+    private, trusted = tmp_path / "signing.key", tmp_path / "trusted"
+    with os.fdopen(os.open(private, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+        f.write(key.line() + "\n")
+    trusted.write_text(key.public.line() + "\n")
+    monkeypatch.setenv("DSV4_SIGNING_KEY", str(tmp_path / "no-such.key"))
+    monkeypatch.delenv("DSV4_TRUSTED_KEYS", raising=False)
+    assert "no trusted keys (--trusted-keys or $DSV4_TRUSTED_KEYS)" in Keys.of(LaunchSpec()).why
+    flags = ["--signing-key", str(private), "--trusted-keys", str(trusted)]
+    keys = Keys.of(parse(flags, SERVE))
+    assert keys.why == "" and keys.signing.public.id == key.public.id and list(keys.trusted.keys) == [key.public.id]
+    plan = make_plan(parse([str(tiny_ckpt_ro), "--backend", "export", "--device", "cpu", "--max-seq", str(MAX_SEQ),
+                            *flags], PLAN))
+    assert f"shipped signed by key {key.public.id}" in plan.across_hosts
 
 
 # ---- waits that follow progress ----------------------------------------------------------------
@@ -177,6 +202,7 @@ def test_a_cold_service_over_two_hosts_compiles_each_program_once_then_each_host
     if why := namespaces_work():
         pytest.skip(why)
     a, b = make_hosts(tmp_path, tiny_ckpt_ro, ["host-a", "host-b"])
+    b = replace(b, keys_by_flag=True)  # host-a's keys from the environment, host-b's from its launch flags
     trust_each_other([a, b])
     events, programs = _served_once(tmp_path / "cold", (a, b))
     sharing = programs[0]["sharing"]

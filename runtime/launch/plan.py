@@ -157,7 +157,7 @@ def make_plan(spec: LaunchSpec, *, history: list[dict[str, Any]] | None = None,
         if plan.backend != "eager":
             from runtime.launch.share import Keys
 
-            plan.across_hosts = Keys.here().line()
+            plan.across_hosts = Keys.of(spec).line()
     plan.sidecar = _sidecar(plan)
     if history is None:
         from store.history import read_history

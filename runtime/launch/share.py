@@ -131,22 +131,24 @@ def _why_not_shared(views: list[HostView]) -> str:
 
 @dataclass(frozen=True)
 class Keys:
-    """This host's signing key and trusted keys, as a launch finds them (env or defaults)."""
+    """This host's signing key and trusted keys, as a launch finds them: its --signing-key and
+    --trusted-keys, else the environment, else the defaults."""
 
     signing: Any = None  # store.signing.SigningKey
     trusted: Any = None  # store.signing.TrustedKeys
     why: str = ""  # why this host cannot share ("" : it can)
 
     @classmethod
-    def here(cls) -> Keys:
+    def of(cls, spec) -> Keys:
+        """The keys a launch of `spec` (runtime.launch.spec.LaunchSpec) uses."""
         from store.errors import UserError
         from store.paths import signing_key_path
         from store.signing import TRUSTED_KEYS_ENV, TrustedKeys, env_path, load_signing_key
 
-        trusted_path = env_path(None, TRUSTED_KEYS_ENV)
+        trusted_path = env_path(spec.trusted_keys, TRUSTED_KEYS_ENV)
         if trusted_path is None:
-            return cls(why=f"no trusted keys (${TRUSTED_KEYS_ENV})")
-        path = signing_key_path()
+            return cls(why=f"no trusted keys (--trusted-keys or ${TRUSTED_KEYS_ENV})")
+        path = signing_key_path(spec.signing_key)
         if not path.exists():
             return cls(why=f"no signing key at {path} (`dsv4 keys generate`)")
         try:
@@ -193,7 +195,7 @@ def before_programs(plan, group, emitter: Emitter, stall: float, compile_share) 
     if leader != group.rank:  # this host's leader compiles (or receives) for it
         group.wait("programs-ready", [leader], "programs", stall=stall, shown=shown)
         return {"host_leader": leader}
-    keys = Keys.here() if len(set(group.hosts)) > 1 else Keys(why="one host")
+    keys = Keys.of(plan.spec) if len(set(group.hosts)) > 1 else Keys(why="one host")
     view = host_view(plan, group.rank, group.hosts[group.rank], keys)
     leaders = sorted({group.leader(r) for r in range(group.world)})
     posted = group.gather("programs-hosts", view.line(), "programs", ranks=leaders, stall=stall, shown=shown)
@@ -253,10 +255,10 @@ def _ship(plan, group, sharing: Sharing, keys: Keys, view: HostView, emitter: Em
                 installed = kc.import_bundle(plan.cache.layout, replace(bundle, entries=wanted), policy, reference)
             except kc.BundleError as e:
                 raise RegistrationError(f"programs: refused the entries of {sharing.host(src)}: {e}") from None
-            received += sum(i.placed for i in installed)
-            received_bytes += sum(f.size for e in wanted for f in e.manifest.files)
             except kc.InstallError as e:
                 raise RegistrationError(f"programs: the entries of {sharing.host(src)}: {e}") from None
+            received += sum(i.placed for i in installed)
+            received_bytes += sum(f.size for e in wanted for f in e.manifest.files)
         seconds = time.perf_counter() - t0
         verify_s += seconds
         if wanted:

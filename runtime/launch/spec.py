@@ -58,6 +58,8 @@ class LaunchSpec:
     rendezvous_timeout: float = 60.0
     rank_timeout: float = 5.0  # a rank whose heartbeat is silent this long is lost
     stall_timeout: float = 600.0  # a rank others wait for may show no progress this long
+    signing_key: Path | None = None  # None: $DSV4_SIGNING_KEY, else the user config dir's signing.key
+    trusted_keys: Path | None = None  # None: $DSV4_TRUSTED_KEYS (unset: no other host's entries)
     events: str | None = None
 
     def with_(self, **changes: Any) -> LaunchSpec:
@@ -199,6 +201,12 @@ FLAGS: tuple[Flag, ...] = (
     Flag("rank_timeout", "--rank-timeout", f"seconds a rank's heartbeat may be silent before the service counts it "
          f"lost (dead, stopped or cut off) and fails closed (default {DEFAULTS.rank_timeout:g})", LAUNCH,
          type=float, metavar="SECONDS", lo=0.5, hi=3600, allowed="0.5 to 3600 seconds"),
+    Flag("signing_key", "--signing-key", "across hosts: the private key this host signs the programs it compiles "
+         "for the others with, readable by its owner only (default $DSV4_SIGNING_KEY, else <user config dir>/"
+         "dsv4-console/signing.key; `dsv4 keys generate` makes one)", (*LAUNCH, PLAN), type=Path, metavar="FILE"),
+    Flag("trusted_keys", "--trusted-keys", "across hosts: the public keys whose signed programs this host installs "
+         "instead of compiling them (default $DSV4_TRUSTED_KEYS; none: each host compiles what it misses)",
+         (*LAUNCH, PLAN), type=Path, metavar="FILE"),
     Flag("events", "--events", "write progress events as JSON lines to FILE (- for stdout)",
          (SERVE, COMPILE, PREPACK), metavar="FILE|-"),
 )
