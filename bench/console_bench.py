@@ -35,7 +35,9 @@ import psutil
 
 from bench.synthetic_cache import synthetic_cache
 
-TARGETS = {"first_paint_s": 1.0, "idle_cpu_percent": 3.0, "fallback_residency_percent": 2.0, "refresh_s": 0.5}
+TARGETS = {"first_paint_s": 1.0, "idle_cpu_percent": 3.0, "fallback_residency_percent": 2.0, "refresh_s": 0.5,
+           "fleet_refresh_s": 2.0}
+FLEET_HOSTS = 16
 SERVICES = 3
 SPARSE_GIB = 300  # a V4-Flash-sized sidecar
 MARKER = b"Quit"  # the footer's first hint: painted with the first full screen
@@ -45,9 +47,10 @@ SIZE = (50, 180)
 
 
 def _env(base: Path) -> dict[str, str]:
+    (base / "run").mkdir(mode=0o700, exist_ok=True)  # the fleet's ssh control sockets: its own, findable
     return {**os.environ, "TERM": "xterm-256color", "DSV4_DEFAULT_PRESET": "tiny",
             "DSV4_DATA_DIR": str(base / "data"), "DSV4_STATE_DIR": str(base / "state"),
-            "DSV4_KERNEL_CACHE_DIR": str(base / "programs")}
+            "DSV4_KERNEL_CACHE_DIR": str(base / "programs"), "XDG_RUNTIME_DIR": str(base / "run")}
 
 
 def _serve(model: Path, base: Path, env: dict[str, str], n: int) -> tuple[list[subprocess.Popen], list[str]]:
@@ -105,6 +108,104 @@ def _refresh_seconds(model: Path, env: dict[str, str], n: int = 10) -> list[floa
     out = subprocess.run([sys.executable, "-c", REFRESH, str(model), str(n)], env=env, capture_output=True,
                          text=True, check=True)
     return json.loads(out.stdout)
+
+
+FLEET_REFRESH = """
+import json, sys, time
+from console.tui.args import build_parser, fleet_setup
+setup = fleet_setup(build_parser().parse_args(["--fleet", sys.argv[1]]))
+try:
+    first = setup.collector.first(300)
+    out, fresh = [], []
+    for _ in range(int(sys.argv[2])):
+        t0 = time.perf_counter()
+        snap = setup.collector.snapshot(wait=30)
+        out.append(time.perf_counter() - t0)
+        fresh.append(sum(r.fresh for r in snap.hosts))
+        time.sleep(0.5)
+    print(json.dumps({"seconds": out, "fresh": fresh, "errors": [r.error for r in first.hosts if r.error]}))
+finally:
+    setup.close()
+"""
+
+
+def _tree_cpu(ps: psutil.Process, control: str) -> float:
+    """CPU seconds of the console, its live children (the ssh clients of its streams) and the ssh
+    masters sharing its connections (daemons once forked: found by their control socket dir)."""
+    total = _cpu(ps)
+    with contextlib.suppress(psutil.Error):
+        for child in ps.children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                total += _cpu(child)
+    for proc in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error, TypeError):
+            if any(control in arg for arg in proc.info["cmdline"] or ()) and "[mux]" in " ".join(proc.info["cmdline"]):
+                total += _cpu(proc)
+    return total
+
+
+def measure_fleet(hosts: int = 16, idle_seconds: float = 30.0, interval: float = 2.0) -> dict[str, Any]:
+    """`hosts` namespaced sshd hosts on loopback (bench.ssh_hosts), each with a tiny checkpoint:
+    a refresh's seconds (every host asked for a snapshot and answered, median and worst of ten),
+    then the fleet console in a pseudo-terminal: first paint with every host reachable, and its
+    CPU while idle (its ssh clients and masters included)."""
+    import shutil
+
+    from bench.ssh_hosts import fleet_file, ssh_hosts
+
+    sshd = shutil.which("sshd") or next((p for p in ("/usr/sbin/sshd",) if os.access(p, os.X_OK)), None)
+    if sshd is None or os.geteuid() != 0:
+        return {"hosts": hosts, "skipped": "needs root and sshd (Debian's openssh-server)"}
+    with tempfile.TemporaryDirectory(prefix="dsv4-fleet-bench-") as tmp:
+        base = Path(tmp)
+        env = _env(base)
+        model = base / "model"
+        subprocess.run([sys.executable, "-m", "console.cli", "synth", "--preset", "tiny", str(model)],
+                       env=env, check=True, capture_output=True)
+        names = [f"host-{i:02d}" for i in range(hosts)]
+        with ssh_hosts(base / "bed", names, sshd, model=model) as (bed, config):
+            path = fleet_file(base / "fleet.toml", bed, config,
+                              launch={"model": str(bed[0].mount / "model"), "backend": "export", "max_seq": 64})
+            out = subprocess.run([sys.executable, "-c", FLEET_REFRESH, str(path), "10"], env=env, capture_output=True,
+                                 text=True, check=True)
+            refresh = json.loads(out.stdout)
+            master, slave = pty.openpty()
+            fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", SIZE[0], SIZE[1], 0, 0))
+            t0 = time.perf_counter()
+            proc = subprocess.Popen([sys.executable, "-m", "console.tui.app", "--readonly", "--fleet", str(path),
+                                     "--interval", str(interval)], stdin=slave, stdout=slave, stderr=slave, env=env,
+                                    close_fds=True, start_new_session=True)
+            os.close(slave)
+            stop = threading.Event()
+            try:
+                ready = _wait_for(master, f"({hosts} reachable)".encode(), timeout=300.0)
+                if ready is None:
+                    raise RuntimeError(f"the fleet console did not show {hosts} reachable hosts within 300 s")
+                threading.Thread(target=_drain, args=(master, stop), daemon=True).start()
+                time.sleep(min(3.0, idle_seconds))
+                ps = psutil.Process(proc.pid)
+                c0, w0 = _tree_cpu(ps, env["XDG_RUNTIME_DIR"]), time.perf_counter()
+                time.sleep(idle_seconds)
+                c1, w1 = _tree_cpu(ps, env["XDG_RUNTIME_DIR"]), time.perf_counter()
+                own = _cpu(ps)
+            finally:
+                stop.set()
+                with contextlib.suppress(ProcessLookupError):
+                    proc.terminate()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(10)
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+                os.close(master)
+    seconds = sorted(refresh["seconds"])
+    idle_cpu = 100.0 * (c1 - c0) / (w1 - w0)
+    return {"hosts": hosts, "refresh_median_s": round(seconds[len(seconds) // 2], 4),
+            "refresh_max_s": round(seconds[-1], 4), "fresh": refresh["fresh"], "errors": refresh["errors"],
+            "all_reachable_s": round(ready - t0, 3), "idle_cpu_percent": round(idle_cpu, 2),
+            "console_cpu_s": round(own, 2), "idle_seconds": idle_seconds, "interval_s": interval,
+            "met": {"fleet_refresh_s": seconds[-1] <= TARGETS["fleet_refresh_s"],
+                    "idle_cpu_percent": idle_cpu <= TARGETS["idle_cpu_percent"]}}
 
 
 def measure(idle_seconds: float = 30.0, interval: float = 2.0, services: int = 0) -> dict[str, Any]:
@@ -268,6 +369,19 @@ def _table(r: dict[str, Any]) -> None:
         (f"kernel cache view of {r['cache_entries']} entries: key to contents", f"{r['cache_shown_s']:.3f} s", "",
          ""),
     ]
+    fl = r.get("fleet")
+    if fl and "skipped" not in fl:
+        rows += [
+            (f"a fleet refresh, {fl['hosts']} hosts over ssh (median · worst of 10)",
+             f"{fl['refresh_median_s']:.3f} · {fl['refresh_max_s']:.3f} s", f"≤ {TARGETS['fleet_refresh_s']} s",
+             "yes" if fl["met"]["fleet_refresh_s"] else "NO"),
+            (f"idle CPU with {fl['hosts']} hosts (console + its ssh clients and masters)",
+             f"{fl['idle_cpu_percent']:.2f} % of one core", f"≤ {TARGETS['idle_cpu_percent']} %",
+             "yes" if fl["met"]["idle_cpu_percent"] else "NO"),
+            (f"  start to all {fl['hosts']} hosts reachable on screen", f"{fl['all_reachable_s']:.2f} s", "", ""),
+        ]
+    elif fl:
+        rows.append((f"fleet of {fl['hosts']} hosts", fl["skipped"], "", ""))
     f = r.get("residency_fallback")
     if f:
         rows += [
@@ -282,10 +396,12 @@ def _table(r: dict[str, Any]) -> None:
           "(another process's load shows up in first paint)")
 
 
-def main(json_output: bool = False, idle_seconds: float = 30.0) -> int:
+def main(json_output: bool = False, idle_seconds: float = 30.0, fleet_hosts: int = FLEET_HOSTS) -> int:
     result = measure(idle_seconds)
     result["with_services"] = measure(idle_seconds, services=SERVICES)
     result["residency_fallback"] = residency_fallback()
+    if fleet_hosts:
+        result["fleet"] = measure_fleet(fleet_hosts, idle_seconds)
     if json_output:
         print(json.dumps(result, indent=2))
     else:

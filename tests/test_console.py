@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import socket
 import subprocess
 import sys
 import textwrap
@@ -14,7 +15,7 @@ import pytest
 from console_fakes import SPEC, FakeCollectors, fake_app, record, snapshot
 from textual.widgets import DataTable
 
-from console.data.collectors import collect_device, default_model_dir, predict
+from console.data.collectors import SCHEMA_VERSION, collect_device, default_model_dir, predict
 from console.data.launch_state import DONE, LaunchState
 from console.tui.app import MUTATING, Dsv4Console
 from console.tui.screens.confirm import ConfirmScreen
@@ -107,9 +108,10 @@ def test_once_json_prints_every_pane(tmp_path, tiny_ckpt_ro):
                           "--kernel-cache-dir", str(tmp_path / "programs"), "--device", "cpu"],
                          cwd=REPO, capture_output=True, text=True, timeout=60, check=True)
     data = json.loads(out.stdout)
-    assert data["v"] == 4 and data["host_name"] == "local"
+    assert data["v"] == SCHEMA_VERSION and data["host_name"] == "local" and data["hostname"] == socket.gethostname()
     assert set(data) >= {"settings", "plan", "programs", "cache", "sidecars", "services", "host", "device",
-                         "registration"}
+                         "registration", "toolchain", "nodes"}
+    assert data["toolchain"]["torch"] and data["toolchain"]["dsv4"]
     assert data["sidecars"]["sidecars"][0]["next_launch"] == "REPACK (missing)"
     assert data["plan"]["sidecar"]["reason"] == "missing"
     assert {p["state"] for p in data["plan"]["programs"]} == {"MISS"}  # an empty cache

@@ -21,6 +21,8 @@ GROUPS = (
     "console.cli.sidecar",
     "console.cli.serve",
     "console.cli.prepack",
+    "console.cli.node",
+    "console.cli.snapshot",
     "console.cli.bench",
 )
 

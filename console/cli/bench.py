@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from store.errors import UserError
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     group = subparsers.add_parser(
@@ -40,15 +42,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     con = sub.add_parser(
         "console",
-        help="dsv4-console: first paint, idle CPU (alone and beside 3 loaded services), refresh seconds, "
-        "residency refresh of a 300 GiB sidecar on mincore",
+        help="dsv4-console: first paint, idle CPU (alone, beside 3 loaded services, with 16 fleet hosts), "
+        "refresh seconds, residency refresh of a 300 GiB sidecar on mincore",
         description="Start dsv4-console in a pseudo-terminal on a tiny checkpoint: time to first "
         "paint, then its CPU use while idle (default 30 s at the default 2 s interval); again while "
         "three `dsv4 serve` of it run under load (targets: <= 3 %% of a core, a refresh <= 0.5 s); then the "
         "residency refresh of a 300 GiB sparse sidecar on the mincore fallback (kernels before "
-        "6.5): one sample, and the console's schedule over 300 refreshes (target <= 2 %% of a core).",
+        "6.5): one sample, and the console's schedule over 300 refreshes (target <= 2 %% of a core); then a "
+        "fleet of --fleet-hosts namespaced sshd hosts on loopback (as root): a refresh of every host (target "
+        "<= 2 s) and the fleet console's idle CPU, its ssh clients and masters included (target <= 3 %%).",
     )
     con.add_argument("--idle-seconds", type=float, default=30.0, help="idle window (default 30)")
+    con.add_argument("--fleet-hosts", type=int, default=16, metavar="N", help="hosts of the fleet part (default 16; "
+                     "0 leaves it out)")
     con.add_argument("--json", action="store_true", help="print one JSON object")
     con.set_defaults(func=_console)
 
@@ -248,7 +254,9 @@ def _sidecar(args: argparse.Namespace) -> int:
 def _console(args: argparse.Namespace) -> int:
     from bench.console_bench import main
 
-    return main(json_output=args.json, idle_seconds=args.idle_seconds)
+    if args.fleet_hosts < 0:
+        raise UserError("--fleet-hosts: 0 or more")
+    return main(json_output=args.json, idle_seconds=args.idle_seconds, fleet_hosts=args.fleet_hosts)
 
 
 def _service(args: argparse.Namespace) -> int:

@@ -10,14 +10,16 @@ fake ones. Every collector turns its own failure into an `error` string on its s
 from __future__ import annotations
 
 import dataclasses
+import socket
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from console.data.cache import CacheSnapshot
 from console.data.host import DeviceSnapshot, HostCollector, HostSnapshot, collect_device
+from console.data.nodes import node_views
 from console.data.plan_watch import PlanWatch
 from console.data.services import ServicesCollector, ServicesSnapshot
 from runtime.launch.history import Likeness, basis_line, comparable, is_warm, launch_seconds
@@ -28,9 +30,14 @@ from store.paths import default_model_dir, default_preset, kernel_cache_dir  # n
 from store.sidecar.verdict import MAP, REPACK
 from store.units import format_size
 
+HISTORY_SHIPPED = 50  # launch records a snapshot carries when asked for them
 RESIDENCY_DRIFT = 0.02  # a fresh sample this far from the plan's re-plans (hot/cold may have flipped)
-SCHEMA_VERSION = 4  # 4: `host_name`; each service with its identity, /health, serving figures and ending
+SCHEMA_VERSION = 5  # 5: `hostname`, `toolchain`, `nodes`, the sidecar's free disk; from_json
 LOCAL = "local"
+
+
+class SnapshotVersionError(ValueError):
+    """A snapshot of another schema version (another dsv4 on that host): said, never a KeyError."""
 
 
 def resolved(spec: LaunchSpec) -> LaunchSpec:
@@ -64,6 +71,11 @@ class SidecarsSnapshot:
     sidecars: tuple[dict[str, Any], ...] = ()  # the plan's sidecar + sampled_at/next_launch/wanted; other files
     judged_against: str = "the live checkpoint and packer (the plan)"
     error: str = ""
+    disk_free: int | None = None  # on the filesystem the next launch's sidecar is (or would be) written to
+
+    def wanted(self) -> dict[str, Any] | None:
+        """The sidecar the next launch maps or replaces."""
+        return next((r for r in self.sidecars if r.get("wanted")), None)
 
 
 @dataclass(frozen=True)
@@ -88,13 +100,71 @@ class Snapshot:
     services: ServicesSnapshot = field(default_factory=ServicesSnapshot)
     plan: dict[str, Any] | None = None  # runtime.launch.plan.Plan.to_json()
     cache: CacheSnapshot = field(default_factory=CacheSnapshot)  # every entry under the kernel cache root
-    host_name: str = LOCAL  # which host this is the snapshot of (this one: local)
+    host_name: str = LOCAL  # which host this is the snapshot of (this one: local; a fleet's: its name)
+    hostname: str = ""  # what that host calls itself (the name its ranks and events carry)
+    toolchain: dict[str, str] = field(default_factory=dict)  # dsv4, torch, python, device, compiler, env
+    nodes: tuple[dict[str, Any], ...] = ()  # service nodes `dsv4 node start` runs here (store.nodes)
+    history: tuple[dict[str, Any], ...] = ()  # the launch history's last records, when asked for (a fleet's `h`)
+
+    PARTS: ClassVar[tuple[str, ...]] = ("programs", "cache", "sidecars", "host", "device", "registration")
 
     def to_json(self) -> dict[str, Any]:
-        return {"v": SCHEMA_VERSION, "host_name": self.host_name, "ts": self.ts, "settings": self.settings,
+        return {"v": SCHEMA_VERSION, "host_name": self.host_name, "hostname": self.hostname, "ts": self.ts,
+                "settings": self.settings, "toolchain": self.toolchain, "nodes": list(self.nodes),
+                "history": list(self.history),
                 "plan": self.plan, "services": self.services.to_json(),
-                **{k: dataclasses.asdict(getattr(self, k))
-                   for k in ("programs", "cache", "sidecars", "host", "device", "registration")}}
+                **{k: dataclasses.asdict(getattr(self, k)) for k in self.PARTS}}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any], host_name: str | None = None) -> Snapshot:
+        """`to_json`'s inverse (another host's snapshot, read over SSH); one of another schema
+        version is a SnapshotVersionError naming both versions."""
+        if not isinstance(raw, dict) or "v" not in raw:
+            raise SnapshotVersionError("not a dsv4 snapshot (no version)")
+        if raw["v"] != SCHEMA_VERSION:
+            newer = "a newer" if isinstance(raw["v"], int) and raw["v"] > SCHEMA_VERSION else "an older"
+            raise SnapshotVersionError(f"another version of the snapshot: v{raw['v']} there ({newer} dsv4), "
+                                       f"v{SCHEMA_VERSION} here")
+        types = {"programs": ProgramsSnapshot, "cache": CacheSnapshot, "sidecars": SidecarsSnapshot,
+                 "host": HostSnapshot, "device": DeviceSnapshot, "registration": RegistrationSnapshot}
+        parts = {k: value_of(types[k], raw.get(k) or {}) for k in cls.PARTS}
+        return cls(float(raw.get("ts") or 0.0), dict(raw.get("settings") or {}), parts["programs"],
+                   parts["sidecars"], parts["host"], parts["device"], parts["registration"],
+                   services_of(raw.get("services") or {}), raw.get("plan"), parts["cache"],
+                   host_name or str(raw.get("host_name") or LOCAL), str(raw.get("hostname") or ""),
+                   dict(raw.get("toolchain") or {}), tuple(raw.get("nodes") or ()), tuple(raw.get("history") or ()))
+
+
+def value_of(cls: type, raw: dict[str, Any]) -> Any:
+    """A frozen dataclass from its `asdict` form: unknown keys dropped, lists back to tuples
+    where the field is a tuple (a field the sender lacks keeps its default)."""
+    kinds = {f.name: str(f.type) for f in dataclasses.fields(cls)}
+    values = {}
+    for name, kind in kinds.items():
+        if name not in raw:
+            continue
+        value = raw[name]
+        if kind.startswith("tuple") and isinstance(value, list):
+            value = tuple(value)
+        elif kind.startswith("dict") and isinstance(value, dict) and "tuple" in kind:
+            value = {k: tuple(v) if isinstance(v, list) else v for k, v in value.items()}
+        values[name] = value
+    return cls(**values)
+
+
+def services_of(raw: dict[str, Any]) -> ServicesSnapshot:
+    """ServicesSnapshot.to_json's inverse: each view's record, /health and serving figures."""
+    from console.data.services import ServiceView, Serving
+    from runtime.serve.contract import Health
+    from store.services import Service
+
+    views = []
+    for v in raw.get("services") or ():
+        detail = Health.from_json(v["detail"]) if v.get("detail") else None
+        serving = value_of(Serving, v["serving"]) if v.get("serving") else None
+        views.append(ServiceView(Service.from_json(v), str(v.get("health") or ""), detail, str(v.get("problem") or ""),
+                                 serving))
+    return ServicesSnapshot(tuple(views), str(raw.get("error") or ""))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -130,7 +200,20 @@ def sidecars_of(plan: dict[str, Any], model_dir: Path, now: float) -> SidecarsSn
         rows.append({"path": str(p), "verdict": "-", "reason": "", "detail": "", "residency": None,
                      "size_bytes": _size(p), "sampled_at": None, "wanted": False,
                      "next_launch": f"not used (ranks {sc.ranks_of(p)})"})
-    return SidecarsSnapshot(str(model_dir), tuple(rows))
+    return SidecarsSnapshot(str(model_dir), tuple(rows), disk_free=_free(Path(judged.get("path") or model_dir)))
+
+
+def _free(path: Path) -> int | None:
+    """Free bytes on the filesystem `path` is (or would be) on: its nearest existing parent's."""
+    import os
+
+    for p in (path, *path.parents):
+        try:
+            st = os.statvfs(p)
+        except OSError:
+            continue
+        return st.f_bavail * st.f_frsize
+    return None
 
 
 def _size(path: Path) -> int:
@@ -214,6 +297,7 @@ class Collectors:
         self.plans = PlanWatch(spec)
         self._history: list[dict[str, Any]] = []
         self._history_stamp: tuple[int, int] | None = None
+        self._toolchain: dict[str, str] | None = None
 
     def history(self) -> list[dict[str, Any]]:
         """The launch history, re-read only when the file changed (it only grows)."""
@@ -251,7 +335,8 @@ class Collectors:
         return {**plan, "sidecar": {**side, "residency": res.fraction, "residency_method": res.method,
                                     "sampled_at": res.sampled_at}}
 
-    def snapshot(self) -> Snapshot:
+    def snapshot(self, with_history: bool = False) -> Snapshot:
+        """Every pane's data now; `with_history`: the launch history's last records too."""
         s = self.spec
         now = time.time()
         history = self.history()
@@ -261,4 +346,16 @@ class Collectors:
         settings["device"] = self.device_kind
         return Snapshot(now, settings, programs_of(plan, s.kernel_cache_dir), sidecars_of(plan, s.model, now),
                         self.host(), device, predict(s, history, plan, device), self.services(), plan,
-                        self.plans.cache)
+                        self.plans.cache, LOCAL, socket.gethostname(), self.toolchain(), node_views(),
+                        tuple(history[-HISTORY_SHIPPED:]) if with_history else ())
+
+    def toolchain(self) -> dict[str, str]:
+        """This host's toolchain (read once: it changes only with an install, which restarts us)."""
+        if self._toolchain is None:
+            from console.data.toolchain import toolchain
+
+            try:
+                self._toolchain = toolchain(self.device_kind)
+            except Exception as e:  # a collector never takes the console down
+                self._toolchain = {"error": f"{type(e).__name__}: {e}"}
+        return self._toolchain

@@ -79,17 +79,19 @@ class Dsv4Console(App):
                 tooltip="forget the ended service selected in Services (it stays a row until then)"),
         Binding("L", "service_log", "Service log", id="service-log", show=False,
                 tooltip="the log of the service selected in Services (tab: each rank's; / searches)"),
+        Binding("F", "fleet", "Fleet", id="fleet", show=False,
+                tooltip="--hosts/--fleet: back to every host of the service"),
     ]
 
     def __init__(self, spec: LaunchSpec, *, collectors: Any | None = None, readonly: bool = False,
                  interval: float = 2.0, watch: bool = True, create_default: bool = True,
-                 stop_timeout: float = 10.0):
+                 stop_timeout: float = 10.0, fleet: Any | None = None):
         """`spec`: what the console was started with (its model and kernel cache dir resolved):
         every action it starts carries it (`w` compiles for it, `l` launches it, `p` packs for its
         ranks, `x` purges by its plan)."""
         super().__init__()
         self.spec = spec
-        self.collectors = collectors or Collectors(spec)
+        self.collectors = collectors or (fleet.collector if fleet is not None else Collectors(spec))
         self.readonly, self.interval, self.watch_files = readonly, interval, watch
         self.create_default = create_default
         self.snapshot: Snapshot | None = None
@@ -100,6 +102,15 @@ class Dsv4Console(App):
         self.files = FileWatch(self)
         self.first_paint: float | None = None
         self._before_filter: Any = None  # the widget focused when `/` opened the filter
+        # --hosts/--fleet (console.fleet.collector.FleetSetup): the fleet screen first; the one-host
+        # panes show the host chosen there, from its snapshots (its actions run from the fleet screen)
+        self.fleet = None
+        if fleet is not None:
+            from console.tui.control.fleet import FleetControl
+
+            self.fleet = FleetControl(self, fleet)
+            self.create_default = self.watch_files = False
+        self.remote: str | None = None  # the fleet host the panes show (None: this host)
 
     # what the controllers hold, by the names the panes and tests read
     jobs = property(lambda self: self.jobs_control.jobs)
@@ -144,6 +155,11 @@ class Dsv4Console(App):
 
     def on_mount(self) -> None:
         self._fit(self.size.width, self.size.height)
+        if self.fleet is not None:
+            from console.tui.screens.fleet import FleetScreen
+
+            self.install_screen(FleetScreen(self.fleet, self.interval), name="fleet")
+            self.push_screen("fleet")
         # collect after the first paint: the empty screen shows at once, data follows
         self.call_after_refresh(self.refresh_now)
         if self.interval > 0:
@@ -192,6 +208,8 @@ class Dsv4Console(App):
         else:
             service = f"[dim]l binds {s.host}:{s.port}[/]"
         settings = [f"device {device}", f"backend {s.backend}"] + ([f"ranks {s.ranks}"] if s.ranks > 1 else [])
+        if self.remote:
+            parts.insert(0, f"[b reverse] {self.remote} [/] [dim]over ssh · F: the fleet[/]")
         if self.readonly:
             parts.append("[b reverse] READ-ONLY [/]")
         parts += [service, *settings] if compact else [*settings, service]
@@ -205,6 +223,8 @@ class Dsv4Console(App):
     # -- snapshots ----------------------------------------------------------------------------
 
     def refresh_now(self) -> None:
+        if self.fleet is not None and self.remote is None:
+            return  # no host chosen yet: the fleet screen collects every host itself
         if getattr(self.collectors, "inline", False):  # fake collectors: no thread, deterministic paints
             self.apply_snapshot(self.collectors.snapshot())
             return
@@ -261,10 +281,10 @@ class Dsv4Console(App):
             show(DevicePane, snap.device)
         if changed("registration"):
             self.show_registration()
-        if old is None:
+        if old is None and self.remote is None:
             self.service_control.attach()
         self.topbar()
-        if self.watch_files:
+        if self.watch_files and self.remote is None:
             self.files.rearm()
 
     def show_registration(self) -> None:
@@ -316,7 +336,8 @@ class Dsv4Console(App):
         self.push_screen(HelpScreen(self.all_bindings(), MUTATING, self.readonly))
 
     def all_bindings(self) -> list[Binding]:
-        return [b for b in [*self.BINDINGS, *PaneTable.BINDINGS] if isinstance(b, Binding)]
+        return [b for b in [*self.BINDINGS, *PaneTable.BINDINGS]
+                if isinstance(b, Binding) and (b.id != "fleet" or self.fleet is not None)]
 
     def action_history(self) -> None:
         history = self.collectors.history() if hasattr(self.collectors, "history") else []
@@ -410,6 +431,10 @@ class Dsv4Console(App):
     def action_mutate(self, name: str) -> None:
         if name not in MUTATING:
             raise ValueError(f"unknown action {name}")
+        if self.fleet is not None:
+            self.notify(f"{name}: the panes of {self.remote or 'a fleet host'} only show; act on hosts from the "
+                        f"fleet screen (F)", severity="warning")
+            return
         if self.readonly:
             self.refused.append(name)
             self.notify(f"read-only: {name} refused", severity="warning")
@@ -418,6 +443,44 @@ class Dsv4Console(App):
         jobs, service = self.jobs_control, self.service_control
         {"create": jobs.create, "prepack": jobs.prepack, "warm": jobs.warm, "purge": jobs.purge,
          "launch": service.launch_new, "stop": service.stop, "dismiss": service.dismiss}[name]()
+
+    # -- the fleet ----------------------------------------------------------------------------------
+
+    def show_host(self, name: str) -> None:
+        """The one-host panes, fed by `name`'s snapshots (the fleet screen's Enter)."""
+        from console.fleet.collector import HostCollectors
+
+        self.remote, self.snapshot = name, None
+        self.collectors = HostCollectors(self.fleet.collector, name)
+        self.pop_screen()
+        self.refresh_now()
+
+    def action_fleet(self) -> None:
+        if self.fleet is not None and not isinstance(self.screen, type(self.get_screen("fleet"))):
+            self.push_screen("fleet")
+
+    def _fleet_screen(self) -> Any:
+        if self.fleet is None:
+            return None
+        screen = self.get_screen("fleet")
+        return screen if screen.is_attached else None
+
+    def fleet_line(self, host: str, text: str) -> None:
+        from rich.markup import escape
+
+        screen = self._fleet_screen()
+        if screen is not None:
+            screen.add_line(host, escape(text))
+
+    def fleet_changed(self) -> None:
+        screen = self._fleet_screen()
+        if screen is not None:
+            screen.show()
+
+    def fleet_refresh(self) -> None:
+        screen = self._fleet_screen()
+        if screen is not None:
+            screen.action_refresh()
 
     # -- quit -----------------------------------------------------------------------------------
 

@@ -27,6 +27,7 @@ COLUMNS = (
     Column("weights", "weights", 22),
     Column("kv", "kv", 9),
     Column("model", "model", 16),
+    Column("host", "host", 10),
     Column("pid", "pid", 7),
     Column("error", "error", 30),
 )
@@ -43,7 +44,7 @@ def cells(r: dict[str, Any]) -> dict[str, str]:
     return {"started": time.strftime("%m-%d %H:%M:%S", time.localtime(r.get("started") or 0)),
             "outcome": f"[{color}]{r.get('outcome')}[/]", "total": fmt.secs(r["total"]),
             "programs": r["programs"], "weights": r["weights"], "kv": r["kv"],
-            "model": Path(str(r.get("model", ""))).name, "pid": str(r.get("pid", "")),
+            "model": Path(str(r.get("model", ""))).name, "host": str(r.get("host", "")), "pid": str(r.get("pid", "")),
             "error": str(r.get("error") or "")}
 
 

@@ -1,0 +1,201 @@
+"""A fleet's rows: one per host, from its snapshot and what the other hosts' snapshots say of it
+(the service's ranks that run there, as rank 0's /health reports them; the toolchain components
+where it differs from the rest)."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import Any
+
+from console import fmt
+from console.data.collectors import Snapshot
+from console.data.services import ServiceView
+from console.data.toolchain import ORDER
+from runtime.events import REGISTRATION
+from runtime.programs.outcome import Outcome
+
+SHORT = 28  # a toolchain value in a drift line
+
+
+def _short(value: str) -> str:
+    return value if len(value) <= SHORT else value[: SHORT - 1] + "…"
+
+
+def drift(readings) -> dict[str, tuple[str, ...]]:
+    """host → each toolchain component where it differs from what most hosts have, in words:
+    `torch 2.12.1 here, 2.13.0 on 3 others`. Hosts without a snapshot take no part."""
+    tools = {r.host: r.snapshot.toolchain for r in readings if r.snapshot is not None and r.snapshot.toolchain}
+    out: dict[str, tuple[str, ...]] = {}
+    if len(tools) < 2:
+        return out
+    keys = [k for k in ORDER if any(k in t for t in tools.values())]
+    keys += sorted({k for t in tools.values() for k in t} - set(keys) - {"error"})
+    for host, mine in tools.items():
+        lines = []
+        for key in keys:
+            counts = Counter(t.get(key, "-") for t in tools.values())
+            common, n = counts.most_common(1)[0]
+            here = mine.get(key, "-")
+            if here == common and n > len(tools) / 2:
+                continue
+            if key == "torch.git" and mine.get("torch") != common and "torch" in mine:
+                continue  # another torch says it already
+            others = Counter(t.get(key, "-") for h, t in tools.items() if h != host and t.get(key, "-") != here)
+            if not others:
+                continue
+            elsewhere = ", ".join(f"{_short(v)} on {c} other{'s' if c > 1 else ''}" for v, c in others.most_common(2))
+            lines.append(f"{key} {_short(here)} here, {elsewhere}")
+        if lines:
+            out[host] = tuple(lines)
+    return out
+
+
+def service_of(snap: Snapshot) -> ServiceView | None:
+    """The service this host serves: a live one first, else the one that ended last."""
+    views = snap.services.services
+    live = [v for v in views if not v.ended]
+    if live:
+        return live[0]
+    ended = [v for v in views if v.record.ending is not None]
+    return max(ended, key=lambda v: v.record.ending.at) if ended else None
+
+
+def _programs(snap: Snapshot) -> str:
+    counts = Counter(e.get("state") for e in snap.programs.entries)
+    return " ".join(f"{s.value} {counts[s]}" for s in Outcome if counts[s]) or ("-" if not snap.programs.error else "?")
+
+
+def _sidecar(snap: Snapshot) -> str:
+    row = snap.sidecars.wanted()
+    if row is None:
+        return "-"
+    residency = row.get("residency")
+    verdict = str(row.get("verdict") or "-")
+    return f"{verdict} {residency:.0%}" if isinstance(residency, int | float) else verdict
+
+
+def _device(snap: Snapshot) -> str:
+    d = snap.device
+    if d.error:
+        return d.error
+    total = sum(x.get("total", 0) for x in d.devices)
+    used = sum(x.get("used", 0) for x in d.devices)
+    kv = f" · KV {d.slots}/{d.fits}" if d.slots is not None else ""
+    return f"{fmt.size(used)}/{fmt.size(total)}{kv}" if total else f"-{kv}"
+
+
+def _room(snap: Snapshot) -> tuple[str, bool]:
+    """Free disk where the sidecar is written, and page-cache room for it (memory available
+    against its size): `disk 40 GiB · cache 18 GiB`, and False when either is short."""
+    row = snap.sidecars.wanted() or {}
+    need = row.get("expected_bytes") or row.get("size_bytes") or 0
+    disk = snap.sidecars.disk_free
+    room = snap.host.mem_available
+    short = bool(need) and ((disk is not None and row.get("verdict") != "MAP" and disk < need) or room < need)
+    return f"disk {fmt.size(disk) if disk is not None else '?'} · cache {fmt.size(room)}", not short
+
+
+def _ranks_here(readings, hostname: str) -> list:
+    """The ranks of any fleet service that run on `hostname`, as their rank 0 reports them."""
+    out = []
+    for r in readings:
+        if r.snapshot is None:
+            continue
+        for v in r.snapshot.services.services:
+            if not v.ended:
+                out += [rank for rank in v.ranks if rank.host == hostname]
+    return out
+
+
+def _node(snap: Snapshot) -> dict[str, Any] | None:
+    return snap.nodes[0] if snap.nodes else None
+
+
+def _eta(r: dict[str, Any]) -> float | None:
+    """Seconds left in a rank's phase at the rate it has shown (None: nothing to go by)."""
+    done, total, since, ts = r.get("done"), r.get("total"), r.get("since"), r.get("ts")
+    if not all(isinstance(x, int | float) for x in (done, total, since, ts)) or done <= 0 or ts <= since:
+        return None
+    return (total - done) * (ts - since) / done
+
+
+def registering(snap: Snapshot) -> list[dict[str, Any]]:
+    """The ranks of this host's running node still in registration (phase before serve)."""
+    node = _node(snap)
+    if not node or node.get("state") != "running":
+        return []
+    return [r for r in node.get("ranks") or () if r.get("phase") in REGISTRATION and r.get("state") != "error"]
+
+
+def slowest(readings) -> str:
+    """While a service registers across hosts: the host furthest behind, and where it is."""
+    behind = []
+    for r in readings:
+        for rank in registering(r.snapshot) if r.snapshot is not None else ():
+            done, total = rank.get("done"), rank.get("total")
+            fraction = done / total if isinstance(done, int | float) and isinstance(total, int | float) and total else 0
+            behind.append((REGISTRATION.index(rank["phase"]), fraction, r.host, rank))
+    if len({b[2] for b in behind}) < 2:
+        return ""
+    _, _, host, rank = min(behind, key=lambda b: (b[0], b[1]))
+    step = f" {rank['done']:g}/{rank['total']:g}" if isinstance(rank.get("total"), int | float) and rank.get("done") else ""
+    return f"slowest: {host} ({rank['phase']}{step})"
+
+
+def _phases(snap: Snapshot, ranks: list, now: float) -> str:
+    """Each rank here: its phase as rank 0's /health reports it, else (while it registers, before
+    /health knows it) as its own events say, with n/total and ETA; and the oldest heartbeat."""
+    live = {x.rank: x for x in ranks}
+    node = _node(snap)
+    parts = []
+    for r in (node.get("ranks") or ()) if node and node.get("state") == "running" else ():
+        if r["rank"] in live and live[r["rank"]].phase:
+            continue
+        done, total = r.get("done"), r.get("total")
+        step = f" {done:g}/{total:g}" if isinstance(done, int | float) and isinstance(total, int | float) else ""
+        eta = _eta(r) if r.get("state") == "running" else None
+        step += f" ETA {fmt.duration(eta)}" if eta is not None else ""
+        parts.append(f"r{r['rank']} {r.get('phase', '?')}{step}{'✗' if r.get('state') == 'error' else ''}")
+    parts += [f"r{x.rank} {x.phase or '-'}" + (" ✗" if x.error else "") for x in ranks]
+    beats = [x.heartbeat_age for x in ranks if x.heartbeat_age is not None]
+    if beats:
+        parts.append(f"beat {max(beats):.1f} s")
+    return " ".join(parts) or "-"
+
+
+def _service_state(snap: Snapshot, view: ServiceView | None) -> str:
+    node = _node(snap)
+    if view is not None:
+        if view.ended:
+            return f"ended: {view.ending_line()}"
+        reason = view.detail.reason if view.detail is not None and not view.detail.ok else ""
+        return f"{view.state}: {reason}" if reason else view.state
+    return f"node {node.get('state', '?')}" if node is not None else "-"
+
+
+def rows(fleet_snapshot, now: float | None = None) -> list[dict[str, Any]]:
+    """One row per host (sortable values under their column keys, the reading under `reading`)."""
+    now = now or time.time()
+    readings = fleet_snapshot.hosts
+    drifts = drift(readings)
+    out = []
+    for r in readings:
+        row: dict[str, Any] = {"host": r.host, "node": r.node_rank, "reading": r, "drift": drifts.get(r.host, ())}
+        snap = r.snapshot
+        if not r.reachable or snap is None:
+            row.update(reach="✗", state=r.error or "unreachable", ok=False)
+            out.append(row)
+            continue
+        view = service_of(snap)
+        ranks = _ranks_here(readings, snap.hostname)
+        room, roomy = _room(snap)
+        row.update(reach="✓" if r.fresh else "stale", ok=r.fresh and not r.error, version=snap.toolchain.get("dsv4", "?"),
+                   device_ok=not snap.device.error,
+                   toolchain="; ".join(drifts.get(r.host, ())) or "same", programs=_programs(snap),
+                   sidecar=_sidecar(snap), device=_device(snap), room=room, roomy=roomy,
+                   state=r.error or _service_state(snap, view), phases=_phases(snap, ranks, now),
+                   tokens_s=view.serving.tokens_s if view and view.serving else None,
+                   age=r.age_s, hostname=snap.hostname, service=view)
+        out.append(row)
+    return out

@@ -1,0 +1,205 @@
+"""The fleet's actions as they run: each confirmed with the hosts it touches, then run on every
+one of them at once over SSH (`dsv4 …` worker processes, `console.fleet.actions`), each host's
+progress and outcome in its row and every line in the fleet's log. The launch across hosts starts
+node 0 first (its free port becomes the master's), then the others; the stop asks every host."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from rich.markup import escape
+
+from console import fmt
+from console.data.eta import Progress
+from console.fleet import actions as A
+from console.fleet.collector import FleetSetup
+from console.fleet.spec import FleetHost
+from console.fleet.ssh import why
+from console.tui.screens.confirm import ConfirmScreen
+from console.tui.workers import Worker
+from runtime.events import Event
+
+
+@dataclass
+class HostJob:
+    """What one host is doing for the fleet, or how its last action ended."""
+
+    action: str
+    step: str = ""
+    progress: Progress | None = None
+    outcome: str = ""  # "" while running; "ok" or the failure in words
+    started: float = field(default_factory=time.monotonic)
+    took: float | None = None
+    lines: list[str] = field(default_factory=list)  # stdout lines that are not events (a command's output)
+
+    def line(self) -> str:
+        if not self.outcome:
+            return escape(self.progress.line() if self.progress and self.progress.total else f"{self.step}…")
+        took = f" {fmt.duration(self.took)}" if self.took is not None else ""
+        if self.outcome == "ok":
+            return f"[green]✓ {self.action}{took}[/]"
+        return f"[red]✗ {self.action}: {escape(self.outcome)}[/]"
+
+
+class FleetControl:
+    """Runs fleet actions; `jobs[host]` is each host's current or last one."""
+
+    def __init__(self, app: Any, setup: FleetSetup):
+        self.app, self.setup = app, setup
+        self.fleet, self.spec, self.ssh, self.collector = setup.fleet, setup.spec, setup.ssh, setup.collector
+        self.registry, self.insecure = setup.registry, setup.insecure
+        self.jobs: dict[str, HostJob] = {}
+        self.log: list[tuple[str, str]] = []  # (host, line), for the fleet log and tests
+
+    def say(self, host: str, text: str) -> None:
+        self.log.append((host, text))
+        self.app.fleet_line(host, text)
+
+    def running(self) -> list[str]:
+        return [h for h, j in self.jobs.items() if not j.outcome]
+
+    # -- asking ---------------------------------------------------------------------------------
+
+    def ask(self, action: str, hosts: list[str]) -> None:
+        """Confirm `action` with the hosts it touches, then run it on all of them."""
+        if action not in A.ACTIONS:
+            raise ValueError(f"unknown fleet action {action}")
+        busy = [h for h in hosts if h in self.running()]
+        if busy:
+            self.app.notify(f"{action}: {', '.join(busy)} still busy with {self.jobs[busy[0]].action}",
+                            severity="warning")
+            return
+        if action == "pull" and not self.registry:
+            self.app.notify("pull: no registry; give one as `registry = \"HOST/REPO\"` in the fleet file "
+                            "or --registry", severity="error")
+            return
+        if action == "launch" and (problem := self.launch_problem()):
+            self.app.notify(f"launch: {problem}", severity="error")
+            return
+        if action == "launch":
+            hosts = [h.name for h in self.fleet.hosts]  # a service is every host of the fleet
+        body = f"{A.WHAT[action]}.\n\nOn {len(hosts)} host{'s' if len(hosts) > 1 else ''}: {', '.join(hosts)}"
+        self.app.push_screen(ConfirmScreen(f"{action} on {len(hosts)} hosts?", body),
+                             lambda yes: self.run(action, hosts) if yes else self.say("fleet", f"{action}: cancelled"))
+
+    def launch_problem(self) -> str:
+        if not self.spec.model:
+            return "the fleet's launch needs a model ([launch] model, or --model): the path on every host"
+        return self.fleet.split(self.spec)
+
+    def run(self, action: str, hosts: list[str]) -> None:
+        self.say("fleet", f"{action} on {', '.join(hosts)}")
+        if action == "launch":
+            self.app.run_worker(self._launch(hosts), group="fleet")
+        elif action == "stop":
+            self.app.run_worker(self._stop(hosts), group="fleet")
+        else:
+            for name in hosts:
+                self.app.run_worker(self._on_host(action, self.fleet.host(name)), group="fleet")
+
+    async def _stop(self, hosts: list[str]) -> None:
+        """Node 0 first: its rank 0 drains and stops the other ranks itself (a rank stopped under
+        a serving rank 0 is a lost rank: the service fails); then whatever still runs elsewhere."""
+        import asyncio
+
+        ordered = sorted((self.fleet.host(h) for h in hosts), key=lambda h: h.node_rank)
+        if ordered[0].node_rank == 0:
+            await self._on_host("stop", ordered.pop(0))
+        await asyncio.gather(*(self._on_host("stop", h) for h in ordered))
+
+    # -- running ----------------------------------------------------------------------------------
+
+    def _snapshot(self, host: str):
+        stream = self.collector.streams.get(host)
+        return stream.snapshot if stream is not None else None
+
+    async def _on_host(self, action: str, host: FleetHost) -> None:
+        job = self.jobs[host.name] = HostJob(action)
+        for step in A.steps(action, self.spec, self._snapshot(host.name), self.registry, self.insecure):
+            if not await self._step(host, job, step):
+                return
+        self._done(host.name, job, "ok")
+
+    async def _step(self, host: FleetHost, job: HostJob, step: A.Step) -> bool:
+        job.step, job.progress = step.label, Progress(step.label)
+        self.app.fleet_changed()
+        worker = Worker(f"{host.name}", self.ssh.argv(host, *step.remote),
+                        on_event=lambda w, e: self._event(host.name, job, e),
+                        on_line=lambda w, which, line: self._line(host.name, job, which, line))
+        self.say(host.name, f"{step.label}: {' '.join(step.remote[:3])} …")
+        code = await worker.run()
+        if code != 0:
+            self._done(host.name, job, why(host, code, list(worker.stderr_tail)))
+            return False
+        return True
+
+    def _event(self, host: str, job: HostJob, event: Event) -> None:
+        if event.kind == "error" and event.phase == host:  # the worker's own verdict: _step says it
+            return
+        p = job.progress
+        if event.kind == "progress" and p is not None:
+            p.update(event.done, event.total, now=str(event.detail.get("program") or event.detail.get("file") or ""))
+        elif event.kind == "start" and p is not None and isinstance(event.total, int | float):
+            p.update(0, event.total)
+        if event.message and event.kind != "progress":
+            self.say(host, event.message)
+        self.app.fleet_changed()
+
+    def _line(self, host: str, job: HostJob, which: str, line: str) -> None:
+        if not line.strip():
+            return
+        if which == "stdout":
+            job.lines.append(line)
+        self.say(host, line)
+
+    def _done(self, host: str, job: HostJob, outcome: str) -> None:
+        job.outcome, job.took = outcome, time.monotonic() - job.started
+        self.say(host, f"{job.action}: {'done' if outcome == 'ok' else outcome}")
+        if outcome != "ok":
+            self.app.notify(f"{host}: {job.action}: {outcome}", severity="error", timeout=8)
+        elif not self.running():
+            self.app.notify(f"{job.action} done on every host", title="done")
+        self.app.fleet_changed()
+        self.app.fleet_refresh()
+
+    async def _launch(self, hosts: list[str]) -> None:
+        """`dsv4 node start` on node 0 (a free port there), then on every other host with it."""
+        import asyncio
+
+        ordered = [self.fleet.host(h) for h in hosts]
+        first = ordered[0]
+        jobs = {h.name: HostJob("launch") for h in ordered}
+        self.jobs.update(jobs)
+        step = A.node_start(self.spec, len(ordered), 0, first.rendezvous, 0)
+        if not await self._step(first, jobs[first.name], step):
+            for h in ordered[1:]:
+                self._done(h.name, jobs[h.name], f"not started: node 0 ({first.name}) failed")
+            return
+        record = _record(jobs[first.name].lines)
+        if record is None:
+            self._done(first.name, jobs[first.name], "node start said no record")
+            return
+        addr, _, port = str(record["master"]).rpartition(":")
+        self._done(first.name, jobs[first.name], "ok")
+        self.say("fleet", f"master {addr}:{port} (node 0 on {first.name}, torchrun pid {record['pid']})")
+
+        async def other(host: FleetHost) -> None:
+            step = A.node_start(self.spec, len(ordered), host.node_rank, addr, int(port))
+            if await self._step(host, jobs[host.name], step):
+                self._done(host.name, jobs[host.name], "ok")
+
+        await asyncio.gather(*(other(h) for h in ordered[1:]))
+
+
+def _record(lines: list[str]) -> dict[str, Any] | None:
+    for line in reversed(lines):
+        try:
+            raw = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(raw, dict) and "master" in raw and "pid" in raw:
+            return raw
+    return None

@@ -1,0 +1,245 @@
+"""The fleet screen: one row per host of the service — reachable (or why not), dsv4's version,
+the toolchain against the other hosts, programs, sidecar, device memory and the KV it fits, room
+for the sidecar on disk and in the page cache, the service's state, the ranks there and their
+phases, tokens/s — sorted, filtered and opened like every table; Enter opens the one-host panes
+fed by that host's snapshots. The actions run on the selected hosts (space marks several; none
+marked: the one under the cursor, `a` marks all), each confirmed with the hosts it touches."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, ClassVar
+
+from rich.markup import escape
+from textual import work
+from textual.app import ComposeResult
+from textual.binding import Binding, BindingType
+from textual.containers import Vertical
+from textual.screen import Screen
+from textual.widgets import Footer, Input, RichLog, Static
+
+from console import fmt
+from console.fleet.collector import FleetSnapshot
+from console.fleet.rows import rows, slowest
+from console.tui.tables import Column, PaneTable, title
+
+REACH_ORDER = {"✗": 0, "stale": 1, "✓": 2}
+COLUMNS = (
+    Column("mark", " ", 1, essential=True),
+    Column("host", "host", 12, essential=True),
+    Column("reach", "ok", 5, essential=True, rank=REACH_ORDER),
+    Column("state", "service", 18, essential=True),
+    Column("tokens_s", "tok/s", 6, essential=True),
+    Column("job", "action", 22, essential=True),
+    Column("node", "node", 4),
+    Column("phases", "ranks", 22),
+    Column("programs", "programs", 14),
+    Column("sidecar", "sidecar", 10),
+    Column("device", "device · KV", 18),
+    Column("room", "disk · page cache", 22),
+    Column("toolchain", "toolchain", 30),
+    Column("version", "dsv4", 7),
+    Column("age", "age", 5),
+)
+
+
+class FleetScreen(Screen):
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("w", "act('warm')", "Warm", id="fleet.warm", tooltip="read the sidecar, then compile, on the hosts"),
+        Binding("p", "act('prepack')", "Prepack", id="fleet.prepack", tooltip="pack a sidecar on the hosts"),
+        Binding("b", "act('compile')", "Compile", id="fleet.compile", tooltip="compile what the launch misses"),
+        Binding("x", "act('purge')", "Purge", id="fleet.purge", tooltip="delete stale or corrupt entries and sidecars"),
+        Binding("u", "act('pull')", "Pull", id="fleet.pull", tooltip="pull missed entries from the registry"),
+        Binding("l", "act('launch')", "Launch", id="fleet.launch", tooltip="start the service across every host"),
+        Binding("s", "act('stop')", "Stop", id="fleet.stop", tooltip="stop the service's nodes on the hosts"),
+        Binding("space", "mark", "Mark", id="fleet.mark", show=False, tooltip="mark the host for the next action"),
+        Binding("a", "mark_all", "All", id="fleet.all", show=False, tooltip="mark every host (again: none)"),
+        Binding("h", "history", "History", id="fleet.history", show=False,
+                tooltip="every host's launch history, one record per launch"),
+        Binding("r", "refresh", "Refresh", id="fleet.refresh", show=False),
+        Binding("slash", "filter", "Filter", key_display="/", id="fleet.filter", show=False),
+        Binding("q", "app.quit_console", "Quit", id="fleet.quit"),
+    ]
+
+    def __init__(self, control: Any, interval: float = 2.0) -> None:
+        super().__init__(id="fleet")
+        self.control, self.interval = control, interval
+        self.snapshot: FleetSnapshot | None = None
+        self.marked: set[str] = set()
+        self.needle = ""
+        self.refreshes = 0
+
+    def compose(self) -> ComposeResult:
+        yield Static(id="fleet-top")
+        with Vertical(id="fleet-body"):
+            yield PaneTable("fleet", COLUMNS, self._cells, sort_key="node", id="fleet-table")
+            yield Static(id="fleet-detail")
+            yield RichLog(id="fleet-log", wrap=True, max_lines=2000, markup=True)
+        yield Input(placeholder="filter hosts (enter keeps it, esc clears it)", id="fleet-filter")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.query_one("#fleet-filter").display = False
+        self.top()
+        self.call_after_refresh(self.action_refresh)
+        if self.interval > 0:
+            self.set_interval(self.interval, self.action_refresh)
+            self.set_interval(1.0, self.show)
+
+    # -- data ------------------------------------------------------------------------------------
+
+    def action_refresh(self) -> None:
+        self._collect()
+
+    @work(thread=True, exclusive=True, group="fleet-collect")
+    def _collect(self) -> None:
+        snap = self.control.collector.snapshot()
+        self.app.call_from_thread(self.apply, snap)
+
+    def apply(self, snap: FleetSnapshot) -> None:
+        self.snapshot = snap
+        self.refreshes += 1
+        self.show()
+
+    def rows(self) -> list[dict[str, Any]]:
+        if self.snapshot is None:
+            return []
+        out = rows(self.snapshot)
+        for row in out:
+            job = self.control.jobs.get(row["host"])
+            row["job"] = job.line() if job else ""
+            row["mark"] = "•" if row["host"] in self.marked else ""
+        return out
+
+    def _cells(self, r: dict[str, Any]) -> dict[str, str]:
+        """A row's cells: what hosts said is text, never markup (a path in brackets stays a path)."""
+        reach = r.get("reach", "✗")
+        color = {"✓": "green", "stale": "yellow"}.get(reach, "red")
+        tokens = r.get("tokens_s")
+
+        def text(key: str, style: str = "") -> str:
+            value = escape(str(r.get(key, "")))
+            return f"[{style}]{value}[/]" if style and value else value
+
+        return {"mark": r.get("mark", ""), "host": escape(r["host"]), "reach": f"[{color}]{reach}[/]",
+                "state": text("state", "red" if not r.get("ok", True) or str(r.get("state", "")).startswith(
+                    ("ended", "failed")) else ""),
+                "tokens_s": fmt.per_second(tokens) if tokens is not None else "-", "job": r.get("job", ""),
+                "node": str(r["node"]), "phases": text("phases"), "programs": text("programs"),
+                "sidecar": text("sidecar"), "device": text("device", "" if r.get("device_ok", True) else "red"),
+                "room": text("room", "" if r.get("roomy", True) else "red"),
+                "toolchain": text("toolchain", "yellow" if r.get("drift") else ""), "version": text("version"),
+                "age": fmt.secs(r.get("age")) if r.get("age") is not None else "-"}
+
+    def show(self) -> None:
+        table = self.query_one("#fleet-table", PaneTable)
+        shown, total = table.set_rows(self.rows(), self.needle)
+        self.top(shown, total)
+        self.detail()
+
+    def top(self, shown: int = 0, total: int = 0) -> None:
+        fleet = self.control.fleet
+        s = self.control.spec
+        reachable = sum(1 for r in (self.snapshot.hosts if self.snapshot else ()) if r.reachable)
+        head = title("Fleet", shown, total, self.needle, "hosts")
+        behind = slowest(self.snapshot.hosts) if self.snapshot else ""
+        head += f"  [yellow]{behind}[/]" if behind else ""
+        self.query_one("#fleet-top", Static).update(
+            f"[b]dsv4-console[/]  {head} ({reachable} reachable) from {fleet.source}  │  model "
+            f"{s.model or 'embedded default'}  backend {s.backend}  ranks {s.ranks}  max-seq {s.max_seq}  │  "
+            f"[dim]enter: a host's panes · space marks · a all[/]")
+
+    def detail(self) -> None:
+        """The selected host: why it is not reachable, its drift, its node and ranks."""
+        table = self.query_one("#fleet-table", PaneTable)
+        row = table.selected()
+        box = self.query_one("#fleet-detail", Static)
+        if row is None:
+            box.update("")
+            return
+        r = row["reading"]
+        lines = [f"[b]{escape(row['host'])}[/] node {row['node']}"
+                 + (f" ({escape(row['hostname'])})" if row.get("hostname") and row["hostname"] != row["host"] else "")
+                 + (f" — [red]{escape(r.error)}[/]" if r.error else "")]
+        lines += [f"  [yellow]{escape(d)}[/]" for d in row.get("drift", ())]
+        snap = r.snapshot
+        if snap is not None and snap.nodes:
+            n = snap.nodes[0]
+            ending = n.get("ending") or {}
+            lines.append(escape(f"  node {n.get('node_rank')}/{n.get('nnodes')} torchrun pid {n.get('pid')} master "
+                                f"{n.get('master')}: {n.get('state')}"
+                                + (f" — {' / '.join(ending.get('lines') or [])[-160:]}" if ending.get("lines") else "")))
+        box.update("\n".join(lines))
+
+    def on_data_table_row_highlighted(self, _event) -> None:
+        self.detail()
+
+    # -- acting ------------------------------------------------------------------------------------
+
+    def selection(self) -> list[str]:
+        if self.marked:
+            return [h.name for h in self.control.fleet.hosts if h.name in self.marked]
+        row = self.query_one("#fleet-table", PaneTable).selected()
+        return [row["host"]] if row else []
+
+    def action_act(self, action: str) -> None:
+        if self.app.readonly:
+            self.app.notify(f"read-only: {action} refused", severity="warning")
+            return
+        hosts = self.selection()
+        if not hosts:
+            self.app.notify("no host selected", severity="warning")
+            return
+        self.control.ask(action, hosts)
+
+    def action_mark(self) -> None:
+        row = self.query_one("#fleet-table", PaneTable).selected()
+        if row:
+            self.marked ^= {row["host"]}
+            self.show()
+
+    def action_mark_all(self) -> None:
+        every = {h.name for h in self.control.fleet.hosts}
+        self.marked = set() if self.marked == every else every
+        self.show()
+
+    @work(thread=True, exclusive=True, group="fleet-history")
+    def action_history(self) -> None:
+        from console.tui.screens.history import HistoryScreen
+
+        records = self.control.collector.history()
+        self.app.call_from_thread(self.app.push_screen, HistoryScreen(records))
+
+    def on_pane_table_chosen(self, message: PaneTable.Chosen) -> None:
+        message.stop()
+        self.app.show_host(message.row["host"])
+
+    def add_line(self, host: str, text: str) -> None:
+        stamp = time.strftime("%H:%M:%S")
+        self.query_one("#fleet-log", RichLog).write(f"[dim]{stamp}[/] [b]{host}[/] {text}")
+
+    # -- filter ------------------------------------------------------------------------------------
+
+    def action_filter(self) -> None:
+        box = self.query_one("#fleet-filter", Input)
+        box.display = True
+        box.focus()
+
+    def on_input_changed(self, event: Input.Changed) -> None:
+        if event.input.id == "fleet-filter":
+            event.stop()
+            self.needle = event.value.strip().lower()
+            self.show()
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        if event.input.id == "fleet-filter":
+            event.stop()
+            event.input.display = False
+            self.query_one("#fleet-table").focus()
+
+    def on_key(self, event) -> None:
+        box = self.query_one("#fleet-filter", Input)
+        if event.key == "escape" and box.display:
+            box.value, box.display = "", False
+            self.query_one("#fleet-table").focus()
+            event.stop()

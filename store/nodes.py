@@ -1,0 +1,180 @@
+"""Nodes: this host's part of a service across hosts, as `dsv4 node start` runs it — one
+`torchrun` agent (its ranks under it) watched by a small supervisor that records how it ended.
+
+A record per node under `$DSV4_STATE_DIR/nodes/<agent pid>.json`: which node of how many, the
+master it joined, the model, its log and events files, and, once it ended, how (exit status or
+signal, and the log's last lines). A record whose agent is gone without an ending (the host lost
+power, the supervisor was killed with it) reads as "gone". The fleet console reads these records
+in every host's snapshot; `dsv4 node stop` stops a node by them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import stat
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from store import atomic
+from store.paths import state_dir
+
+VERSION = 1
+MAX_RECORD_BYTES = 64 << 10
+LOG_LINES = 5  # of a node's log kept with its ending
+_START_TOLERANCE = 0.05  # seconds: psutil's create_time rounding
+
+
+def nodes_dir() -> Path:
+    return state_dir() / "nodes"
+
+
+@dataclass(frozen=True)
+class Node:
+    pid: int  # the torchrun agent
+    create_time: float
+    node_rank: int
+    nnodes: int
+    master: str  # ADDR:PORT of the rendezvous
+    model: str
+    log: str
+    events: str
+    supervisor: int = 0
+    started: float = 0.0
+    ending: dict[str, Any] | None = None  # at, how, lines (the log's last lines)
+    argv: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def alive(self) -> bool:
+        """The agent still runs (the same process: pid and start time)."""
+        with contextlib.suppress(psutil.Error, OSError):
+            return abs(psutil.Process(self.pid).create_time() - self.create_time) <= _START_TOLERANCE
+        return False
+
+    def state(self) -> str:
+        """running | how it ended ("stopped by SIGTERM", "exited 1", …) | gone."""
+        if self.ending:
+            return str(self.ending.get("how") or "ended")
+        return "running" if self.alive else "gone"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"v": VERSION, **asdict(self), "state": self.state()}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> Node:
+        known = {k: raw[k] for k in cls.__dataclass_fields__ if k in raw}
+        known["argv"] = tuple(known.get("argv") or ())
+        return cls(**known)
+
+
+def _path(pid: int) -> Path:
+    return nodes_dir() / f"{pid}.json"
+
+
+def write(node: Node) -> None:
+    path = _path(node.pid)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic.write_bytes_atomic(path, json.dumps(asdict(node)).encode())
+
+
+def _read(path: Path) -> Node | None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_RECORD_BYTES:
+            return None
+        return Node.from_json(json.loads(os.read(fd, MAX_RECORD_BYTES)))
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    finally:
+        os.close(fd)
+
+
+def nodes() -> list[Node]:
+    """Every node record of this host, newest first."""
+    root = nodes_dir()
+    try:
+        names = [p for p in root.iterdir() if p.suffix == ".json" and not atomic.is_staging(p.name)]
+    except OSError:
+        return []
+    found = [n for n in map(_read, names) if n is not None]
+    return sorted(found, key=lambda n: n.started, reverse=True)
+
+
+def last_lines(path: str, n: int = LOG_LINES, cap: int = 16 << 10) -> list[str]:
+    """The last `n` non-empty lines of a regular file (never blocks on a FIFO)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError:
+        return []
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return []
+        os.lseek(fd, max(0, st.st_size - cap), os.SEEK_SET)
+        text = os.read(fd, cap).decode(errors="replace")
+    except OSError:
+        return []
+    finally:
+        os.close(fd)
+    return [line for line in text.splitlines() if line.strip()][-n:]
+
+
+def ended(node: Node, code: int, asked: bool = False) -> Node:
+    """Record the agent's exit status (negative: the signal that killed it); `asked`: a stop was
+    asked for (torchrun answers SIGTERM with exit 1: that is a stop, not a failure)."""
+    from store.services import how
+
+    said = "stopped by SIGTERM" if asked and code != -signal.SIGKILL else how(code)
+    done = replace(node, ending={"at": round(time.time(), 3), "how": said, "lines": last_lines(node.log)})
+    write(done)
+    return done
+
+
+def _supervisor(node: Node) -> psutil.Process | None:
+    with contextlib.suppress(psutil.Error):
+        proc = psutil.Process(node.supervisor)
+        if "supervise" in proc.cmdline():
+            return proc
+    return None
+
+
+def stop(node: Node, timeout: float = 60.0) -> str:
+    """SIGTERM through the node's supervisor (it passes it to the agent, which stops its ranks:
+    rank 0 drains, and records the stop); SIGKILL to the agent and its ranks after `timeout`.
+    How it ended, in words. A node that is not running is left as it is."""
+    if not node.alive:
+        return node.state()
+    sup = _supervisor(node)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(sup.pid if sup is not None else node.pid, signal.SIGTERM)
+    if (said := _ending(node, timeout)) is not None:
+        return said
+    with contextlib.suppress(psutil.Error):  # torchrun starts each rank in a session of its own
+        agent = psutil.Process(node.pid)
+        for proc in [*agent.children(recursive=True), agent]:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+    return _ending(node, 10.0) or "killed by SIGKILL"
+
+
+def _ending(node: Node, timeout: float) -> str | None:
+    """The node's recorded ending once its supervisor wrote it (None: not within `timeout`)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        current = _read(_path(node.pid))
+        if current is not None and current.ending:
+            return current.state()
+        if not node.alive and _supervisor(node) is None:
+            return current.state() if current is not None else "gone"
+        time.sleep(0.1)
+    return None

@@ -1,0 +1,309 @@
+"""The fleet console (issue 36): every host of a service in one console, reached with the system
+ssh. Hosts are real `sshd` servers, each in its own mount + UTS namespace with its own hostname
+and its own files at the same paths, on 127.0.0.2, 127.0.0.3, … (bench/ssh_hosts.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from conftest import MAX_SEQ
+from fleet_hosts import fleet_file, other_torch, ssh_hosts
+from hosts import namespaces_work
+
+from console.data.collectors import (
+    SCHEMA_VERSION,
+    Collectors,
+    Snapshot,
+    SnapshotVersionError,
+    console_spec,
+)
+from console.fleet import spec as F
+from console.fleet.ssh import Ssh, why
+from store.errors import UserError
+
+REPO = Path(__file__).resolve().parents[1]
+CONSOLE = [sys.executable, "-m", "console.tui.app"]
+
+
+def _needs_hosts():
+    if why_not := namespaces_work():
+        pytest.skip(why_not)
+
+
+# ---- the fleet as a value ----------------------------------------------------------------------
+
+
+def test_hosts_are_node_ranks_in_order_with_users_and_ports():
+    fleet = F.from_hosts("gpu-a,serve@gpu-b:2222,10.0.0.3")
+    assert [(h.name, h.node_rank, h.user, h.port) for h in fleet.hosts] == [
+        ("gpu-a", 0, None, None), ("gpu-b", 1, "serve", 2222), ("10.0.0.3", 2, None, None)]
+    assert fleet.spec().ranks == 3  # one rank per host unless the launch says otherwise
+
+
+@pytest.mark.parametrize(("text", "says"), [
+    ("a,,b", "an empty host name"), ("a,a", "host a is named twice"), ("-oProxyCommand=x", "not a host name"),
+    ("a:99999", "the port must be 1..65535"),
+])
+def test_bad_hosts_are_one_line(text, says):
+    with pytest.raises(UserError, match=says):
+        F.from_hosts(text)
+
+
+@pytest.mark.parametrize(("body", "says"), [
+    ("[[hosts]]\nname = 'a'\nflavour = 1\n", "unknown key 'flavour'"),
+    ("[[hosts]]\nname = 'a'\nnode_rank = 1\n", r"node ranks must be 0..0, each once \(got \[1\]\)"),
+    ("[[hosts]]\nname = 'a'\nport = 0\n", r"hosts\[0\].port: 1..65535"),
+    ("[launch]\nbackend = 'fast'\n[[hosts]]\nname = 'a'\n", "refuses"),
+    ("[launch]\nflavour = 1\n[[hosts]]\nname = 'a'\n", r"\[launch\] flavour: not a launch setting"),
+    ("ssh_options = ['no-equals']\n[[hosts]]\nname = 'a'\n", "KEY=VALUE"),
+    ("hosts = 3\n", "no hosts"), ("this is = not toml [", "not TOML"),
+])
+def test_a_bad_fleet_file_is_one_line_naming_the_file(tmp_path, body, says):
+    path = tmp_path / "fleet.toml"
+    path.write_text(body)
+    with pytest.raises(UserError, match=says) as raised:
+        F.load(path)
+    assert str(path) in str(raised.value)
+
+
+def test_a_fleet_file_says_hosts_launch_and_ssh(tmp_path):
+    path = tmp_path / "fleet.toml"
+    path.write_text("ssh_options = ['ConnectTimeout=3']\nregistry = 'reg:5000/dsv4'\n"
+                    "[launch]\nmodel = '/models/v4'\nbackend = 'export'\nranks = 4\nuse_sidecar = false\n"
+                    "[[hosts]]\nname = 'b'\nnode_rank = 1\ndsv4 = '/opt/dsv4/bin/dsv4'\n"
+                    "[[hosts]]\nname = 'a'\naddress = '10.0.0.1'\nnode_rank = 0\nssh_options = ['User=serve']\n")
+    fleet = F.load(path)
+    assert [h.name for h in fleet.hosts] == ["a", "b"]  # by node rank
+    assert fleet.hosts[0].destination == "10.0.0.1" and fleet.hosts[1].dsv4 == "/opt/dsv4/bin/dsv4"
+    spec = fleet.spec()
+    assert (str(spec.model), spec.backend, spec.ranks, spec.use_sidecar) == ("/models/v4", "export", 4, False)
+    assert fleet.registry == "reg:5000/dsv4"
+
+
+def test_ssh_takes_the_operators_options_first_and_shares_connections(tmp_path):
+    host = F.FleetHost("a", 0, "10.0.0.1", "serve", 2222, ("ControlMaster=no",), "/opt/dsv4 bin/dsv4")
+    argv = Ssh("/cfg", ("ConnectTimeout=2",), tmp_path).argv(host, "snapshot", "--model", "/m x")
+    options = [argv[i + 1] for i, a in enumerate(argv) if a == "-o"]
+    assert options[:2] == ["ControlMaster=no", "ConnectTimeout=2"]  # ssh keeps the first value it is given
+    assert "BatchMode=yes" in options and f"ControlPath={tmp_path}/%C" in options
+    assert argv[argv.index("-F") + 1] == "/cfg" and argv[argv.index("-p") + 1] == "2222"
+    assert argv[-2:] == ["10.0.0.1", "'/opt/dsv4 bin/dsv4' snapshot --model '/m x'"]  # one shell line, quoted
+
+
+@pytest.mark.parametrize(("code", "stderr", "says"), [
+    (255, ["root@h: Permission denied (publickey)."], "authentication failed"),
+    (255, ["ssh: connect to host h port 22: Connection timed out"], "timeout"),
+    (255, ["ssh: connect to host h port 22: Connection refused"], "connection refused"),
+    (255, ["ssh: Could not resolve hostname h: Name or service not known"], "unknown host"),
+    (127, ["sh: 1: dsv4: not found"], "dsv4 missing"),
+    (1, ["dsv4 snapshot: something broke"], "dsv4 exited 1: dsv4 snapshot: something broke"),
+])
+def test_what_an_ssh_failure_means_is_one_line(code, stderr, says):
+    assert says in why(F.FleetHost("h", 0), code, stderr)
+
+
+def test_a_snapshot_round_trips_through_json_and_another_version_is_named(tiny_ckpt_ro):
+    snap = Collectors(console_spec(tiny_ckpt_ro, backend="export", max_seq=MAX_SEQ)).snapshot()
+    raw = json.loads(json.dumps(snap.to_json(), default=str))
+    back = Snapshot.from_json(raw, "gpu-a")
+    assert back.host_name == "gpu-a" and back.hostname == snap.hostname
+    assert json.loads(json.dumps(back.to_json(), default=str)) == {**raw, "host_name": "gpu-a"}
+    assert back.toolchain["torch"] and back.toolchain["dsv4"]
+    with pytest.raises(SnapshotVersionError, match=f"v{SCHEMA_VERSION + 1} there \\(a newer dsv4\\), "
+                                                   f"v{SCHEMA_VERSION} here"):
+        Snapshot.from_json({**raw, "v": SCHEMA_VERSION + 1})
+
+
+def test_dsv4_snapshot_streams_one_line_per_request_and_ends_with_its_stdin(tiny_ckpt_ro):
+    proc = subprocess.Popen([sys.executable, "-m", "console.cli", "snapshot", "--stream", "--model", str(tiny_ckpt_ro)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=REPO)
+    first = json.loads(proc.stdout.readline())
+    proc.stdin.write(b"\n")
+    proc.stdin.flush()
+    second = json.loads(proc.stdout.readline())
+    proc.stdin.close()
+    assert proc.wait(60) == 0
+    assert first["v"] == second["v"] == SCHEMA_VERSION and second["ts"] > first["ts"]
+    assert "torch" not in first["settings"]  # a snapshot, not a launch
+
+
+# ---- real hosts over ssh -------------------------------------------------------------------------
+
+
+def test_once_names_each_hosts_drift_and_why_each_unreachable_one_is(tmp_path, tiny_ckpt_ro):
+    """Three hosts (host-c with another torch), one that refuses our key, an address where no
+    sshd listens, and a host whose dsv4 is not where the fleet file says."""
+    _needs_hosts()
+    fake = other_torch(tmp_path, "2.12.1+cpu")
+    with ssh_hosts(tmp_path, ["host-a", "host-b", "host-c", "host-d"], model=tiny_ckpt_ro, refuse=("host-d",),
+                   binds={"host-c": [fake]}) as (hosts, config):
+        path = fleet_file(tmp_path / "fleet.toml", hosts, config, launch={"model": str(hosts[0].mount / "model"),
+                                                                          "backend": "export", "max_seq": MAX_SEQ},
+                          extra_hosts=["[[hosts]]", 'name = "gone"', 'address = "127.0.0.99"', "node_rank = 4", "",
+                                       "[[hosts]]", 'name = "no-dsv4"', f'address = "{hosts[0].address}"',
+                                       f"port = {hosts[0].port}", 'dsv4 = "/opt/none/dsv4"', "node_rank = 5"])
+        done = subprocess.run([*CONSOLE, "--fleet", str(path), "--once", "--json"], capture_output=True, text=True,
+                              cwd=REPO, timeout=300)
+        text = subprocess.run([*CONSOLE, "--fleet", str(path), "--once"], capture_output=True, text=True,
+                              cwd=REPO, timeout=300).stdout
+    assert done.returncode == 1, done.stderr  # a host is unreachable: a script sees it
+    data = json.loads(done.stdout)
+    by = {h["host"]: h for h in data["hosts"]}
+    assert [h["host"] for h in data["hosts"]] == ["host-a", "host-b", "host-c", "host-d", "gone", "no-dsv4"]
+    for name in ("host-a", "host-b", "host-c"):
+        h = by[name]
+        assert h["reachable"] and h["error"] == "" and h["hostname"] == name  # its own UTS namespace
+        assert {"plan", "services", "device", "programs", "sidecars", "host_stats"} <= set(h)
+        assert h["plan"]["model"] == str(hosts[0].mount / "model")
+    assert by["host-c"]["toolchain"]["torch"] == "2.12.1+cpu"
+    assert data["drift"] == {"host-c": ["torch 2.12.1+cpu here, " + by["host-a"]["toolchain"]["torch"] + " on 2 others"]}
+    assert by["host-d"]["reachable"] is False and by["host-d"]["error"].startswith("authentication failed")
+    assert by["gone"]["error"] == "connection refused"
+    assert by["no-dsv4"]["error"].startswith("dsv4 missing: `/opt/none/dsv4`")
+    assert "differs: torch 2.12.1+cpu here" in text and "=== gone (node 4): unreachable — connection refused" in text
+
+
+def _setup(path: Path, *extra: str):
+    from console.tui.args import build_parser, fleet_setup
+
+    return fleet_setup(build_parser().parse_args(["--fleet", str(path), *extra]))
+
+
+async def _until(pilot, done, what: str, limit: float = 300.0):
+    """Pause the app until `done()` (a hang guard, not a bound: nothing here is timed)."""
+    deadline = time.monotonic() + limit
+    while not done():
+        if time.monotonic() > deadline:
+            app = pilot.app
+            rows = [{k: v for k, v in r.items() if k not in ("reading", "service")} for r in app.screen_stack[-1].rows()] \
+                if hasattr(app.screen_stack[-1], "rows") else []
+            raise AssertionError(f"still waiting for {what}; fleet log: {app.fleet.log[-12:]}; rows: {rows}")
+        await pilot.pause(0.2)
+
+
+def _jobs_ended(app, action: str, hosts) -> bool:
+    jobs = app.fleet.jobs
+    return all(h in jobs and jobs[h].action == action and jobs[h].outcome for h in hosts)
+
+
+@pytest.mark.asyncio
+async def test_prepack_and_warm_run_on_every_host_with_each_hosts_progress(tmp_path, tiny_ckpt_ro, cold_export_launch):
+    """`a` marks every host, `p` packs a sidecar on each, `w` reads it and compiles (every
+    program a HIT: each host's cache holds them) — each confirmed with the hosts it touches."""
+    from console.tui.app import Dsv4Console
+
+    _needs_hosts()
+    with ssh_hosts(tmp_path, ["host-a", "host-b"], model=tiny_ckpt_ro) as (hosts, config):
+        for h in hosts:
+            shutil.rmtree(h.root / "programs")
+            shutil.copytree(cold_export_launch[0], h.root / "programs")
+        path = fleet_file(tmp_path / "fleet.toml", hosts, config, launch={
+            "model": str(hosts[0].mount / "model"), "backend": "export", "max_seq": MAX_SEQ, "ranks": 1})
+        setup = _setup(path)
+        app = Dsv4Console(setup.spec, fleet=setup, interval=0.5, watch=False, create_default=False)
+        try:
+            async with app.run_test(size=(200, 50)) as pilot:
+                screen = app.screen
+                await _until(pilot, lambda: screen.snapshot and all(r.fresh for r in screen.snapshot.hosts), "snapshots")
+                await pilot.press("a", "p")
+                dialog = app.screen.query_one("#dialog-body").render()
+                assert "On 2 hosts: host-a, host-b" in str(dialog)
+                await pilot.press("y")
+                await _until(pilot, lambda: _jobs_ended(app, "prepack", ["host-a", "host-b"]), "prepack")
+                await pilot.press("w", "y")
+                await _until(pilot, lambda: _jobs_ended(app, "warm", ["host-a", "host-b"]), "warm")
+                jobs = app.fleet.jobs
+                assert [jobs[h].outcome for h in ("host-a", "host-b")] == ["ok", "ok"], app.fleet.log
+                lines = [line for _, line in app.fleet.log]
+                assert any(line.startswith("warm (read)") for line in lines)
+                assert any(line.startswith("warm (compile)") for line in lines)
+                await _until(pilot, lambda: all(r.snapshot.sidecars.wanted()["verdict"] == "MAP"
+                                                for r in screen.snapshot.hosts), "the next snapshot")
+                cells = [screen._cells(r) for r in screen.rows()]
+                assert all(c["sidecar"].startswith("MAP") and c["programs"].startswith("HIT") for c in cells), cells
+        finally:
+            setup.close()
+        for h in hosts:  # each host's own sidecar, on its own disk
+            assert (h.root / "model" / "dsv4-packed.safetensors").is_file() or \
+                   any((h.root / "model").glob("dsv4-packed*.safetensors"))
+
+
+def _complete(url: str) -> list[int]:
+    body = json.dumps({"prompt": "The quick brown fox", "max_tokens": 4, "temperature": 0}).encode()
+    req = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())["choices"][0]["token_ids"]
+
+
+def _serving(screen):
+    """host-a's service with both ranks serving, or None."""
+    for r in screen.snapshot.hosts if screen.snapshot else ():
+        if r.host == "host-a" and r.snapshot is not None:
+            for v in r.snapshot.services.services:
+                if v.state == "serving" and len(v.ranks) == 2:
+                    return v
+    return None
+
+
+def _nodes(host) -> list[dict]:
+    return [json.loads(p.read_text()) for p in (host.root / "state" / "nodes").glob("*.json")]
+
+
+@pytest.mark.asyncio
+async def test_a_service_launched_across_two_hosts_serves_stops_and_a_lost_host_is_named(tmp_path, tiny_ckpt_ro):
+    """`l` starts torchrun on both hosts (node 0's free port as the master); rank 1 runs on
+    host-b; `s` stops both nodes. Launched again, host-b loses power: its row says why it is
+    unreachable and host-a's service fails closed naming rank 1 on host-b."""
+    from console.tui.app import Dsv4Console
+
+    _needs_hosts()
+    with ssh_hosts(tmp_path, ["host-a", "host-b"], model=tiny_ckpt_ro) as (hosts, config):
+        path = fleet_file(tmp_path / "fleet.toml", hosts, config, launch={
+            "model": str(hosts[0].mount / "model"), "backend": "eager", "max_seq": MAX_SEQ, "port": 0,
+            "rank_timeout": 2.0})
+        setup = _setup(path)
+        app = Dsv4Console(setup.spec, fleet=setup, interval=0.5, watch=False, create_default=False)
+        try:
+            async with app.run_test(size=(200, 50)) as pilot:
+                screen = app.screen
+                await _until(pilot, lambda: screen.snapshot and all(r.fresh for r in screen.snapshot.hosts), "snapshots")
+                await pilot.press("l")
+                assert "On 2 hosts: host-a, host-b" in str(app.screen.query_one("#dialog-body").render())
+                await pilot.press("y")
+                await _until(pilot, lambda: _serving(screen) is not None, "the service across both hosts")
+                service = _serving(screen)
+                assert [(r.rank, r.host) for r in service.ranks] == [(0, "host-a"), (1, "host-b")]
+                assert len(_complete(service.url)) == 4
+                rows = {r["host"]: r for r in screen.rows()}
+                assert "r1 serve" in rows["host-b"]["phases"] and rows["host-a"]["state"] == "serving"
+
+                await pilot.press("a", "s", "y")
+                await _until(pilot, lambda: _jobs_ended(app, "stop", ["host-a", "host-b"]), "the stop")
+                assert [app.fleet.jobs[h].outcome for h in ("host-a", "host-b")] == ["ok", "ok"]
+                for h in hosts:
+                    assert [n["ending"]["how"] for n in _nodes(h)] == ["stopped by SIGTERM"], _nodes(h)
+
+                await pilot.press("a", "l", "y")  # again; then host-b loses power
+                await _until(pilot, lambda: _serving(screen) is not None, "the second service")
+                hosts[1].kill()
+
+                def lost():
+                    rows = {r["host"]: r for r in screen.rows()}
+                    return rows["host-b"]["reach"] == "✗" and "rank 1" in str(rows["host-a"].get("state"))
+
+                await _until(pilot, lost, "host-b lost")
+                rows = {r["host"]: r for r in screen.rows()}
+                assert rows["host-b"]["state"] in ("connection refused", "connection lost") or \
+                    rows["host-b"]["state"].startswith(("connection", "ssh failed")), rows["host-b"]["state"]
+                assert "host-b" in rows["host-a"]["state"], rows["host-a"]["state"]
+                await asyncio.sleep(0)
+        finally:
+            setup.close()
