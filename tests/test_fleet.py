@@ -229,6 +229,16 @@ async def test_prepack_and_warm_run_on_every_host_with_each_hosts_progress(tmp_p
                                                 for r in screen.snapshot.hosts), "the next snapshot")
                 cells = [screen._cells(r) for r in screen.rows()]
                 assert all(c["sidecar"].startswith("MAP") and c["programs"].startswith("HIT") for c in cells), cells
+
+                screen.query_one("#fleet-table").focus()
+                await pilot.press("enter")  # host-a's own panes, from its snapshots
+                await _until(pilot, lambda: app.remote == "host-a" and app.snapshot is not None, "host-a's panes")
+                assert app.snapshot.hostname == "host-a" and app.snapshot.sidecars.wanted()["verdict"] == "MAP"
+                assert "host-a" in str(app.query_one("#topbar").render())
+                await pilot.press("p")  # this view only shows: nothing runs
+                assert app.fleet.jobs["host-a"].action == "warm"
+                await pilot.press("F")
+                assert app.screen is screen
         finally:
             setup.close()
         for h in hosts:  # each host's own sidecar, on its own disk
@@ -307,3 +317,119 @@ async def test_a_service_launched_across_two_hosts_serves_stops_and_a_lost_host_
                 await asyncio.sleep(0)
         finally:
             setup.close()
+
+
+# ---- a fleet's rows from snapshots (no hosts needed) ------------------------------------------------
+
+
+def _reading(name: str, rank: int, *, torch: str = "2.13.0", nodes=(), history=(), reachable=True, error=""):
+    import dataclasses
+
+    from console_fakes import snapshot
+
+    from console.fleet.collector import HostReading
+
+    snap = dataclasses.replace(snapshot(), host_name=name, hostname=name, nodes=tuple(nodes), history=tuple(history),
+                               toolchain={"dsv4": "0.1.0", "torch": torch, "python": "3.11.7", "device": "cpu: x"})
+    return HostReading(name, rank, reachable, error, snap if reachable else None, 0.1, reachable)
+
+
+def _node(*ranks):
+    return {"state": "running", "node_rank": 0, "nnodes": 2, "pid": 7, "master": "127.0.0.2:29500", "ranks": list(ranks)}
+
+
+def test_drift_names_the_component_and_how_many_others_differ():
+    from console.fleet.rows import drift
+
+    readings = [_reading("a", 0), _reading("b", 1), _reading("c", 2, torch="2.12.1"), _reading("d", 3)]
+    assert drift(readings) == {"c": ("torch 2.12.1 here, 2.13.0 on 3 others",)}
+    assert drift(readings[:2]) == {}  # two alike: nothing to say
+    split = [_reading("a", 0), _reading("b", 1, torch="2.12.1")]  # one each: both are named
+    assert drift(split) == {"a": ("torch 2.13.0 here, 2.12.1 on 1 other",), "b": ("torch 2.12.1 here, 2.13.0 on 1 other",)}
+
+
+def test_a_registering_host_shows_its_ranks_progress_with_an_eta_and_the_slowest_is_named():
+    from console.fleet.collector import FleetSnapshot
+    from console.fleet.rows import rows, slowest
+
+    t = 1_800_000_000.0
+    fast = _node({"rank": 0, "phase": "kv", "state": "running", "since": t, "ts": t + 1})
+    slow = _node({"rank": 1, "phase": "weights", "state": "running", "done": 2, "total": 8, "unit": "layers",
+                  "since": t, "ts": t + 10})
+    readings = (_reading("a", 0, nodes=[fast]), _reading("b", 1, nodes=[slow]))
+    assert slowest(readings) == "slowest: b (weights 2/8)"
+    by = {r["host"]: r for r in rows(FleetSnapshot(t, readings))}
+    assert by["b"]["phases"] == "r1 weights 2/8 ETA 30s"  # 2 of 8 in 10 s: 30 s left at that rate
+    assert by["a"]["phases"].startswith("r0 kv")
+    assert slowest(readings[:1]) == ""  # one host: nobody is behind
+
+
+def test_an_unreachable_host_is_a_row_saying_why_and_nothing_else():
+    from console.fleet.collector import FleetSnapshot
+    from console.fleet.rows import rows
+
+    [row] = rows(FleetSnapshot(0.0, (_reading("gone", 0, reachable=False, error="connection refused"),)))
+    assert (row["reach"], row["state"], row["ok"]) == ("✗", "connection refused", False)
+    assert "programs" not in row  # no stale figures beside it
+
+
+def test_the_fleets_history_is_one_record_per_launch_across_hosts():
+    from console.fleet.collector import FleetCollector, FleetSnapshot
+
+    launch = {"launch": "a/100/1.00", "started": 5.0, "outcome": "ok", "phases": {"kv": {"seconds": 1.0}}}
+    later = {"launch": "a/100/1.00", "started": 5.0, "outcome": "killed", "error": "rank 1 on b lost"}
+    other = {"launch": "b/200/2.00", "started": 3.0, "outcome": "ok", "phases": {}}
+    readings = (_reading("a", 0, history=[launch]), _reading("b", 1, history=[later, other]))
+
+    class Fixed(FleetCollector):
+        def __init__(self):  # the merge alone: no streams
+            pass
+
+        def snapshot(self, wait=None, what=""):
+            return FleetSnapshot(0.0, readings)
+
+    merged = Fixed().history()
+    assert [r["launch"] for r in merged] == ["b/200/2.00", "a/100/1.00"]  # oldest first
+    assert merged[1]["outcome"] == "killed" and merged[1]["phases"] == {"kv": {"seconds": 1.0}}
+    assert merged[0]["host"] == "b"
+
+
+def _stream_of(program: str):
+    """A HostStream whose "ssh" is a local program printing what a hostile host might."""
+    from console.fleet.collector import HostStream
+
+    changed = []
+    stream = HostStream(F.FleetHost("evil", 0), [sys.executable, "-c", program], lambda: changed.append(1))
+    stream.start()
+    deadline = time.monotonic() + 60
+    while stream.error == "connecting" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return stream
+
+
+@pytest.mark.parametrize(("line", "says"), [
+    ("not json at all", "not a snapshot (JSONDecodeError"),
+    ('{"v": 5, "toolchain": [1, 2]}', "not a snapshot (ValueError: toolchain"),
+    ('{"v": 99}', "another version of the snapshot: v99 there (a newer dsv4)"),
+    ('[1, 2, 3]', "not a dsv4 snapshot (no version)"),
+])
+def test_what_a_hostile_or_foreign_host_sends_is_a_reading_that_says_so(line, says):
+    stream = _stream_of(f"import sys; print({line!r}, flush=True); sys.stdin.read()")
+    try:
+        reading = stream.reading(time.monotonic())
+        assert reading.snapshot is None and says in reading.error, reading.error
+    finally:
+        stream.stop()
+
+
+def test_a_snapshot_that_parses_but_says_nonsense_is_an_unreadable_row_not_a_crash(tiny_ckpt_ro):
+    import dataclasses
+
+    from console.fleet.collector import FleetSnapshot
+    from console.fleet.rows import rows
+
+    good = _reading("a", 0)
+    bad = dataclasses.replace(good, host="b", snapshot=dataclasses.replace(
+        good.snapshot, programs=dataclasses.replace(good.snapshot.programs, entries=(1, 2))))
+    by = {r["host"]: r for r in rows(FleetSnapshot(0.0, (good, bad)))}
+    assert by["a"]["reach"] == "✓" and by["b"]["state"].startswith("unreadable snapshot (AttributeError")

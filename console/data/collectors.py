@@ -125,6 +125,11 @@ class Snapshot:
             newer = "a newer" if isinstance(raw["v"], int) and raw["v"] > SCHEMA_VERSION else "an older"
             raise SnapshotVersionError(f"another version of the snapshot: v{raw['v']} there ({newer} dsv4), "
                                        f"v{SCHEMA_VERSION} here")
+        tool = raw.get("toolchain") or {}
+        if not isinstance(tool, dict) or not all(isinstance(v, str) for v in tool.values()):
+            raise ValueError("toolchain: not a mapping of component to text")
+        if not all(isinstance(x, dict) for k in ("nodes", "history") for x in raw.get(k) or ()):
+            raise ValueError("nodes and history are lists of records")
         types = {"programs": ProgramsSnapshot, "cache": CacheSnapshot, "sidecars": SidecarsSnapshot,
                  "host": HostSnapshot, "device": DeviceSnapshot, "registration": RegistrationSnapshot}
         parts = {k: value_of(types[k], raw.get(k) or {}) for k in cls.PARTS}

@@ -182,20 +182,27 @@ def rows(fleet_snapshot, now: float | None = None) -> list[dict[str, Any]]:
     out = []
     for r in readings:
         row: dict[str, Any] = {"host": r.host, "node": r.node_rank, "reading": r, "drift": drifts.get(r.host, ())}
-        snap = r.snapshot
-        if not r.reachable or snap is None:
+        if not r.reachable or r.snapshot is None:
             row.update(reach="✗", state=r.error or "unreachable", ok=False)
-            out.append(row)
-            continue
-        view = service_of(snap)
-        ranks = _ranks_here(readings, snap.hostname)
-        room, roomy = _room(snap)
-        row.update(reach="✓" if r.fresh else "stale", ok=r.fresh and not r.error, version=snap.toolchain.get("dsv4", "?"),
-                   device_ok=not snap.device.error,
-                   toolchain="; ".join(drifts.get(r.host, ())) or "same", programs=_programs(snap),
-                   sidecar=_sidecar(snap), device=_device(snap), room=room, roomy=roomy,
-                   state=r.error or _service_state(snap, view), phases=_phases(snap, ranks, now),
-                   tokens_s=view.serving.tokens_s if view and view.serving else None,
-                   age=r.age_s, hostname=snap.hostname, service=view)
+        else:
+            try:
+                row.update(_figures(r, readings, drifts, now))
+            except (AttributeError, TypeError, KeyError, ValueError) as e:  # a snapshot that parsed but says nonsense
+                row.update(reach="✗", state=f"unreadable snapshot ({type(e).__name__}: {e})"[:200], ok=False)
         out.append(row)
     return out
+
+
+def _figures(r, readings, drifts: dict[str, tuple[str, ...]], now: float) -> dict[str, Any]:
+    """The columns of a host that answered."""
+    snap = r.snapshot
+    view = service_of(snap)
+    room, roomy = _room(snap)
+    return {"reach": "✓" if r.fresh else "stale", "ok": r.fresh and not r.error,
+            "version": snap.toolchain.get("dsv4", "?"), "device_ok": not snap.device.error,
+            "toolchain": "; ".join(drifts.get(r.host, ())) or "same", "programs": _programs(snap),
+            "sidecar": _sidecar(snap), "device": _device(snap), "room": room, "roomy": roomy,
+            "state": r.error or _service_state(snap, view),
+            "phases": _phases(snap, _ranks_here(readings, snap.hostname), now),
+            "tokens_s": view.serving.tokens_s if view and view.serving else None, "age": r.age_s,
+            "hostname": snap.hostname, "service": view}
