@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import time
 
 import pytest
 from conftest import MAX_SEQ
@@ -169,9 +170,10 @@ def test_the_consoles_cache_view_says_where_a_brought_entry_came_from():
 
     row = {"program": "embed.decode", "state": "current", "size_bytes": 1024, "fingerprint": "ab" * 32,
            "created": 0.0, "hits": 0, "last_used": 0.0, "reason": "",
-           "origin": {"host": "builder-1", "signer": "0123456789abcdef", "reference": "b.tar", "time": 0.0}}
-    cells = ProgramsPane()._cache_cells(row)
-    assert cells["reason"] == "from builder-1, signed by 0123456789abcdef"
+           "origin": {"host": "builder-1", "signer": "0123456789abcdef", "reference": "/x/b.tar",
+                      "time": time.time() - 7200}}
+    cells = ProgramsPane()._cache_cells(row)  # all of it, as `cache ls` says it
+    assert cells["reason"] == "from builder-1, signed by 0123456789abcdef, b.tar (2h ago)"
     assert ProgramsPane()._cache_cells({**row, "origin": None})["reason"] == ""
 
 

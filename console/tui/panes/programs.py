@@ -5,6 +5,7 @@ it takes against the gc limit). Enter shows a row's full key, entry and manifest
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from textual.app import ComposeResult
@@ -15,6 +16,7 @@ from console.data.cache import CacheSnapshot
 from console.data.collectors import ProgramsSnapshot
 from console.tui.panes.base import JobLine, Pane
 from console.tui.tables import Column, PaneTable, title
+from store.kernel_cache.entry import Origin
 
 STATE_STYLE = {"HIT": "green", "MISS": "cyan", "STALE": "yellow", "CORRUPT": "red", "UNTRUSTED": "red",
                "EAGER": "dim", "current": "green", "other-layout": "cyan", "stale": "yellow", "corrupt": "red",
@@ -42,8 +44,13 @@ CACHE_COLUMNS = (  # what decides a purge first: the state and why, then use, th
 
 
 def origin(o: dict[str, Any] | None) -> str:
-    """Where a brought entry came from (nothing for one built here)."""
-    return f"from {o.get('host')}, signed by {o.get('signer')}" if o else ""
+    """Where a brought entry came from — host, signer, reference, when (nothing for one built here)."""
+    if not o:
+        return ""
+    try:
+        return Origin.parse(o).short(time.time())
+    except (KeyError, TypeError, ValueError):  # an older manifest's origin: what it says
+        return f"from {o.get('host')}, signed by {o.get('signer')}"
 
 
 def styled(state: str) -> str:
