@@ -1,129 +1,32 @@
-"""Hosts on this one machine, for tests of a service across hosts: a host is a mount + UTS
-namespace (`unshare --mount --uts`, as root) with its own hostname and its own directory bound at
-one shared path, so every host sees "its" checkpoint, kernel cache, state and keys at the same
-paths, as hosts with their own disks do. Its ranks are `dsv4 serve` processes started with the
-torchrun variables (RANK, WORLD_SIZE, MASTER_ADDR/PORT) on loopback."""
+"""Hosts on this one machine, for tests of a service across hosts: the test bed is
+`bench/ns_hosts.py` (mount + UTS namespaces, each host its own checkpoint copy, kernel cache,
+state and keys at one shared path), which `dsv4 bench hosts` runs on too."""
 
 from __future__ import annotations
 
-import contextlib
-import os
-import shutil
-import socket
-import subprocess
-import sys
-from dataclasses import dataclass
-from pathlib import Path
-
 from conftest import MAX_SEQ
 
-REPO = Path(__file__).resolve().parents[1]
+from bench import ns_hosts
+from bench.ns_hosts import Host, free_port, hosts, namespaces_work, stop, trust_each_other  # noqa: F401
+
+assert ns_hosts.MAX_SEQ == MAX_SEQ  # a host's ranks serve with the tests' KV size
 
 
-def namespaces_work() -> str | None:
-    """None when this process may give a rank its own mount and UTS namespace; else why not."""
-    if shutil.which("unshare") is None:
-        return "no unshare(1) here"
-    probe = subprocess.run(["unshare", "--mount", "--uts", "--fork", "true"], capture_output=True, text=True)
-    return None if probe.returncode == 0 else f"unshare --mount --uts fails here: {probe.stderr.strip()}"
+def store_groups(world: int = 2, names: list[str] | None = None):
+    """`world` joined ranks on one real rendezvous store (no process group), rank r on
+    `names[r]` (default host-a, host-b, …): (the store's host, the groups)."""
+    from datetime import timedelta
 
+    from torch.distributed import TCPStore
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from runtime.launch.ranks import Group, RankEnv
 
-
-@dataclass(frozen=True)
-class Host:
-    """One host: `root` (its own files) is what it sees at `mount`; `name` its hostname (None:
-    this machine itself, no namespace — the same layout, one host)."""
-
-    name: str | None
-    root: Path
-    mount: Path
-    keys_by_flag: bool = False  # its keys named by --signing-key / --trusted-keys, not by the environment
-
-    @property
-    def model(self) -> Path:
-        return self.mount / "model"
-
-    def keys(self) -> dict[str, str]:
-        """Its signing key and (when it has the file) trusted keys, at the shared path: variable → file."""
-        here = self.mount if self.name else self.root
-        return {"DSV4_SIGNING_KEY": str(here / "keys" / "signing.key"),
-                **({"DSV4_TRUSTED_KEYS": str(here / "keys" / "trusted")} if (self.root / "keys" / "trusted").exists()
-                   else {})}
-
-    def env(self) -> dict[str, str]:
-        """Its user dirs and keys, at the shared path (where the bind puts its own)."""
-        here = self.mount if self.name else self.root
-        return {"DSV4_STATE_DIR": str(here / "state"), "DSV4_DATA_DIR": str(here / "data"),
-                "DSV4_KERNEL_CACHE_DIR": str(here / "programs"), **({} if self.keys_by_flag else self.keys())}
-
-    def key_flags(self) -> list[str]:
-        flags = {"DSV4_SIGNING_KEY": "--signing-key", "DSV4_TRUSTED_KEYS": "--trusted-keys"}
-        return [x for var, path in self.keys().items() for x in (flags[var], path)] if self.keys_by_flag else []
-
-    def rank(self, rank: int, world: int, port: int, out: Path, *args: str, backend: str = "eager") -> subprocess.Popen:
-        """Rank `rank` of `world` serving this host's checkpoint; its events and stderr in `out`."""
-        model = self.model if self.name else self.root / "model"
-        serve = [sys.executable, "-m", "console.cli", "serve", str(model), "--device", "cpu", "--backend", backend,
-                 "--port", "0", "--max-seq", str(MAX_SEQ), "--rendezvous-timeout", "300",
-                 "--events", str(out / f"events-{rank}.jsonl"), *self.key_flags(), *args]
-        if self.name:
-            script = 'hostname "$1" && mount --bind "$2" "$3" && shift 3 && exec "$@"'
-            serve = ["unshare", "--mount", "--uts", "--fork", "sh", "-c", script, "sh", self.name, str(self.root),
-                     str(self.mount), *serve]
-        env = {**{k: v for k, v in os.environ.items() if k not in ("DSV4_SIGNING_KEY", "DSV4_TRUSTED_KEYS")},
-               **self.env(), "RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "PYTHONPATH": str(REPO)}
-        with open(out / f"stderr-{rank}.log", "w") as err:
-            return subprocess.Popen(serve, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=err, text=True)
-
-
-def hosts(tmp_path: Path, model: Path, names: list[str | None]) -> list[Host]:
-    """One host per name, each with its own copy of `model` (other mtimes: copied, not linked)."""
-    mount = tmp_path / "host"
-    mount.mkdir(exist_ok=True)
-    out = []
-    for i, name in enumerate(names):
-        root = tmp_path / f"root-{name or i}"
-        shutil.copytree(model, root / "model")
-        for p in (root / "model").iterdir():
-            os.utime(p, (1_000_000 + i, 1_000_000 + i))  # other mtimes: what a copy on another host has
-        out.append(Host(name, root, mount))
-    return out
-
-
-def trust_each_other(hosts: list[Host]) -> None:
-    """Every host gets a signing key and trusts every host's public key (its own included)."""
-    from store.signing import SigningKey
-
-    keys = []
-    for h in hosts:
-        key = SigningKey.generate(h.name or "local")
-        (h.root / "keys").mkdir(parents=True, exist_ok=True)
-        fd = os.open(h.root / "keys" / "signing.key", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(key.line() + "\n")
-        keys.append(key.public.line())
-    for h in hosts:
-        (h.root / "keys" / "trusted").write_text("\n".join(keys) + "\n")
-
-
-def stop(procs: list[subprocess.Popen]) -> None:
-    """Each rank by its pid (unshare keeps its child through SIGTERM: the ranks themselves too)."""
-    import psutil
-
-    for proc in procs:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            for child in psutil.Process(proc.pid).children(recursive=True):
-                child.terminate()
-        proc.terminate()
-    for proc in procs:
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    port = free_port()
+    host = TCPStore("127.0.0.1", port, None, True, timedelta(seconds=5), wait_for_workers=False)
+    groups = []
+    for r in range(world):
+        env = RankEnv(r, world, r, world, "127.0.0.1", port, False)
+        g = Group(env, TCPStore("127.0.0.1", port, None, False, timedelta(seconds=5), wait_for_workers=False), 1.0)
+        g.hosts = list(names) if names else [f"host-{'abcdefgh'[i]}" for i in range(world)]
+        groups.append(g)
+    return host, groups

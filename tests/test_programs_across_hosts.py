@@ -7,20 +7,17 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import threading
 import time
 from dataclasses import replace
-from datetime import timedelta
 
 import pytest
 from conftest import launch
+from hosts import free_port, namespaces_work, stop, store_groups, trust_each_other
 from hosts import hosts as make_hosts
-from hosts import namespaces_work, stop, trust_each_other
-from torch.distributed import TCPStore
 
 from runtime.events import Event
-from runtime.launch.ranks import Group, RankEnv, RankError
+from runtime.launch.ranks import RankError
 from runtime.launch.share import EACH, ONE_HOST, SHARED, HostView, Keys, decide
 
 ALL = ("attn", "moe", "mtp", "embed", "head")
@@ -96,29 +93,11 @@ def test_a_launch_takes_its_keys_from_its_flags_before_the_environment(tmp_path,
 # ---- waits that follow progress ----------------------------------------------------------------
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _groups(world: int = 2):
-    port = _port()
-    host = TCPStore("127.0.0.1", port, None, True, timedelta(seconds=5), wait_for_workers=False)
-    groups = []
-    for r in range(world):
-        env = RankEnv(r, world, r, world, "127.0.0.1", port, False)
-        g = Group(env, TCPStore("127.0.0.1", port, None, False, timedelta(seconds=5), wait_for_workers=False), 1.0)
-        g.hosts = [f"host-{'abc'[i]}" for i in range(world)]
-        groups.append(g)
-    return host, groups
-
-
 def test_a_slow_rank_that_makes_progress_is_waited_for_past_any_fixed_deadline(monkeypatch):
     from runtime.launch import ranks
 
     monkeypatch.setattr(ranks, "SHOW_WAIT_EVERY_S", 0.5)
-    _store, (zero, one) = _groups()
+    _store, (zero, one) = store_groups()
     shown: list[str] = []
 
     def slow_but_moving():  # 3 s of work, an event every 0.6 s: past the 1 s rendezvous timeout
@@ -137,7 +116,7 @@ def test_a_slow_rank_that_makes_progress_is_waited_for_past_any_fixed_deadline(m
 
 
 def test_a_rank_whose_progress_stops_is_named_with_its_host_and_what_it_did_last():
-    _store, (zero, one) = _groups()
+    _store, (zero, one) = store_groups()
     one.set_phase("weights")
     one.progress_sink(Event("weights", "progress", done=3, total=8, unit="layers", rank=1))
     with pytest.raises(RankError) as raised:
@@ -147,7 +126,7 @@ def test_a_rank_whose_progress_stops_is_named_with_its_host_and_what_it_did_last
 
 
 def test_without_a_stall_bound_a_missing_rank_is_named_at_the_deadline():
-    _store, (zero, _one) = _groups()
+    _store, (zero, _one) = store_groups()
     with pytest.raises(RankError, match=r"^rendezvous: rank 1 did not arrive within 1 s$"):
         zero.gather("join", "", "rendezvous")
 
@@ -175,7 +154,7 @@ def _served_once(out, hosts):
     """One export service over `hosts` until it serves, then stopped: every rank's events, and
     each rank's programs end detail."""
     out.mkdir()
-    port = _port()
+    port = free_port()
     procs = [h.rank(r, len(hosts), port, out, backend="export") for r, h in enumerate(hosts)]
     try:
         events = _serving(out, procs, len(hosts))
