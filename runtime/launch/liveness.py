@@ -105,8 +105,8 @@ class Heartbeat:
                         return
             except Exception as e:  # the store's host is gone, or it stopped answering
                 if not self._stop.is_set():
-                    reason = (f"rank {self.rank} lost the rendezvous store (its host is gone or stopped "
-                              f"answering within {self.rank_timeout:g} s: {first_line(e)})")
+                    reason = (f"rank {self.rank} on {socket.gethostname()} lost the rendezvous store (its host "
+                              f"is gone or stopped answering within {self.rank_timeout:g} s: {first_line(e)})")
                     self.blame(self.rank, reason, False)
                     self.lose(reason)
                 return

@@ -18,7 +18,9 @@ RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT. Two
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -28,6 +30,7 @@ from typing import Any
 
 from runtime.launch.agree import Join, disagreement
 from runtime.launch.liveness import Heartbeat, first_line, member, roster
+from runtime.launch.progress import HOSTS_DETAIL, HostsWatch, Progress
 from store.errors import UserError
 
 PREFIX = "dsv4/"
@@ -114,7 +117,8 @@ def open_store(env: RankEnv, timeout: float, host: bool = False, client: bool = 
                             f"(--master-port or MASTER_PORT) or stop what holds it") from None
         if master:
             raise RankError(f"cannot host the rendezvous store on {env.addr}:{env.port}: {e}") from None
-        raise RankError(f"rank {env.rank}: no rendezvous store answered at {env.addr}:{env.port} within "
+        raise RankError(f"rank {env.rank} on {socket.gethostname()}: no rendezvous store answered at "
+                        f"{env.addr}:{env.port} within "
                         f"{timeout:g} s (is rank 0 or the launcher running, with the same MASTER_ADDR/PORT?)") from None
 
 
@@ -176,9 +180,10 @@ class Group:
         self.phase = phase
         self.store.set(f"{PREFIX}phase/{self.rank}", phase)
 
-    def who(self, rank: int) -> str:
-        """`rank 1 on host-b`: how every line names a rank."""
-        host = self.hosts[rank] if rank < len(self.hosts) else ""
+    def who(self, rank: int | None = None) -> str:
+        """`rank 1 on host-b`: how every line names a rank (this one by default)."""
+        rank = self.rank if rank is None else rank
+        host = self.hosts[rank] if rank < len(self.hosts) else socket.gethostname() if rank == self.rank else ""
         return f"rank {rank} on {host}" if host else f"rank {rank}"
 
     def leader(self, rank: int | None = None) -> int:
@@ -194,16 +199,34 @@ class Group:
         whether this moves, not by a fixed deadline."""
         if event.rank not in (None, self.rank) or event.kind not in ("start", "progress", "log", "end"):
             return
+        if HOSTS_DETAIL in event.detail:  # rank 0's word on the other hosts: none of its own progress
+            return
         posts, when, phase = self._progress
         now = time.monotonic()
         if event.phase == phase and now - when < PROGRESS_EVERY_S and event.kind != "end":
             return
         counted = event.done is not None and event.total is not None
-        done = f" {event.done:g}/{event.total:g} {event.unit or ''}".rstrip() if counted else ""
-        text = f"{posts + 1} {event.phase}{done} {event.kind}"
+        post = Progress(posts + 1, event.phase, event.kind, event.done if counted else None,
+                        event.total if counted else None, event.unit or "")
         self._progress = (posts + 1, now, event.phase)
         with contextlib.suppress(Exception):  # the store's host gone: the heartbeat says so
-            self.store.set(f"{PREFIX}progress/{self.rank}", text)
+            self.store.set(f"{PREFIX}progress/{self.rank}", post.line())
+
+    def progress_of(self, rank: int, store=None) -> tuple[str, Progress | None]:
+        """`rank`'s phase and last posted progress (on `store`, another connection, if given)."""
+        store = store or self.store
+        return phase_of(store, rank), Progress.from_line(read(store, f"progress/{rank}"))
+
+    def watch_hosts(self, update, emit) -> HostsWatch:
+        """Rank 0 while it registers: each host's phase and progress, on a connection of its
+        own (runtime.launch.progress.HostsWatch); the caller stops it."""
+        store = open_store(self.env, self.timeout, client=True)
+
+        def posted(rank: int) -> dict[str, Any]:
+            raw = read(store, f"member/{rank}")
+            return json.loads(raw) if raw else {}
+
+        return HostsWatch(self.hosts, lambda rank: self.progress_of(rank, store), update, emit, posted).start()
 
     def abort(self, message: str) -> str:
         """Stop every rank with `message` (unless another failure came first: that one holds)."""
@@ -292,7 +315,7 @@ class Group:
                 while (reason := self.aborted()) is None and self.lost is None:
                     time.sleep(0.2)
             except Exception as e:  # the store's host is gone
-                reason = f"rank {self.rank} lost the rendezvous store ({first_line(e)})"
+                reason = f"{self.who()} lost the rendezvous store ({first_line(e)})"
                 self.blame(self.rank, reason, post=False)
             else:
                 with contextlib.suppress(Exception):  # the rank the abort is about, for /health
@@ -465,7 +488,7 @@ class Group:
     def _lose(self, e: BaseException) -> RankError:
         """A failed collective: the group is gone for good."""
         if self.lost is None and self._reason is None:
-            line = f"rank {self.rank} lost the other ranks in a collective ({first_line(e)})"
+            line = f"{self.who()} lost the other ranks in a collective ({first_line(e)})"
             # the launcher names a dead rank and its phase a moment later, the heartbeats name a
             # silent one and its host within the rank timeout: either line is better
             wait = LAUNCHER_GRACE_S + (self._beat.rank_timeout if self._beat is not None else 0.0)
@@ -518,7 +541,8 @@ class _Waiting:
             before = self.seen.get(r)
             if before is None or before[0] != text:
                 self.seen[r] = before = (text, now)
-            what = _doing(text, phase_of(self.group.store, r))
+            progress = Progress.from_line(text)
+            what = progress.doing if progress is not None else phase_of(self.group.store, r)
             if now - before[1] > self.stall:
                 return (f"{self.group.who(r)} made no progress for {self.stall:g} s (--stall-timeout) while "
                         f"the others waited for it; its last: {what}")
@@ -527,14 +551,6 @@ class _Waiting:
             self.shown_at = now
             self.shown("waiting for " + "; ".join(doing))
         return None
-
-
-def _doing(progress: str | None, phase: str) -> str:
-    """What a rank's progress line says it does: `programs 5/14 programs progress` → `programs 5/14`."""
-    if not progress:
-        return phase
-    words = progress.split()[1:]  # the post counter first
-    return " ".join(words[:-1] if words and words[-1] in ("progress", "log", "start") else words) or phase
 
 
 def _to_host(message: Any) -> Any:
@@ -582,5 +598,5 @@ def follow(engine, group: Group, until: str) -> None:
         if op == "ping":
             continue
         if op == "stop":
-            raise RankError(f"rank {group.rank}: rank 0 stopped the service while this rank waited for {until}")
+            raise RankError(f"{group.who()}: rank 0 stopped the service while this rank waited for {until}")
         getattr(engine, op)(*args)

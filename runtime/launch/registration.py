@@ -44,6 +44,7 @@ class Launched:
     failure: str | None = None  # set when the service must stop generating (the service answers 503)
     _on_failure: list = field(default_factory=list)  # told the reason once `fail` sets it (the scheduler)
     group: Any = None  # runtime.launch.ranks.Group: the other ranks of this service (None: one rank)
+    hosts: tuple[str, ...] = ()  # each rank's host, in rank order (a service of several ranks)
     _closers: list = field(default_factory=list)
 
     @property
@@ -72,7 +73,8 @@ class Launched:
     def record(self, started: float, outcome: str, error: str = "", **extra: Any) -> None:
         """This launch's line in the launch history."""
         history.append(self.spec, self.phases, started, outcome, error, device=self.plan.device,
-                       backend=self.plan.backend, predicted=self.plan.predicted, extra=extra)
+                       backend=self.plan.backend, predicted=self.plan.predicted,
+                       extra={**({"hosts": list(self.hosts)} if self.hosts else {}), **extra})
 
     def close(self) -> None:
         """Release device memory and the sidecar mapping; rank 0 of several tells the others to stop."""
@@ -93,30 +95,46 @@ def validation_prompt(tokenizer) -> list[int]:
     return tokenizer.encode("DeepSeek V4 registration check")
 
 
-def register(spec: LaunchSpec, emitter: Emitter, *, rank_env=None, record: bool = True) -> Launched:
+def register(spec: LaunchSpec, emitter: Emitter, *, rank_env=None, record: bool = True, on_hosts=None) -> Launched:
     """Run every phase up to (not including) serve for `spec` (its model resolved). `rank_env`
     (runtime.launch.ranks.RankEnv): this process is one rank of `spec.ranks`. Raises
     RegistrationError on a failed phase, after its error event; the launch history records the
-    failure too (`record`: rank 0 of a launch records it)."""
+    failure too (`record`: rank 0 of a launch records it). Rank 0 of several watches every
+    host's phase and progress until it is done (runtime.launch.progress): events whenever a
+    host's phase or the slowest host changes, and every pass told to `on_hosts(ranks, hosts,
+    slowest)` (what its /health says meanwhile)."""
     phases = PhaseRecorder(emitter)
     started = time.time()
     rank = rank_env.rank if rank_env is not None else 0
+    watch: list = []
     try:
-        launched = _register(spec, rank_env, emitter, phases)
+        launched = _register(spec, rank_env, emitter, phases, lambda group: watch.append(_watch_hosts(
+            group, phases.emitter, on_hosts)))
     except BaseException as e:
         if phases.group is not None:  # every other rank stops at once, with this reason
             with contextlib.suppress(Exception):
-                line = f"rank {rank} failed in {phases.failed or 'check'}: {why(e)}"
+                line = f"{phases.group.who(rank)} failed in {phases.failed or 'check'}: {why(e)}"
                 phases.group.blame(rank, line)
                 phases.group.abort(line)
         if record and rank == 0:
             device, backend = resolved(spec, phases.plan)
             history.append(spec, phases.records, started, "error", why(e), device=device, backend=backend,
                            predicted=phases.plan.predicted if phases.plan is not None else None,
-                           extra={"failed_phase": phases.failed})
+                           extra={"failed_phase": phases.failed,
+                                  **({"hosts": list(phases.group.hosts)} if phases.group is not None else {})})
         raise
+    finally:
+        for w in watch:
+            w.stop()
     launched.phases = phases.records
     return launched
+
+
+def _watch_hosts(group, emitter: Emitter, on_hosts):
+    def emit(message: str, detail: dict[str, Any]) -> None:
+        emitter.emit(group.phase or Phase.CHECK, "log", message=message, detail=detail)
+
+    return group.watch_hosts(on_hosts, emit)
 
 
 def resolved(spec: LaunchSpec, plan=None) -> tuple[str, str]:
@@ -141,11 +159,12 @@ class _Checked:
     rank: int = 0
 
 
-def _register(spec: LaunchSpec, rank_env, emitter: Emitter, phases: PhaseRecorder) -> Launched:
-    plan, checked = _check(spec, rank_env, phases)
+def _register(spec: LaunchSpec, rank_env, emitter: Emitter, phases: PhaseRecorder, watch) -> Launched:
+    plan, checked = _check(spec, rank_env, phases, watch)
     runners, loaded = _programs_and_weights(plan, checked, emitter, phases)
     launched = Launched(plan, None, None, checked.device, checked.tokenizer)
     launched.tiers, launched.group = runners, checked.group
+    launched.hosts = tuple(checked.group.hosts) if checked.group is not None else ()
     launched._closers.append(loaded.close)
     release = getattr(runners, "release_compiles", lambda go: None)  # --ready early: compile once ready
     try:
@@ -160,9 +179,10 @@ def _register(spec: LaunchSpec, rank_env, emitter: Emitter, phases: PhaseRecorde
     return launched
 
 
-def _check(spec: LaunchSpec, rank_env, phases: PhaseRecorder):
+def _check(spec: LaunchSpec, rank_env, phases: PhaseRecorder, watch):
     """The plan of this launch (carried by the check event), the tensor contract, the
-    tokenizer, the device, and the ranks joined: every phase below acts on this plan."""
+    tokenizer, the device, and the ranks joined (rank 0 then `watch(group)`es them): every phase
+    below acts on this plan."""
     from runtime.launch.device import get_device
     from runtime.launch.plan import make_plan
     from runtime.model.tensors import expected_tensors
@@ -197,6 +217,8 @@ def _check(spec: LaunchSpec, rank_env, phases: PhaseRecorder):
             join = Join.of(plan_parts(plan), plan.content_id)
             group = phases.group = rendezvous(rank_env, join, spec.rendezvous_timeout, device.kind, spec.rank_timeout)
             phases.emitter.sinks.append(group.progress_sink)  # what the ranks waiting for this one read
+            if rank_env.rank == 0:
+                watch(group)
             d.update(ranks, store=rank_env.store_host)
         d.update(tensors=report.checked, device=device.describe(), programs=len(plan.catalog.specs),
                  layers=plan.config.summary(), tokenizer=tokenizer.kind)
@@ -340,7 +362,7 @@ def _size_kv(launched: Launched, runners, rank_env, detail: dict, emitter: Emitt
     if group is not None:  # a rank that cannot hold one slot stops every rank, named
         verdicts = group.gather("kv-fits", str(problem or ""), "kv")
         if problem is None and (first := next(((r, v) for r, v in enumerate(verdicts) if v), None)):
-            raise RegistrationError(f"kv: rank {first[0]}: {first[1].removeprefix('kv: ')}")
+            raise RegistrationError(f"kv: {group.who(first[0])}: {first[1].removeprefix('kv: ')}")
     if problem is not None:
         raise problem
     attempts = []
@@ -404,7 +426,8 @@ def _validate(launched: Launched, phases: PhaseRecorder) -> None:
             theirs = list(engine.generate(prompt, steps, slot=slot))
             engine.reset(slot)
             if theirs != tokens:
-                raise RegistrationError(f"validate: rank {rank} decoded {theirs} where rank 0 decoded {tokens} "
+                who = group.who(rank) if group is not None else f"rank {rank}"
+                raise RegistrationError(f"validate: {who} decoded {theirs} where rank 0 decoded {tokens} "
                                         f"from the same prompt; its weights or programs differ")
         if group is not None:
             group.lead("validated")

@@ -12,8 +12,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-HEALTH_VERSION = 2  # 1: the unversioned dict of dsv4 before the contract; 2: this value
-OK, FAILED = "ok", "failed"
+HEALTH_VERSION = 3  # 1: the unversioned dict of dsv4 before the contract; 2: the value; 3: it answers
+# while registering too (503 `registering`: its phase, each host's phase and progress, the slowest host)
+OK, FAILED, REGISTERING = "ok", "failed", "registering"
 
 
 class ContractError(ValueError):
@@ -41,9 +42,41 @@ class RankHealth:
 
 
 @dataclass(frozen=True)
+class HostProgress:
+    """One host of a registering service as rank 0 sees it: the phase its least advanced rank is
+    in, and that rank's last counted progress (`step`: the phase the count is of — programs and
+    weights run at once)."""
+
+    host: str
+    ranks: tuple[int, ...]
+    phase: str
+    done: float | None = None
+    total: float | None = None
+    unit: str = ""
+    step: str = ""
+
+    @property
+    def doing(self) -> str:
+        """`programs 3/8 programs`, or the phase alone when nothing was counted."""
+        if self.done is None or self.total is None:
+            return self.phase
+        return f"{self.step or self.phase} {self.done:g}/{self.total:g} {self.unit}".rstrip()
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "ranks": list(self.ranks)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> HostProgress:
+        fields = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
+        return cls(**{**fields, "ranks": tuple(int(r) for r in data.get("ranks") or ())})
+
+
+@dataclass(frozen=True)
 class Health:
     """GET /health: 200 with status `ok` while the service generates, 503 with status `failed`
-    and the reason once it must not. Every field is the server's own count, never a guess."""
+    and the reason once it must not, and 503 with status `registering` before it serves (its
+    phase; of several ranks, each host's phase and progress and the slowest host, in the reason
+    too). Every field is the server's own count, never a guess."""
 
     status: str
     model: str
@@ -63,6 +96,9 @@ class Health:
     engine: dict[str, Any] = field(default_factory=dict)  # steps, mean batch, MTP drafts and acceptance
     ranks: tuple[RankHealth, ...] = ()
     reason: str = ""
+    phase: str = ""  # while registering: rank 0's phase ("" once it serves)
+    hosts: tuple[HostProgress, ...] = ()  # while registering: each host's phase and progress
+    slowest: str = ""  # while registering across hosts: the host furthest behind ("" : none behind)
     v: int = HEALTH_VERSION
 
     @property
@@ -70,12 +106,16 @@ class Health:
         return self.status == OK
 
     @property
+    def registering(self) -> bool:
+        return self.status == REGISTERING
+
+    @property
     def in_flight(self) -> int:
         """Requests holding a slot or waiting for one."""
         return self.slots - self.free_slots + self.queued
 
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "ranks": [asdict(r) for r in self.ranks]}
+        return {**asdict(self), "ranks": [asdict(r) for r in self.ranks], "hosts": [h.to_json() for h in self.hosts]}
 
     @classmethod
     def from_json(cls, data: Any) -> Health:
@@ -91,6 +131,7 @@ class Health:
         try:
             fields = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
             fields["ranks"] = tuple(RankHealth.from_json(r) for r in data.get("ranks") or ())
+            fields["hosts"] = tuple(HostProgress.from_json(h) for h in data.get("hosts") or ())
             fields["engine"] = dict(data.get("engine") or {})
             return cls(**fields)
         except (TypeError, KeyError, ValueError) as e:

@@ -14,6 +14,7 @@ import atexit
 import contextlib
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -59,17 +60,6 @@ def stopped_how() -> str:
     return f"stopped by {signal.Signals(STOPPED_BY[0]).name}" if STOPPED_BY else "stopped"
 
 
-class LastPhase:
-    """A sink that remembers the phase the launch is in: what its ending names."""
-
-    def __init__(self) -> None:
-        self.phase = ""
-
-    def __call__(self, event: Event) -> None:
-        if event.kind == "start" and event.rank in (None, 0):
-            self.phase = event.phase
-
-
 def service_settings(spec: LaunchSpec) -> dict:
     """What the registry keeps of a launch's settings (the Services pane's columns)."""
     return {"backend": spec.backend, "device": spec.device, "max_seq": spec.max_seq, "ranks": spec.ranks}
@@ -95,9 +85,12 @@ def run(spec: LaunchSpec, rank_env=None, display: Callable[[], tuple[Sink, Calla
     if rank > 0:
         return _follow(spec, rank_env, Emitter(*sinks, rank=rank))
     from runtime.launch.registration import register
+    from runtime.serve.registering import Registering, answer_while_registering
     from runtime.serve.server import bind
+    from store.services import ServiceId
 
-    # the port first: one in use is one line now, not after every registration phase
+    # the port first: one in use is one line now, not after every registration phase; until it
+    # serves, every request there is a 503 saying which phase (and, across hosts, who is behind)
     sock = bind(spec.host, spec.port)
     shown = display() if display is not None and spec.events != "-" else None
     if shown:
@@ -107,17 +100,20 @@ def run(spec: LaunchSpec, rank_env=None, display: Callable[[], tuple[Sink, Calla
     never_silent()
     started = time.time()
     announced = announce(spec, rank_env)
-    at = LastPhase()
+    at = Registering(spec, ServiceId.of_this_process())  # the phase the launch is in: its ending names it
     emitter.sinks.append(at)
     try:
+        stop_answering = answer_while_registering(sock, at)
         try:
-            launched = register(spec, emitter, rank_env=rank_env)
+            launched = register(spec, emitter, rank_env=rank_env, on_hosts=at.hosts)
         except BaseException:
+            stop_answering()
             sock.close()
             raise
         finally:
             if shown:
                 shown[1]()
+        stop_answering()  # the service's own server takes the socket, listening all along
         code = _serve(launched, sock, emitter, announced, started, speculative)
     except KeyboardInterrupt:
         announced.end(stopped_how(), at.phase)
@@ -286,7 +282,8 @@ def launch_ranks(spec: LaunchSpec) -> int:
         launch's one history record (rank 0 may be the one gone)."""
         if spec.events:
             with contextlib.suppress(OSError):
-                open_sink(spec.events)(Event(Phase.SERVE, "error", message=line, detail={"rank": rank, "phase": phase}))
+                open_sink(spec.events)(Event(Phase.SERVE, "error", message=line, detail={"rank": rank, "phase": phase},
+                                             host=socket.gethostname()))
         announced.end(f"rank {rank} {how(code)}", phase, line, by="launcher")
         device, backend = resolved(spec)
         history.append(spec, {}, started, "error", line, device=device, backend=backend,
