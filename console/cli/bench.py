@@ -144,6 +144,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     loss.add_argument("--json", action="store_true", help="print one JSON object")
     loss.set_defaults(func=_node_loss)
 
+    across = sub.add_parser(
+        "hosts",
+        help="one service over 2 namespaced hosts vs one node: cold and hot ready, programs compiled and shipped, tokens",
+        description="On hosts in mount + UTS namespaces of this machine (as root), each with its own hostname, "
+        "checkpoint copy, kernel cache, state dir and signing key, every host trusting the other's: a service of 2 "
+        "ranks under torchrun over 2 hosts against one node, cold (empty caches) and hot; per host the programs it "
+        "compiled, the entries it shipped, what it received (entries, bytes) and the seconds verifying them, when its "
+        "programs phase ran; greedy validation tokens against one rank alone. Targets: cold ready over 2 hosts <= "
+        "1.3x one node's, no program compiled twice in the service, tokens equal.",
+    )
+    across.add_argument("--preset", choices=("tiny", "small"), default="tiny",
+                        help="synthetic checkpoint to measure on (default %(default)s; made in a temp dir)")
+    across.add_argument("--backend", choices=("export", "aoti"), default="export",
+                        help="how the programs compile (default %(default)s)")
+    across.add_argument("--json", action="store_true", help="print one JSON object")
+    across.set_defaults(func=_hosts)
+
     acc = sub.add_parser(
         "accelerator",
         help="the whole path on one device: cold and hot launch, upload GB/s, memory, console, greedy vs cpu, tok/s",
@@ -269,6 +286,12 @@ def _ranks(args: argparse.Namespace) -> int:
     from bench.ranks_bench import main
 
     return main(preset=args.preset, backend=args.backend, ranks=args.ranks, json_output=args.json)
+
+
+def _hosts(args: argparse.Namespace) -> int:
+    from bench.hosts_bench import main
+
+    return main(preset=args.preset, backend=args.backend, json_output=args.json)
 
 
 def _node_loss(args: argparse.Namespace) -> int:
