@@ -86,10 +86,12 @@ def _keygen(path: Path) -> None:
 
 @contextlib.contextmanager
 def ssh_hosts(tmp: Path, names: list[str], sshd: str, *, model: Path | None = None, refuse: tuple[str, ...] = (),
-              binds: dict[str, list[tuple[Path, Path]]] | None = None) -> Iterator[tuple[list[SshHost], Path]]:
+              binds: dict[str, list[tuple[Path, Path]]] | None = None,
+              trust: bool = False) -> Iterator[tuple[list[SshHost], Path]]:
     """Hosts `names` on 127.0.0.2, 127.0.0.3, …, each with its own copy of `model` at the shared
     path `tmp/host/model`; (the hosts, the client's ssh config). `refuse`: hosts whose sshd does
-    not know our key; `sshd`: the server's path. Every process of every host is killed on the way out."""
+    not know our key; `sshd`: the server's path; `trust`: each host signs kernel-cache entries with a
+    key of its own and trusts every host's. Every process of every host is killed on the way out."""
     Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege separation directory
     keys = tmp / "keys"
     keys.mkdir()
@@ -111,6 +113,8 @@ def ssh_hosts(tmp: Path, names: list[str], sshd: str, *, model: Path | None = No
         env = {"DSV4_STATE_DIR": mount / "state", "DSV4_DATA_DIR": mount / "data",
                "DSV4_KERNEL_CACHE_DIR": mount / "programs", "DSV4_DEFAULT_PRESET": "tiny",
                "PATH": f"{VENV_BIN}:/usr/local/bin:/usr/bin:/bin"}
+        if trust:
+            env.update(DSV4_SIGNING_KEY=mount / "keys" / "signing.key", DSV4_TRUSTED_KEYS=mount / "keys" / "trusted")
         authorized = keys / ("nobody_keys" if name in refuse else "authorized_keys")
         (root / "sshd_config").write_text("\n".join([
             f"Port {host.port}", f"ListenAddress {address}", f"HostKey {keys / 'host'}",
@@ -126,6 +130,8 @@ def ssh_hosts(tmp: Path, names: list[str], sshd: str, *, model: Path | None = No
                                           str(root), str(mount), sshd, str(root / "sshd_config")],
                                          stdout=subprocess.DEVNULL, stderr=err)
         hosts.append(host)
+    if trust:
+        _trust_each_other(hosts)
     config = tmp / "ssh_config"
     lines = ["Host *", f"  IdentityFile {keys / 'client'}", "  IdentitiesOnly yes",
              f"  UserKnownHostsFile {tmp / 'known_hosts'}", "  StrictHostKeyChecking accept-new", "  User root",
@@ -140,6 +146,22 @@ def ssh_hosts(tmp: Path, names: list[str], sshd: str, *, model: Path | None = No
     finally:
         for h in hosts:
             h.kill()
+
+
+def _trust_each_other(hosts: list[SshHost]) -> None:
+    """Every host a signing key of its own (mode 0600) and the public keys of all of them trusted."""
+    from store.signing import SigningKey
+
+    lines = []
+    for h in hosts:
+        key = SigningKey.generate(h.name)
+        (h.root / "keys").mkdir(exist_ok=True)
+        fd = os.open(h.root / "keys" / "signing.key", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(key.line() + "\n")
+        lines.append(key.public.line())
+    for h in hosts:
+        (h.root / "keys" / "trusted").write_text("\n".join(lines) + "\n")
 
 
 def fleet_file(path: Path, hosts: list[SshHost], config: Path, *, launch: dict | None = None,

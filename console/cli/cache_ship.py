@@ -26,13 +26,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     """Add the four actions to `dsv4 cache`."""
     export = action(sub, "export", _export, "write entries, signed, to one bundle (a tar archive)")
     export.add_argument("-o", "--output", type=Path, metavar="FILE", required=True,
-                        help="the bundle to write (never overwritten)")
+                        help="the bundle to write (never overwritten; - : standard output, never a terminal)")
     _selection(export)
     _signing(export)
 
     imp = action(sub, "import", _import, "install a bundle's entries (signed by a trusted key, for this host's "
                  "live keys)")
-    imp.add_argument("bundle", type=Path, metavar="FILE", help="a bundle written by `dsv4 cache export`")
+    imp.add_argument("bundle", type=Path, metavar="FILE", help="a bundle written by `dsv4 cache export` (- : standard "
+                     "input, as `ssh host dsv4 cache export -o - … | dsv4 cache import - …` pipes one)")
     _trusting(imp)
 
     push = action(sub, "push", _push, "push entries, signed, to an OCI registry (one artifact per entry)")
@@ -134,6 +135,8 @@ def _export(args: argparse.Namespace) -> int:
     cache = open_cache(args)
     bundle = kc.Bundle.of(selected(args, cache))
     out = args.output
+    if str(out) == "-":
+        return _export_to_stdout(bundle)
     if os.path.lexists(out):
         raise UserError(f"{out}: exists already; choose another -o (a bundle is never overwritten)")
     try:
@@ -149,20 +152,38 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export_to_stdout(bundle) -> int:
+    """`-o -`: the bundle on standard output (for a pipe; a terminal would show a tar), its summary
+    on standard error."""
+    from store.units import format_size
+
+    if sys.stdout.isatty():
+        raise UserError("-o -: standard output is a terminal; pipe it (… | dsv4 cache import - …) or give a file")
+    sys.stdout.flush()
+    size = kc.write_bundle(sys.stdout.buffer, bundle)
+    sys.stdout.buffer.flush()
+    print(f"-: {len(bundle.entries)} entries, {format_size(size)}, signed by {bundle.entries[0].signature.key_id}",
+          file=sys.stderr)
+    return 0
+
+
 def _import(args: argparse.Namespace) -> int:
     from store import safeio
 
     cache = open_cache(args)
     policy, reference = _policy(args), _live(args, "import")
     path = args.bundle
-    try:
-        fd = safeio.open_regular(path)
-    except FileNotFoundError:
-        raise UserError(f"{path}: no such bundle") from None
-    except OSError as e:
-        raise UserError(f"{path}: cannot read the bundle ({e.strerror})") from None
-    with os.fdopen(fd, "rb") as f:
-        bundle = kc.read_bundle(f, str(path.absolute()))
+    if str(path) == "-":  # a pipe, read once front to back, as a file is
+        bundle = kc.read_bundle(sys.stdin.buffer, "stdin")
+    else:
+        try:
+            fd = safeio.open_regular(path)
+        except FileNotFoundError:
+            raise UserError(f"{path}: no such bundle") from None
+        except OSError as e:
+            raise UserError(f"{path}: cannot read the bundle ({e.strerror})") from None
+        with os.fdopen(fd, "rb") as f:
+            bundle = kc.read_bundle(f, str(path.absolute()))
     try:
         installed = kc.import_bundle(cache.layout, bundle, policy, reference, other_layout=args.other_layout)
     except kc.BundleError as e:

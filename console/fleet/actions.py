@@ -10,13 +10,15 @@ from dataclasses import dataclass
 
 from runtime.launch.spec import CACHE, COMPILE, PREPACK, SERVE, LaunchSpec
 
-ACTIONS = ("warm", "prepack", "compile", "purge", "pull", "launch", "stop")
+ACTIONS = ("warm", "prepack", "compile", "purge", "pull", "import", "launch", "stop")
 WHAT = {
     "warm": "read the sidecar into the page cache (where there is one), then compile what the launch misses",
     "prepack": "pack the checkpoint into a sidecar for the service's ranks (replacing one that exists)",
     "compile": "compile every program the launch misses into the host's kernel cache",
     "purge": "delete the kernel-cache entries and the sidecar the host's plan calls stale or corrupt",
     "pull": "pull the kernel-cache entries the launch misses from the registry (signed by a trusted key)",
+    "import": "bring the kernel-cache entries each host misses from another host of the fleet that holds them: "
+              "exported there signed, imported here only if signed by a key this host trusts",
     "launch": "start the service across these hosts: torchrun on each with its node rank",
     "stop": "stop the service's node on each host, node 0 first (SIGTERM: rank 0 drains, then stops the other ranks; a node stopped while node 0 serves is a lost rank: the service fails)",
 }
@@ -59,6 +61,30 @@ def steps(action: str, spec: LaunchSpec, snapshot=None, registry: str = "", inse
     if action == "stop":
         return [Step("stop", ("node", "stop", "--json"), events=False)]
     raise ValueError(f"unknown fleet action {action}")
+
+
+def source_for(target, readings) -> tuple[str, list[str]]:
+    """The host to bring `target`'s missing programs from: the reachable one whose plan HITs the
+    most of them under the very same keys (another toolchain's entries would be refused anyway);
+    ("", []) when none holds any."""
+    wanted = {p["program"]: p.get("fingerprint") for p in target.snapshot.programs.entries if p.get("state") != "HIT"}
+    best: tuple[str, list[str]] = ("", [])
+    for r in readings:
+        if r.host == target.host or r.snapshot is None or not r.reachable:
+            continue
+        held = sorted(p["program"] for p in r.snapshot.programs.entries
+                      if p.get("state") == "HIT" and p["program"] in wanted and p.get("fingerprint") == wanted[p["program"]])
+        if len(held) > len(best[1]):
+            best = (r.host, held)
+    return best
+
+
+def export_import(spec: LaunchSpec) -> tuple[Step, Step]:
+    """`cache export -o -` on the source, piped into `cache import -` on the target: the entries the
+    launch uses, signed by the source's key, checked by the target's trusted keys and live keys."""
+    cache = spec.argv(CACHE)
+    return (Step("export", ("cache", "export", "-o", "-", *cache), events=False),
+            Step("import", ("cache", "import", "-", *cache), events=False))
 
 
 def node_start(spec: LaunchSpec, hosts: int, node_rank: int, master_addr: str, master_port: int) -> Step:

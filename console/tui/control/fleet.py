@@ -81,8 +81,9 @@ class FleetControl:
             return
         if action == "launch":
             hosts = [h.name for h in self.fleet.hosts]  # a service is every host of the fleet
-        body = f"{A.WHAT[action]}.\n\nOn {len(hosts)} host{'s' if len(hosts) > 1 else ''}: {', '.join(hosts)}"
-        self.app.push_screen(ConfirmScreen(f"{action} on {len(hosts)} hosts?", body),
+        on = f"{len(hosts)} host{'s' if len(hosts) > 1 else ''}"
+        body = f"{A.WHAT[action]}.\n\nOn {on}: {', '.join(hosts)}"
+        self.app.push_screen(ConfirmScreen(f"{action} on {on}?", body),
                              lambda yes: self.run(action, hosts) if yes else self.say("fleet", f"{action}: cancelled"))
 
     def launch_problem(self) -> str:
@@ -96,9 +97,56 @@ class FleetControl:
             self.app.run_worker(self._launch(hosts), group="fleet")
         elif action == "stop":
             self.app.run_worker(self._stop(hosts), group="fleet")
+        elif action == "import":
+            for name in hosts:
+                self.app.run_worker(self._import(self.fleet.host(name)), group="fleet")
         else:
             for name in hosts:
                 self.app.run_worker(self._on_host(action, self.fleet.host(name)), group="fleet")
+
+    async def _import(self, host: FleetHost) -> None:
+        """`ssh SOURCE dsv4 cache export -o - …` piped straight into `ssh HOST dsv4 cache import - …`
+        (the bytes never pass through the console), SOURCE the host holding most of what HOST misses."""
+        import asyncio
+        import os
+
+        job = self.jobs[host.name] = HostJob("import", step="choosing a source")
+        self.app.fleet_changed()
+        readings = self.collector.snapshot(wait=0).hosts
+        target = next((r for r in readings if r.host == host.name), None)
+        if target is None or target.snapshot is None:
+            self._done(host.name, job, f"no snapshot of {host.name} to say what it misses")
+            return
+        source, programs = A.source_for(target, readings)
+        if not source:
+            self._done(host.name, job, "no other host holds what it misses under the same keys")
+            return
+        export, imp = A.export_import(self.spec)
+        job.step = f"import from {source} ({len(programs)} programs)"
+        self.say(host.name, f"{job.step}: {', '.join(programs)}")
+        self.app.fleet_changed()
+        read, write = os.pipe()
+        try:
+            out = await asyncio.create_subprocess_exec(*self.ssh.argv(self.fleet.host(source), *export.remote),
+                                                       stdin=asyncio.subprocess.DEVNULL, stdout=write,
+                                                       stderr=asyncio.subprocess.PIPE, start_new_session=True)
+            into = await asyncio.create_subprocess_exec(*self.ssh.argv(host, *imp.remote), stdin=read,
+                                                        stdout=asyncio.subprocess.PIPE,
+                                                        stderr=asyncio.subprocess.PIPE, start_new_session=True)
+        finally:
+            os.close(read)
+            os.close(write)
+        (_, out_err), (said, into_err) = await asyncio.gather(out.communicate(), into.communicate())
+        for line in said.decode(errors="replace").splitlines():
+            job.lines.append(line)
+            self.say(host.name, line)
+        lines = {name: err.decode(errors="replace").splitlines() for name, err in ((source, out_err), (host.name, into_err))}
+        if out.returncode != 0:
+            self._done(host.name, job, f"export on {source}: {why(self.fleet.host(source), out.returncode, lines[source])}")
+        elif into.returncode != 0:
+            self._done(host.name, job, why(host, into.returncode, lines[host.name]))
+        else:
+            self._done(host.name, job, "ok")
 
     async def _stop(self, hosts: list[str]) -> None:
         """Node 0 first: its rank 0 drains and stops the other ranks itself (a rank stopped under

@@ -50,6 +50,8 @@ class FleetScreen(Screen):
         Binding("b", "act('compile')", "Compile", id="fleet.compile", tooltip="compile what the launch misses"),
         Binding("x", "act('purge')", "Purge", id="fleet.purge", tooltip="delete stale or corrupt entries and sidecars"),
         Binding("u", "act('pull')", "Pull", id="fleet.pull", tooltip="pull missed entries from the registry"),
+        Binding("i", "act('import')", "Import", id="fleet.import",
+                tooltip="bring missed entries from another host of the fleet, signed"),
         Binding("l", "act('launch')", "Launch", id="fleet.launch", tooltip="start the service across every host"),
         Binding("s", "act('stop')", "Stop", id="fleet.stop", tooltip="stop the service's nodes on the hosts"),
         Binding("space", "mark", "Mark", id="fleet.mark", show=False, tooltip="mark the host for the next action"),
