@@ -155,3 +155,13 @@ def test_every_serving_figure_keeps_its_last_minute():
     assert figures.history["kv_fraction"] == tuple(i / 10 for i in range(3, 10))
     assert figures.history["tokens_s"] == (100.0,) * 7 and figures.tokens_s == 100.0
     assert figures.history["ttft_p50"] == ()  # no latency observed: no history, not zeros
+
+
+def test_a_service_still_registering_reads_registering_not_failed():
+    from console.data.services import ServiceView
+    from runtime.serve.contract import FAILED, REGISTERING, Health
+
+    record = services.Service(1, 0.0, ("dsv4", "serve"), "/models/m", services.REGISTERING, "http://127.0.0.1:9")
+    health = Health(REGISTERING, "/models/m", "x", 0, 0, 0, 0, 64, phase="weights")
+    assert ServiceView(record, "HTTP 503", health).state == "registering"
+    assert ServiceView(record, "HTTP 503", Health(FAILED, "/models/m", "x", 0, 0, 0, 0, 64)).state == "failed"

@@ -211,7 +211,7 @@ class ServiceView:
         if self.record.ended:
             return "ended"
         if self.detail is not None:
-            return "serving" if self.detail.ok else "failed"
+            return "serving" if self.detail.ok else "registering" if self.detail.registering else "failed"
         if self.record.state == registry.REGISTERING:
             return "registering"
         return "unreachable" if self.health == "no answer" else self.record.state
