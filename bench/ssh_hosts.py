@@ -93,6 +93,7 @@ def ssh_hosts(tmp: Path, names: list[str], sshd: str, *, model: Path | None = No
     not know our key; `sshd`: the server's path; `trust`: each host signs kernel-cache entries with a
     key of its own and trusts every host's. Every process of every host is killed on the way out."""
     Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege separation directory
+    tmp.mkdir(parents=True, exist_ok=True)
     keys = tmp / "keys"
     keys.mkdir()
     _keygen(keys / "client")

@@ -75,14 +75,33 @@ def _sidecar(snap: Snapshot) -> str:
     return f"{verdict} {residency:.0%}" if isinstance(residency, int | float) else verdict
 
 
+def _coarse(n: float) -> str:
+    """A count to two significant figures (63536 → 64k): a row that says the same between
+    refreshes is not repainted, and the third digit of what fits is noise."""
+    if n < 1000:
+        return f"{n:.0f}"
+    for div, unit in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if n >= div:
+            return f"{float(f'{n / div:.2g}'):g}{unit}"
+    return f"{n:.0f}"
+
+
+def _coarse_size(n: float | None) -> str:
+    """A size in whole GiB from 10 GiB on (free memory and disk move by megabytes every second)."""
+    if n is None:
+        return "?"
+    return f"{n / 2**30:.0f} GiB" if n >= 10 * 2**30 else fmt.size(n)
+
+
 def _device(snap: Snapshot) -> str:
+    """`23.5 GiB 4% used · KV 128 of 64k`: memory, and the slots the launch takes of what fits."""
     d = snap.device
     if d.error:
         return d.error
     total = sum(x.get("total", 0) for x in d.devices)
     used = sum(x.get("used", 0) for x in d.devices)
-    kv = f" · KV {d.slots}/{d.fits}" if d.slots is not None else ""
-    return f"{fmt.size(used)}/{fmt.size(total)}{kv}" if total else f"-{kv}"
+    kv = f" · KV {d.slots} of {_coarse(d.fits)}" if d.slots is not None and d.fits is not None else ""
+    return f"{fmt.size(total)} {used / total:.0%} used{kv}" if total else f"-{kv}"
 
 
 def _room(snap: Snapshot) -> tuple[str, bool]:
@@ -93,7 +112,7 @@ def _room(snap: Snapshot) -> tuple[str, bool]:
     disk = snap.sidecars.disk_free
     room = snap.host.mem_available
     short = bool(need) and ((disk is not None and row.get("verdict") != "MAP" and disk < need) or room < need)
-    return f"disk {fmt.size(disk) if disk is not None else '?'} · cache {fmt.size(room)}", not short
+    return f"disk {_coarse_size(disk)} · cache {_coarse_size(room)}", not short
 
 
 def _ranks_here(readings, hostname: str) -> list:

@@ -116,6 +116,7 @@ class PaneTable(DataTable):
         self.rows_shown: list[dict[str, Any]] = []
         self.needle = ""
         self._fitted: tuple[tuple[str, int], ...] = ()  # (key, width) of the columns shown
+        self._rendered: list[tuple] = []  # the cells shown, row by row
 
     def on_resize(self) -> None:
         self.render_rows()
@@ -138,6 +139,20 @@ class PaneTable(DataTable):
         columns = fit(spec, self._width(), _wants(spec, [cells for _, cells in shown], self.sort_key))
         fitted = tuple((c.key, c.width) for c in columns)
         keys = tuple(c.key for c in columns)
+        if self.sort_key:
+            rank = next((c.rank for c in self.spec if c.key == self.sort_key), None)
+            shown.sort(key=lambda rc: _sort_value(rc[0].get(self.sort_key, str(rc[1].get(self.sort_key, ""))), rank),
+                       reverse=self.reverse)
+        rendered = [tuple(cells.get(k, "") for k in keys) for _, cells in shown]
+        if fitted == self._fitted and len(rendered) == len(self._rendered) == self.row_count:
+            # the same columns and as many rows: repaint only the cells that changed (a refresh of an
+            # idle console changes a few figures, and a whole table's rebuild is most of its CPU)
+            for i, (new, old) in enumerate(zip(rendered, self._rendered, strict=True)):
+                for key, a, b in zip(keys, new, old, strict=True):
+                    if a != b:
+                        self.update_cell(str(i), key, a)
+            self.rows_shown, self._rendered = [r for r, _ in shown], rendered
+            return
         cursor = self.cursor_row
         if fitted != self._fitted:
             self.clear(columns=True)
@@ -148,13 +163,9 @@ class PaneTable(DataTable):
             self._fitted = fitted
         else:
             self.clear()
-        if self.sort_key:
-            rank = next((c.rank for c in self.spec if c.key == self.sort_key), None)
-            shown.sort(key=lambda rc: _sort_value(rc[0].get(self.sort_key, str(rc[1].get(self.sort_key, ""))), rank),
-                       reverse=self.reverse)
-        self.rows_shown = [r for r, _ in shown]
-        for _, cells in shown:
-            self.add_row(*(cells.get(k, "") for k in keys))
+        self.rows_shown, self._rendered = [r for r, _ in shown], rendered
+        for i, cells in enumerate(rendered):
+            self.add_row(*cells, key=str(i))
         if self.row_count:
             self.move_cursor(row=min(cursor, self.row_count - 1))
 

@@ -43,6 +43,13 @@ COLUMNS = (
 )
 
 
+def _age(seconds: float | None) -> str:
+    """A snapshot's age to the second ("now" under two: a refresh's own round trip)."""
+    if seconds is None:
+        return "-"
+    return "now" if seconds < 2 else fmt.duration(seconds)
+
+
 class FleetScreen(Screen):
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("w", "act('warm')", "Warm", id="fleet.warm", tooltip="read the sidecar, then compile, on the hosts"),
@@ -70,6 +77,7 @@ class FleetScreen(Screen):
         self.marked: set[str] = set()
         self.needle = ""
         self.refreshes = 0
+        self._said: tuple = ()  # what the table shows now (its cells), to skip a repaint that changes nothing
 
     def compose(self) -> ComposeResult:
         yield Static(id="fleet-top")
@@ -86,7 +94,7 @@ class FleetScreen(Screen):
         self.call_after_refresh(self.action_refresh)
         if self.interval > 0:
             self.set_interval(self.interval, self.action_refresh)
-            self.set_interval(1.0, self.show)
+            self.set_interval(1.0, self._tick)
 
     # -- data ------------------------------------------------------------------------------------
 
@@ -131,11 +139,22 @@ class FleetScreen(Screen):
                 "sidecar": text("sidecar"), "device": text("device", "" if r.get("device_ok", True) else "red"),
                 "room": text("room", "" if r.get("roomy", True) else "red"),
                 "toolchain": text("toolchain", "yellow" if r.get("drift") else ""), "version": text("version"),
-                "age": fmt.secs(r.get("age")) if r.get("age") is not None else "-"}
+                "age": _age(r.get("age"))}
+
+    def _tick(self) -> None:
+        """Once a second while an action runs: its elapsed time and ETA move between events."""
+        if self.control.running():
+            self.show()
 
     def show(self) -> None:
+        """Render the rows — only when what they say changed (an idle fleet repaints nothing)."""
+        rows = self.rows()
+        said = (self.needle, tuple(tuple(self._cells(r).items()) for r in rows))
+        if said == self._said:
+            return
+        self._said = said
         table = self.query_one("#fleet-table", PaneTable)
-        shown, total = table.set_rows(self.rows(), self.needle)
+        shown, total = table.set_rows(rows, self.needle)
         self.top(shown, total)
         self.detail()
 
