@@ -23,6 +23,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.ns_hosts import trust_each_other
+
 VENV_BIN = Path(sys.executable).parent
 
 
@@ -132,7 +134,8 @@ def ssh_hosts(tmp: Path, names: list[str], sshd: str, *, model: Path | None = No
                                          stdout=subprocess.DEVNULL, stderr=err)
         hosts.append(host)
     if trust:
-        _trust_each_other(hosts)
+        trust_each_other(hosts)  # by name and root: as the rank test beds' hosts do
+
     config = tmp / "ssh_config"
     lines = ["Host *", f"  IdentityFile {keys / 'client'}", "  IdentitiesOnly yes",
              f"  UserKnownHostsFile {tmp / 'known_hosts'}", "  StrictHostKeyChecking accept-new", "  User root",
@@ -147,22 +150,6 @@ def ssh_hosts(tmp: Path, names: list[str], sshd: str, *, model: Path | None = No
     finally:
         for h in hosts:
             h.kill()
-
-
-def _trust_each_other(hosts: list[SshHost]) -> None:
-    """Every host a signing key of its own (mode 0600) and the public keys of all of them trusted."""
-    from store.signing import SigningKey
-
-    lines = []
-    for h in hosts:
-        key = SigningKey.generate(h.name)
-        (h.root / "keys").mkdir(exist_ok=True)
-        fd = os.open(h.root / "keys" / "signing.key", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(key.line() + "\n")
-        lines.append(key.public.line())
-    for h in hosts:
-        (h.root / "keys" / "trusted").write_text("\n".join(lines) + "\n")
 
 
 def fleet_file(path: Path, hosts: list[SshHost], config: Path, *, launch: dict | None = None,

@@ -14,7 +14,6 @@ import contextlib
 import json
 import os
 import signal
-import stat
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -22,7 +21,7 @@ from typing import Any
 
 import psutil
 
-from store import atomic
+from store import atomic, safeio
 from store.paths import state_dir
 
 VERSION = 1
@@ -84,19 +83,11 @@ def write(node: Node) -> None:
 
 
 def _read(path: Path) -> Node | None:
+    raw = safeio.read_record(path, MAX_RECORD_BYTES)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
-    except OSError:
+        return Node.from_json(raw) if isinstance(raw, dict) else None
+    except (ValueError, TypeError, KeyError):
         return None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_RECORD_BYTES:
-            return None
-        return Node.from_json(json.loads(os.read(fd, MAX_RECORD_BYTES)))
-    except (OSError, ValueError, TypeError, KeyError):
-        return None
-    finally:
-        os.close(fd)
 
 
 def nodes() -> list[Node]:
@@ -110,32 +101,13 @@ def nodes() -> list[Node]:
     return sorted(found, key=lambda n: n.started, reverse=True)
 
 
-def last_lines(path: str, n: int = LOG_LINES, cap: int = 16 << 10) -> list[str]:
-    """The last `n` non-empty lines of a regular file (never blocks on a FIFO)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
-    except OSError:
-        return []
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            return []
-        os.lseek(fd, max(0, st.st_size - cap), os.SEEK_SET)
-        text = os.read(fd, cap).decode(errors="replace")
-    except OSError:
-        return []
-    finally:
-        os.close(fd)
-    return [line for line in text.splitlines() if line.strip()][-n:]
-
-
 def ended(node: Node, code: int, asked: bool = False) -> Node:
     """Record the agent's exit status (negative: the signal that killed it); `asked`: a stop was
     asked for (torchrun answers SIGTERM with exit 1: that is a stop, not a failure)."""
-    from store.services import how
+    from store.services import how, log_tail
 
     said = "stopped by SIGTERM" if asked and code != -signal.SIGKILL else how(code)
-    done = replace(node, ending={"at": round(time.time(), 3), "how": said, "lines": last_lines(node.log)})
+    done = replace(node, ending={"at": round(time.time(), 3), "how": said, "lines": list(log_tail(node.log, LOG_LINES))})
     write(done)
     return done
 

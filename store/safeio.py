@@ -10,9 +10,11 @@ the kind is checked before opening, the open is O_NONBLOCK, and the opened fd is
 from __future__ import annotations
 
 import errno
+import json
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
 _KINDS = (
     (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
@@ -76,5 +78,43 @@ def read_regular(path: str | Path, cap: int | None = None, *, dir_fd: int | None
     fd = open_regular(path, dir_fd=dir_fd)
     try:
         return read_fd(fd, cap, os.path.basename(str(path)))
+    finally:
+        os.close(fd)
+
+
+def tail_lines(path: str | Path, cap: int) -> list[str]:
+    """The lines in the last `cap` bytes of the regular file at `path` (a first line cut by the
+    window left out), opened without blocking or following a link; [] for anything else."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return []
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return []
+        start = max(0, st.st_size - cap)
+        lines = os.pread(fd, st.st_size - start, start).decode(errors="replace").splitlines()
+    except OSError:
+        return []
+    finally:
+        os.close(fd)
+    return lines[1:] if start and lines else lines
+
+
+def read_record(path: str | Path, cap: int) -> Any:
+    """The JSON value of a small record file (a regular file, not a link, at most `cap` bytes,
+    opened without blocking); None for anything else or anything unreadable."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > cap:
+            return None
+        return json.loads(os.read(fd, cap))
+    except (OSError, ValueError):
+        return None
     finally:
         os.close(fd)

@@ -35,7 +35,7 @@ from typing import Any
 
 import psutil
 
-from store import atomic, history, paths
+from store import atomic, history, paths, safeio
 
 VERSION = 2  # 2: host, launch settings, rank logs and the ending; a v1 record still reads
 RECORD = re.compile(r"^(\d+)\.json$")
@@ -309,24 +309,7 @@ def log_tail(path: str, lines: int = LOG_TAIL_LINES) -> tuple[str, ...]:
     at most LOG_TAIL_BYTES read from its end (() when there is none to read)."""
     if not path:
         return ()
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return ()
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            return ()
-        start = max(0, st.st_size - LOG_TAIL_BYTES)
-        data = os.pread(fd, st.st_size - start, start)
-    except OSError:
-        return ()
-    finally:
-        os.close(fd)
-    text = data.decode(errors="replace").splitlines()
-    if start > 0 and text:
-        text = text[1:]  # the first line read from the middle of the file is a fragment
-    return tuple(line[:500] for line in text if line.strip())[-lines:]
+    return tuple(line[:500] for line in safeio.tail_lines(path, LOG_TAIL_BYTES) if line.strip())[-lines:]
 
 
 @contextlib.contextmanager
@@ -348,22 +331,13 @@ def _locked() -> Iterator[None]:
 
 
 def _read(path: Path) -> Service | None:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
-    except OSError:
+    raw = safeio.read_record(path, MAX_RECORD_BYTES)
+    if not isinstance(raw, dict) or raw.get("v") not in (1, VERSION):
         return None
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_RECORD_BYTES:
-            return None
-        raw = json.loads(os.read(fd, MAX_RECORD_BYTES))
-        if not isinstance(raw, dict) or raw.get("v") not in (1, VERSION):
-            return None
         return Service.from_json(raw)
-    except (OSError, ValueError, TypeError, KeyError):
+    except (ValueError, TypeError, KeyError):
         return None
-    finally:
-        os.close(fd)
 
 
 def services() -> list[Service]:

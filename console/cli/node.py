@@ -142,7 +142,9 @@ def cmd_start(args: argparse.Namespace) -> int:
                 print(f"node {rank} of {hosts}: torchrun pid {found.pid}, master {found.master}, log {found.log}")
             return 0
         if sup.poll() is not None:
-            lines = nodes.last_lines(str(log), 3)
+            from store.services import log_tail
+
+            lines = log_tail(str(log), 3)
             raise UserError(f"the node did not start (exit {sup.returncode}): {' / '.join(lines) or 'no output'}")
         time.sleep(0.1)
     raise UserError(f"the node did not start within {START_WAIT_S:g} s; see {log}")

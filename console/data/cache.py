@@ -12,6 +12,7 @@ import os
 import stat
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 
@@ -45,7 +46,7 @@ def collect_cache(plan) -> CacheSnapshot:
         return CacheSnapshot(str(root), limit_bytes=limit, error=str(e))
     rows = tuple({**e.to_json(), "purgeable": purgeable(e), **_difference(e, plan.keys.get(e.program))}
                  for e in entries)
-    return CacheSnapshot(str(root), rows, sum(e.size_bytes for e in entries), limit, _free(root))
+    return CacheSnapshot(str(root), rows, sum(e.size_bytes for e in entries), limit, free_bytes(root))
 
 
 MAX_MANIFEST_BYTES = 1 << 20
@@ -76,10 +77,11 @@ def _difference(entry, live) -> dict[str, Any]:
     return {"key difference": raw_difference(diff(key, live))}
 
 
-def _free(root) -> int | None:
-    for path in (root, root.parent):
+def free_bytes(path: Path) -> int | None:
+    """Free bytes on the filesystem `path` is (or would be) on: its nearest existing parent's."""
+    for p in (path, *path.parents):
         try:
-            st = os.statvfs(path)
+            st = os.statvfs(p)
         except OSError:
             continue
         return st.f_bavail * st.f_frsize

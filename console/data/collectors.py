@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from console.data.cache import CacheSnapshot
+from console.data.cache import CacheSnapshot, free_bytes
 from console.data.host import DeviceSnapshot, HostCollector, HostSnapshot, collect_device
 from console.data.nodes import node_views
 from console.data.plan_watch import PlanWatch
@@ -205,20 +205,7 @@ def sidecars_of(plan: dict[str, Any], model_dir: Path, now: float) -> SidecarsSn
         rows.append({"path": str(p), "verdict": "-", "reason": "", "detail": "", "residency": None,
                      "size_bytes": _size(p), "sampled_at": None, "wanted": False,
                      "next_launch": f"not used (ranks {sc.ranks_of(p)})"})
-    return SidecarsSnapshot(str(model_dir), tuple(rows), disk_free=_free(Path(judged.get("path") or model_dir)))
-
-
-def _free(path: Path) -> int | None:
-    """Free bytes on the filesystem `path` is (or would be) on: its nearest existing parent's."""
-    import os
-
-    for p in (path, *path.parents):
-        try:
-            st = os.statvfs(p)
-        except OSError:
-            continue
-        return st.f_bavail * st.f_frsize
-    return None
+    return SidecarsSnapshot(str(model_dir), tuple(rows), disk_free=free_bytes(Path(judged.get("path") or model_dir)))
 
 
 def _size(path: Path) -> int:

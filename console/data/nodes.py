@@ -4,40 +4,20 @@ node's own events file (each rank's phase, done/total, since when; the error tha
 
 from __future__ import annotations
 
-import os
-import stat
 from typing import Any
 
 from runtime.events import EventError, parse
+from store import safeio
 
 EVENTS_TAIL = 256 << 10  # a launch's events are a few hundred lines; its tail holds every rank's latest
 SHOWN = 8  # records carried (newest first)
-
-
-def _tail(path: str) -> list[str]:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
-    except OSError:
-        return []
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            return []
-        start = max(0, st.st_size - EVENTS_TAIL)
-        os.lseek(fd, start, os.SEEK_SET)
-        lines = os.read(fd, EVENTS_TAIL).decode(errors="replace").splitlines()
-    except OSError:
-        return []
-    finally:
-        os.close(fd)
-    return lines[1:] if start else lines  # the first line of a cut tail is partial
 
 
 def progress(events_path: str) -> list[dict[str, Any]]:
     """Each rank's latest: phase, state (running | done | error), done/total/unit, the phase's
     start and last event times, and an error's message."""
     ranks: dict[int, dict[str, Any]] = {}
-    for line in _tail(events_path):
+    for line in safeio.tail_lines(events_path, EVENTS_TAIL):
         try:
             e = parse(line)
         except EventError:
