@@ -94,25 +94,25 @@ def _coarse_size(n: float | None) -> str:
 
 
 def _device(snap: Snapshot) -> str:
-    """`23.5 GiB 4% used · KV 128 of 64k`: memory, and the slots the launch takes of what fits."""
+    """`23.5 GiB 4% · KV 128/64k`: memory and how much is used, the slots the launch takes and what fits."""
     d = snap.device
     if d.error:
         return d.error
     total = sum(x.get("total", 0) for x in d.devices)
     used = sum(x.get("used", 0) for x in d.devices)
-    kv = f" · KV {d.slots} of {_coarse(d.fits)}" if d.slots is not None and d.fits is not None else ""
-    return f"{fmt.size(total)} {used / total:.0%} used{kv}" if total else f"-{kv}"
+    kv = f" · KV {d.slots}/{_coarse(d.fits)}" if d.slots is not None and d.fits is not None else ""
+    return f"{fmt.size(total)} {used / total:.0%}{kv}" if total else f"-{kv}"
 
 
 def _room(snap: Snapshot) -> tuple[str, bool]:
     """Free disk where the sidecar is written, and page-cache room for it (memory available
-    against its size): `disk 40 GiB · cache 18 GiB`, and False when either is short."""
+    against its size): `40 GiB · 18 GiB`, and False when either is short."""
     row = snap.sidecars.wanted() or {}
     need = row.get("expected_bytes") or row.get("size_bytes") or 0
     disk = snap.sidecars.disk_free
     room = snap.host.mem_available
     short = bool(need) and ((disk is not None and row.get("verdict") != "MAP" and disk < need) or room < need)
-    return f"disk {_coarse_size(disk)} · cache {_coarse_size(room)}", not short
+    return f"{_coarse_size(disk)} · {_coarse_size(room)}", not short
 
 
 def _ranks_here(readings, hostname: str) -> list:

@@ -89,6 +89,10 @@ class FleetControl:
     def launch_problem(self) -> str:
         if not self.spec.model:
             return "the fleet's launch needs a model ([launch] model, or --model): the path on every host"
+        away = [r for r in self.collector.snapshot(wait=0).hosts if not r.reachable]
+        if away:  # its ranks would wait out the rendezvous for a node that never comes
+            return (f"{', '.join(r.host for r in away)} cannot be reached ({away[0].error}); a service needs every "
+                    f"host of the fleet")
         return self.fleet.split(self.spec)
 
     def run(self, action: str, hosts: list[str]) -> None:

@@ -8,6 +8,7 @@ marked: the one under the cursor, `a` marks all), each confirmed with the hosts 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any, ClassVar
 
 from rich.markup import escape
@@ -24,20 +25,20 @@ from console.fleet.rows import rows, slowest
 from console.tui.tables import Column, PaneTable, title
 
 REACH_ORDER = {"✗": 0, "stale": 1, "✓": 2}
-COLUMNS = (
+COLUMNS = (  # which host and whether it serves first; what differs and what is missing next
     Column("mark", " ", 1, essential=True),
     Column("host", "host", 12, essential=True),
     Column("reach", "ok", 5, essential=True, rank=REACH_ORDER),
     Column("state", "service", 18, essential=True),
     Column("tokens_s", "tok/s", 6, essential=True),
     Column("job", "action", 22, essential=True),
-    Column("node", "node", 4),
-    Column("phases", "ranks", 22),
+    Column("toolchain", "toolchain", 34),
     Column("programs", "programs", 14),
     Column("sidecar", "sidecar", 10),
-    Column("device", "device · KV", 18),
-    Column("room", "disk · page cache", 22),
-    Column("toolchain", "toolchain", 30),
+    Column("node", "node", 4),
+    Column("phases", "ranks", 22),
+    Column("device", "device · KV/fits", 24),
+    Column("room", "free disk · cache", 17),
     Column("version", "dsv4", 7),
     Column("age", "age", 5),
 )
@@ -65,10 +66,14 @@ class FleetScreen(Screen):
         Binding("a", "mark_all", "All", id="fleet.all", show=False, tooltip="mark every host (again: none)"),
         Binding("h", "history", "History", id="fleet.history", show=False,
                 tooltip="every host's launch history, one record per launch"),
-        Binding("r", "refresh", "Refresh", id="fleet.refresh", show=False),
-        Binding("slash", "filter", "Filter", key_display="/", id="fleet.filter", show=False),
-        Binding("q", "app.quit_console", "Quit", id="fleet.quit"),
+        Binding("r", "refresh", "Refresh", id="fleet.refresh", show=False, tooltip="ask every host for a snapshot now"),
+        Binding("slash", "filter", "Filter", key_display="/", id="fleet.filter", show=False,
+                tooltip="filter the hosts (enter keeps it, esc clears it)"),
+        Binding("question_mark", "help", "Help", key_display="?", id="fleet.help", tooltip="this screen's keys"),
+        Binding("q", "app.quit_console", "Quit", id="fleet.quit", tooltip="quit (the hosts' services keep running)"),
     ]
+    MUTATING = frozenset({"fleet.warm", "fleet.prepack", "fleet.compile", "fleet.purge", "fleet.pull",
+                          "fleet.import", "fleet.launch", "fleet.stop"})
 
     def __init__(self, control: Any, interval: float = 2.0) -> None:
         super().__init__(id="fleet")
@@ -90,6 +95,7 @@ class FleetScreen(Screen):
 
     def on_mount(self) -> None:
         self.query_one("#fleet-filter").display = False
+        self.query_one("#fleet-table").focus()
         self.top()
         self.call_after_refresh(self.action_refresh)
         if self.interval > 0:
@@ -164,11 +170,11 @@ class FleetScreen(Screen):
         reachable = sum(1 for r in (self.snapshot.hosts if self.snapshot else ()) if r.reachable)
         head = title("Fleet", shown, total, self.needle, "hosts")
         behind = slowest(self.snapshot.hosts) if self.snapshot else ""
-        head += f"  [yellow]{behind}[/]" if behind else ""
+        head += f"  [yellow]{escape(behind)}[/]" if behind else ""
+        model = s.model.name if s.model else "embedded default"
         self.query_one("#fleet-top", Static).update(
-            f"[b]dsv4-console[/]  {head} ({reachable} reachable) from {fleet.source}  │  model "
-            f"{s.model or 'embedded default'}  backend {s.backend}  ranks {s.ranks}  max-seq {s.max_seq}  │  "
-            f"[dim]enter: a host's panes · space marks · a all[/]")
+            f"[b]dsv4-console[/]  {head} ({reachable} reachable)  │  model {escape(model)}  backend {s.backend}  "
+            f"ranks {s.ranks}  max-seq {s.max_seq}  │  [dim]{escape(Path(fleet.source).name)}[/]")
 
     def detail(self) -> None:
         """The selected host: why it is not reachable, its drift, its node and ranks."""
@@ -212,6 +218,15 @@ class FleetScreen(Screen):
             self.app.notify("no host selected", severity="warning")
             return
         self.control.ask(action, hosts)
+
+    def action_help(self) -> None:
+        from console.tui.screens.help import HelpScreen
+        from console.tui.tables import PaneTable as Table
+
+        keys = [b for b in [*self.BINDINGS, *Table.BINDINGS] if isinstance(b, Binding)]
+        extra = (("enter", "open", "the selected host's own panes, from its snapshots (F comes back here)"),
+                 ("ctrl+q", "quit", "the same as q"))
+        self.app.push_screen(HelpScreen(keys, self.MUTATING, self.app.readonly, "fleet keys", extra))
 
     def action_mark(self) -> None:
         row = self.query_one("#fleet-table", PaneTable).selected()

@@ -23,14 +23,16 @@ EXTRA = (
 class HelpScreen(ModalScreen[None]):
     BINDINGS: ClassVar[list[BindingType]] = [Binding("escape,q,question_mark", "dismiss_help", "Close", id="help.close")]
 
-    def __init__(self, bindings: list[Binding], mutating: frozenset[str], readonly: bool) -> None:
+    def __init__(self, bindings: list[Binding], mutating: frozenset[str], readonly: bool,
+                 title: str = "dsv4-console keys", extra: tuple[tuple[str, str, str], ...] = EXTRA) -> None:
         super().__init__()
-        self.keys, self.mutating, self.readonly = bindings, mutating, readonly
+        self.keys, self.mutating, self.readonly, self.title_text = bindings, mutating, readonly, title
+        self.extra = extra
 
     def compose(self) -> ComposeResult:
         with VerticalScroll(id="help"):
             mode = " — read-only: actions marked ✎ are refused" if self.readonly else ""
-            yield Static(f"[b]dsv4-console keys[/]{mode}", id="help-title")
+            yield Static(f"[b]{self.title_text}[/]{mode}", id="help-title")
             # a rich table, not a DataTable: the last column wraps in a narrow terminal instead of being cut
             table = Table(box=None, expand=True, header_style="bold", pad_edge=False)
             table.add_column("key", no_wrap=True)
@@ -40,7 +42,7 @@ class HelpScreen(ModalScreen[None]):
             for b in self.keys:
                 mark = "✎" if b.id in self.mutating else ""
                 table.add_row(b.key_display or b.key, b.id or b.action, mark, b.tooltip or b.description)
-            for key, action, what in EXTRA:
+            for key, action, what in self.extra:
                 table.add_row(key, action, "", what)
             yield Static(table, id="help-table")
             yield Static("[dim]esc / q / ? to close[/]", id="help-foot")
