@@ -446,3 +446,20 @@ def test_a_snapshot_that_parses_but_says_nonsense_is_an_unreadable_row_not_a_cra
         good.snapshot, programs=dataclasses.replace(good.snapshot.programs, entries=(1, 2))))
     by = {r["host"]: r for r in rows(FleetSnapshot(0.0, (good, bad)))}
     assert by["a"]["reach"] == "✓" and by["b"]["state"].startswith("unreadable snapshot (AttributeError")
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--nnodes", "2", "--node-rank", "2", "--master-addr", "a", "--master-port", "1"], "the node rank must be 0..1"),
+    (["--nnodes", "2", "--node-rank", "1", "--master-addr", "a", "--master-port", "0"], "node 0's to resolve"),
+    (["--nnodes", "2", "--node-rank", "1", "--master-addr", "auto", "--master-port", "5"], "node 0's to resolve"),
+    (["--nnodes", "2", "--node-rank", "0", "--master-addr", "203.0.113.9", "--master-port", "0"],
+     "cannot bind a port there"),
+])
+def test_a_node_that_cannot_start_is_one_line_and_nothing_runs(tiny_ckpt_ro, args, says):
+    done = subprocess.run([sys.executable, "-m", "console.cli", "node", "start", str(tiny_ckpt_ro), *args],
+                          capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert done.returncode == 1 and says in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    ls = subprocess.run([sys.executable, "-m", "console.cli", "node", "ls", "--json"], capture_output=True,
+                        text=True, cwd=REPO, timeout=60)
+    assert json.loads(ls.stdout) == []

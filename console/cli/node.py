@@ -43,7 +43,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="node 0's address as every host reaches it (`auto` on node 0: the address this "
                        "ssh session reached it at, $SSH_CONNECTION's; else its hostname's)")
     start.add_argument("--json", action="store_true", help="print the record as one JSON line")
-    add_flags(start, SERVE, model_required=True)  # its --master-port: the rendezvous port on node 0
+    add_flags(start, SERVE, model_required=True, model_help="checkpoint directory (its path on this host)")
+    for act in start._actions:  # two of serve's flags mean more here
+        if act.dest == "master_port":
+            act.help, act.required = "the rendezvous port on node 0 (0 on node 0: a free one there, printed)", True
+        elif act.dest == "events":
+            act.help = "progress events of this host's ranks (default: a file beside the node's log)"
     start.set_defaults(func=cmd_start)
 
     run = actions.add_parser("supervise", help=argparse.SUPPRESS)
@@ -118,7 +123,8 @@ def cmd_start(args: argparse.Namespace) -> int:
     stamp = time.strftime("%Y%m%d-%H%M%S") + f"-{rank}"
     log, events = nodes.nodes_dir() / f"node-{stamp}.log", nodes.nodes_dir() / f"node-{stamp}.events.jsonl"
     args.master_port = None  # torchrun's (below), not the --ranks launcher's
-    spec = from_args(args, SERVE, world=hosts * per).with_(events=str(events))
+    spec = from_args(args, SERVE, world=hosts * per)
+    spec = spec.with_(events=spec.events or str(events))
     from console.cli.model import resolve_model_dir
 
     spec = spec.with_(model=resolve_model_dir(spec.model))
@@ -126,7 +132,7 @@ def cmd_start(args: argparse.Namespace) -> int:
             "--node-rank", str(rank), "--master-addr", addr, "--master-port", str(port),
             *_dsv4_program(), "serve", *spec.argv(SERVE)]
     plan = {"argv": argv, "node_rank": rank, "nnodes": hosts, "master": f"{addr}:{port}",
-            "model": str(spec.model), "log": str(log), "events": str(events), "started": time.time()}
+            "model": str(spec.model), "log": str(log), "events": spec.events, "started": time.time()}
     handoff = nodes.nodes_dir() / f"node-{stamp}.start.json"
     handoff.write_text(json.dumps(plan))
     with open(log, "ab") as out:
