@@ -463,3 +463,20 @@ def test_a_node_that_cannot_start_is_one_line_and_nothing_runs(tiny_ckpt_ro, arg
     ls = subprocess.run([sys.executable, "-m", "console.cli", "node", "ls", "--json"], capture_output=True,
                         text=True, cwd=REPO, timeout=60)
     assert json.loads(ls.stdout) == []
+
+
+def test_each_fleet_action_runs_the_dsv4_command_a_person_would():
+    from console.fleet import actions as A
+    from runtime.launch.spec import LaunchSpec
+
+    spec = LaunchSpec(Path("/models/v4"), backend="export", ranks=2, max_seq=64)
+    said = {a: [" ".join(s.remote) for s in A.steps(a, spec, registry="reg:5000/dsv4", insecure=True)]
+            for a in ("compile", "prepack", "purge", "pull", "stop")}
+    assert said["compile"] == ["compile /models/v4 --backend export --ranks 2 --max-seq 64 --events -"]
+    assert said["prepack"] == ["prepack /models/v4 --ranks 2 --events - --force"]
+    assert said["pull"] == ["cache pull reg:5000/dsv4 --model /models/v4 --backend export --ranks 2 --max-seq 64 --insecure"]
+    assert [s.split(" --")[0] for s in said["purge"]] == ["cache purge", "cache purge", "sidecar purge /models/v4"]
+    assert said["stop"] == ["node stop --json"]
+    node = A.node_start(spec, 2, 1, "10.0.0.1", 29500).remote
+    assert node[:12] == ("node", "start", "--json", "--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "1",
+                         "--master-addr", "10.0.0.1", "--master-port")
