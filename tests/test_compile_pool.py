@@ -15,6 +15,7 @@ from console.cli import main as cli
 from runtime.launch.plan import model_programs
 from runtime.launch.spec import LaunchSpec
 from runtime.programs.build import prepare
+from runtime.programs.calls import engine_runners
 from runtime.programs.pool import CompilePool
 from runtime.programs.spec import ProgramSpec, build_function
 from runtime.programs.tiers import COMPILED, EAGER, TieredRunners
@@ -128,7 +129,7 @@ def test_tokens_do_not_depend_on_the_tier_even_across_a_swap_mid_generation(tiny
     compiled_runners = dict(compiled.tiers)
     specs = compiled.programs.specs
     table = TieredRunners({n: build_function(s) for n, s in specs.items()}, dict.fromkeys(specs, EAGER))
-    engine.runners = table
+    engine.runners = engine_runners(compiled.programs, table)
     engine.reset()
     got = []
     for i, token in enumerate(engine.generate(prompt, 6)):

@@ -336,6 +336,7 @@ def _size_kv(launched: Launched, runners, rank_env, detail: dict, emitter: Emitt
     this device has now, halving on an allocation that fails."""
     from runtime.launch.budget import kv_budget, kv_share
     from runtime.launch.device import OutOfMemory
+    from runtime.programs.calls import engine_runners
     from runtime.programs.catalog import kv_slot_bytes
     from runtime.serve.engine import Engine
 
@@ -366,10 +367,11 @@ def _size_kv(launched: Launched, runners, rank_env, detail: dict, emitter: Emitt
     if problem is not None:
         raise problem
     attempts = []
+    calls = engine_runners(programs, runners)  # the layers' and experts' calls over the programs
     while want >= 1:
         before = device.allocated
         try:
-            engine = Engine(programs, launched.weights, runners, device=str(device.torch_device),
+            engine = Engine(programs, launched.weights, calls, device=str(device.torch_device),
                             allocate=device.allocate, slots=want, group=group)
         except OutOfMemory as e:
             attempts.append({"slots": want, "error": str(e)})  # a partly built engine is garbage now

@@ -14,28 +14,40 @@ from runtime.model.dims import Dims
 
 
 def layer(dims: dict, kind: str, ratio: int, hash_routed: bool, cache_names: list[str],
-          weight_names: list[str], prefill: bool, expert_parallel: bool = False) -> Callable:
-    """Expert parallel, the program holds no routed expert: it returns the block's FFN parts
+          weight_names: list[str], prefill: bool, experts_apart: bool = False) -> Callable:
+    """With `experts_apart`, the program holds no routed expert: it returns the block's FFN parts
     (`model.FFN_PARTS`: the routed experts' input rows and choices among them) before the new
-    cache rows, and the `experts` program of each owner computes their shares."""
+    cache rows, and the `experts` programs compute the routed sum (of every expert owner, with
+    several ranks)."""
     def layer_program(x, tokens, positions, slots, starts, *rest):
         nc = len(cache_names)
         cache = dict(zip(cache_names, rest[:nc], strict=True))
         w = dict(zip(weight_names, rest[nc:], strict=True))
         rows = model.Rows(positions, slots, starts)
         out, new = model.block(Dims(**dims), kind, ratio, hash_routed, w, x, tokens, rows, cache, prefill,
-                               expert_parallel)
-        return (*(out if expert_parallel else (out,)), *(new[n] for n in cache_names))
+                               experts_apart)
+        return (*(out if experts_apart else (out,)), *(new[n] for n in cache_names))
 
     return layer_program
 
 
-def experts(dims: dict, weight_names: list[str]) -> Callable:
-    """One rank's routed experts over rows dispatched to it by every rank (any layer: the
-    experts' weights are inputs)."""
+def experts(dims: dict, weight_names: list[str], picked: bool | None = None, finish: bool = False) -> Callable:
+    """One rank's routed experts over rows of any layer (the experts' weights are inputs), from
+    every rank with several: each row's share of its routed sum; `picked`: only the picked (True)
+    or only the dense (False) way. `finish` (one rank): the program takes a layer program's FFN
+    parts (`model.FFN_PARTS`) and returns the block's output, so the engine's layer call is two
+    programs and no glue."""
+    if finish:
+        def finish_program(*args):
+            parts, w = args[:model.FFN_PARTS], dict(zip(weight_names, args[model.FFN_PARTS:], strict=True))
+            h, idx, weights = parts[model.ROUTED_INPUT]
+            return model.ffn_out(parts, model.experts(Dims(**dims), w, h, idx, weights, None, picked))
+
+        return finish_program
+
     def experts_program(h, idx, weights, expert_base, *tensors):
         w = dict(zip(weight_names, tensors, strict=True))
-        return model.experts(Dims(**dims), w, h, idx, weights, expert_base)
+        return model.experts(Dims(**dims), w, h, idx, weights, expert_base, picked)
 
     return experts_program
 

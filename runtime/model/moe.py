@@ -70,12 +70,22 @@ def _picked_matmul(x: torch.Tensor, picked: dict[str, torch.Tensor], name: str) 
     return (x[..., None] * weight(picked, name)).sum(-2)
 
 
+def picks_few(rows, topk, experts):
+    """Do `rows` rows of `topk` choices each pick fewer (row, expert) pairs than there are
+    `experts`? Then only the picked experts run (`_experts_picked`), else all of them densely.
+    The one rule for an eager step, a traced `torch.cond` (symbolic rows) and the runner that
+    chooses between the two compiled expert programs (`runtime.programs.calls`)."""
+    return rows * topk < experts
+
+
 def routed(d: Dims, w: dict[str, torch.Tensor], h: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
-           expert_base: torch.Tensor | None = None) -> torch.Tensor:
+           expert_base: torch.Tensor | None = None, picked: bool | None = None) -> torch.Tensor:
     """Routed experts of rows h [M, D] with their choices idx/weights [M, k]: picked when the
-    rows' choices are fewer than the experts, else dense. The row count is known when run
-    eagerly; in a traced program it is symbolic, so both ways are traced and `torch.cond` picks
-    at run time (one artifact serves a decode step of one sequence and one of sixty-four).
+    rows' choices are fewer than the experts, else dense (`picks_few`). The row count is known
+    when run eagerly; in a traced program it is symbolic, so both ways are traced and
+    `torch.cond` picks at run time — unless `picked` says which way this program is (the
+    `experts.picked` and `experts.dense` programs: a cond costs its program several times the
+    compile seconds of both ways traced alone).
 
     Expert parallel (`expert_base` given): `w` holds only this rank's experts, global ids
     expert_base.. expert_base+n-1; choices of other ranks' experts weigh 0 here, so the result
@@ -87,7 +97,7 @@ def routed(d: Dims, w: dict[str, torch.Tensor], h: torch.Tensor, idx: torch.Tens
         local = idx - expert_base
         weights = torch.where((local >= 0) & (local < n), weights, torch.zeros_like(weights))
         idx = local.clamp(0, n - 1)
-    few = h.shape[0] * idx.shape[1] < n
+    few = picks_few(h.shape[0], idx.shape[1], n) if picked is None else picked
     if isinstance(few, bool):
         return (_experts_picked if few else _experts_dense)(d, experts, h, idx, weights)
     names = sorted(experts)

@@ -1,9 +1,16 @@
-"""The model's programs as specs: one per (layer variant × mode), plus embed, head and MTP input.
+"""The model's programs as specs: one per (layer variant × mode), the routed experts, plus embed,
+head and MTP input.
 
 Torch-free: signatures come from the config and the packed layout's shapes, the functions are named
 ("runtime.model.factories:<factory>") with their captures as data, so the launch plan computes every
 program's key in a process that never imports torch. A layer variant is (kind, compress ratio,
 routing): layers that share it share one program, because weights are inputs.
+
+The routed experts are programs of their own (`ROUTED_APART`): every layer program stops before
+them, and `experts.picked` and `experts.dense` serve every layer, so the expert math — most of a
+layer's compile, the FP4 decode with it — compiles once per model instead of once per layer program
+(the engine's calls put them back together: `runtime.programs.calls`). `ROUTED_IN_LAYER`, each layer
+program with its routed experts inside, is the form before, kept as `dsv4 bench compile`'s baseline.
 """
 
 from __future__ import annotations
@@ -21,7 +28,10 @@ MODES = (PREFILL, DECODE)
 # A prefill is one sequence's tokens (T ≤ max_seq); a decode step packs rows of many sequences,
 # each in its own cache slot: up to MAX_SLOTS slots, two rows each (MTP verify).
 MAX_DECODE_ROWS = 2 * MAX_SLOTS
-EXPERTS_PROGRAM = "experts"  # expert parallel: one rank's routed experts over rows from every rank
+EXPERTS_PROGRAM = "experts"  # what the engine calls: one rank's routed experts over rows (of every rank)
+# the programs behind it: only the picked experts (rows × top-k below the experts), or all of them
+EXPERTS_PICKED, EXPERTS_DENSE = f"{EXPERTS_PROGRAM}.picked", f"{EXPERTS_PROGRAM}.dense"
+ROUTED_APART, ROUTED_IN_LAYER = "apart", "in-layer"  # the program forms (see the module's docstring)
 ROUTED_PREFIX = "ffn.experts."
 FNS = "runtime.model.factories"
 TOP_HEAD = ("hc_head_base", "hc_head_fn", "hc_head_scale", "norm.weight", "head.weight")
@@ -79,11 +89,20 @@ class ModelPrograms:
     specs: dict[str, ProgramSpec]
     variants: dict[str, LayerVariant]
     cache_names: dict[str, tuple[str, ...]]  # variant name → cache row names
-    weight_names: dict[str, tuple[str, ...]]  # program family → weight keys, in input order
+    weight_names: dict[str, tuple[str, ...]]  # program family → weight keys the engine passes, in order
     expert_parallel: bool = False  # ranks > 1: layers return FFN parts (model.ffn_out); `experts` runs the routed
+    routed: str = ROUTED_APART  # the form: layer programs without their routed experts, or with them
 
 
-def build_programs(config: DeepSeekV4Config, packed: PackedLayout, max_seq: int) -> ModelPrograms:
+def build_programs(config: DeepSeekV4Config, packed: PackedLayout, max_seq: int,
+                   routed: str = ROUTED_APART) -> ModelPrograms:
+    """Every program of a deployment. One rank in the `ROUTED_APART` form: a layer call (what the
+    engine passes, `weight_names[variant]`) carries the layer program's inputs, then the routed
+    experts' tensors for the experts program."""
+    if routed not in (ROUTED_APART, ROUTED_IN_LAYER):
+        raise ValueError(f"unknown program form {routed!r}")
+    if routed == ROUTED_IN_LAYER and packed.ranks > 1:
+        raise ValueError("several ranks exchange the routed experts' rows between layer and experts programs")
     d = Dims.of(config, max_seq)
     dims = d.to_json()
     shapes = weight_shapes(packed)
@@ -92,6 +111,7 @@ def build_programs(config: DeepSeekV4Config, packed: PackedLayout, max_seq: int)
     slots_dim = DynamicDim("S", 1, MAX_SLOTS)
     layout = {"ranks": packed.ranks, "max_seq": max_seq}
     parallel = packed.ranks > 1
+    apart = routed == ROUTED_APART
     specs: dict[str, ProgramSpec] = {}
     cache_names: dict[str, tuple[str, ...]] = {}
     weight_names: dict[str, tuple[str, ...]] = {}
@@ -121,31 +141,41 @@ def build_programs(config: DeepSeekV4Config, packed: PackedLayout, max_seq: int)
         caches = tuple(cache_shapes(d, v.kind, v.ratio).items())
         cache_names[v.name] = tuple(n for n, _ in caches)
         w = shapes[group]
-        if parallel:  # the routed experts are the `experts` program's inputs, not the layer's
-            routed = {n: s for n, s in w.items() if n.startswith(ROUTED_PREFIX)}
-            if expert_shapes and routed != expert_shapes:
-                raise ValueError(f"{group}: routed experts shaped unlike the other layers': {routed}")
-            expert_shapes = routed
-            w = {n: s for n, s in w.items() if n not in routed}
-        weight_names[v.name] = tuple(sorted(w))
+        engine_weights: tuple[str, ...] = ()  # passed beyond the layer program's (one rank: its experts)
+        if apart:  # the routed experts are the `experts` programs' inputs, not the layer's
+            routed_shapes = {n: s for n, s in w.items() if n.startswith(ROUTED_PREFIX)}
+            if expert_shapes and routed_shapes != expert_shapes:
+                raise ValueError(f"{group}: routed experts shaped unlike the other layers': {routed_shapes}")
+            expert_shapes = routed_shapes
+            w = {n: s for n, s in w.items() if n not in routed_shapes}
+            engine_weights = () if parallel else tuple(sorted(routed_shapes))
+        weight_names[v.name] = (*sorted(w), *engine_weights)
         cache_specs = tuple(TensorSpec(f"cache.{n}", "float32", ("S", *s)) for n, s in caches)
         captures = {"kind": v.kind, "ratio": v.ratio, "hash_routed": v.hash_routed,
-                    "cache_names": list(cache_names[v.name]), "weight_names": list(weight_names[v.name]),
-                    **({"expert_parallel": True} if parallel else {})}
+                    "cache_names": list(cache_names[v.name]), "weight_names": sorted(w),
+                    **({"experts_apart": True} if apart else {})}
         add(v.name, "layer", captures,
             lambda t, w=w, cache_specs=cache_specs: (*act(t), *cache_specs, *weights("w.", w, sorted(w))),
             slotted=True)
-    if parallel:
-        # rows dispatched to one rank: a prefill's tokens (alone in its step), or every rank's decode rows
+    if apart:
+        # rows of one rank's experts: a prefill's tokens (alone in its step), or every rank's decode rows
         rows = DynamicDim("M", 1, max(max_seq, packed.ranks * MAX_DECODE_ROWS))
         weight_names[EXPERTS_PROGRAM] = tuple(sorted(expert_shapes))
-        specs[EXPERTS_PROGRAM] = ProgramSpec(
-            EXPERTS_PROGRAM, f"{FNS}:experts",
-            (TensorSpec("h", "float32", ("M", d.hidden)), TensorSpec("idx", "int64", ("M", d.topk)),
-             TensorSpec("weights", "float32", ("M", d.topk)), TensorSpec("expert_base", "int64", ()),
-             *weights("w.", expert_shapes, weight_names[EXPERTS_PROGRAM])),
-            dims=(rows,), layout=layout, model_dims=dims,
-            captures={"dims": dims, "weight_names": list(weight_names[EXPERTS_PROGRAM])})
+        if parallel:  # rows any rank sent: each row's share of its routed sum, for the row's rank
+            head, finish = (TensorSpec("h", "float32", ("M", d.hidden)), TensorSpec("idx", "int64", ("M", d.topk)),
+                            TensorSpec("weights", "float32", ("M", d.topk)),
+                            TensorSpec("expert_base", "int64", ())), {}
+        else:  # a layer program's FFN parts (`model.FFN_PARTS`), finished into the block's output
+            head, finish = (TensorSpec("x", "float32", ("M", d.hc, d.hidden)), TensorSpec("post", "float32", ("M", d.hc)),
+                            TensorSpec("comb", "float32", ("M", d.hc, d.hc)), TensorSpec("h", "float32", ("M", d.hidden)),
+                            TensorSpec("idx", "int64", ("M", d.topk)), TensorSpec("weights", "float32", ("M", d.topk)),
+                            TensorSpec("shared", "float32", ("M", d.hidden))), {"finish": True}
+        for name, picked in ((EXPERTS_PICKED, True), (EXPERTS_DENSE, False)):
+            specs[name] = ProgramSpec(
+                name, f"{FNS}:experts", (*head, *weights("w.", expert_shapes, weight_names[EXPERTS_PROGRAM])),
+                dims=(rows,), layout=layout, model_dims=dims,
+                captures={"dims": dims, "weight_names": list(weight_names[EXPERTS_PROGRAM]), "picked": picked,
+                          **finish})
 
     top = shapes["top"]
     emb_spec = TensorSpec("embed.weight", *top["embed.weight"])
@@ -160,7 +190,7 @@ def build_programs(config: DeepSeekV4Config, packed: PackedLayout, max_seq: int)
             lambda t: (TensorSpec("next_tokens", "int64", (t,)), TensorSpec("h", "float32", (t, d.hc, d.hidden)),
                        emb_spec, *weights("", mtp, MTP_INPUT)))
         # the MTP head is the model head over MTP's own hc_head/norm and the shared head.weight
-    return ModelPrograms(d, specs, variants, cache_names, weight_names, parallel)
+    return ModelPrograms(d, specs, variants, cache_names, weight_names, parallel, routed)
 
 
 def kv_slot_bytes(programs: ModelPrograms) -> int:

@@ -1,0 +1,139 @@
+"""The programs' form: the routed experts compiled once per model (`experts.picked`, `experts.dense`),
+every layer program stopping before them, and the engine's calls putting them back together.
+Eager only: the programs' functions, never a compile."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.model.config import load_config
+from runtime.model.forward import FFN_PARTS
+from runtime.programs.calls import engine_runners
+from runtime.programs.catalog import (
+    EXPERTS_DENSE,
+    EXPERTS_PICKED,
+    ROUTED_IN_LAYER,
+    ROUTED_PREFIX,
+    build_programs,
+)
+from runtime.programs.spec import build_function, program_key
+from runtime.programs.tiers import COMPILED, EAGER, TieredRunners
+from runtime.serve.engine import Engine
+from runtime.weights.pack import PackedLayout, pack_in_memory
+from runtime.weights.views import packed_views
+from store.checkpoint import Checkpoint
+from store.fingerprint import diff
+
+MAX_SEQ = 64
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_ckpt_ro):
+    config = load_config(tiny_ckpt_ro)
+    layout = PackedLayout(config, ranks=1)
+    ckpt = Checkpoint.open(tiny_ckpt_ro)
+    try:
+        weights = packed_views(layout, pack_in_memory(ckpt, layout))
+    finally:
+        ckpt.close()
+    return config, layout, weights
+
+
+def _units(programs):
+    return {name: build_function(spec) for name, spec in programs.specs.items()}
+
+
+def _routed_inputs(spec) -> list[str]:
+    return [t.name for t in spec.inputs if t.name.startswith("w." + ROUTED_PREFIX)]
+
+
+def test_layer_programs_hold_no_routed_expert_and_one_pair_of_experts_programs_serves_every_layer(tiny):
+    config, layout, _ = tiny
+    apart = build_programs(config, layout, MAX_SEQ)
+    layers = [s for n, s in apart.specs.items() if n.startswith("layer.")]
+    assert layers and all(not _routed_inputs(s) for s in layers)
+    assert [n for n in apart.specs if n.startswith("experts")] == [EXPERTS_PICKED, EXPERTS_DENSE]
+    for name in (EXPERTS_PICKED, EXPERTS_DENSE):
+        assert _routed_inputs(apart.specs[name]) == [f"w.{n}" for n in apart.weight_names["experts"]]
+    inside = build_programs(config, layout, MAX_SEQ, routed=ROUTED_IN_LAYER)
+    assert all(_routed_inputs(s) for n, s in inside.specs.items() if n.startswith("layer."))
+    assert not any(n.startswith("experts") for n in inside.specs)
+
+
+def test_a_layer_programs_key_changes_with_the_form(tiny):
+    """An entry compiled in the other form never loads for this one: its signature, captures and
+    the source of what the layer program runs are in its key."""
+    config, layout, _ = tiny
+    apart = build_programs(config, layout, MAX_SEQ)
+    inside = build_programs(config, layout, MAX_SEQ, routed=ROUTED_IN_LAYER)
+    name = next(n for n in apart.specs if n.startswith("layer."))
+    a, b = program_key(apart.specs[name], "export"), program_key(inside.specs[name], "export")
+    assert a != b and {"signature", "captures"} <= {c.component for c in diff(a, b)}
+    assert {"source:runtime.model.factories.layer", "source:runtime.model.moe.routed"} <= set(a.as_dict())
+
+
+def test_the_experts_programs_take_what_the_layer_programs_give(tiny):
+    config, layout, _ = tiny
+    programs = build_programs(config, layout, MAX_SEQ)
+    picked = programs.specs[EXPERTS_PICKED]
+    for name, spec in programs.specs.items():
+        if not name.startswith("layer."):
+            continue
+        rows = 3
+        sizes = {d.name: (rows if d.name in ("T", "B") else 2) for d in spec.dims}
+        inputs = [torch.empty([sizes.get(s, s) for s in t.shape], dtype=getattr(torch, t.dtype), device="meta")
+                  for t in spec.inputs]
+        parts = build_function(spec)(*inputs)[:FFN_PARTS]
+        for got, want in zip(parts, picked.inputs[:FFN_PARTS], strict=True):
+            assert (str(got.dtype).removeprefix("torch."), tuple(got.shape)) == \
+                (want.dtype, tuple(rows if s == "M" else s for s in want.shape)), (name, want.name)
+
+
+def test_the_engines_calls_over_the_programs_compute_the_fused_blocks_model(tiny):
+    """A prefill, a decode step of one row (the picked experts) and one of four sequences (all
+    experts, densely), and an MTP draft: the layer program then the experts program give the
+    very numbers of the whole block run eagerly (and so do the baseline form's programs)."""
+    config, layout, weights = tiny
+    programs = build_programs(config, layout, MAX_SEQ)
+    calls = Engine(programs, weights, engine_runners(programs, _units(programs)), slots=4)
+    whole = Engine(programs, weights, slots=4)
+    prompt = torch.arange(3, 30)
+    want = whole.forward(prompt).logits
+    assert torch.equal(calls.forward(prompt).logits, want)
+    inside = build_programs(config, layout, MAX_SEQ, routed=ROUTED_IN_LAYER)
+    assert torch.equal(Engine(inside, weights, engine_runners(inside, _units(inside))).forward(prompt).logits, want)
+    one = [(0, torch.tensor([7]))]
+    assert torch.equal(calls.step(one).logits, whole.step(one).logits)
+    for engine in (calls, whole):
+        for slot in (1, 2, 3):
+            engine.forward(torch.tensor([slot, 40 + slot]), slot)
+    four = [(slot, torch.tensor([9 + slot])) for slot in range(4)]
+    assert 4 * config.num_experts_per_tok >= config.n_routed_experts  # the dense way
+    a, b = calls.step(four), whole.step(four)
+    assert torch.equal(a.logits, b.logits)
+    drafts = [(0, 29, a.hidden[:1], [5])]
+    assert torch.equal(calls.mtp_step(drafts), whole.mtp_step(drafts))
+
+
+def test_an_experts_program_swapped_in_runs_from_the_next_step_in_every_layer(tiny):
+    config, layout, weights = tiny
+    programs = build_programs(config, layout, MAX_SEQ)
+    units = _units(programs)
+    table = TieredRunners(units, dict.fromkeys(units, EAGER))
+    engine = Engine(programs, weights, engine_runners(programs, table))
+    reference = Engine(programs, weights)
+    ran: list[int] = []
+
+    def compiled_picked(*args):  # stands for the compiled program: the same numbers
+        ran.append(engine.calls)
+        return units[EXPERTS_PICKED](*args)
+
+    engine.forward(torch.arange(3, 12))
+    reference.forward(torch.arange(3, 12))
+    table.stage(EXPERTS_PICKED, compiled_picked)
+    assert ran == []  # staged, not yet in: a swap lands between two steps
+    step = [(0, torch.tensor([7]))]
+    assert torch.equal(engine.step(step).logits, reference.step(step).logits)
+    layers = sum(g.startswith("layers.") for g in programs.variants)
+    assert ran == [engine.calls] * layers and table.tiers[EXPERTS_PICKED] == COMPILED
