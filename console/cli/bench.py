@@ -221,6 +221,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     packing.add_argument("--json", action="store_true", help="print one JSON object")
     packing.set_defaults(func=_packing)
 
+    comp = sub.add_parser(
+        "compile",
+        help="a launch's programs compiled cold in both program forms: routed experts apart vs inside each layer",
+        description="On the preset's checkpoint, in one run with the same compile workers: every program of "
+        "the launch compiled cold (empty kernel and Inductor caches) in the form before issue 37 (each layer "
+        "program with its routed experts inside: the baseline) and in today's (one pair of experts programs "
+        "that every layer calls); the programs phase, compile seconds per family of programs, the longest "
+        "program, then greedy tokens (equal) and decode steps from both caches. Target: programs phase "
+        "≤ 0.7× the baseline's. --json keys: programs_s, baseline_programs_s, ratio.",
+    )
+    comp.add_argument("--preset", choices=("tiny", "small", "medium"), default="small",
+                      help="synthetic checkpoint (default %(default)s; made on first use)")
+    comp.add_argument("--backend", choices=("aoti", "export"), default="aoti",
+                      help="how the programs compile (default %(default)s)")
+    comp.add_argument("--jobs", type=int, default=None, metavar="N",
+                      help="compile workers of both forms (default: a launch's, the CPUs capped by memory)")
+    comp.add_argument("--json", action="store_true", help="print one JSON object")
+    comp.set_defaults(func=_compile)
+
     ship = sub.add_parser(
         "cache-ship",
         help="a launch's programs: cold compile vs pull from a local registry vs import of a bundle",
@@ -235,6 +254,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                       help="how the programs compile (default %(default)s)")
     ship.add_argument("--json", action="store_true", help="print one JSON object")
     ship.set_defaults(func=_cache_ship)
+
+
+def _compile(args: argparse.Namespace) -> int:
+    from bench.compile_bench import main
+
+    if args.jobs is not None and args.jobs < 1:
+        raise UserError("--jobs: 1 or more")
+    return main(preset=args.preset, backend=args.backend, jobs=args.jobs, json_output=args.json)
 
 
 def _cache_ship(args: argparse.Namespace) -> int:
