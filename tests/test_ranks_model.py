@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from runtime.model.config import load_config
+from runtime.programs.calls import engine_runners
 from runtime.programs.catalog import build_programs
+from runtime.programs.spec import build_function
 from runtime.serve.dispatch import dispatch_order
 from runtime.serve.engine import Engine
 from runtime.weights.pack import PackedLayout, pack_in_memory, rank_slice
@@ -56,12 +58,17 @@ class ThreadRanks:
         return Member()
 
 
-def _logits(ckpt, ranks: int, steps: int = 4) -> tuple[list, ThreadRanks]:
+def _logits(ckpt, ranks: int, steps: int = 4, programs_run: bool = False) -> tuple[list, ThreadRanks]:
     """Rank 0's logits of PROMPTS prefilled one by one, then decoded together (fixed tokens);
-    sequence i sits in global slot 2i+1, so with several ranks they live on different ranks."""
+    sequence i sits in global slot 2i+1, so with several ranks they live on different ranks.
+    `programs_run`: the engines call the programs' functions (as a launch calls its compiled
+    programs: `engine_runners`), not the model's."""
     config = load_config(ckpt)
     layout = PackedLayout(config, ranks)
     programs = build_programs(config, layout, max_seq=64)
+    runners = None
+    if programs_run:
+        runners = engine_runners(programs, {n: build_function(s) for n, s in programs.specs.items()})
     whole = pack_in_memory(Checkpoint.open(ckpt), layout)
     group = ThreadRanks(ranks)
     out: list = [None] * ranks
@@ -70,7 +77,7 @@ def _logits(ckpt, ranks: int, steps: int = 4) -> tuple[list, ThreadRanks]:
     def run(r: int) -> None:
         own = pack_in_memory(Checkpoint.open(ckpt), layout, rank=r) if r % 2 else rank_slice(layout, whole, r)
         rank_slots = [SLOTS * 4 // ranks] * ranks  # the same slots in all: 8
-        engine = Engine(programs, packed_views(layout, own), slots=rank_slots[r],
+        engine = Engine(programs, packed_views(layout, own), runners, slots=rank_slots[r],
                         group=group.rank(r) if ranks > 1 else None, rank_slots=rank_slots)
         logits = [engine.forward(torch.tensor(p), slot=s).logits for p, s in zip(PROMPTS, slots, strict=True)]
         for i in range(steps):  # every rank is sent the same tokens (as rank 0 leads them)
@@ -104,6 +111,15 @@ def test_each_rank_runs_its_own_sequences_and_the_logits_equal_one_ranks(tiny_ck
         assert torch.equal(b.argmax(-1), a.argmax(-1))
     # every rank took part in every exchange, those without rows of their own too
     assert len(set(group.exchanges)) == 1 and group.exchanges[0] > 0
+
+
+def test_ranks_calling_the_experts_programs_compute_what_the_model_does(tiny_ckpt_ro):
+    """`experts` runs experts.picked or experts.dense by the rows each rank received (one row:
+    picked; more: dense), as the model's eager step chooses: the very same logits."""
+    model, _ = _logits(tiny_ckpt_ro, 2)
+    programs, _ = _logits(tiny_ckpt_ro, 2, programs_run=True)
+    for step, (a, b) in enumerate(zip(model, programs, strict=True)):
+        assert torch.equal(b, a), f"step {step}"
 
 
 def test_a_rank_holds_only_its_experts(tiny_ckpt_ro):
