@@ -149,7 +149,7 @@ def test_two_ranks_compiled_equal_one_rank(tiny_ckpt, tmp_path, one_rank_tokens)
     assert ends[(0, "upload")].detail["bytes"] == ends[(1, "upload")].detail["bytes"]
     kv = [ends[(r, "kv")].detail for r in (0, 1)]
     assert kv[0]["slots"] == kv[1]["slots"] and kv[0]["ranks_sharing_memory"] == 2  # host memory, split
-    assert kv[0]["total_slots"] == kv[0]["slots"] + kv[1]["slots"] and health["slots"] == kv[0]["total_slots"]
+    assert kv[0]["total_slots"] == kv[0]["slots"] + kv[1]["slots"] and health.slots == kv[0]["total_slots"]
 
 
 def test_four_ranks_equal_one_rank_and_map_less(tiny_ckpt_ro, tmp_path, one_rank_tokens):
