@@ -305,8 +305,10 @@ async def test_a_service_launched_across_two_hosts_serves_stops_and_a_lost_host_
                 service = _serving(screen)
                 assert [(r.rank, r.host) for r in service.ranks] == [(0, "host-a"), (1, "host-b")]
                 assert len(_complete(service.url)) == 4
-                rows = {r["host"]: r for r in screen.rows()}
-                assert "r1 serve" in rows["host-b"]["phases"] and rows["host-a"]["state"] == "serving"
+                # host-b's own snapshot streams apart from host-a's: its rank reads serve at its next one
+                await _until(pilot, lambda: "r1 serve" in {r["host"]: r for r in screen.rows()}["host-b"]["phases"],
+                             "host-b's rank 1 serving")
+                assert {r["host"]: r for r in screen.rows()}["host-a"]["state"] == "serving"
 
                 await pilot.press("a", "s", "y")
                 await _until(pilot, lambda: _jobs_ended(app, "stop", ["host-a", "host-b"]), "the stop")

@@ -86,6 +86,8 @@ class JobControl:
                 programs.job(p.line(), p.done, p.total, pool.states if pool else None)
         elif sidecars is not None:
             sidecars.job(p.line(), p.done, p.total)
+        if name == "create":  # Registration says the creation's progress too, in step with its pane
+            self.app.show_registration()
 
     def tick_jobs(self) -> None:
         """Once a second while something runs: elapsed and ETA move even between events."""
