@@ -6,7 +6,8 @@ prepacked from it into a temp dir:
 - packing from the checkpoint, shards hot (the no-sidecar path, `pack_in_memory`): the baseline;
 - `safetensors.torch.load_file` of the sidecar + the same touch (safetensors 0.8 maps the file
   privately, copy-on-write, and reads lazily: without the touch it would time nothing);
-- our hot path: judge + map (`open_prepacked`) + touch one byte per 4 KiB page through the views;
+- our hot path: judge + map (`open_prepacked`, handed the layout as registration hands it) + touch
+  one byte per 4 KiB page through the views;
 - `cat FILE > /dev/null` from the page cache: the ceiling for reading those bytes at all;
 - the cold path per policy (evicted first): reject (verdict, then repack), read (map, read-ahead,
   touch), auto (whichever the remembered read throughput predicts faster);
@@ -123,7 +124,8 @@ def run(preset: str = "small", log: Callable[[str], None] = print) -> list[Row]:
 
         def map_and_touch() -> tuple[float, str]:
             t0 = time.perf_counter()
-            verdict, mapped = open_prepacked(model, 1, sidecar_path)
+            # the layout comes built, as registration's plan hands it over (it packs or maps by it)
+            verdict, mapped = open_prepacked(model, 1, sidecar_path, packed=layout)
             opened = time.perf_counter() - t0
             if mapped is None:
                 raise RuntimeError(f"hot sidecar not mapped: {verdict.line()}")
@@ -216,7 +218,7 @@ def main(preset: str = "small", json_output: bool = False) -> int:
 
     rows = run(preset, log=lambda m: print(m, file=sys.stderr))
     if json_output:
-        print_json([asdict(r) for r in rows])
+        print_json({"preset": preset, **{r.key: r.ratio for r in rows if r.key}, "rows": [asdict(r) for r in rows]})
         return 0
     measures = [r for r in rows if r.kind == "measure"]
     print_table(

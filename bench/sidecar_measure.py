@@ -31,6 +31,8 @@ class Row:
     note: str = ""
     measured: str = ""  # targets: the measured value, in words
     met: bool | None = None
+    key: str = ""  # targets: the figure's stable name in --json (its value: `ratio`)
+    ratio: float | None = None
 
 
 def best(fn: Callable[[], Any], runs: int) -> tuple[float, Any]:

@@ -76,6 +76,8 @@ def target_rows(pack_s, map_s, cat_s, probes, rss, layer_group, layer_bytes) -> 
             f"hot map + touch within {t['map_vs_cat']:g}x of cat from page cache",
             measured=f"{map_s / cat_s:.2f}x cat",
             met=map_s <= t["map_vs_cat"] * cat_s,
+            key="hot_map_touch_vs_cat",
+            ratio=map_s / cat_s,
         ),
     ]
     cs = [p["cachestat"] for p in probes if "cachestat" in p]
