@@ -42,13 +42,18 @@ TARGETS = {"throughput": 10.0, "p99": 5.0, "step_4096_vs_256": 2.0, "sampled_vs_
 ENGINES = {"one-at-a-time": ("--max-batch", "1"), "batched": (), "batched+mtp": ("--speculative", "mtp")}
 
 
-def _start(model_dir: Path, tmp: Path, backend: str, *extra: str) -> tuple[subprocess.Popen, str]:
+def _start(model_dir: Path, tmp: Path, backend: str, *extra: str, cache_dir: Path | None = None,
+           max_seq: int = 256, slots: int = CLIENTS, env: dict[str, str] | None = None,
+           ) -> tuple[subprocess.Popen, str]:
+    """A `dsv4 serve` on loopback (its events under `tmp`, programs in `cache_dir`, default beside
+    `tmp`), once it serves: (process, url)."""
     events = tmp / "events.jsonl"
+    cache_dir = cache_dir or tmp.parent / "programs"
     proc = subprocess.Popen([sys.executable, "-m", "console.cli", "serve", str(model_dir), "--backend", backend,
-                             "--kernel-cache-dir", str(tmp.parent / "programs"), "--device", "cpu", "--port", "0",
-                             "--max-seq", "256", "--max-slots", str(CLIENTS), "--queue-timeout", "3600",
+                             "--kernel-cache-dir", str(cache_dir), "--device", "cpu", "--port", "0",
+                             "--max-seq", str(max_seq), "--max-slots", str(slots), "--queue-timeout", "3600",
                              "--events", str(events), *extra],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **(env or {})})
     deadline = time.time() + 900
     while time.time() < deadline and proc.poll() is None:
         if events.exists():
@@ -58,7 +63,7 @@ def _start(model_dir: Path, tmp: Path, backend: str, *extra: str) -> tuple[subpr
                     return proc, e["detail"]["url"]
         time.sleep(0.1)
     proc.kill()
-    raise SystemExit("dsv4 bench service: the server did not start")
+    raise SystemExit(f"dsv4 bench: the server did not start (its events: {events})")
 
 
 def _body(i: int) -> dict[str, Any]:

@@ -23,28 +23,24 @@ reference convention, which no installed implementation can confirm.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
-from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+from transformers import DeepseekV4ForCausalLM
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RMSNorm
 
+from bench.hf_peer import float_weights, load_peer, main_model_peer, peer_config
 from runtime.model import forward as M
-from runtime.model.config import CSA, HCA, SLIDING, DeepSeekV4Config, load_config
-from runtime.model.tensors import I64, all_params
+from runtime.model.config import CSA, HCA, DeepSeekV4Config, load_config
 from runtime.programs.catalog import build_programs
 from runtime.serve.engine import Engine
-from runtime.weights.pack import PackedLayout, dequantize
+from runtime.weights.pack import PackedLayout
 from runtime.weights.views import reference_views
 from store.checkpoint import Checkpoint
 
 MAX_SEQ = 128
 REL = 1e-4
-PEER_TYPES = {SLIDING: "sliding_attention", CSA: "compressed_sparse_attention",
-              HCA: "heavily_compressed_attention"}
 MTP_LOCAL = ("enorm.weight", "hnorm.weight", "e_proj.weight", "h_proj.weight")
 
 
@@ -56,59 +52,15 @@ def _prompt(n: int, seed: int, vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
 
 
-def peer_config(c: DeepSeekV4Config, kinds: list[str] | None = None, hash_layers: int | None = None) -> DeepseekV4Config:
-    """The transformers config equivalent to ours. Layer kinds and compress rates are passed
-    explicitly (the peer maps legacy `compress_ratios` only for V4's own 0/4/128); the rope
-    scaling dict is handed over as is, which the peer turns into YaRN on compressed layers."""
-    kinds = kinds if kinds is not None else list(c.layer_kinds)
-    n_hash = c.num_hash_layers if hash_layers is None else hash_layers
-    rates = {PEER_TYPES[k]: c.compress_ratios[i] for i, k in enumerate(c.layer_kinds) if k != SLIDING}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return DeepseekV4Config(
-            vocab_size=c.vocab_size, hidden_size=c.hidden_size, moe_intermediate_size=c.moe_intermediate_size,
-            num_hidden_layers=len(kinds), num_attention_heads=c.num_attention_heads, num_key_value_heads=1,
-            head_dim=c.head_dim, q_lora_rank=c.q_lora_rank, num_experts_per_tok=c.num_experts_per_tok,
-            n_routed_experts=c.n_routed_experts, n_shared_experts=c.n_shared_experts,
-            scoring_func=c.scoring_func, norm_topk_prob=c.norm_topk_prob,
-            routed_scaling_factor=c.routed_scaling_factor, max_position_embeddings=c.max_position_embeddings,
-            rope_theta=c.rope_theta, compress_rope_theta=c.compress_rope_theta,
-            layer_types=[PEER_TYPES[k] for k in kinds], compress_rates=rates,
-            mlp_layer_types=["hash_moe" if i < n_hash else "moe" for i in range(len(kinds))],
-            hc_mult=c.hc_mult, hc_sinkhorn_iters=c.hc_sinkhorn_iters, hc_eps=c.hc_eps,
-            swiglu_limit=c.swiglu_limit, sliding_window=c.sliding_window, o_groups=c.o_groups,
-            o_lora_rank=c.o_lora_rank, index_n_heads=c.index_n_heads, index_head_dim=c.index_head_dim,
-            index_topk=c.index_topk, num_nextn_predict_layers=c.num_nextn_predict_layers,
-            partial_rotary_factor=c.qk_rope_head_dim / c.head_dim, rope_parameters=dict(c.rope_scaling),
-            rms_norm_eps=M.NORM_EPS, tie_word_embeddings=False)
-
-
-def _float_weights(ck: Checkpoint, c: DeepSeekV4Config) -> dict[str, torch.Tensor]:
-    """Every parameter under its checkpoint name, dequantised to float32 [out, in] by our code."""
-    return {p.name: ck.read(p.name) if p.fmt == I64 else dequantize(ck, c, p).contiguous() for p in all_params(c)}
-
-
-def _load_peer(out: Path, config: DeepseekV4Config, tensors: dict[str, torch.Tensor]) -> DeepseekV4ForCausalLM:
-    out.mkdir(parents=True)
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    config.save_pretrained(out)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        peer, info = DeepseekV4ForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
-    assert not any(info.values()), f"the peer did not load every weight by name: {info}"
-    return peer.eval()
-
-
 @pytest.fixture(scope="module")
 def setup(tiny_ckpt_ro, tmp_path_factory):
     ck = Checkpoint.open(tiny_ckpt_ro)
     c = load_config(tiny_ckpt_ro)
     layout = PackedLayout(c, ranks=1)
     programs = build_programs(c, layout, max_seq=MAX_SEQ)
-    weights = _float_weights(ck, c)
+    weights = float_weights(ck, c)
     base = tmp_path_factory.mktemp("peer")
-    main = {n: t for n, t in weights.items() if not n.startswith("mtp.")}
-    peer = _load_peer(base / "main", peer_config(c), main)
+    peer = main_model_peer(tiny_ckpt_ro, base / "main", weights)
     return c, programs, reference_views(ck, layout), peer, weights, base
 
 
@@ -211,7 +163,7 @@ def _peer_mtp(c: DeepSeekV4Config, weights: dict[str, torch.Tensor], base: Path)
         rel = name.removeprefix("mtp.0.")
         top_level = rel == "norm.weight" or rel.startswith("hc_head_")
         tensors[rel if top_level else f"layers.0.{rel}"] = t
-    return _load_peer(base / "mtp", peer_config(c, kinds=[c.layer_kind(k)], hash_layers=0), tensors)
+    return load_peer(base / "mtp", peer_config(c, kinds=[c.layer_kind(k)], hash_layers=0), tensors)
 
 
 def _norm(weight: torch.Tensor) -> DeepseekV4RMSNorm:

@@ -240,6 +240,33 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     comp.add_argument("--json", action="store_true", help="print one JSON object")
     comp.set_defaults(func=_compile)
 
+    peer = sub.add_parser(
+        "peer",
+        help="dsv4 serve against transformers' generate on the same weights: decode tokens/s and TTFT at 1 and 8",
+        description="On the preset's checkpoint: a `dsv4 serve` (streamed greedy completions, 1 request and 8 at "
+        "once) against Hugging Face transformers' DeepseekV4ForCausalLM.generate (float32, the same weights "
+        "dequantised, KV cache on, a batch of 1 and of 8), on the same torch threads, one after the other: decode "
+        "tokens/s and time to first token, ratios service ÷ transformers (above 1 faster), greedy tokens equal; "
+        "then where a service decode step goes (program families, the engine around them, sampling, and what is "
+        "left: scheduling, streaming, HTTP). Target: decode ≥ 1.0× at both on small with a compiled backend. "
+        "Needs transformers (the test extra). --json keys: decode_ratio_1, decode_ratio_8, tokens_equal.",
+    )
+    from bench.peer_bench import (  # light: torch is imported when the bench runs
+        NEW_TOKENS,
+        PROMPT_TOKENS,
+    )
+
+    peer.add_argument("--preset", choices=("tiny", "small", "medium"), default="tiny",
+                      help="synthetic checkpoint (default %(default)s; made on first use)")
+    peer.add_argument("--backend", choices=("export", "aoti", "eager"), default="export",
+                      help="program backend of the service (default %(default)s; compiled on the first run)")
+    peer.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS, metavar="N",
+                      help="tokens of each prompt (default %(default)s)")
+    peer.add_argument("--new-tokens", type=int, default=NEW_TOKENS, metavar="N",
+                      help="greedy tokens generated per prompt (default %(default)s)")
+    peer.add_argument("--json", action="store_true", help="print one JSON object")
+    peer.set_defaults(func=_peer)
+
     ship = sub.add_parser(
         "cache-ship",
         help="a launch's programs: cold compile vs pull from a local registry vs import of a bundle",
@@ -262,6 +289,15 @@ def _compile(args: argparse.Namespace) -> int:
     if args.jobs is not None and args.jobs < 1:
         raise UserError("--jobs: 1 or more")
     return main(preset=args.preset, backend=args.backend, jobs=args.jobs, json_output=args.json)
+
+
+def _peer(args: argparse.Namespace) -> int:
+    from bench.peer_bench import main
+
+    if args.prompt_tokens < 1 or args.new_tokens < 2:
+        raise UserError("--prompt-tokens: 1 or more; --new-tokens: 2 or more (decode follows the first token)")
+    return main(preset=args.preset, backend=args.backend, json_output=args.json,
+                prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens)
 
 
 def _cache_ship(args: argparse.Namespace) -> int:
