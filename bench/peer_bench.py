@@ -6,7 +6,8 @@ of the same checkpoint on loopback (`--backend`, default export; programs from t
 cache, compiled on the first run). Same prompts (PROMPT_TOKENS tokens each, all of one length so
 the peer's batch needs no padding), NEW_TOKENS greedy tokens, 1 request and CONCURRENT at once:
 the service gets them as streamed /v1/completions (`ignore_eos`), the peer as one `generate` of
-a batch. Both run on the same torch threads, never at the same time.
+a batch. Both run on the same torch threads, never at the same time: after a warm-up of every
+shape, the sides take turns REPEATS times, and each side's run of median decode tokens/s counts.
 
 Per side and concurrency: time to first token (the service: each request's first streamed
 token, median; the peer: a `generate` of one new token) and decode tokens/s (the tokens after
@@ -15,7 +16,8 @@ wall). Ratios are service ÷ transformers, above 1 faster (TTFT: the peer's seco
 Greedy tokens of both must be equal.
 
 Where a service decode step goes: after the service stops, the same launch is made in this
-process (programs HIT in the same cache) and the same decode is timed step by step: each
+process (programs HIT in the same cache) and the same decode is timed step by step (after a
+warm-up: the first seconds after a launch run slower; the median of REPEATS replays): each
 program family's seconds (the routed experts' programs hold the FP4 expert decode; the layer
 programs the FP8 attention and shared expert), the engine around them (KV writes, row tensors),
 sampling; what is left of the service's per-token interval is scheduling, streaming and HTTP.
@@ -89,7 +91,8 @@ def _stream(url: str, prompt: list[int], new_tokens: int) -> tuple[float, float,
                 got = [t for choice in json.loads(line[6:])["choices"] for t in choice.get("token_ids") or []]
                 if got:
                     last = time.perf_counter()
-                    first = last if not ids else first
+                    if not ids:
+                        first = last
                     ids += got
     return sent, first, last, ids
 
@@ -232,7 +235,7 @@ def measure(preset: str = "tiny", backend: str = "export", prompt_tokens: int = 
                     for side, run in sides.items():
                         log(f"{side}: {n} at once, {new_tokens} tokens (run {i + 1}/{repeats}) …")
                         runs[side][n].append(run(batches[n], new_tokens))
-            del peer, sides
+            del peer, sides, run  # the float32 copy's memory, before the launch below
         finally:
             proc.terminate()
             proc.wait(timeout=120)
@@ -246,9 +249,12 @@ def measure(preset: str = "tiny", backend: str = "export", prompt_tokens: int = 
     launched = register(spec, Emitter(lambda _e: None), record=False)
     try:
         spent = time_programs(launched.engine)
+        for n in loads:  # warm-up: the first steps after a launch run slower for seconds
+            step_split(launched.engine, spent, batches[n], new_tokens)
         for n in loads:
-            step_split(launched.engine, spent, batches[n], min(new_tokens, 4))  # warm-up
-            result["split_s"][n] = step_split(launched.engine, spent, batches[n], new_tokens)
+            splits = sorted((step_split(launched.engine, spent, batches[n], new_tokens) for _ in range(repeats)),
+                            key=lambda s: s["engine step"])
+            result["split_s"][n] = splits[(len(splits) - 1) // 2]  # the median step's split
     finally:
         launched.close()
     ours, theirs = result[SERVICE], result[PEER]
@@ -262,7 +268,9 @@ def measure(preset: str = "tiny", backend: str = "export", prompt_tokens: int = 
 
 def as_json(r: dict[str, Any]) -> dict[str, Any]:
     """`measure`'s result with stable string keys: decode_ratio_1, decode_ratio_<N>, tokens_equal, …"""
-    side = lambda runs: {str(n): run.to_json() for n, run in runs.items()}  # noqa: E731
+    def side(runs: dict[int, Run]) -> dict[str, Any]:
+        return {str(n): run.to_json() for n, run in runs.items()}
+
     return {**r, SERVICE: side(r[SERVICE]), PEER: side(r[PEER]),
             "split_s": {str(n): {k: round(v, 6) for k, v in s.items()} for n, s in r["split_s"].items()}}
 
