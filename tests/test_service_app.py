@@ -82,3 +82,35 @@ def test_a_generation_that_fails_mid_stream_ends_the_stream_with_an_error_event(
     assert whole.status_code == 500 and whole.json()["error"]["type"] == "server_error"
     assert 'dsv4_generations_total{reason="error"} 2.0' in metrics.text
     assert 'dsv4_requests_total{endpoint="/v1/completions",status="500"} 1.0' in metrics.text
+
+
+def test_a_running_request_gets_its_503_at_once_when_the_service_fails_while_its_step_hangs(tmp_path):
+    """A lost rank can hold a running step in a collective until the process exits: the failure
+    answers the running request at once (503 with the reason, what it decoded so far streamed),
+    never a connection dropped at exit; a queued one gets its 503 too."""
+    launched = _launched(tmp_path, slots=1)
+    launched.engine = CountingEngine(slots=1, gated=True)
+    listeners = []
+    launched.on_failure = listeners.append
+    reason = "rank 1 on host-b lost during phase serve"
+
+    async def main():
+        app = create_app(launched)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://svc") as c:
+            whole = asyncio.ensure_future(c.post("/v1/completions", json={"prompt": [1], "max_tokens": 8}))
+            queued = asyncio.ensure_future(c.post("/v1/completions", json={"prompt": [2], "max_tokens": 8}))
+            launched.engine.allow(2)  # two steps of the running request, then its third hangs
+            while launched.engine.steps < 2:
+                await asyncio.sleep(0.01)
+            launched.failure = reason
+            for listener in listeners:
+                listener(reason)
+            answers = await asyncio.wait_for(asyncio.gather(whole, queued), 60)  # a hang guard
+        launched.engine.allow(100)  # the hung step ends; the engine thread can stop
+        app.state.scheduler.close()
+        return answers
+
+    whole, queued = asyncio.run(main())
+    assert whole.status_code == 503 and reason in whole.json()["error"]["message"]
+    assert queued.status_code == 503 and reason in queued.json()["error"]["message"]

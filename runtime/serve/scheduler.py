@@ -252,17 +252,24 @@ class Scheduler:
         return group
 
     def fail(self, reason: str) -> None:
-        """The service failed (any thread): every queued job fails now with `reason`, none is
-        admitted again; running ones end with an error at their next step (a lost rank fails
-        that step's collectives)."""
+        """The service failed (any thread): every job is answered now — queued ones fail with
+        `reason` and none is admitted again; running ones end with an error at once, not at
+        their next step, which a lost rank may hold in a collective until the process exits
+        (the client would get a dropped connection, not its 503)."""
         self._failed = reason
         if self._loop is not None:
             with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits
-                self._loop.call_soon_threadsafe(self._fail_queued)
+                self._loop.call_soon_threadsafe(self._fail_all)
 
-    def _fail_queued(self) -> None:
+    def _fail_all(self) -> None:
         for job in list(self._queue):
             self._drop(job, Failed(self._failed or "failed"), "failed")
+        for job in list(self._running):
+            # its slot stays the engine thread's until that step ends (`_finished` frees it);
+            # the reader is answered now: what it got so far, then the error
+            job._stop.set()
+            job.finish_reason = "error"
+            job._tokens.put_nowait(_END)
 
     def _expire(self, job: Job) -> None:
         if job.state == "queued":
@@ -304,7 +311,9 @@ class Scheduler:
 
     def _finished(self, job: Job, slot: int, reason: str) -> None:
         self._running.discard(job)
-        job.state, job.finish_reason = "done", reason
+        job.state = "done"
+        if self._failed is None or job.finish_reason != "error":  # a failed service's answer stands
+            job.finish_reason = reason
         if job.started_at is not None:
             self._recent.append(time.perf_counter() - job.started_at)
         job._tokens.put_nowait(_END)
