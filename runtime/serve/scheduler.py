@@ -312,7 +312,7 @@ class Scheduler:
     def _finished(self, job: Job, slot: int, reason: str) -> None:
         self._running.discard(job)
         job.state = "done"
-        if self._failed is None or job.finish_reason != "error":  # a failed service's answer stands
+        if job.finish_reason != "error":  # set only by a failed service (`_fail_all`): that answer stands
             job.finish_reason = reason
         if job.started_at is not None:
             self._recent.append(time.perf_counter() - job.started_at)
