@@ -294,8 +294,12 @@ def _programs_and_weights(plan, c: _Checked, emitter: Emitter, phases: PhaseReco
         return loaded
 
     with ThreadPoolExecutor(2, thread_name_prefix="register") as pool:
-        fut_programs, fut_weights = pool.submit(programs_job), pool.submit(weights_job)
+        # the submits inside the try: a signal while the second thread starts (the programs job
+        # may be compiling by then) must stop the first too, or the launch ends after its compiles
+        # with no phase to blame
         try:
+            fut_programs = pool.submit(programs_job)
+            fut_weights = pool.submit(weights_job)
             return fut_programs.result(), fut_weights.result()
         except BaseException:
             stop.set()  # the other job stops at its next step; the executor then joins both
