@@ -63,15 +63,20 @@ def test_stopping_a_pool_kills_its_workers_and_leaves_no_staging(tmp_path):
     slow = ProgramSpec("slow", "tests.sample_programs:sleeps", sp.spec().inputs, sp.spec().dims,
                        captures={"seconds": 60.0})
     stop = threading.Event()
-    compiling = threading.Event()
-    pool = CompilePool(tmp_path / "kc", "export", "cpu", jobs=1, stop=stop,
-                       on_event=lambda p, state, d: compiling.set() if state == "compiling" else None)
+    compiling, states = threading.Event(), []
+
+    def on_event(program, state, detail):
+        states.append(state)
+        if state == "compiling":
+            compiling.set()
+
+    pool = CompilePool(tmp_path / "kc", "export", "cpu", jobs=1, stop=stop, on_event=on_event)
     before = {c.pid for c in psutil.Process().children(recursive=True)}
     raised = []
 
     def run():
         try:
-            pool.run([slow])
+            pool.run_or_serial([slow])
         except InterruptedError as e:
             raised.append(e)
 
@@ -83,6 +88,7 @@ def test_stopping_a_pool_kills_its_workers_and_leaves_no_staging(tmp_path):
     stop.set()
     thread.join(10)
     assert not thread.is_alive() and raised
+    assert "serial" not in states  # a cancel is not a pool that cannot start: nothing compiles in-process
     assert time.monotonic() - stopped < 5  # generous on a loaded host; the pool's grace is 1 s
     assert {c.pid for c in psutil.Process().children(recursive=True)} <= before
     base = tmp_path / "kc" / "v1" / "slow"

@@ -114,6 +114,8 @@ class CompilePool:
 
         try:
             return self.run(specs, history, report)
+        except InterruptedError:  # an OSError too, but a cancel, not a pool that cannot start
+            raise
         except OSError as e:
             log.warning("compile pool cannot start (%s): compiling serially in this process", e)
             self.on_event("*", "serial", {"error": str(e)})
