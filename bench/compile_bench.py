@@ -91,6 +91,7 @@ def _serve(model: Path, layout: Any, max_seq: int, forms: dict[str, Any], backen
 
     from runtime.programs.build import prepare
     from runtime.programs.calls import engine_runners
+    from runtime.programs.spec import fuses
     from runtime.serve.engine import Engine
     from runtime.weights.pack import pack_in_memory
     from runtime.weights.views import packed_views
@@ -106,7 +107,7 @@ def _serve(model: Path, layout: Any, max_seq: int, forms: dict[str, Any], backen
     for name, (programs, root) in forms.items():
         cache = KernelCache(root / "programs")
         table = {n: prepare(s, cache=cache, backend=backend).run for n, s in programs.specs.items()}
-        engines[name] = Engine(programs, weights, engine_runners(programs, table), slots=BATCH)
+        engines[name] = Engine(programs, weights, engine_runners(programs, table, fuses(backend)), slots=BATCH)
     out: dict[str, dict] = {name: {"greedy": list(e.generate(PROMPT, NEW_TOKENS))} for name, e in engines.items()}
     for e in engines.values():
         for slot in range(BATCH):

@@ -137,3 +137,36 @@ def test_an_experts_program_swapped_in_runs_from_the_next_step_in_every_layer(ti
     assert torch.equal(engine.step(step).logits, reference.step(step).logits)
     layers = sum(g.startswith("layers.") for g in programs.variants)
     assert ran == [engine.calls] * layers and table.tiers[EXPERTS_PICKED] == COMPILED
+
+
+def test_a_fused_compiled_picked_program_serves_the_rows_that_run_densely_op_by_op(tiny):
+    """Four decode rows pick as many (row, expert) pairs as tiny has experts: dense op by op (the
+    eager tier, export), picked once `experts.picked` is a fused compiled program (aoti), where it
+    decodes each pick where it multiplies. Either way the step's numbers are the eager block's."""
+    config, layout, weights = tiny
+    programs = build_programs(config, layout, MAX_SEQ)
+    units = _units(programs)
+    assert 4 * config.num_experts_per_tok == config.n_routed_experts
+    ran: list[str] = []
+
+    def recorded(name):
+        return lambda *args: ran.append(name) or units[name](*args)
+
+    def experts_run(fuses: bool, picked_tier: str) -> set[str]:
+        table = TieredRunners({**units, **{n: recorded(n) for n in (EXPERTS_PICKED, EXPERTS_DENSE)}},
+                              {**dict.fromkeys(units, COMPILED), EXPERTS_PICKED: picked_tier})
+        engine = Engine(programs, weights, engine_runners(programs, table, fuses), slots=4)
+        for slot in range(4):
+            engine.forward(torch.tensor([slot + 1, slot + 2]), slot)
+        ran.clear()
+        step = engine.step([(slot, torch.tensor([9 + slot])) for slot in range(4)]).logits
+        assert torch.allclose(step, reference, atol=1e-5)
+        return set(ran)
+
+    whole = Engine(programs, weights, slots=4)
+    for slot in range(4):
+        whole.forward(torch.tensor([slot + 1, slot + 2]), slot)
+    reference = whole.step([(slot, torch.tensor([9 + slot])) for slot in range(4)]).logits
+    assert experts_run(fuses=True, picked_tier=COMPILED) == {EXPERTS_PICKED}
+    assert experts_run(fuses=False, picked_tier=COMPILED) == {EXPERTS_DENSE}
+    assert experts_run(fuses=True, picked_tier=EAGER) == {EXPERTS_DENSE}

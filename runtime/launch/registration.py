@@ -342,6 +342,7 @@ def _size_kv(launched: Launched, runners, rank_env, detail: dict, emitter: Emitt
     from runtime.launch.device import OutOfMemory
     from runtime.programs.calls import engine_runners
     from runtime.programs.catalog import kv_slot_bytes
+    from runtime.programs.spec import fuses
     from runtime.serve.engine import Engine
 
     spec, device, group, programs = launched.spec, launched.device, launched.group, launched.programs
@@ -371,7 +372,8 @@ def _size_kv(launched: Launched, runners, rank_env, detail: dict, emitter: Emitt
     if problem is not None:
         raise problem
     attempts = []
-    calls = engine_runners(programs, runners)  # the layers' and experts' calls over the programs
+    # the layers' and experts' calls over the programs
+    calls = engine_runners(programs, runners, fuses(launched.plan.backend))
     while want >= 1:
         before = device.allocated
         try:

@@ -91,6 +91,12 @@ def default_backend(device: str) -> str:
     return "export" if device == "npu" else "aoti"
 
 
+def fuses(backend: str) -> bool:
+    """Does `backend` compile a program into fused kernels (aoti), not a graph run op by op
+    (export, `ops.interpreted_trace`) or no compile at all (eager)?"""
+    return backend == "aoti"
+
+
 def program_key(spec: ProgramSpec, backend: str, device: str = "cpu") -> Key:
     """The full cache key of a program: configuration, source, then toolchain components."""
     if backend not in BACKENDS:
