@@ -7,6 +7,7 @@ import threading
 import time
 
 from runtime.serve.app import Limits, create_app
+from runtime.serve.openmp import release_this_threads_team
 from store.errors import UserError
 
 
@@ -62,6 +63,9 @@ def serve(launched, sock: socket.socket, limits: Limits | None = None, on_ready=
     if on_stats is not None:
         threading.Thread(target=_report_stats, args=(app.state.scheduler, server, on_stats, stats_every),
                          daemon=True, name="serve-stats").start()
+    # this thread registered and runs no torch from here: its OpenMP workers go, so the engine
+    # thread's are the only ones and spin between a step's kernels (runtime.serve.openmp)
+    release_this_threads_team()
     try:
         server.run(sockets=[sock])
     finally:
