@@ -19,7 +19,8 @@ def store_groups(world: int = 2, names: list[str] | None = None):
 
     from torch.distributed import TCPStore
 
-    from runtime.launch.ranks import Group, RankEnv
+    from runtime.launch.rank_store import RankEnv
+    from runtime.launch.ranks import Group
 
     port = free_port()
     host = TCPStore("127.0.0.1", port, None, True, timedelta(seconds=5), wait_for_workers=False)

@@ -13,7 +13,7 @@ import pytest
 from torch.distributed import TCPStore
 
 from runtime.launch.liveness import Heartbeat, describe, member
-from runtime.launch.ranks import PREFIX
+from runtime.launch.rank_store import PREFIX
 
 TIMEOUT = 0.5
 

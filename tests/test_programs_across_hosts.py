@@ -17,7 +17,7 @@ from hosts import free_port, namespaces_work, stop, store_groups, trust_each_oth
 from hosts import hosts as make_hosts
 
 from runtime.events import Event
-from runtime.launch.ranks import RankError
+from runtime.launch.rank_store import RankError
 from runtime.launch.share import EACH, ONE_HOST, SHARED, HostView, Keys, decide
 
 ALL = ("attn", "moe", "mtp", "embed", "head")
@@ -94,9 +94,9 @@ def test_a_launch_takes_its_keys_from_its_flags_before_the_environment(tmp_path,
 
 
 def test_a_slow_rank_that_makes_progress_is_waited_for_past_any_fixed_deadline(monkeypatch):
-    from runtime.launch import ranks
+    from runtime.launch import rank_store
 
-    monkeypatch.setattr(ranks, "SHOW_WAIT_EVERY_S", 0.5)
+    monkeypatch.setattr(rank_store, "SHOW_WAIT_EVERY_S", 0.5)
     _store, (zero, one) = store_groups()
     shown: list[str] = []
 

@@ -37,7 +37,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--preset", choices=("tiny", "small", "medium"), default="small",
         help="synthetic checkpoint to measure on (made once under the user data dir)",
     )  # fmt: skip
-    side.add_argument("--json", action="store_true", help="print the rows as a JSON list")
+    side.add_argument("--json", action="store_true", help="print one JSON object: preset, hot_map_touch_vs_cat (target ≤ 1.5), rows")
     side.set_defaults(func=_sidecar)
 
     con = sub.add_parser(

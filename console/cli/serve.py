@@ -37,7 +37,7 @@ def launch_spec(args: argparse.Namespace, command: str, world: int | None = None
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from runtime.launch.ranks import RankEnv
+    from runtime.launch.rank_store import RankEnv
     from runtime.serve.main import run, run_rank
 
     env = RankEnv.from_env()

@@ -1,7 +1,7 @@
 """Each rank's progress as the others read it, and each host's as rank 0 shows it (torch-free).
 
 A rank posts its last event in the rendezvous store (`Progress`, throttled): a rank waiting at a
-sync point judges another by whether it moves (runtime.launch.ranks), and rank 0, while it
+sync point judges another by whether it moves (runtime.launch.rank_store), and rank 0, while it
 registers, reads every rank's to show each host's phase and progress and to name the slowest
 host (`summarize`): in its events whenever a host's phase or the slowest changes, and on its
 /health (503 `registering`, runtime.serve.contract). One value both sides of the store read with

@@ -97,7 +97,7 @@ def validation_prompt(tokenizer) -> list[int]:
 
 def register(spec: LaunchSpec, emitter: Emitter, *, rank_env=None, record: bool = True, on_hosts=None) -> Launched:
     """Run every phase up to (not including) serve for `spec` (its model resolved). `rank_env`
-    (runtime.launch.ranks.RankEnv): this process is one rank of `spec.ranks`. Raises
+    (runtime.launch.rank_store.RankEnv): this process is one rank of `spec.ranks`. Raises
     RegistrationError on a failed phase, after its error event; the launch history records the
     failure too (`record`: rank 0 of a launch records it). Rank 0 of several watches every
     host's phase and progress until it is done (runtime.launch.progress): events whenever a

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from runtime.launch.ranks import (
+from runtime.launch.rank_store import (
     LAUNCHER_LINE,
     PREFIX,
     RankEnv,
