@@ -5,7 +5,9 @@ Collectors (`console.data`, a torch-free library) return typed snapshots off the
 render them. The state of what the console runs lives in two small controllers (`JobControl`: the
 cache jobs; `ServiceControl`: the service it holds and the services it acts on); worker output
 reaches the screen as Textual messages. Every mutating action goes through one guard
-(`action_mutate`), which `--readonly` closes. No torch: the workers import it, the console never does.
+(`action_mutate`), which `--readonly` closes. The filter box (`filter_box`) and the top line
+(`topbar`) are their own modules; the fleet screen's plumbing is `FleetControl`'s. No torch: the
+workers import it, the console never does.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from console.data.launch_state import LaunchState
 from console.tui.control.jobs import JobControl
 from console.tui.control.service import ServiceControl
 from console.tui.control.watch import FileWatch
+from console.tui.filter_box import FilterBox
 from console.tui.panes.device import DevicePane
 from console.tui.panes.host import HostPane
 from console.tui.panes.log import LogPane
@@ -39,6 +42,7 @@ from console.tui.screens.detail import DetailScreen
 from console.tui.screens.help import HelpScreen
 from console.tui.screens.history import HistoryScreen
 from console.tui.tables import PaneTable
+from console.tui.topbar import topbar_line
 from console.tui.workers import WorkerEvent, WorkerLine
 from runtime.launch.spec import LaunchSpec
 from store.checkpoint import INDEX_NAME
@@ -101,7 +105,6 @@ class Dsv4Console(App):
         self.needle = ""
         self.files = FileWatch(self)
         self.first_paint: float | None = None
-        self._before_filter: Any = None  # the widget focused when `/` opened the filter
         # --hosts/--fleet (console.fleet.collector.FleetSetup): the fleet screen first; the one-host
         # panes show the host chosen there, from its snapshots (its actions run from the fleet screen)
         self.fleet = None
@@ -150,7 +153,7 @@ class Dsv4Console(App):
             yield RegistrationPane(id="registration")
             yield DevicePane(id="device")
             yield LogPane(id="logpane")
-        yield Input(placeholder="filter (enter keeps it, esc clears it)", id="filter")
+        yield FilterBox()
         yield Footer()
 
     def on_mount(self) -> None:
@@ -196,29 +199,10 @@ class Dsv4Console(App):
         return self.spec.model == default_model_dir() and not (self.spec.model / INDEX_NAME).is_file()
 
     def topbar(self) -> None:
-        s = self.spec
-        device = getattr(self.collectors, "device_kind", s.device)
-        compact = self.screen_stack[0].has_class("-compact") if self.screen_stack else False
-        # below 120 columns: the model's name only and the service before the settings, so the URL shows
-        parts = [f"[b]dsv4-console[/]  model [b]{s.model.name if compact else s.model}[/]"]
-        if self.service_control.running:
-            service = f"[green]service {self.service_control.name()}[/]"
-        elif self.launch and self.launch.ended and not self.launch.stopped:
-            service = f"[red]service ended: {self.launch.ended}[/]"
-        else:
-            service = f"[dim]l binds {s.host}:{s.port}[/]"
-        settings = [f"device {device}", f"backend {s.backend}"] + ([f"ranks {s.ranks}"] if s.ranks > 1 else [])
-        if self.remote:
-            parts.insert(0, f"[b reverse] {self.remote} [/] [dim]over ssh · F: the fleet[/]")
-        if self.readonly:
-            parts.append("[b reverse] READ-ONLY [/]")
-        parts += [service, *settings] if compact else [*settings, service]
-        running = [n for n in self.jobs_control.running() if self.jobs[n] is not self.service]
-        if running:
-            parts.append(f"[yellow]working: {', '.join(running)}[/]")
         bar = self.pane("#topbar", Static)
         if bar is not None:
-            bar.update((" │ " if compact else "  │  ").join(parts))
+            compact = self.screen_stack[0].has_class("-compact") if self.screen_stack else False
+            bar.update(topbar_line(self, compact))
 
     # -- snapshots ----------------------------------------------------------------------------
 
@@ -372,11 +356,7 @@ class Dsv4Console(App):
         self.push_screen(DetailScreen(message.pane, message.row))
 
     def action_filter(self) -> None:
-        box = self.query_one("#filter", Input)
-        if self.focused is not box:  # where focus goes back to when the box closes
-            self._before_filter = self.focused
-        box.display = True
-        box.focus()
+        self.query_one(FilterBox).open()
 
     def on_input_changed(self, event: Input.Changed) -> None:
         if event.input.id != "filter":
@@ -388,25 +368,11 @@ class Dsv4Console(App):
         if self.snapshot:
             self.apply_snapshot(self.snapshot, force=True)
 
-    def on_input_submitted(self, event: Input.Submitted) -> None:
-        if event.input.id == "filter":  # enter: the filter stays, the box closes
-            self._close_filter()
-
     def on_key(self, event) -> None:
-        box = self.query_one("#filter", Input)
-        if event.key == "escape" and box.display:  # esc: the filter goes with the box
-            box.value = ""
-            self._close_filter()
+        box = self.query_one(FilterBox)
+        if event.key == "escape" and box.display:  # esc: the filter goes with the box, wherever focus is
+            box.clear_and_close()
             event.stop()
-
-    def _close_filter(self) -> None:
-        self.query_one("#filter", Input).display = False
-        back = self._before_filter
-        self._before_filter = None
-        if back is None or not back.is_attached or not back.display:
-            back = self.pane("#programs-table")
-        if back is not None:
-            back.focus()
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         """The palette (ctrl+p) lists every action of the console; read-only hides the mutating."""
@@ -458,29 +424,6 @@ class Dsv4Console(App):
     def action_fleet(self) -> None:
         if self.fleet is not None and not isinstance(self.screen, type(self.get_screen("fleet"))):
             self.push_screen("fleet")
-
-    def _fleet_screen(self) -> Any:
-        if self.fleet is None:
-            return None
-        screen = self.get_screen("fleet")
-        return screen if screen.is_attached else None
-
-    def fleet_line(self, host: str, text: str) -> None:
-        from rich.markup import escape
-
-        screen = self._fleet_screen()
-        if screen is not None:
-            screen.add_line(host, escape(text))
-
-    def fleet_changed(self) -> None:
-        screen = self._fleet_screen()
-        if screen is not None:
-            screen.show()
-
-    def fleet_refresh(self) -> None:
-        screen = self._fleet_screen()
-        if screen is not None:
-            screen.action_refresh()
 
     # -- quit -----------------------------------------------------------------------------------
 

@@ -55,8 +55,23 @@ class FleetControl:
         self.log: list[tuple[str, str]] = []  # (host, line), for the fleet log and tests
 
     def say(self, host: str, text: str) -> None:
+        from rich.markup import escape
+
         self.log.append((host, text))
-        self.app.fleet_line(host, text)
+        if (screen := self._screen()) is not None:
+            screen.add_line(host, escape(text))
+
+    def _screen(self) -> Any:
+        """The fleet screen, once the app installed and attached it."""
+        try:
+            screen = self.app.get_screen("fleet")
+        except KeyError:  # not installed yet (the app mounts it)
+            return None
+        return screen if screen.is_attached else None
+
+    def _changed(self) -> None:
+        if (screen := self._screen()) is not None:
+            screen.show()
 
     def running(self) -> list[str]:
         return [h for h, j in self.jobs.items() if not j.outcome]
@@ -115,7 +130,7 @@ class FleetControl:
         import os
 
         job = self.jobs[host.name] = HostJob("import", step="choosing a source")
-        self.app.fleet_changed()
+        self._changed()
         readings = self.collector.snapshot(wait=0).hosts
         target = next((r for r in readings if r.host == host.name), None)
         if target is None or target.snapshot is None:
@@ -128,7 +143,7 @@ class FleetControl:
         export, imp = A.export_import(self.spec)
         job.step = f"import from {source} ({len(programs)} programs)"
         self.say(host.name, f"{job.step}: {', '.join(programs)}")
-        self.app.fleet_changed()
+        self._changed()
         read, write = os.pipe()
         try:
             out = await asyncio.create_subprocess_exec(*self.ssh.argv(self.fleet.host(source), *export.remote),
@@ -177,7 +192,7 @@ class FleetControl:
 
     async def _step(self, host: FleetHost, job: HostJob, step: A.Step) -> bool:
         job.step, job.progress = step.label, Progress(step.label)
-        self.app.fleet_changed()
+        self._changed()
         worker = Worker(f"{host.name}", self.ssh.argv(host, *step.remote),
                         on_event=lambda w, e: self._event(host.name, job, e),
                         on_line=lambda w, which, line: self._line(host.name, job, which, line))
@@ -198,7 +213,7 @@ class FleetControl:
             p.update(0, event.total)
         if event.message and event.kind != "progress":
             self.say(host, event.message)
-        self.app.fleet_changed()
+        self._changed()
 
     def _line(self, host: str, job: HostJob, which: str, line: str) -> None:
         if not line.strip():
@@ -214,8 +229,9 @@ class FleetControl:
             self.app.notify(f"{host}: {job.action}: {outcome}", severity="error", timeout=8)
         elif not self.running():
             self.app.notify(f"{job.action} done on every host", title="done")
-        self.app.fleet_changed()
-        self.app.fleet_refresh()
+        self._changed()
+        if (screen := self._screen()) is not None:
+            screen.action_refresh()
 
     async def _launch(self, hosts: list[str]) -> None:
         """`dsv4 node start` on node 0 (a free port there), then on every other host with it."""

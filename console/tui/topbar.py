@@ -1,0 +1,30 @@
+"""The one-host screen's top line: the model, the service (running, ended, or where `l` binds),
+the settings every action carries, and the work under way."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def topbar_line(app: Any, compact: bool) -> str:
+    """`app` (console.tui.app.Dsv4Console)'s top line; `compact` (below 120 columns): the model's
+    name only and the service before the settings, so the URL shows."""
+    s = app.spec
+    device = getattr(app.collectors, "device_kind", s.device)
+    parts = [f"[b]dsv4-console[/]  model [b]{s.model.name if compact else s.model}[/]"]
+    if app.service_control.running:
+        service = f"[green]service {app.service_control.name()}[/]"
+    elif app.launch and app.launch.ended and not app.launch.stopped:
+        service = f"[red]service ended: {app.launch.ended}[/]"
+    else:
+        service = f"[dim]l binds {s.host}:{s.port}[/]"
+    settings = [f"device {device}", f"backend {s.backend}"] + ([f"ranks {s.ranks}"] if s.ranks > 1 else [])
+    if app.remote:
+        parts.insert(0, f"[b reverse] {app.remote} [/] [dim]over ssh · F: the fleet[/]")
+    if app.readonly:
+        parts.append("[b reverse] READ-ONLY [/]")
+    parts += [service, *settings] if compact else [*settings, service]
+    running = [n for n in app.jobs_control.running() if app.jobs[n] is not app.service]
+    if running:
+        parts.append(f"[yellow]working: {', '.join(running)}[/]")
+    return (" │ " if compact else "  │  ").join(parts)
