@@ -4,8 +4,9 @@ The catalog's programs (what compiles, what the kernel cache holds, what the pla
 engine's calls differ in one place: the routed experts. In the `ROUTED_APART` form every layer
 program stops before them and returns the block's FFN parts; `experts.picked` and `experts.dense`
 serve every layer. With one rank, a call of a layer runs its layer program, then the one of the two
-its rows need (`moe.picks_few`, the rule an eager step follows, for the form it runs in), which finishes the block: the
-engine's calls are those of the form before, and no op runs between the programs. Several ranks
+its rows need (`moe.picks_few`, the rule an eager step follows, for the form `experts.picked` runs
+in), which finishes the block: the engine's calls are those of the form before, and no op runs
+between the programs. Several ranks
 exchange the rows between the two themselves: the engine calls `experts` on the rows it received,
 which runs the one of the two they need.
 
