@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from runtime.launch.liveness import Heartbeat, first_line, member, roster
+from runtime.launch.liveness import Heartbeat, first_line, roster
 from runtime.launch.progress import HOSTS_DETAIL, HostsWatch, Progress
 from store.errors import UserError
 
@@ -129,7 +129,7 @@ def phase_of(store, rank: int) -> str:
 
 class RankStore:
     """A joined rank's store: its sync points, phase and progress, heartbeats, error lines and
-    the abort line. The service is lost (`lose`) on the process group's side (`ranks.Group`)."""
+    the abort line. Beating, and losing the service, are the process group's side (`ranks.Group`)."""
 
     def __init__(self, env: RankEnv, store, timeout: float):
         self.env, self.store, self.timeout = env, store, timeout
@@ -144,11 +144,6 @@ class RankStore:
         self.phase = ""
         self.hosts: list[str] = []  # each rank's host, from the joins (rank order)
         self._progress = (0, 0.0, "")  # (posts, when, phase) of this rank's last progress post
-
-    def lose(self, reason: str) -> str:
-        """The service is lost: the process group's side says so to every rank (`ranks.Group`)."""
-        raise NotImplementedError
-
 
     def set_phase(self, phase: str) -> None:
         self.phase = phase
@@ -271,16 +266,6 @@ class RankStore:
 
     def _missing(self, ranks: list[int], keys: list[str]) -> list[int]:
         return [r for r, k in zip(ranks, keys, strict=True) if not self.store.check([k])]
-
-    def beat(self, rank_timeout: float, device: str = "") -> None:
-        """Beat in the store and watch every other rank's beat (runtime.launch.liveness), on a
-        connection of its own whose calls wait at most `rank_timeout`: a rank silent that long,
-        or a store that stops answering, loses the service."""
-        self.store.set(f"{PREFIX}member/{self.rank}", member(self.rank, device))
-        store = open_store(self.env, rank_timeout, client=True)
-        peers = [r for r in range(self.world) if r != self.rank]
-        self._quick = store
-        self._beat = Heartbeat(store, PREFIX, self.rank, peers, rank_timeout, self.lose, self.blame).start()
 
     def watch(self, on_abort: Callable[[str], None]) -> None:
         """Call `on_abort(reason)` (once, on a daemon thread) when any rank or the launcher aborts."""

@@ -26,7 +26,7 @@ from datetime import timedelta
 from typing import Any
 
 from runtime.launch.agree import Join, disagreement
-from runtime.launch.liveness import first_line
+from runtime.launch.liveness import Heartbeat, first_line, member
 from runtime.launch.rank_store import POLL_S, PREFIX, RankEnv, RankError, RankStore, open_store
 
 # the process group's own backstop: a collective fails after this long whatever the heartbeats
@@ -186,6 +186,16 @@ class Group(RankStore):
         finally:
             self.exchange_s += time.perf_counter() - t0
         return got, recv_counts
+
+    def beat(self, rank_timeout: float, device: str = "") -> None:
+        """Beat in the store and watch every other rank's beat (runtime.launch.liveness), on a
+        connection of its own whose calls wait at most `rank_timeout`: a rank silent that long,
+        or a store that stops answering, loses the service."""
+        self.store.set(f"{PREFIX}member/{self.rank}", member(self.rank, device))
+        store = open_store(self.env, rank_timeout, client=True)
+        peers = [r for r in range(self.world) if r != self.rank]
+        self._quick = store
+        self._beat = Heartbeat(store, PREFIX, self.rank, peers, rank_timeout, self.lose, self.blame).start()
 
     def lose(self, reason: str) -> str:
         """The service is lost (a rank silent, a collective failed): say so once, to every rank

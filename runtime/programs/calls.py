@@ -6,9 +6,8 @@ program stops before them and returns the block's FFN parts; `experts.picked` an
 serve every layer. With one rank, a call of a layer runs its layer program, then the one of the two
 its rows need (`moe.picks_few`, the rule an eager step follows, for the form `experts.picked` runs
 in), which finishes the block: the engine's calls are those of the form before, and no op runs
-between the programs. Several ranks
-exchange the rows between the two themselves: the engine calls `experts` on the rows it received,
-which runs the one of the two they need.
+between the programs. Several ranks exchange the rows between the two themselves: the engine calls
+`experts` on the rows it received, which runs the one of the two they need.
 
 Programs are looked up in the table at every call, so a program swapped in between two steps
 (`TieredRunners`) is what the next step runs, whichever part of a call it is.
