@@ -12,7 +12,6 @@ from collections.abc import Iterator
 import torch
 
 from runtime.model.dims import Dims
-from store.quant import FP4_VALUES
 
 NORM_EPS = 1e-6
 
@@ -65,42 +64,61 @@ def weight(w: dict[str, torch.Tensor], name: str) -> torch.Tensor:
 
 def fp4_weight(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """FP4 bytes [.., in/2, out] with their E8M0 scales [.., in/group, out] → float32 [.., in, out].
-    Eagerly: one table lookup gives both codes of each byte, and one multiply by the scale writes
-    them straight into [in, out] order (no pass to reorder them; 2.5× packer 2's int8 dequant)."""
+    Run eagerly or op by op: the codes as float16 bit patterns (`_fp4_float16`), widened and
+    scaled in place: about 4× faster than the 256-entry table lookup it replaced, which paid an
+    int32 copy of the bytes (torch's lookups take no uint8 index) and a gather."""
     *lead, half, o = packed.shape
     gi = scale.shape[-2]
-    s = torch.exp2(scale.float() - 127.0)
     if fusing():
+        s = torch.exp2(scale.float() - 127.0)
         values = e2m1_values(packed).reshape(*lead, gi, 2 * half // gi, o)
         return (values * s.reshape(*lead, gi, 1, o)).reshape(*lead, 2 * half, o)
-    pairs = torch.nn.functional.embedding(packed.to(torch.int32), E2M1_PAIRS.to(packed.device))  # [.., half, o, 2]
-    pairs, s = pairs.reshape(*lead, gi, half // gi, o, 2), s.reshape(*lead, gi, 1, o, 1)
+    s = torch.exp2(scale.float() - (127.0 - FP16_CODE_EXP)).reshape(*lead, gi, 1, o)
+    values = _fp4_float16(packed).float().reshape(*lead, gi, 2 * half // gi, o)
+    values = values * s if torch.compiler.is_compiling() else values.mul_(s)
+    return values.reshape(*lead, 2 * half, o)
+
+
+# `_fp4_float16` writes each code's value · 2^-FP16_CODE_EXP: an e2m1 code (sign, 2-bit exponent
+# e, 1-bit mantissa m) placed with e in the low bits of float16's exponent and m as its top
+# mantissa bit is exactly that, subnormal codes (e = 0) included. Folding 2^14 into a scale keeps
+# every product exact while the scale is below 2^114 (E8M0 byte < 241); a weight beyond that
+# overflows float32 at its first product anyway.
+FP16_CODE_EXP = 14
+
+
+def _fp4_float16(packed: torch.Tensor) -> torch.Tensor:
+    """FP4 bytes [.., in/2, out] → float16 [.., in/2, 2, out] (low nibble's code, then the high
+    one's) holding value · 2^-14, in integer shifts and masks of the sign-extended bytes: no
+    table, so no index copy. Eagerly, both halves are written in place into one buffer."""
+    w = packed.view(torch.int8).to(torch.int16)  # sign-extended: bits 8-15 repeat bit 7
     if torch.compiler.is_compiling():  # a graph run op by op: an out= into a view does not trace
-        return (pairs * s).transpose(-1, -2).reshape(*lead, 2 * half, o)
-    out = torch.empty(*lead, gi, half // gi, 2, o, device=packed.device)
-    torch.mul(pairs, s, out=out.transpose(-1, -2))
-    return out.reshape(*lead, 2 * half, o)
+        return torch.stack([((w << 12) >> 3) & CODE_BITS, (w << 5) & CODE_BITS], dim=-2).view(torch.float16)
+    out = torch.empty(*packed.shape[:-1], 2, packed.shape[-1], dtype=torch.int16, device=packed.device)
+    lo, hi = out[..., 0, :], out[..., 1, :]
+    torch.bitwise_left_shift(w, 12, out=lo)  # low nibble to the top: its sign bit 3 → 15, code 0-2 → 12-14
+    lo >>= 3  # code → bits 9-11; the sign is copied down into 12-14, masked off below
+    lo &= CODE_BITS
+    torch.bitwise_left_shift(w, 5, out=hi)  # high nibble's code bits 4-6 → 9-11, sign bit 7 → 15
+    hi &= CODE_BITS
+    return out.view(torch.float16)
 
 
-# byte → (value of its low nibble, value of its high nibble); bit 3 of a code is its sign
-_E2M1 = [*FP4_VALUES, *(-v for v in FP4_VALUES)]
-E2M1_PAIRS = torch.tensor([(_E2M1[b & 15], _E2M1[b >> 4]) for b in range(256)], dtype=torch.float32)
+CODE_BITS = -0x7200  # 0x8E00 as an int16: float16's sign bit, its exponent's two low bits, its top mantissa bit
 
 
 def e2m1_values(packed: torch.Tensor) -> torch.Tensor:
     """FP4 bytes [.., in/2, out] (byte j of a column: inputs 2j and 2j+1, low nibble first) →
     their values [.., in, out] as float32.
 
-    Two ways to the same numbers, one per executor. Run eagerly (or op by op), one lookup of both
-    codes per byte in a 256-entry table: few passes over the tensor. Traced for a compiler, the
+    Two ways to the same numbers, one per executor. Run eagerly (or op by op), the codes' float16
+    bit patterns (`_fp4_float16`): a few whole-tensor integer passes. Traced for a compiler, the
     codes decoded in integers (sign, 2-bit exponent e, 1-bit mantissa m: 2|v| = m if e = 0, else
     (2 + m)·2^(e-1)) through a broadcast shift: inductor fuses that into the kernel that
-    multiplies, vectorised along the outputs, with no codes buffer (a lookup there is an indirect
-    load, which its CPU kernels run as scalar code)."""
+    multiplies, vectorised along the outputs, with no codes buffer."""
     *lead, half, o = packed.shape
     if not fusing():
-        pairs = torch.nn.functional.embedding(packed.to(torch.int32), E2M1_PAIRS.to(packed.device))
-        return pairs.transpose(-1, -2).reshape(*lead, 2 * half, o)  # [.., in/2, 2, out] → [.., in, out]
+        return (_fp4_float16(packed).float() * 2.0 ** FP16_CODE_EXP).reshape(*lead, 2 * half, o)
     shift = torch.arange(2, dtype=torch.int32, device=packed.device).reshape(2, 1) * 4
     return _e2m1(((packed.to(torch.int32).unsqueeze(-2) >> shift) & 15).reshape(*lead, 2 * half, o))
 
