@@ -3,8 +3,10 @@ mid-write and the sweep of its leftovers."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import random
 import re
 import signal
 import subprocess
@@ -245,3 +247,60 @@ def test_sweep_waits_for_foreign_hosts_leftovers_to_age(model_dir):
     assert sidecar.sweep_temp_files(model_dir) == [foreign]
     assert unrelated.exists() and not foreign.exists()
 
+
+
+# --- whole blocks -----------------------------------------------------------------------------
+
+
+def _recorded_blocks(monkeypatch):
+    from store.sidecar import blocks
+
+    writes = []
+    real = blocks.pwrite_all
+
+    def record(fd, data, offset):
+        writes.append((offset, memoryview(data).nbytes))
+        real(fd, data, offset)
+
+    monkeypatch.setattr(blocks, "pwrite_all", record)
+    return blocks, writes
+
+
+@pytest.mark.parametrize("max_staged", [64, 1])
+def test_scattered_pieces_are_written_as_whole_aligned_blocks(tmp_path, monkeypatch, max_staged):
+    """Pieces of any size in any order reach the file as whole blocks at block offsets (the page
+    cache then keeps each as one large folio); past the staging limit the fullest block goes out
+    as its pieces. Either way the file holds every byte given, once."""
+    blocks, writes = _recorded_blocks(monkeypatch)
+    block, size = 4096, 5 * 4096 + 100
+    rng = random.Random(0)
+    want = rng.randbytes(size)
+    cuts = sorted({0, size, *(rng.randrange(size) for _ in range(30))})
+    order = list(itertools.pairwise(cuts))
+    rng.shuffle(order)
+    path = tmp_path / "f"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        out = blocks.BlockWriter(fd, size, block=block, max_staged=max_staged)
+        for a, b in order:
+            out.write(want[a:b], a)
+        out.flush()
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == want
+    whole = [(o, n) for o, n in writes if o % block == 0 and n == min(block, size - o)]
+    if max_staged == 64:
+        assert sorted(writes) == sorted(whole) and len(whole) == 6
+    else:
+        assert len(whole) < 6 and sum(n for _, n in writes) == size
+
+
+def test_a_write_past_the_end_is_refused(tmp_path):
+    from store.sidecar.blocks import BlockWriter
+
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        with pytest.raises(ValueError, match="past the file"):
+            BlockWriter(fd, 10, block=4).write(b"abc", 9)
+    finally:
+        os.close(fd)

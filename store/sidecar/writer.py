@@ -10,7 +10,7 @@ What the packer calls (runtime/weights/prepack.py):
 The stream may yield whole tensors `(name, tensor)` or slices of stacked ones
 `(name, leading_index, slice)`, in any order, so the packer streams one layer at a time and
 never assembles a stacked tensor in memory. Each slice is checked against the layout, written at
-its precomputed offset (`pwrite`), and released; a slice given twice, or missing at the end,
+its precomputed offset (gathered into whole 2 MiB blocks: `store.sidecar.blocks`), and released; a slice given twice, or missing at the end,
 aborts the write (nothing is published). `metadata["pack_seconds"]`, when given, is kept;
 otherwise the writer records the wall time from the first tensor asked for to the last written.
 A shard touched while packing is detected at the end: the sidecar is still published (stale,
@@ -35,6 +35,7 @@ from store.checkpoint import DTYPE_SIZES, MAX_HEADER_BYTES
 from store.errors import UserError
 from store.fingerprint import diff, fingerprint
 from store.sidecar import checksum
+from store.sidecar.blocks import BlockWriter, pwrite_all
 from store.sidecar.files import check_target, sweep_temp_files
 from store.sidecar.format import REQUIRED_METADATA, TensorShape, encode_header, is_int, layout
 from store.sidecar.key import change_text, key_from_metadata, recompute_key
@@ -63,16 +64,9 @@ Part = tuple[str, "torch.Tensor"] | tuple[str, tuple[int, ...], "torch.Tensor"]
 WriteProgress = Callable[[int, int], None]
 
 
-def _pwrite_all(fd: int, data: Any, offset: int) -> None:
-    view = memoryview(data).cast("B")
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
-
-
-def _write_tensor(fd: int, tensor: torch.Tensor, offset: int, u8: torch.dtype) -> None:
+def _write_tensor(out: BlockWriter, tensor: torch.Tensor, offset: int, u8: torch.dtype) -> None:
     raw = tensor.detach().cpu().contiguous().reshape(-1).view(u8)
-    _pwrite_all(fd, raw.numpy(), offset)
+    out.write(raw.numpy(), offset)
 
 
 class _Coverage:
@@ -205,14 +199,16 @@ def write_sidecar(
         with atomic.staged_file(path, mode, replace=force) as (tmp, f):
             fd = f.fileno()
             _reserve(fd, total)
-            _pwrite_all(fd, header, 0)
+            pwrite_all(fd, header, 0)  # on disk first: what is being written shows from the start
+            out = BlockWriter(fd, total)  # whole 2 MiB blocks: huge folios, so a map is fast
+            out.write(header, 0)  # counted in its block, which is written whole again
             data_start, done = len(header), len(header)
             coverage = _Coverage(placed)
             for item in tensors:
                 name, index, tensor = _part(item)
                 offset, nbytes = coverage.locate(name, index, tensor, dtypes)
                 if nbytes:
-                    _write_tensor(fd, tensor, data_start + offset, dtypes["U8"])
+                    _write_tensor(out, tensor, data_start + offset, dtypes["U8"])
                 del item, tensor  # released before the next one is packed
                 done += nbytes
                 if progress is not None:
@@ -221,11 +217,12 @@ def write_sidecar(
             if incomplete:
                 shown = ", ".join(incomplete[:5]) + (", …" if len(incomplete) > 5 else "")
                 raise ValueError(f"tensor stream ended with {len(incomplete)} incomplete: {shown}")
+            out.flush()
             seconds = pack_seconds() if pack_seconds is not None else time.monotonic() - start
             if not keep_pack_seconds:
                 meta["pack_seconds"] = f"{seconds:.6f}"
             meta.update(_checksums(tmp, f, data_start, data_bytes))
-            _pwrite_all(fd, encode_header(entries, meta, len(header) - 8), 0)
+            pwrite_all(fd, encode_header(entries, meta, len(header) - 8), 0)
     except FileExistsError:
         raise UserError(f"{path} appeared while writing; pass --force to replace it") from None
     except OSError as e:
