@@ -12,9 +12,10 @@ Each set-up runs in its own fresh process, one after another, on the same checkp
                 later; its time to ready and the first token right after ready are reported
 
 Times are registration phases (check → programs ∥ weights → upload → kv → validate); the
-HTTP bind after that is the same in every set-up and is left out. Beside (c), a bare
-`python -c "import torch"` (median of five) is the floor a hot registration is held against
-(`hot_vs_import_torch`, target ≤ 1.3×): the registration runs after its process imported torch.
+HTTP bind after that is the same in every set-up and is left out. A set-up's total is its
+`register` call, which imports torch itself (the child has not), then runs the phases. Beside
+(c), a bare `python -c "import torch"` (median of five) is the floor a hot registration is held
+against (`hot_vs_import_torch`, target ≤ 1.3×): what a hot launch adds to importing torch.
 """
 
 from __future__ import annotations
