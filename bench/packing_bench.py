@@ -12,7 +12,8 @@ the same checkpoint (the preset's embedded default):
 - compiled (inductor, the compiler AOTInductor runs for the programs): one layer's routed
   experts, the picked path (decode: 1 and 16 rows) and the dense path (prefill: 256 rows).
 
-Targets (issue 24): decode no slower (≥ 1.0×), prefill ≥ 0.9×. Reported, never asserted.
+Targets: decode no slower (≥ 1.0×: the eager step, compiled picked at 1 and 16 rows), eager
+prefill ≥ 0.9× (issue 24), the compiled dense path ≥ 0.95× (issue 37). Reported, never asserted.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-DECODE_TARGET, PREFILL_TARGET = 1.0, 0.9
+DECODE_TARGET, PREFILL_TARGET, DENSE_TARGET = 1.0, 0.9, 0.95
 PROMPT, PREFILL_TOKENS, STEPS = 200, 256, 30
 
 
@@ -173,7 +174,7 @@ def main(preset: str = "small", json_output: bool = False) -> int:
         row("eager prefill (tokens/s)", old["prefill_tokens_per_s"], new["prefill_tokens_per_s"], "{:.0f}", True,
             PREFILL_TARGET),
     ]
-    for rows_n, target in (("1", DECODE_TARGET), ("16", DECODE_TARGET), (str(PREFILL_TOKENS), PREFILL_TARGET)):
+    for rows_n, target in (("1", DECODE_TARGET), ("16", DECODE_TARGET), (str(PREFILL_TOKENS), DENSE_TARGET)):
         path = "dense" if rows_n == str(PREFILL_TOKENS) else "picked"
         rows.append(row(f"compiled experts, {rows_n} rows, {path} (ms)", old["compiled_experts_s"][rows_n] * 1e3,
                         new["compiled_experts_s"][rows_n] * 1e3, "{:.3f}", False, target))
