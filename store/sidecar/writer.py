@@ -10,8 +10,8 @@ What the packer calls (runtime/weights/prepack.py):
 The stream may yield whole tensors `(name, tensor)` or slices of stacked ones
 `(name, leading_index, slice)`, in any order, so the packer streams one layer at a time and
 never assembles a stacked tensor in memory. Each slice is checked against the layout, written at
-its precomputed offset (gathered into whole 2 MiB blocks: `store.sidecar.blocks`), and released; a slice given twice, or missing at the end,
-aborts the write (nothing is published). `metadata["pack_seconds"]`, when given, is kept;
+its precomputed offset (gathered into whole 2 MiB blocks: `store.sidecar.blocks`), and
+released; a slice given twice, or missing at the end, aborts the write (nothing is published). `metadata["pack_seconds"]`, when given, is kept;
 otherwise the writer records the wall time from the first tensor asked for to the last written.
 A shard touched while packing is detected at the end: the sidecar is still published (stale,
 never wrong) and `SidecarInfo.stale_detail` says so.
