@@ -25,8 +25,9 @@ SIZE_TARGET = 1.02  # issue 24: sidecar bytes ≤ 1.02 × checkpoint bytes
 
 def test_e2m1_decode_of_every_byte_is_the_value_table():
     """Both decodes of the programs — the float16 bit patterns run eagerly or op by op, and the
-    arithmetic a traced program compiles — agree with the checkpoint reader's nibble-by-nibble decode for all 256 bytes, in
-    the packed orientation [in/2, out]: byte j holds inputs 2j (low nibble) and 2j+1 (high)."""
+    arithmetic a traced program compiles — agree with the checkpoint reader's nibble-by-nibble
+    decode for all 256 bytes, in the packed orientation [in/2, out]: byte j holds inputs 2j (low
+    nibble) and 2j+1 (high)."""
     every = torch.arange(256, dtype=torch.uint8).reshape(1, 256)
     want = fp4_codes_to_float(unpack_fp4(every.view(torch.int8).reshape(256, 1))).t()  # [2, 256]
 
@@ -43,7 +44,8 @@ def test_e2m1_decode_of_every_byte_is_the_value_table():
     def ops(program):
         return {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
 
-    lookups = {"aten.embedding.default", "aten.index.Tensor", "aten.index_select.default", "aten.gather.default"}
+    lookups = {"aten.embedding.default", "aten.index.Tensor", "aten.index_select.default",
+               "aten.gather.default"}
     assert "aten.view.dtype" in ops(op_by_op) and "aten.view.dtype" not in ops(fused)
     assert not lookups & (ops(op_by_op) | ops(fused))
     assert e2m1_values(torch.tensor([[0x67], [0xA0]], dtype=torch.uint8)).flatten().tolist() == [6.0, 4.0, 0.0, -1.0]

@@ -93,10 +93,11 @@ def _fp4_float16(packed: torch.Tensor) -> torch.Tensor:
     table, so no index copy. Eagerly, both halves are written in place into one buffer."""
     w = packed.view(torch.int8).to(torch.int16)  # sign-extended: bits 8-15 repeat bit 7
     if torch.compiler.is_compiling():  # a graph run op by op: an out= into a view does not trace
-        return torch.stack([((w << 12) >> 3) & CODE_BITS, (w << 5) & CODE_BITS], dim=-2).view(torch.float16)
+        halves = [((w << 12) >> 3) & CODE_BITS, (w << 5) & CODE_BITS]
+        return torch.stack(halves, dim=-2).view(torch.float16)
     out = torch.empty(*packed.shape[:-1], 2, packed.shape[-1], dtype=torch.int16, device=packed.device)
     lo, hi = out[..., 0, :], out[..., 1, :]
-    torch.bitwise_left_shift(w, 12, out=lo)  # low nibble to the top: its sign bit 3 → 15, code 0-2 → 12-14
+    torch.bitwise_left_shift(w, 12, out=lo)  # low nibble to the top: sign 3 → 15, code 0-2 → 12-14
     lo >>= 3  # code → bits 9-11; the sign is copied down into 12-14, masked off below
     lo &= CODE_BITS
     torch.bitwise_left_shift(w, 5, out=hi)  # high nibble's code bits 4-6 → 9-11, sign bit 7 → 15
@@ -104,7 +105,8 @@ def _fp4_float16(packed: torch.Tensor) -> torch.Tensor:
     return out.view(torch.float16)
 
 
-CODE_BITS = -0x7200  # 0x8E00 as an int16: float16's sign bit, its exponent's two low bits, its top mantissa bit
+# 0x8E00 as an int16: float16's sign bit, its exponent's two low bits, its top mantissa bit
+CODE_BITS = -0x7200
 
 
 def e2m1_values(packed: torch.Tensor) -> torch.Tensor:
