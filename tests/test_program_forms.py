@@ -1,6 +1,6 @@
-"""The programs' form: the routed experts compiled once per model (`experts.picked`, `experts.dense`),
-every layer program stopping before them, and the engine's calls putting them back together.
-Eager only: the programs' functions, never a compile."""
+"""The programs' form: the routed experts compiled once per model (`experts.picked`), every layer
+program stopping before them, and the engine's calls putting them back together (more rows
+grouped by expert, eagerly). Eager only: the programs' functions, never a compile."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import torch
 from runtime.model.config import load_config
 from runtime.model.forward import FFN_PARTS
 from runtime.programs.calls import engine_runners
+from runtime.model.moe import _experts_dense, _experts_grouped, _experts_picked, _expert_tensors
+from runtime.model.dims import Dims
 from runtime.programs.catalog import (
-    EXPERTS_DENSE,
     EXPERTS_PICKED,
     ROUTED_IN_LAYER,
     ROUTED_PREFIX,
@@ -48,14 +49,13 @@ def _routed_inputs(spec) -> list[str]:
     return [t.name for t in spec.inputs if t.name.startswith("w." + ROUTED_PREFIX)]
 
 
-def test_layer_programs_hold_no_routed_expert_and_one_pair_of_experts_programs_serves_every_layer(tiny):
+def test_layer_programs_hold_no_routed_expert_and_one_experts_program_serves_every_layer(tiny):
     config, layout, _ = tiny
     apart = build_programs(config, layout, MAX_SEQ)
     layers = [s for n, s in apart.specs.items() if n.startswith("layer.")]
     assert layers and all(not _routed_inputs(s) for s in layers)
-    assert [n for n in apart.specs if n.startswith("experts")] == [EXPERTS_PICKED, EXPERTS_DENSE]
-    for name in (EXPERTS_PICKED, EXPERTS_DENSE):
-        assert _routed_inputs(apart.specs[name]) == [f"w.{n}" for n in apart.weight_names["experts"]]
+    assert [n for n in apart.specs if n.startswith("experts")] == [EXPERTS_PICKED]
+    assert _routed_inputs(apart.specs[EXPERTS_PICKED]) == [f"w.{n}" for n in apart.weight_names["experts"]]
     inside = build_programs(config, layout, MAX_SEQ, routed=ROUTED_IN_LAYER)
     assert all(_routed_inputs(s) for n, s in inside.specs.items() if n.startswith("layer."))
     assert not any(n.startswith("experts") for n in inside.specs)
@@ -91,9 +91,9 @@ def test_the_experts_programs_take_what_the_layer_programs_give(tiny):
 
 
 def test_the_engines_calls_over_the_programs_compute_the_fused_blocks_model(tiny):
-    """A prefill, a decode step of one row (the picked experts) and one of four sequences (all
-    experts, densely), and an MTP draft: the layer program then the experts program give the
-    very numbers of the whole block run eagerly (and so do the baseline form's programs)."""
+    """A prefill, a decode step of one row and one of four sequences, and an MTP draft: the layer
+    program then the routed experts give the very numbers of the whole block run eagerly (and so
+    do the baseline form's programs)."""
     config, layout, weights = tiny
     programs = build_programs(config, layout, MAX_SEQ)
     calls = Engine(programs, weights, engine_runners(programs, _units(programs)), slots=4)
@@ -109,7 +109,6 @@ def test_the_engines_calls_over_the_programs_compute_the_fused_blocks_model(tiny
         for slot in (1, 2, 3):
             engine.forward(torch.tensor([slot, 40 + slot]), slot)
     four = [(slot, torch.tensor([9 + slot])) for slot in range(4)]
-    assert 4 * config.num_experts_per_tok >= config.n_routed_experts  # the dense way
     a, b = calls.step(four), whole.step(four)
     assert torch.equal(a.logits, b.logits)
     drafts = [(0, 29, a.hidden[:1], [5])]
@@ -121,7 +120,7 @@ def test_an_experts_program_swapped_in_runs_from_the_next_step_in_every_layer(ti
     programs = build_programs(config, layout, MAX_SEQ)
     units = _units(programs)
     table = TieredRunners(units, dict.fromkeys(units, EAGER))
-    engine = Engine(programs, weights, engine_runners(programs, table))
+    engine = Engine(programs, weights, engine_runners(programs, table, fuses=True))
     reference = Engine(programs, weights)
     ran: list[int] = []
 
@@ -139,34 +138,63 @@ def test_an_experts_program_swapped_in_runs_from_the_next_step_in_every_layer(ti
     assert ran == [engine.calls] * layers and table.tiers[EXPERTS_PICKED] == COMPILED
 
 
-def test_a_fused_compiled_picked_program_serves_the_rows_that_run_densely_op_by_op(tiny):
-    """Four decode rows pick as many (row, expert) pairs as tiny has experts: dense op by op (the
-    eager tier, export), picked once `experts.picked` is a fused compiled program (aoti), where it
-    decodes each pick where it multiplies. Either way the step's numbers are the eager block's."""
+def test_a_fused_compiled_picked_program_serves_few_rows_and_the_rest_run_grouped_eagerly(tiny):
+    """The compiled `experts.picked` runs only where it beats grouping: fused (aoti), once
+    compiled, for rows picking fewer than 8 pairs per expert. Op by op (export), on the eager
+    tier, or for more rows, the same function runs eagerly, grouped by expert. Either way the
+    step's numbers are the eager block's."""
     config, layout, weights = tiny
     programs = build_programs(config, layout, MAX_SEQ)
     units = _units(programs)
-    assert 4 * config.num_experts_per_tok == config.n_routed_experts
-    ran: list[str] = []
+    ran: list[int] = []
 
-    def recorded(name):
-        return lambda *args: ran.append(name) or units[name](*args)
+    def compiled_picked(*args):
+        ran.append(args[0].shape[0])
+        return units[EXPERTS_PICKED](*args)
 
-    def experts_run(fuses: bool, picked_tier: str) -> set[str]:
-        table = TieredRunners({**units, **{n: recorded(n) for n in (EXPERTS_PICKED, EXPERTS_DENSE)}},
+    def experts_run(fuses: bool, picked_tier: str, seqs: int) -> list[int]:
+        table = TieredRunners({**units, EXPERTS_PICKED: compiled_picked},
                               {**dict.fromkeys(units, COMPILED), EXPERTS_PICKED: picked_tier})
-        engine = Engine(programs, weights, engine_runners(programs, table, fuses), slots=4)
-        for slot in range(4):
+        engine = Engine(programs, weights, engine_runners(programs, table, fuses), slots=seqs)
+        for slot in range(seqs):
             engine.forward(torch.tensor([slot + 1, slot + 2]), slot)
         ran.clear()
-        step = engine.step([(slot, torch.tensor([9 + slot])) for slot in range(4)]).logits
-        assert torch.allclose(step, reference, atol=1e-5)
-        return set(ran)
+        step = engine.step([(slot, torch.tensor([9 + slot])) for slot in range(seqs)]).logits
+        assert torch.equal(step, reference[seqs])
+        return sorted(set(ran))
 
-    whole = Engine(programs, weights, slots=4)
-    for slot in range(4):
-        whole.forward(torch.tensor([slot + 1, slot + 2]), slot)
-    reference = whole.step([(slot, torch.tensor([9 + slot])) for slot in range(4)]).logits
-    assert experts_run(fuses=True, picked_tier=COMPILED) == {EXPERTS_PICKED}
-    assert experts_run(fuses=False, picked_tier=COMPILED) == {EXPERTS_DENSE}
-    assert experts_run(fuses=True, picked_tier=EAGER) == {EXPERTS_DENSE}
+    reference = {}
+    for seqs in (4, 32):
+        whole = Engine(programs, weights, slots=seqs)
+        for slot in range(seqs):
+            whole.forward(torch.tensor([slot + 1, slot + 2]), slot)
+        reference[seqs] = whole.step([(slot, torch.tensor([9 + slot])) for slot in range(seqs)]).logits
+    assert 4 * config.num_experts_per_tok < 8 * config.n_routed_experts <= 32 * config.num_experts_per_tok
+    assert experts_run(fuses=True, picked_tier=COMPILED, seqs=4) == [4]  # picked, in every layer
+    assert experts_run(fuses=True, picked_tier=COMPILED, seqs=32) == []  # 8 pairs per expert: grouped
+    assert experts_run(fuses=False, picked_tier=COMPILED, seqs=4) == []
+    assert experts_run(fuses=True, picked_tier=EAGER, seqs=4) == []
+
+
+def test_grouping_by_expert_computes_the_dense_and_the_picked_ways_numbers(tiny):
+    """The grouped way (eager: each expert over its rows) against both traced ways, run eagerly
+    by hand: the same sums, of every expert or of one rank's share (other ranks' choices
+    skipped, as the dense way weighs them 0)."""
+    config, _, weights = tiny
+    d = Dims.of(config, MAX_SEQ)
+    experts = _expert_tensors(weights["layers.2"])
+    n, k = config.n_routed_experts, config.num_experts_per_tok
+    gen = torch.Generator().manual_seed(0)
+    for rows in (1, 3, 40):
+        h = torch.randn(rows, config.hidden_size, generator=gen)
+        idx = torch.stack([torch.randperm(n, generator=gen)[:k] for _ in range(rows)])
+        gates = torch.rand(rows, k, generator=gen)
+        got = _experts_grouped(d, experts, h, idx, gates)
+        torch.testing.assert_close(got, _experts_dense(d, experts, h, idx, gates), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got, _experts_picked(d, experts, h, idx, gates), rtol=1e-5, atol=1e-5)
+        half = {name: t[n // 2:] for name, t in experts.items()}  # the second rank's experts
+        mine = (idx >= n // 2)
+        share = _experts_grouped(d, half, h, idx - n // 2, gates)
+        want = _experts_dense(d, half, h, (idx - n // 2).clamp(0, n // 2 - 1), torch.where(mine, gates, 0.0))
+        torch.testing.assert_close(share, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(_experts_grouped(d, experts, h[:0], idx[:0], gates[:0]), h[:0])

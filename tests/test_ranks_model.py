@@ -114,8 +114,8 @@ def test_each_rank_runs_its_own_sequences_and_the_logits_equal_one_ranks(tiny_ck
 
 
 def test_ranks_calling_the_experts_programs_compute_what_the_model_does(tiny_ckpt_ro):
-    """`experts` runs experts.picked or experts.dense by the rows each rank received (one row:
-    picked; more: dense), as the model's eager step chooses: the very same logits."""
+    """`experts` runs the way the rows each rank received need (here, op by op: grouped by expert,
+    as the model's eager step does): the very same logits."""
     model, _ = _logits(tiny_ckpt_ro, 2)
     programs, _ = _logits(tiny_ckpt_ro, 2, programs_run=True)
     for step, (a, b) in enumerate(zip(model, programs, strict=True)):

@@ -1,5 +1,6 @@
 """The MoE: sqrtsoftplus routing (hash or bias), the routed experts (each token's picked
-experts, or all of them densely, chosen per step) with clamped SwiGLU, and the shared expert."""
+experts; or, eagerly, each expert over the rows that picked it; traced, all of them densely;
+chosen per step) with clamped SwiGLU, and the shared expert."""
 
 from __future__ import annotations
 
@@ -47,6 +48,37 @@ def _experts_dense(d: Dims, experts: dict[str, torch.Tensor], h: torch.Tensor, i
     return out
 
 
+def _experts_grouped(d: Dims, experts: dict[str, torch.Tensor], h: torch.Tensor, idx: torch.Tensor,
+                     weights: torch.Tensor) -> torch.Tensor:
+    """Each expert over only the rows that picked it, its weights dequantised once: the routing's
+    FLOPs (top-k of E: k/E of the dense path's) and each used expert decoded once (the picked path
+    decodes it once per pick). Row counts per expert are data read back to the host, so this runs
+    eagerly on the cpu only (a trace holds static shapes; an accelerator would stall on the read:
+    there the dense path). Choices outside 0..n-1 (another rank's experts,
+    `routed`) are skipped. One expert's float weights at a time, a large one by column chunks
+    (`linear`): the scratch never grows with the experts. On `small` (32 experts, top-4, 2 cores)
+    one layer at 256 rows: 44 ms, against 149 ms for the dense path compiled by inductor."""
+    n, k = next(iter(experts.values())).shape[0], idx.shape[1]
+    flat = idx.reshape(-1)
+    pairs = ((flat >= 0) & (flat < n)).nonzero().squeeze(1)  # (row, choice) pairs, as row·k + choice
+    by_expert = flat[pairs]
+    pairs = pairs[torch.argsort(by_expert, stable=True)]
+    counts = torch.bincount(by_expert, minlength=n).tolist()
+    rows, gates = pairs // k, weights.reshape(-1)[pairs]
+    out = torch.zeros(h.shape[0], h.shape[1], dtype=torch.promote_types(h.dtype, weights.dtype), device=h.device)
+    start = 0
+    for e, count in enumerate(counts):
+        if not count:
+            continue
+        these = rows[start:start + count]
+        one = {name: t[e] for name, t in experts.items()}
+        x = h.index_select(0, these)
+        act = _swiglu(d, linear(one, EXPERT_MATS[0], x), linear(one, EXPERT_MATS[1], x))
+        out.index_add_(0, these, linear(one, EXPERT_MATS[2], act) * gates[start:start + count, None])
+        start += count
+    return out
+
+
 def _experts_picked(d: Dims, experts: dict[str, torch.Tensor], h: torch.Tensor, idx: torch.Tensor,
                     weights: torch.Tensor) -> torch.Tensor:
     """Only each token's top-k experts, their weights gathered then dequantised: T·k/E of the
@@ -71,33 +103,37 @@ def _picked_matmul(x: torch.Tensor, picked: dict[str, torch.Tensor], name: str) 
 
 
 # Fused by a compiler, the picked path decodes each pick's bytes where they multiply and stores no
-# float weight, while the dense path dequantises every expert into scratch first: picked stays the
-# faster way long after the picks outnumber the experts. One layer of `small` (32 experts, top-4),
-# compiled by inductor on 2 cores, picked vs dense: 8 rows 4.2 vs 22.6 ms, 16 rows 7.3 vs 19.8,
-# 64 rows 44.6 vs 56.4, 96 rows 52.9 vs 70.3, 128 rows 78.0 vs 68.7; `tiny` (8 experts, top-2) is
-# even at 128 picks (16 per expert). Run op by op, the picked path dequantises every pick's weights
-# whole: on `small` eagerly 8 rows take 152 ms picked vs 59 ms dense, so there one pick per expert.
+# float weight: it stays the faster way long after the picks outnumber the experts. One layer of
+# `small` (32 experts, top-4) on 2 cores, picked compiled by inductor vs grouped run eagerly (the
+# way the engine runs more rows, `runtime.programs.calls`): 16 rows 8.8 vs 18.3 ms, 32 rows 16.7
+# vs 25.6, 48 rows 23.0 vs 25.8, 64 rows 44.1 vs 29.3, 256 rows 174 vs 44 (the dense path
+# compiled: 149). Eagerly, or op by op, the picked path dequantises every pick's weights whole and
+# the grouped one each used expert once: grouped is never slower (1 row 2.0 vs 1.9 ms, 8 rows 100
+# vs 10), so an eager step on the cpu always groups.
 FUSED_PICKS_PER_EXPERT = 8
 
 
 def picks_few(rows, topk, experts, fused: bool = False):
     """Do `rows` rows of `topk` choices each pick few enough (row, expert) pairs for only the
-    picked experts to run (`_experts_picked`), rather than all of them densely? Fewer pairs than
-    experts run op by op; fewer than FUSED_PICKS_PER_EXPERT per expert `fused` (compiled by a
-    compiler that fuses: the decode where it multiplies). The one rule for an eager step, a
-    traced `torch.cond` (symbolic rows) and the runner that chooses between the two compiled
-    expert programs (`runtime.programs.calls`)."""
+    picked experts to run (`_experts_picked`), rather than every expert over its rows? Fewer
+    pairs than experts op by op (a traced program's `torch.cond`: there the other way is dense);
+    fewer than FUSED_PICKS_PER_EXPERT per expert `fused` (compiled by a compiler that fuses: the
+    decode where it multiplies), the rule by which the engine runs the compiled `experts.picked`
+    or the grouped way eagerly (`runtime.programs.calls`)."""
     return rows * topk < experts * (FUSED_PICKS_PER_EXPERT if fused else 1)
 
 
 def routed(d: Dims, w: dict[str, torch.Tensor], h: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
            expert_base: torch.Tensor | None = None, picked: bool | None = None) -> torch.Tensor:
-    """Routed experts of rows h [M, D] with their choices idx/weights [M, k]: picked when the
-    rows' choices are few (`picks_few`: more of them when fused), else dense. The row count is
-    known when run eagerly; in a traced program it is symbolic, so both ways are traced and
-    `torch.cond` picks at run time — unless `picked` says which way this program is (the
-    `experts.picked` and `experts.dense` programs: a cond costs its program several times the
-    compile seconds of both ways traced alone).
+    """Routed experts of rows h [M, D] with their choices idx/weights [M, k]. Run eagerly on the
+    cpu: each expert over the rows that picked it (`_experts_grouped`, at most the picked path's
+    work at every row count). Traced (a program holds static shapes), or eagerly on an
+    accelerator (grouping reads each expert's row count back to the host: free on the cpu, a
+    stall of the device's queue in every layer there): the picked experts when the rows' choices
+    are few (`picks_few`: more of them when fused), else all of them densely. Traced, the row
+    count is symbolic, so both ways are traced and `torch.cond` picks at run time — unless
+    `picked` says which way this traced program is (`experts.picked`: a cond costs its program
+    several times the compile seconds of one way traced alone).
 
     Expert parallel (`expert_base` given): `w` holds only this rank's experts, global ids
     expert_base.. expert_base+n-1; choices of other ranks' experts weigh 0 here, so the result
@@ -105,8 +141,10 @@ def routed(d: Dims, w: dict[str, torch.Tensor], h: torch.Tensor, idx: torch.Tens
     these experts; the shares go back to the rows' ranks and are added there)."""
     experts = _expert_tensors(w)
     n = next(iter(experts.values())).shape[0]
+    local = idx if expert_base is None else idx - expert_base
+    if h.device.type == "cpu" and not torch.compiler.is_compiling():
+        return _experts_grouped(d, experts, h, local, weights)  # skips other ranks' choices
     if expert_base is not None:
-        local = idx - expert_base
         weights = torch.where((local >= 0) & (local < n), weights, torch.zeros_like(weights))
         idx = local.clamp(0, n - 1)
     few = picks_few(h.shape[0], idx.shape[1], n, fusing()) if picked is None else picked

@@ -2,12 +2,17 @@
 
 The catalog's programs (what compiles, what the kernel cache holds, what the plan lists) and the
 engine's calls differ in one place: the routed experts. In the `ROUTED_APART` form every layer
-program stops before them and returns the block's FFN parts; `experts.picked` and `experts.dense`
-serve every layer. With one rank, a call of a layer runs its layer program, then the one of the two
-its rows need (`moe.picks_few`, the rule an eager step follows, for the form `experts.picked` runs
-in), which finishes the block: the engine's calls are those of the form before, and no op runs
-between the programs. Several ranks exchange the rows between the two themselves: the engine calls
-`experts` on the rows it received, which runs the one of the two they need.
+program stops before them and returns the block's FFN parts; `experts.picked` serves every layer.
+With one rank, a call of a layer runs its layer program, then the routed experts, which finish the
+block: the compiled `experts.picked` when its rows pick few enough (row, expert) pairs for it
+(`moe.picks_few`, fused: it decodes each pick where it multiplies), otherwise the same function
+run eagerly, which groups the rows by expert (`moe._experts_grouped`: each used expert decoded
+once and multiplied with only its rows; a static program cannot hold shapes that depend on the
+routing, and its dense form computes every expert on every row: 3.4× slower at 256 rows of
+`small`). Op by op (export, the eager tier) the grouped way is never slower than the picked one,
+so there it serves every step. (On an accelerator the eager function runs the static ways
+instead: grouping reads counts back to the host, `moe.routed`.) Several ranks exchange the rows themselves: the engine calls
+`experts` on the rows it received, which runs the way they need.
 
 Programs are looked up in the table at every call, so a program swapped in between two steps
 (`TieredRunners`) is what the next step runs, whichever part of a call it is.
@@ -18,13 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from runtime.programs.catalog import (
-    EXPERTS_DENSE,
-    EXPERTS_PICKED,
-    EXPERTS_PROGRAM,
-    ROUTED_APART,
-    ModelPrograms,
-)
+from runtime.programs.catalog import EXPERTS_PICKED, EXPERTS_PROGRAM, ROUTED_APART, ModelPrograms
 from runtime.programs.tiers import COMPILED
 
 Runner = Callable[..., Any]
@@ -33,7 +32,7 @@ Runner = Callable[..., Any]
 def engine_runners(programs: ModelPrograms, table: Mapping[str, Runner], fuses: bool = False) -> Mapping[str, Runner]:
     """The runners the engine calls, by name, over `table` (program name → runner, any tier).
     `fuses`: the table's compiled programs are fused kernels (aoti), not graphs run op by op
-    (export), so `experts.picked` serves more rows once compiled (`moe.picks_few`)."""
+    (export): only then does the compiled `experts.picked` beat the grouped way (`moe.picks_few`)."""
     if programs.routed != ROUTED_APART:
         return table  # each layer program computes its routed experts: the engine calls the programs
     return EngineRunners(programs, table, fuses)
@@ -45,10 +44,12 @@ class EngineRunners(Mapping):
 
     def __init__(self, programs: ModelPrograms, table: Mapping[str, Runner], fuses: bool = False):
         from runtime.model.moe import picks_few
+        from runtime.programs.spec import build_function
 
         self.table = table
         self._fuses = fuses
         self._picks_few = picks_few
+        self._grouped = build_function(programs.specs[EXPERTS_PICKED])  # run eagerly: grouped by expert
         self._calls: dict[str, Runner] = {}
         if programs.expert_parallel:
             self._calls[EXPERTS_PROGRAM] = self._experts
@@ -73,30 +74,29 @@ class EngineRunners(Mapping):
         if swap is not None:
             swap()
 
-    def _experts_program(self, rows: int, topk: int, experts: int) -> str:
-        """The experts program these rows need: the rule an eager step follows, for the form
-        `experts.picked` runs in now (fused once compiled by a fusing backend, op by op on the
-        eager tier)."""
+    def _experts_runner(self, rows: int, topk: int, experts: int) -> Runner:
+        """What runs these rows' routed experts: the compiled `experts.picked` when it is fused
+        (aoti) and they pick few (`moe.picks_few`), else the grouped way, eagerly."""
         tiers = getattr(self.table, "tiers", None)
         fused = self._fuses and (tiers is None or tiers.get(EXPERTS_PICKED) == COMPILED)
-        return EXPERTS_PICKED if self._picks_few(rows, topk, experts, fused) else EXPERTS_DENSE
+        return self.table[EXPERTS_PICKED] if fused and self._picks_few(rows, topk, experts, True) else self._grouped
 
     def _experts(self, h, idx, weights, expert_base, *tensors):
         """Several ranks: this rank's share of the rows it received (any rank's)."""
-        program = self._experts_program(h.shape[0], idx.shape[1], tensors[0].shape[0])  # experts held: the first dim
-        return self.table[program](h, idx, weights, expert_base, *tensors)
+        run = self._experts_runner(h.shape[0], idx.shape[1], tensors[0].shape[0])  # experts held: the first dim
+        return run(h, idx, weights, expert_base, *tensors)
 
     def _layer(self, name: str, inputs: int) -> Runner:
-        """One rank: the layer program, then the experts program its rows need, which finishes the block."""
+        """One rank: the layer program, then the routed experts its rows need, which finish the block."""
         from runtime.model.forward import FFN_PARTS, ROUTED_INPUT
 
         h_at = ROUTED_INPUT.start  # the parts (…, h, idx, weights, …): the experts' rows and choices
-        table, experts_program = self.table, self._experts_program
+        table, experts_runner = self.table, self._experts_runner
 
         def call(*args):
             out = table[name](*args[:inputs])
-            program = experts_program(out[h_at].shape[0], out[h_at + 1].shape[1], args[inputs].shape[0])
-            x = table[program](*out[:FFN_PARTS], *args[inputs:])
+            run = experts_runner(out[h_at].shape[0], out[h_at + 1].shape[1], args[inputs].shape[0])
+            x = run(*out[:FFN_PARTS], *args[inputs:])
             return (x if not isinstance(x, list | tuple) else x[0], *out[FFN_PARTS:])
 
         return call

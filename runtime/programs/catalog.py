@@ -6,10 +6,11 @@ Torch-free: signatures come from the config and the packed layout's shapes, the 
 program's key in a process that never imports torch. A layer variant is (kind, compress ratio,
 routing): layers that share it share one program, because weights are inputs.
 
-The routed experts are programs of their own (`ROUTED_APART`): every layer program stops before
-them, and `experts.picked` and `experts.dense` serve every layer, so the expert math — most of a
-layer's compile, the FP4 decode with it — compiles once per model instead of once per layer program
-(the engine's calls put them back together: `runtime.programs.calls`). `ROUTED_IN_LAYER`, each layer
+The routed experts are a program of their own (`ROUTED_APART`): every layer program stops before
+them, and `experts.picked` serves every layer, so the expert math — most of a layer's compile, the
+FP4 decode with it — compiles once per model instead of once per layer program (the engine's calls
+put them back together: `runtime.programs.calls`, which runs more rows than it suits eagerly, each
+expert over its own rows: a shape that depends on the routing, which no static program holds). `ROUTED_IN_LAYER`, each layer
 program with its routed experts inside, is the form before, kept as `dsv4 bench compile`'s baseline.
 """
 
@@ -29,8 +30,8 @@ MODES = (PREFILL, DECODE)
 # each in its own cache slot: up to MAX_SLOTS slots, two rows each (MTP verify).
 MAX_DECODE_ROWS = 2 * MAX_SLOTS
 EXPERTS_PROGRAM = "experts"  # what the engine calls: one rank's routed experts over rows (of every rank)
-# the programs behind it: only the picked experts (rows × top-k below the experts), or all of them
-EXPERTS_PICKED, EXPERTS_DENSE = f"{EXPERTS_PROGRAM}.picked", f"{EXPERTS_PROGRAM}.dense"
+# the program behind it for few rows: only each row's picked experts (more rows run grouped, eagerly)
+EXPERTS_PICKED = f"{EXPERTS_PROGRAM}.picked"
 ROUTED_APART, ROUTED_IN_LAYER = "apart", "in-layer"  # the program forms (see the module's docstring)
 ROUTED_PREFIX = "ffn.experts."
 FNS = "runtime.model.factories"
@@ -170,12 +171,10 @@ def build_programs(config: DeepSeekV4Config, packed: PackedLayout, max_seq: int,
                             TensorSpec("comb", "float32", ("M", d.hc, d.hc)), TensorSpec("h", "float32", ("M", d.hidden)),
                             TensorSpec("idx", "int64", ("M", d.topk)), TensorSpec("weights", "float32", ("M", d.topk)),
                             TensorSpec("shared", "float32", ("M", d.hidden))), {"finish": True}
-        for name, picked in ((EXPERTS_PICKED, True), (EXPERTS_DENSE, False)):
-            specs[name] = ProgramSpec(
-                name, f"{FNS}:experts", (*head, *weights("w.", expert_shapes, weight_names[EXPERTS_PROGRAM])),
-                dims=(rows,), layout=layout, model_dims=dims,
-                captures={"dims": dims, "weight_names": list(weight_names[EXPERTS_PROGRAM]), "picked": picked,
-                          **finish})
+        specs[EXPERTS_PICKED] = ProgramSpec(
+            EXPERTS_PICKED, f"{FNS}:experts", (*head, *weights("w.", expert_shapes, weight_names[EXPERTS_PROGRAM])),
+            dims=(rows,), layout=layout, model_dims=dims,
+            captures={"dims": dims, "weight_names": list(weight_names[EXPERTS_PROGRAM]), "picked": True, **finish})
 
     top = shapes["top"]
     emb_spec = TensorSpec("embed.weight", *top["embed.weight"])
