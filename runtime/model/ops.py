@@ -151,10 +151,10 @@ def fp4_rows(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torc
 # columns at a time. One float copy of small's output head is 128 MiB, allocated afresh (and
 # page-faulted) on every call: 5× the matmul itself; a chunk of a few MiB is reused from the
 # allocator and stays in cache. At most MAX_CHUNKS, so a traced program stays small. The routed
-# experts' dense path dequantises a few experts at a time (at most MAX_EXPERT_CHUNKS chunks):
-# never a float copy of a whole layer's experts. Its program (`experts.dense`) compiles once per
-# model, so chunks cost little compile: 8 chunks of small's 32 experts (4 at a time, 8 MiB a weight) run
-# a dense step of 8 rows 1.25× faster than 4 chunks, compiled, and 1.09× eagerly.
+# experts' dense path (traced, or eagerly on an accelerator) dequantises a few experts at a time
+# (at most MAX_EXPERT_CHUNKS chunks): never a float copy of a whole layer's experts. 8 chunks of
+# small's 32 experts (4 at a time, 8 MiB a weight) ran a dense step of 8 rows 1.25× faster than 4
+# chunks, compiled, and 1.09× eagerly.
 CHUNK_ELEMENTS = 1 << 20
 MAX_CHUNKS = 16
 MAX_EXPERT_CHUNKS = 8
