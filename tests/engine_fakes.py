@@ -42,17 +42,18 @@ class CountingEngine:
     def truncate(self, slot: int, length: int) -> None:
         self.lengths[slot] = min(self.lengths[slot], length)
 
-    def step(self, batch, prefill=None):
+    def step(self, batch, prefill=None, logits_rows=None):
+        """`logits_rows`: each sequence's last logits_rows[i] rows' logits only, as the engine's."""
         if self.permits is not None:
             self.permits.acquire()
         rows = []
-        for slot, tokens in batch:
+        for i, (slot, tokens) in enumerate(batch):
             if self.fail_after is not None and self.counts[slot] >= self.fail_after:
                 raise RuntimeError("decode step failed")
             self.lengths[slot] += len(tokens)
-            for _ in tokens:
+            for _ in tokens[len(tokens) - (logits_rows[i] if logits_rows is not None else len(tokens)):]:
                 rows.append(torch.nn.functional.one_hot(torch.tensor(self.base + self.counts[slot]), self.vocab).float())
             self.counts[slot] += 1
         self.steps += 1
         self.batches.append(len(batch))
-        return SimpleNamespace(logits=torch.stack(rows), hidden=torch.zeros(len(rows), 1))
+        return SimpleNamespace(logits=torch.stack(rows), hidden=torch.zeros(sum(len(t) for _, t in batch), 1))

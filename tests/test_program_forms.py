@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from runtime.model.config import load_config
-from runtime.model.forward import FFN_PARTS
-from runtime.programs.calls import engine_runners
-from runtime.model.moe import _experts_dense, _experts_grouped, _experts_picked, _expert_tensors
 from runtime.model.dims import Dims
+from runtime.model.forward import FFN_PARTS
+from runtime.model.moe import _expert_tensors, _experts_dense, _experts_grouped, _experts_picked
+from runtime.programs.calls import engine_runners
 from runtime.programs.catalog import (
     EXPERTS_PICKED,
     ROUTED_IN_LAYER,
@@ -198,3 +198,32 @@ def test_grouping_by_expert_computes_the_dense_and_the_picked_ways_numbers(tiny)
         want = _experts_dense(d, half, h, (idx - n // 2).clamp(0, n // 2 - 1), torch.where(mine, gates, 0.0))
         torch.testing.assert_close(share, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(_experts_grouped(d, experts, h[:0], idx[:0], gates[:0]), h[:0])
+
+
+def test_a_step_asked_for_its_last_rows_logits_runs_the_head_on_those_rows_only(tiny):
+    """`logits_rows`: the head (a vocabulary-wide matmul) runs on the rows whose logits are
+    wanted, and they are the rows of a step that computed every row's (to a matmul's rounding
+    over fewer rows); the hidden streams (the MTP layer's input) keep every row."""
+    config, layout, weights = tiny
+    programs = build_programs(config, layout, MAX_SEQ)
+    units = _units(programs)
+    heads: list[int] = []
+
+    def head(*args):
+        heads.append(args[0].shape[0])
+        return units["head.decode"](*args)
+
+    engines = [Engine(programs, weights, engine_runners(programs, {**units, "head.decode": head}), slots=3)
+               for _ in range(2)]
+    batch = [(0, torch.arange(3, 10)), (1, torch.tensor([5])), (2, torch.arange(20, 24))]
+    every = engines[0].step(batch, prefill=False)
+    some = engines[1].step(batch, prefill=False, logits_rows=[1, 1, 2])
+    assert heads == [12, 4]
+    torch.testing.assert_close(some.logits, every.logits[[6, 7, 10, 11]], rtol=1e-5, atol=1e-5)
+    assert torch.equal(some.hidden, every.hidden)
+    drafts = [(0, 0, every.hidden[:7], list(range(4, 11))), (2, 0, every.hidden[8:], [21, 22, 23, 24])]
+    torch.testing.assert_close(engines[1].mtp_step(drafts, logits_rows=[1, 1]),
+                               engines[0].mtp_step(drafts)[[6, 10]], rtol=1e-5, atol=1e-5)
+    for wrong in ([1, 1], [0, 1, 1], [1, 2, 1]):
+        with pytest.raises(ValueError, match="logits"):
+            engines[1].step(batch, prefill=False, logits_rows=wrong)

@@ -129,9 +129,9 @@ def test_n_choices_share_one_prefill_and_each_draws_as_it_would_alone(tiny, one_
     rows: list[int] = []
     step = engine.step
 
-    def counting(batch, prefill=None):
+    def counting(batch, prefill=None, logits_rows=None):
         rows.append(sum(len(t) for _, t in batch))
-        return step(batch, prefill)
+        return step(batch, prefill, logits_rows)
 
     engine.step = counting
 

@@ -78,9 +78,8 @@ def mtp_drafts(engine, rows: list[MTPRows]) -> list[int]:
     for group in long + ([short] if short else []):
         part = [rows[i] for i in group]
         logits = engine.mtp_step([(r.run.slot, r.start, r.hidden, r.next_tokens) for r in part],
-                                 prefill=len(part[0].next_tokens) > PACK_PROMPT)
-        ends = torch.tensor([len(r.next_tokens) for r in part]).cumsum(0) - 1
-        drafts.update(zip(group, logits[ends].argmax(-1).tolist(), strict=True))
+                                 prefill=len(part[0].next_tokens) > PACK_PROMPT, logits_rows=[1] * len(part))
+        drafts.update(zip(group, logits.argmax(-1).tolist(), strict=True))
     return [drafts[i] for i in range(len(rows))]
 
 
@@ -152,8 +151,11 @@ class Batcher:
         """One engine step over `runs`; deliver each one's tokens; the runs still going."""
         batch = [(r.slot, self._rows(r)) for r in runs]
         starts = [self.engine.lengths[r.slot] for r in runs]
+        # a prompt's rows need no logits but its last's, unless they are scored (echo)
+        wanted = [len(tokens) if r.prefilled or r.job.sampling.prompt_logprobs is not None else 1
+                  for r, (_, tokens) in zip(runs, batch, strict=True)]
         try:
-            step = self.engine.step(batch, prefill=prefill)
+            step = self.engine.step(batch, prefill=prefill, logits_rows=wanted)
         except Exception:
             log.exception("engine step failed (%d sequences, %d rows)", len(runs), sum(len(t) for _, t in batch))
             return [r for r in runs if self.end(r, "error")]
@@ -163,21 +165,22 @@ class Batcher:
             self.stats.rows += len(decoding)
             self.stats.decoding += len(decoding)
         going, mtp = [], []
-        offset = 0
-        for r, (_, tokens), start in zip(runs, batch, starts, strict=True):
-            span = slice(offset, offset + len(tokens))
-            offset += len(tokens)
+        offset = logits_at = 0
+        for r, (_, tokens), start, n in zip(runs, batch, starts, wanted, strict=True):
+            span, logits = slice(offset, offset + len(tokens)), step.logits[logits_at:logits_at + n]
+            offset, logits_at = offset + len(tokens), logits_at + n
             first_step = not r.prefilled
-            if self._verify(r, tokens, start, step.logits[span], step.hidden[span], mtp):
+            if self._verify(r, tokens, start, logits, step.hidden[span], mtp):
                 going.append(r)
             if first_step:
-                self._fork(r, step.logits[span][-1])
+                self._fork(r, logits[-1])
         if self.speculative and mtp:
             self._draft(mtp)
         return going
 
     def _verify(self, r: Running, tokens: list[int], start: int, logits, hidden, mtp: list[MTPRows]) -> bool:
-        """Hand over this run's tokens from its rows; queue its MTP rows. False when it ended."""
+        """Hand over this run's tokens from its rows (`logits`: of every row, or of a prompt's
+        last alone unless it is scored); queue its MTP rows. False when it ended."""
         first_step = not r.prefilled
         r.prefilled = True
         if first_step and r.job.sampling.prompt_logprobs is not None:  # echo: row i predicts token i + 1
