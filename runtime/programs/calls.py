@@ -49,7 +49,9 @@ class EngineRunners(Mapping):
         self.table = table
         self._fuses = fuses
         self._picks_few = picks_few
-        self._grouped = build_function(programs.specs[EXPERTS_PICKED])  # run eagerly: grouped by expert
+        # the experts' function run eagerly: grouped by expert (what runs more rows than the compiled
+        # picked program suits, and every step op by op)
+        self.grouped = build_function(programs.specs[EXPERTS_PICKED])
         self._calls: dict[str, Runner] = {}
         if programs.expert_parallel:
             self._calls[EXPERTS_PROGRAM] = self._experts
@@ -79,7 +81,7 @@ class EngineRunners(Mapping):
         (aoti) and they pick few (`moe.picks_few`), else the grouped way, eagerly."""
         tiers = getattr(self.table, "tiers", None)
         fused = self._fuses and (tiers is None or tiers.get(EXPERTS_PICKED) == COMPILED)
-        return self.table[EXPERTS_PICKED] if fused and self._picks_few(rows, topk, experts, True) else self._grouped
+        return self.table[EXPERTS_PICKED] if fused and self._picks_few(rows, topk, experts, True) else self.grouped
 
     def _experts(self, h, idx, weights, expert_base, *tensors):
         """Several ranks: this rank's share of the rows it received (any rank's)."""
