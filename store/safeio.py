@@ -58,19 +58,23 @@ class TooLarge(OSError):
 
 
 def read_fd(fd: int, cap: int | None = None, what: str = "file") -> bytes:
-    """All bytes of `fd` from its current offset, refusing more than `cap` before reading."""
-    if cap is not None:
-        size = os.fstat(fd).st_size
-        if size > cap:
-            raise TooLarge(errno.EFBIG, f"{what} is {size} bytes, over the {cap}-byte limit")
+    """All bytes of `fd` from its current offset, refusing more than `cap` before reading. A
+    regular file is read in one call of its size + 1 (the byte past it shows a file that grew),
+    not in 64 KiB pieces joined after: a hot registration reads 37.5 MiB of kernel-cache
+    artifacts this way, where the pieces cost 600 calls and a copy of every byte."""
+    size = os.fstat(fd).st_size  # 0 for a pipe or a device: read in pieces
+    if cap is not None and size > cap:
+        raise TooLarge(errno.EFBIG, f"{what} is {size} bytes, over the {cap}-byte limit")
     chunks = []
     total = 0
-    while chunk := os.read(fd, 1 << 16):
+    want = max(min(size, cap if cap is not None else size) + 1, 1 << 16)
+    while chunk := os.read(fd, want):
         chunks.append(chunk)
         total += len(chunk)
         if cap is not None and total > cap:  # grew while we read
             raise TooLarge(errno.EFBIG, f"{what} grew past the {cap}-byte limit")
-    return b"".join(chunks)
+        want = 1 << 16
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def read_regular(path: str | Path, cap: int | None = None, *, dir_fd: int | None = None) -> bytes:
