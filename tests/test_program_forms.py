@@ -10,7 +10,13 @@ import torch
 from runtime.model.config import load_config
 from runtime.model.dims import Dims
 from runtime.model.forward import FFN_PARTS
-from runtime.model.moe import _expert_tensors, _experts_dense, _experts_grouped, _experts_picked
+from runtime.model.moe import (
+    _expert_tensors,
+    _experts_dense,
+    _experts_grouped,
+    _experts_picked,
+    picks_few,
+)
 from runtime.programs.calls import engine_runners
 from runtime.programs.catalog import (
     EXPERTS_PICKED,
@@ -140,9 +146,9 @@ def test_an_experts_program_swapped_in_runs_from_the_next_step_in_every_layer(ti
 
 def test_a_fused_compiled_picked_program_serves_few_rows_and_the_rest_run_grouped_eagerly(tiny):
     """The compiled `experts.picked` runs only where it beats grouping: fused (aoti), once
-    compiled, for rows picking fewer than 8 pairs per expert. Op by op (export), on the eager
-    tier, or for more rows, the same function runs eagerly, grouped by expert. Either way the
-    step's numbers are the eager block's."""
+    compiled, for rows picking fewer pairs per expert than `moe.picks_few`'s limit (tiny's small
+    experts: about 24). Op by op (export), on the eager tier, or for more rows, the same function
+    runs eagerly, grouped by expert. Either way the step's numbers are the eager block's."""
     config, layout, weights = tiny
     programs = build_programs(config, layout, MAX_SEQ)
     units = _units(programs)
@@ -152,28 +158,27 @@ def test_a_fused_compiled_picked_program_serves_few_rows_and_the_rest_run_groupe
         ran.append(args[0].shape[0])
         return units[EXPERTS_PICKED](*args)
 
-    def experts_run(fuses: bool, picked_tier: str, seqs: int) -> list[int]:
-        table = TieredRunners({**units, EXPERTS_PICKED: compiled_picked},
-                              {**dict.fromkeys(units, COMPILED), EXPERTS_PICKED: picked_tier})
-        engine = Engine(programs, weights, engine_runners(programs, table, fuses), slots=seqs)
-        for slot in range(seqs):
+    def step(engine, rows: int):  # four sequences of two tokens, then `rows` more each (packed)
+        for slot in range(4):
             engine.forward(torch.tensor([slot + 1, slot + 2]), slot)
         ran.clear()
-        step = engine.step([(slot, torch.tensor([9 + slot])) for slot in range(seqs)]).logits
-        assert torch.equal(step, reference[seqs])
+        return engine.step([(slot, torch.arange(9, 9 + rows) + slot) for slot in range(4)], prefill=False).logits
+
+    def experts_run(fuses: bool, picked_tier: str, rows: int) -> list[int]:
+        table = TieredRunners({**units, EXPERTS_PICKED: compiled_picked},
+                              {**dict.fromkeys(units, COMPILED), EXPERTS_PICKED: picked_tier})
+        logits = step(Engine(programs, weights, engine_runners(programs, table, fuses), slots=4), rows)
+        assert torch.equal(logits, reference[rows])
         return sorted(set(ran))
 
-    reference = {}
-    for seqs in (4, 32):
-        whole = Engine(programs, weights, slots=seqs)
-        for slot in range(seqs):
-            whole.forward(torch.tensor([slot + 1, slot + 2]), slot)
-        reference[seqs] = whole.step([(slot, torch.tensor([9 + slot])) for slot in range(seqs)]).logits
-    assert 4 * config.num_experts_per_tok < 8 * config.n_routed_experts <= 32 * config.num_experts_per_tok
-    assert experts_run(fuses=True, picked_tier=COMPILED, seqs=4) == [4]  # picked, in every layer
-    assert experts_run(fuses=True, picked_tier=COMPILED, seqs=32) == []  # 8 pairs per expert: grouped
-    assert experts_run(fuses=False, picked_tier=COMPILED, seqs=4) == []
-    assert experts_run(fuses=True, picked_tier=EAGER, seqs=4) == []
+    reference = {rows: step(Engine(programs, weights, slots=4), rows) for rows in (1, 30)}
+    k, n, size = config.num_experts_per_tok, config.n_routed_experts, 3 * config.hidden_size * config.moe_intermediate_size
+    assert not picks_few(4, k, n)  # op by op: 4 rows pick as many pairs as tiny has experts
+    assert picks_few(4 * 20, k, n, True, size) and not picks_few(4 * 30, k, n, True, size)
+    assert experts_run(fuses=True, picked_tier=COMPILED, rows=1) == [4]  # picked, in every layer
+    assert experts_run(fuses=True, picked_tier=COMPILED, rows=30) == []  # 30 pairs per expert: grouped
+    assert experts_run(fuses=False, picked_tier=COMPILED, rows=1) == []
+    assert experts_run(fuses=True, picked_tier=EAGER, rows=1) == []
 
 
 def test_grouping_by_expert_computes_the_dense_and_the_picked_ways_numbers(tiny):

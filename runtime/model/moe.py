@@ -4,6 +4,8 @@ chosen per step) with clamped SwiGLU, and the shared expert."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -103,24 +105,40 @@ def _picked_matmul(x: torch.Tensor, picked: dict[str, torch.Tensor], name: str) 
 
 
 # Fused by a compiler, the picked path decodes each pick's bytes where they multiply and stores no
-# float weight: it stays the faster way long after the picks outnumber the experts. One layer of
-# `small` (32 experts, top-4) on 2 cores, picked compiled by inductor vs grouped run eagerly (the
-# way the engine runs more rows, `runtime.programs.calls`): 16 rows 8.8 vs 18.3 ms, 32 rows 16.7
-# vs 25.6, 48 rows 23.0 vs 25.8, 64 rows 44.1 vs 29.3, 256 rows 174 vs 44 (the dense path
-# compiled: 149). Eagerly, or op by op, the picked path dequantises every pick's weights whole and
-# the grouped one each used expert once: grouped is never slower (1 row 2.0 vs 1.9 ms, 8 rows 100
-# vs 10), so an eager step on the cpu always groups.
-FUSED_PICKS_PER_EXPERT = 8
+# float weight: it stays the faster way long after the picks outnumber the experts. One layer on 2
+# cores, picked compiled by inductor vs grouped run eagerly (the way the engine runs more rows,
+# `runtime.programs.calls`), ms: `small` (32 experts of 1.57 M weights, top-4) 16 rows 8.8 vs 18.3,
+# 32 rows 16.7 vs 25.6, 48 rows 23.0 vs 25.8, 64 rows 44.1 vs 29.3, 256 rows 174 vs 44 (the dense
+# path compiled: 149): the crossover near 7 pairs per expert; `tiny` (8 experts of 98 K, top-2) 32
+# rows 0.6 vs 2.0, 128 rows 2.2 vs 1.8, 256 rows 3.5 vs 2.2: near 24. Grouping an expert costs its
+# decode (about 6 picks' worth) plus its eager ops, a fixed cost worth picking about 1.8 M weights,
+# which a small expert cannot amortise: the limit per expert is the sum (small 7.1, tiny 24, a
+# V4-Flash expert of 44 M weights 6.0). Eagerly, or op by op, the picked path dequantises every
+# pick's weights whole and the grouped one each used expert once: grouped is never slower (small:
+# 1 row 2.0 vs 1.9 ms, 8 rows 100 vs 10), so an eager step on the cpu always groups.
+FUSED_PICKS_PER_EXPERT = 6
+GROUPED_FIXED_WEIGHTS = 1_800_000
 
 
-def picks_few(rows, topk, experts, fused: bool = False):
+def weights_per_expert(shapes: dict[str, tuple[tuple[int, ...], str]]) -> int:
+    """Weights of one routed expert (w1, w3, w2: their qweight or weight, not their scales), from
+    each tensor's (shape [experts, …], dtype name): FP4 bytes hold two."""
+    return sum(math.prod(shape[1:]) * (2 if dtype == "uint8" else 1) for name, (shape, dtype) in shapes.items()
+               if name.endswith((".qweight", ".weight")))
+
+
+def picks_few(rows, topk, experts, fused: bool = False, expert_weights: int = 0):
     """Do `rows` rows of `topk` choices each pick few enough (row, expert) pairs for only the
     picked experts to run (`_experts_picked`), rather than every expert over its rows? Fewer
     pairs than experts op by op (a traced program's `torch.cond`: there the other way is dense);
-    fewer than FUSED_PICKS_PER_EXPERT per expert `fused` (compiled by a compiler that fuses: the
-    decode where it multiplies), the rule by which the engine runs the compiled `experts.picked`
-    or the grouped way eagerly (`runtime.programs.calls`)."""
-    return rows * topk < experts * (FUSED_PICKS_PER_EXPERT if fused else 1)
+    `fused` (compiled by a compiler that fuses: the decode where it multiplies), fewer than
+    FUSED_PICKS_PER_EXPERT + GROUPED_FIXED_WEIGHTS / `expert_weights` per expert: the rule by
+    which the engine runs the compiled `experts.picked` or the grouped way eagerly
+    (`runtime.programs.calls`)."""
+    if not fused:
+        return rows * topk < experts
+    per_expert = FUSED_PICKS_PER_EXPERT + (GROUPED_FIXED_WEIGHTS / expert_weights if expert_weights else 0)
+    return rows * topk < int(experts * per_expert)
 
 
 def routed(d: Dims, w: dict[str, torch.Tensor], h: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
@@ -147,7 +165,11 @@ def routed(d: Dims, w: dict[str, torch.Tensor], h: torch.Tensor, idx: torch.Tens
     if expert_base is not None:
         weights = torch.where((local >= 0) & (local < n), weights, torch.zeros_like(weights))
         idx = local.clamp(0, n - 1)
-    few = picks_few(h.shape[0], idx.shape[1], n, fusing()) if picked is None else picked
+    if picked is None:
+        size = weights_per_expert({k: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for k, t in experts.items()})
+        few = picks_few(h.shape[0], idx.shape[1], n, fusing(), size)
+    else:
+        few = picked
     if isinstance(few, bool):
         return (_experts_picked if few else _experts_dense)(d, experts, h, idx, weights)
     names = sorted(experts)

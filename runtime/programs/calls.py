@@ -43,12 +43,15 @@ class EngineRunners(Mapping):
     every other name is the table's own runner. Runs for every layer of every step: a few lookups."""
 
     def __init__(self, programs: ModelPrograms, table: Mapping[str, Runner], fuses: bool = False):
-        from runtime.model.moe import picks_few
+        from runtime.model.moe import picks_few, weights_per_expert
         from runtime.programs.spec import build_function
 
         self.table = table
         self._fuses = fuses
         self._picks_few = picks_few
+        picked = programs.specs[EXPERTS_PICKED]
+        self._expert_weights = weights_per_expert({t.name: (tuple(t.shape), t.dtype) for t in picked.inputs
+                                                   if t.name.startswith("w.")})
         # the experts' function run eagerly: grouped by expert (what runs more rows than the compiled
         # picked program suits, and every step op by op)
         self.grouped = build_function(programs.specs[EXPERTS_PICKED])
@@ -81,7 +84,8 @@ class EngineRunners(Mapping):
         (aoti) and they pick few (`moe.picks_few`), else the grouped way, eagerly."""
         tiers = getattr(self.table, "tiers", None)
         fused = self._fuses and (tiers is None or tiers.get(EXPERTS_PICKED) == COMPILED)
-        return self.table[EXPERTS_PICKED] if fused and self._picks_few(rows, topk, experts, True) else self.grouped
+        few = fused and self._picks_few(rows, topk, experts, True, self._expert_weights)
+        return self.table[EXPERTS_PICKED] if few else self.grouped
 
     def _experts(self, h, idx, weights, expert_base, *tensors):
         """Several ranks: this rank's share of the rows it received (any rank's)."""
