@@ -2,11 +2,12 @@
 
 The baseline is the form before issue 37 (`ROUTED_IN_LAYER`: each layer program with its routed
 experts inside, picked and dense ways under one `torch.cond`); the new form (`ROUTED_APART`: the
-layer programs stop before their routed experts, and `experts.picked` serves every layer; more
-rows than it suits are grouped by expert, eagerly). Both are the preset's launch (ranks 1, the launch's max_seq), compiled by the launch's own
-compile pool (`--jobs`: the same workers for both) into an empty kernel cache and an empty Inductor
-cache each, so neither reuses the other's kernels. Then, from those caches, each form serves greedy
-tokens (which must be equal) and decode steps of 1 and 8 sequences, the forms taking turns.
+layer programs stop before their routed experts, and `experts.picked` serves every layer; more rows
+than it suits are grouped by expert, eagerly). Both are the preset's launch (ranks 1, the launch's
+max_seq), compiled by the launch's own compile pool (`--jobs`: the same workers for both) into an
+empty kernel cache and an empty Inductor cache each, so neither reuses the other's kernels. Then,
+from those caches, each form serves greedy tokens (which must be equal) and decode steps of 1 and 8
+sequences, the forms taking turns.
 
 Target (issue 37): the programs phase ≤ 0.7× the baseline's. Reported, never asserted. On a shared
 machine the load average beside each form says how much the figures are worth.

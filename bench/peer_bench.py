@@ -15,13 +15,14 @@ the first ÷ the seconds after the first token; of several sequences, all of the
 wall). Ratios are service ÷ transformers, above 1 faster (TTFT: the peer's seconds ÷ ours).
 Greedy tokens of both must be equal.
 
-Where a service decode step goes: after the service stops, the same launch is made in this
-process (programs HIT in the same cache) and the same decode is timed step by step (after a
-warm-up: the first seconds after a launch run slower; the median of REPEATS replays): each
-program family's seconds (the routed experts' programs hold the FP4 expert decode; the layer
-programs the FP8 attention and shared expert), the routed experts run eagerly, grouped by expert
-(rows the compiled picked program does not serve; every step op by op), the engine around them
-(KV writes, row tensors), sampling; what is left of the service's per-token interval is scheduling, streaming and HTTP.
+Where a service decode step goes: after the service stops, the same launch is made in this process
+(programs HIT in the same cache) and the same decode is timed step by step (after a warm-up: the
+first seconds after a launch run slower; the median of REPEATS replays): each program family's
+seconds (the routed experts' programs hold the FP4 expert decode; the layer programs the FP8
+attention and shared expert), the routed experts run eagerly, grouped by expert (rows the compiled
+picked program does not serve; every step op by op), the engine around them (KV writes, row
+tensors), sampling; what is left of the service's per-token interval is scheduling, streaming and
+HTTP.
 
 Target (issue 37): decode ≥ 1.0× at both concurrencies on `small` with a compiled backend.
 Reported, never asserted.

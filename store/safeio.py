@@ -67,7 +67,7 @@ def read_fd(fd: int, cap: int | None = None, what: str = "file") -> bytes:
         raise TooLarge(errno.EFBIG, f"{what} is {size} bytes, over the {cap}-byte limit")
     chunks = []
     total = 0
-    want = max(min(size, cap if cap is not None else size) + 1, 1 << 16)
+    want = max(size + 1, 1 << 16)
     while chunk := os.read(fd, want):
         chunks.append(chunk)
         total += len(chunk)

@@ -32,11 +32,11 @@ def layer(dims: dict, kind: str, ratio: int, hash_routed: bool, cache_names: lis
 
 
 def experts(dims: dict, weight_names: list[str], picked: bool | None = None, finish: bool = False) -> Callable:
-    """One rank's routed experts over rows of any layer (the experts' weights are inputs), from
-    every rank with several: each row's share of its routed sum; `picked`: traced, only the picked
-    (True) or only the dense (False) way (run eagerly on the cpu, it groups: `moe.routed`). `finish` (one rank): the program takes a layer program's FFN
-    parts (`model.FFN_PARTS`) and returns the block's output, so the engine's layer call is two
-    programs and no glue."""
+    """One rank's routed experts over rows of any layer (the experts' weights are inputs), from every
+    rank with several: each row's share of its routed sum; `picked`: traced, only the picked (True)
+    or only the dense (False) way (run eagerly on the cpu, it groups: `moe.routed`). `finish` (one
+    rank): the program takes a layer program's FFN parts (`model.FFN_PARTS`) and returns the block's
+    output, so the engine's layer call is two programs and no glue."""
     if finish:
         def finish_program(*args):
             parts, w = args[:model.FFN_PARTS], dict(zip(weight_names, args[model.FFN_PARTS:], strict=True))

@@ -56,10 +56,10 @@ def _experts_grouped(d: Dims, experts: dict[str, torch.Tensor], h: torch.Tensor,
     FLOPs (top-k of E: k/E of the dense path's) and each used expert decoded once (the picked path
     decodes it once per pick). Row counts per expert are data read back to the host, so this runs
     eagerly on the cpu only (a trace holds static shapes; an accelerator would stall on the read:
-    there the dense path). Choices outside 0..n-1 (another rank's experts,
-    `routed`) are skipped. One expert's float weights at a time, a large one by column chunks
-    (`linear`): the scratch never grows with the experts. On `small` (32 experts, top-4, 2 cores)
-    one layer at 256 rows: 44 ms, against 149 ms for the dense path compiled by inductor."""
+    there the dense path). Choices outside 0..n-1 (another rank's experts, `routed`) are skipped.
+    One expert's float weights at a time, a large one by column chunks (`linear`): the scratch never
+    grows with the experts. On `small` (32 experts, top-4, 2 cores) one layer at 256 rows: 44 ms,
+    against 149 ms for the dense path compiled by inductor."""
     n, k = next(iter(experts.values())).shape[0], idx.shape[1]
     flat = idx.reshape(-1)
     pairs = ((flat >= 0) & (flat < n)).nonzero().squeeze(1)  # (row, choice) pairs, as row·k + choice

@@ -5,13 +5,13 @@ engine's calls differ in one place: the routed experts. In the `ROUTED_APART` fo
 program stops before them and returns the block's FFN parts; `experts.picked` serves every layer.
 With one rank, a call of a layer runs its layer program, then the routed experts, which finish the
 block: the compiled `experts.picked` when its rows pick few enough (row, expert) pairs for it
-(`moe.picks_few`, fused: it decodes each pick where it multiplies), otherwise the same function
-run eagerly, which groups the rows by expert (`moe._experts_grouped`: each used expert decoded
-once and multiplied with only its rows; a static program cannot hold shapes that depend on the
-routing, and its dense form computes every expert on every row: 3.4× slower at 256 rows of
-`small`). Op by op (export, the eager tier) the grouped way is never slower than the picked one,
-so there it serves every step. (On an accelerator the eager function runs the static ways
-instead: grouping reads counts back to the host, `moe.routed`.) Several ranks exchange the rows themselves: the engine calls
+(`moe.picks_few`, fused: it decodes each pick where it multiplies), otherwise the same function run
+eagerly, which groups the rows by expert (`moe._experts_grouped`: each used expert decoded once and
+multiplied with only its rows; a static program cannot hold shapes that depend on the routing, and
+its dense form computes every expert on every row: 3.4× slower at 256 rows of `small`). Op by op
+(export, the eager tier) the grouped way is never slower than the picked one, so there it serves
+every step. (On an accelerator the eager function runs the static ways instead: grouping reads
+counts back to the host, `moe.routed`.) Several ranks exchange the rows themselves: the engine calls
 `experts` on the rows it received, which runs the way they need.
 
 Programs are looked up in the table at every call, so a program swapped in between two steps

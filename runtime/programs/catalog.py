@@ -10,8 +10,9 @@ The routed experts are a program of their own (`ROUTED_APART`): every layer prog
 them, and `experts.picked` serves every layer, so the expert math — most of a layer's compile, the
 FP4 decode with it — compiles once per model instead of once per layer program (the engine's calls
 put them back together: `runtime.programs.calls`, which runs more rows than it suits eagerly, each
-expert over its own rows: a shape that depends on the routing, which no static program holds). `ROUTED_IN_LAYER`, each layer
-program with its routed experts inside, is the form before, kept as `dsv4 bench compile`'s baseline.
+expert over its own rows: a shape that depends on the routing, which no static program holds).
+`ROUTED_IN_LAYER`, each layer program with its routed experts inside, is the form before, kept as
+`dsv4 bench compile`'s baseline.
 """
 
 from __future__ import annotations
