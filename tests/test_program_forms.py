@@ -51,6 +51,14 @@ def _units(programs):
     return {name: build_function(spec) for name, spec in programs.specs.items()}
 
 
+def _rows_recorded(run, rows: list[int]):
+    """`run`, recording each call's rows (its first input's first dim) in `rows`."""
+    def call(*args):
+        rows.append(args[0].shape[0])
+        return run(*args)
+    return call
+
+
 def _routed_inputs(spec) -> list[str]:
     return [t.name for t in spec.inputs if t.name.startswith("w." + ROUTED_PREFIX)]
 
@@ -153,10 +161,7 @@ def test_a_fused_compiled_picked_program_serves_few_rows_and_the_rest_run_groupe
     programs = build_programs(config, layout, MAX_SEQ)
     units = _units(programs)
     ran: list[int] = []
-
-    def compiled_picked(*args):
-        ran.append(args[0].shape[0])
-        return units[EXPERTS_PICKED](*args)
+    compiled_picked = _rows_recorded(units[EXPERTS_PICKED], ran)  # stands for the compiled program
 
     def step(engine, rows: int):  # four sequences of two tokens, then `rows` more each (packed)
         for slot in range(4):
@@ -213,11 +218,7 @@ def test_a_step_asked_for_its_last_rows_logits_runs_the_head_on_those_rows_only(
     programs = build_programs(config, layout, MAX_SEQ)
     units = _units(programs)
     heads: list[int] = []
-
-    def head(*args):
-        heads.append(args[0].shape[0])
-        return units["head.decode"](*args)
-
+    head = _rows_recorded(units["head.decode"], heads)
     engines = [Engine(programs, weights, engine_runners(programs, {**units, "head.decode": head}), slots=3)
                for _ in range(2)]
     batch = [(0, torch.arange(3, 10)), (1, torch.tensor([5])), (2, torch.arange(20, 24))]
