@@ -54,7 +54,7 @@ class EngineRunners(Mapping):
                                                    if t.name.startswith("w.")})
         # the experts' function run eagerly: grouped by expert (what runs more rows than the compiled
         # picked program suits, and every step op by op)
-        self.grouped = build_function(programs.specs[EXPERTS_PICKED])
+        self.grouped = build_function(picked)
         self._calls: dict[str, Runner] = {}
         if programs.expert_parallel:
             self._calls[EXPERTS_PROGRAM] = self._experts

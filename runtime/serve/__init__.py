@@ -3,12 +3,12 @@ over the programs and KV slots (`engine`, `batcher`, `scheduler`), and the HTTP 
 /health, /metrics and the OpenAI surface (/v1/models, /v1/completions, /v1/chat/completions,
 each whole or streamed as SSE).
 
-FastAPI + uvicorn. What a client sends can never make it answer 5xx: bodies are capped (413
-beyond `Limits.max_body_bytes`, judged from Content-Length before a byte is kept; a body up
-to 4 MiB over is read to its end and dropped first, so the 413 is not lost to a reset), parsed and
-tokenized off the event loop (so /health answers during a large one), and every fault is a
-4xx naming the field (api). A request waits at most `Limits.queue_timeout` seconds for a slot
-(503 with Retry-After); a client that disconnects has its job cancelled, which frees the slot
+FastAPI + uvicorn. What a client sends can never make it answer 5xx: bodies are capped (413 beyond
+`Limits.max_body_bytes`, judged from Content-Length before a byte is kept; a body up to 4 MiB over
+is read to its end and dropped first, so the 413 is not lost to a reset), parsed and tokenized off
+the event loop (so /health answers during a large one), and every fault is a 4xx naming the field
+(api). A request waits at most `Limits.queue_timeout` seconds for a slot (503 with Retry-After); a
+client that disconnects has its job cancelled, which frees the slot
 within one decode step. Every response is counted by endpoint and status in /metrics (499 =
 the client went away first). Requests go to a runtime.serve.scheduler.Scheduler; the service
 never holds an engine.

@@ -2,12 +2,12 @@
 
 The page cache keeps a file written a piece at a time in folios no larger than its writes. The
 packer's pieces are small and scattered (it streams a layer at a time; the sidecar stacks each
-tensor over the layers): small's fresh sidecar had 12 % of its bytes in 2 MiB folios. A
-filesystem with large folios (xfs, and ext4 on recent kernels: 6.18 here) keeps a whole,
-aligned 2 MiB write as one 2 MiB folio, and a read-only mapping of such a file faults in one
-page-table entry per 2 MiB instead of one per 4 KiB. Hot, small's 515 MiB sidecar maps and is touched in 2 ms that
-way, against 37 ms (and 6 ms to unmap, against 0.1) as written piecewise; `cat` reads it in 20 ms.
-Elsewhere the blocks cost one copy of the bytes and change nothing else.
+tensor over the layers): small's fresh sidecar had 12 % of its bytes in 2 MiB folios. A filesystem
+with large folios (xfs, and ext4 on recent kernels: 6.18 here) keeps a whole, aligned 2 MiB write as
+one 2 MiB folio, and a read-only mapping of such a file faults in one page-table entry per 2 MiB
+instead of one per 4 KiB. Hot, small's 515 MiB sidecar maps and is touched in 2 ms that way, against
+37 ms (and 6 ms to unmap, against 0.1) as written piecewise; `cat` reads it in 20 ms. Elsewhere the
+blocks cost one copy of the bytes and change nothing else.
 """
 
 from __future__ import annotations
