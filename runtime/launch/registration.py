@@ -183,6 +183,9 @@ def _check(spec: LaunchSpec, rank_env, phases: PhaseRecorder, watch):
     """The plan of this launch (carried by the check event), the tensor contract, the
     tokenizer, the device, and the ranks joined (rank 0 then `watch(group)`es them): every phase
     below acts on this plan."""
+    from runtime.torch_import import import_torch
+
+    import_torch()  # first, before any module that imports torch (runtime.torch_import says why)
     from runtime.launch.device import get_device
     from runtime.launch.plan import make_plan
     from runtime.model.tensors import expected_tensors

@@ -40,6 +40,9 @@ def peak_rss_bytes() -> int:
 def main() -> int:
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch's, once per compile otherwise
     job = json.loads(sys.stdin.read())
+    from runtime.torch_import import import_torch
+
+    import_torch()  # before runtime.programs.build imports it: inductor's compile then walks less
     from runtime.programs.build import prepare
     from store.kernel_cache import KernelCache
 
