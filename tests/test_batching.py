@@ -122,6 +122,27 @@ def test_finished_sequences_leave_and_queued_ones_take_their_slots():
     assert max(engine.batches) == 2 and engine.slots == 2
 
 
+def test_an_idle_engine_gathers_a_burst_into_its_first_step():
+    """Jobs arriving within the gap of each other reach an idle engine's first step together;
+    one arriving after the engine went busy joins a later step."""
+    engine = CountingEngine(slots=4, base=100)
+
+    async def main():
+        s = Scheduler(engine, gather=(0.5, 5.0))  # a wide gap: the event loop's own delays never split the burst
+        jobs = []
+        for _ in range(3):
+            jobs.append(s.submit([1], Sampling(max_tokens=4)))
+            await asyncio.sleep(0.01)
+        out = [[t async for t in job] for job in jobs]
+        late = [t async for t in s.submit([1], Sampling(max_tokens=2))]
+        s.close()
+        return out, late
+
+    out, late = asyncio.run(main())
+    assert out == [[100, 101, 102, 103]] * 3 and late == [100, 101]
+    assert engine.batches[:4] == [3, 3, 3, 3] and engine.batches[4:] == [1, 1]
+
+
 def test_a_job_goes_to_the_rank_with_the_most_free_slots_then_the_least_work():
     engine = CountingEngine(rank_slots=[2, 3, 1], gated=True)
 
