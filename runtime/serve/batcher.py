@@ -133,7 +133,10 @@ class Batcher:
         runs = [r for r in runs if not r.ended]  # choices forked above may have ended at once
         waiting = [r for r in runs if r.parent is not None]
         stepping = [r for r in runs if r.parent is None]
-        going = self._run(stepping, prefill=False) if stepping else []
+        # a prompt alone in its step runs the prefill programs, a few percent faster than the
+        # same rows packed (`small`, 32 tokens: 251 against 264 ms); with others, packed
+        lone = len(stepping) == 1 and not stepping[0].prefilled
+        going = self._run(stepping, prefill=lone) if stepping else []
         return going + [r for r in waiting if not r.ended]  # forked now, or still waiting (its lead failed)
 
     def _rows(self, r: Running) -> list[int]:
