@@ -23,6 +23,7 @@ class CountingEngine:
         self.lengths, self.counts = [0] * slots, [0] * slots
         self.steps = 0
         self.batches: list[int] = []  # sequences per step
+        self.modes: list[bool | None] = []  # each step's `prefill`
         self.permits = threading.Semaphore(0) if gated else None
 
     @property
@@ -56,4 +57,5 @@ class CountingEngine:
             self.counts[slot] += 1
         self.steps += 1
         self.batches.append(len(batch))
+        self.modes.append(prefill)
         return SimpleNamespace(logits=torch.stack(rows), hidden=torch.zeros(sum(len(t) for _, t in batch), 1))

@@ -123,8 +123,8 @@ def test_finished_sequences_leave_and_queued_ones_take_their_slots():
 
 
 def test_an_idle_engine_gathers_a_burst_into_its_first_step():
-    """Jobs arriving within the gap of each other reach an idle engine's first step together;
-    one arriving after the engine went busy joins a later step."""
+    """Jobs arriving within the gap of each other reach an idle engine's first step together,
+    their prompts packed; a prompt alone in its step runs as a prefill."""
     engine = CountingEngine(slots=4, base=100)
 
     async def main():
@@ -141,6 +141,7 @@ def test_an_idle_engine_gathers_a_burst_into_its_first_step():
     out, late = asyncio.run(main())
     assert out == [[100, 101, 102, 103]] * 3 and late == [100, 101]
     assert engine.batches[:4] == [3, 3, 3, 3] and engine.batches[4:] == [1, 1]
+    assert engine.modes == [False] * 4 + [True, False]
 
 
 def test_a_job_goes_to_the_rank_with_the_most_free_slots_then_the_least_work():
