@@ -4,9 +4,10 @@ The service never holds the engine. It submits a `Job` (prompt ids + sampling), 
 start, reads its tokens and may cancel it. Continuous batching: one engine thread
 (`runtime.serve.batcher`) runs every active sequence's next token in one decode step (one call per
 program); admitted jobs' prompts join the next step (a long one prefills in a step of its own
-first), and finished ones leave without stalling the rest. A job holds one of the engine's KV
-slots from admission to its end. Of several ranks (each holding its own slots' KV), a job goes to
-the rank with the most free slots, ties to the one with the least work placed on it.
+first; an idle engine first waits a few ms for the rest of a burst, `GATHER_GAP_S`), and finished
+ones leave without stalling the rest. A job holds one of the engine's KV slots from admission to
+its end. Of several ranks (each holding its own slots' KV), a job goes to the rank with the most
+free slots, ties to the one with the least work placed on it.
 
 Two promises the service relies on:
 - a job waits at most `queue_timeout` seconds for a slot, then `started()` raises QueueTimeout
