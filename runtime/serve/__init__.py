@@ -8,10 +8,9 @@ FastAPI + uvicorn. What a client sends can never make it answer 5xx: bodies are 
 is read to its end and dropped first, so the 413 is not lost to a reset), parsed and tokenized off
 the event loop (so /health answers during a large one), and every fault is a 4xx naming the field
 (api). A request waits at most `Limits.queue_timeout` seconds for a slot (503 with Retry-After); a
-client that disconnects has its job cancelled, which frees the slot
-within one decode step. Every response is counted by endpoint and status in /metrics (499 =
-the client went away first). Requests go to a runtime.serve.scheduler.Scheduler; the service
-never holds an engine.
+client that disconnects has its job cancelled, which frees the slot within one decode step. Every
+response is counted by endpoint and status in /metrics (499 = the client went away first).
+Requests go to a runtime.serve.scheduler.Scheduler; the service never holds an engine.
 
     api        request bodies → validated requests, or ApiError
     http       safe JSON, status counting, capped bodies, disconnect watching
