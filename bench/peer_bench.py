@@ -7,7 +7,8 @@ cache, compiled on the first run). Same prompts (PROMPT_TOKENS tokens each, all 
 the peer's batch needs no padding), NEW_TOKENS greedy tokens, 1 request and CONCURRENT at once:
 the service gets them as streamed /v1/completions (`ignore_eos`), the peer as one `generate` of
 a batch. Both run on the same torch threads, never at the same time: after a warm-up of every
-shape, the sides take turns REPEATS times, and each side's run of median decode tokens/s counts.
+shape, the sides take turns REPEATS times, and each side's run of median decode tokens/s counts,
+with the median time to first token of its runs.
 
 Per side and concurrency: time to first token (the service: each request's first streamed
 token, median; the peer: a `generate` of one new token) and decode tokens/s (the tokens after
@@ -38,7 +39,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -74,8 +75,13 @@ def prompts(count: int, length: int, vocab: int) -> list[list[int]]:
 
 
 def _median(runs: list[Run]) -> Run:
-    """The run of median decode tokens/s (of an even count, the slower middle one)."""
-    return sorted(runs, key=lambda r: r.decode_tokens_per_s)[(len(runs) - 1) // 2]
+    """The run of median decode tokens/s (of an even count, the slower middle one), with the
+    median time to first token of all the runs: one run's first token is one step, which a
+    moment's load on a shared machine can double (one prefill of eight 1.4 s against 0.7-0.9 s
+    in the runs around it)."""
+    middle = sorted(runs, key=lambda r: r.decode_tokens_per_s)[(len(runs) - 1) // 2]
+    ttfts = sorted(r.ttft_s for r in runs)
+    return replace(middle, ttft_s=ttfts[(len(ttfts) - 1) // 2])
 
 
 def _stream(client, url: str, prompt: list[int], new_tokens: int) -> tuple[float, float, float, list[int]]:

@@ -170,3 +170,36 @@ def test_decode_reads_only_its_window_and_the_finished_entries(model):
     for token in (5, 6, 7, 8, 9, 10, 11, 12):
         a, b = clean.forward(torch.tensor([token])).logits, poisoned.forward(torch.tensor([token])).logits
         assert torch.equal(a, b)
+
+
+def _ran(fn) -> set[str]:
+    """The names of the ops `fn` ran, as torch's profiler saw them."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return {e.key for e in prof.key_averages()}
+
+
+def test_eager_matmuls_of_several_rows_of_a_large_weight_run_through_onednn():
+    """`ops.matmul`: oneDNN's linear for two rows or more of a large weight (MKL's small-row
+    GEMMs are 2-3× slower on the project's hosts), torch's matmul for one row (a GEMV), for a small
+    weight, and in a trace; the same float32 products either way."""
+    from runtime.model import ops as m
+
+    if m._ONEDNN_LINEAR is None:
+        pytest.skip("this torch has no oneDNN")
+    gen = torch.Generator().manual_seed(0)
+    large = torch.randn(1024, 512, generator=gen)
+    small = torch.randn(256, 128, generator=gen)
+    for rows, w, via in ((1, large, "aten::mm"), (2, large, "mkldnn::_linear_pointwise"),
+                         (32, large, "mkldnn::_linear_pointwise"), (32, small, "aten::mm")):
+        x = torch.randn(rows, w.shape[0], generator=gen)
+        ran = _ran(lambda x=x, w=w: m.matmul(x, w))
+        assert via in ran and ({"aten::mm", "mkldnn::_linear_pointwise"} - {via}).isdisjoint(ran), (rows, ran)
+        assert _rel(m.matmul(x, w), x @ w) < 1e-6
+
+    class Product(torch.nn.Module):
+        def forward(self, x, w):
+            return m.matmul(x, w)
+
+    graph = torch.export.export(Product(), (torch.randn(32, 1024), large)).graph_module.code
+    assert "aten.matmul" in graph and "mkldnn" not in graph  # a trace keeps torch's op: the compilers lower it

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from bench.peer_bench import GROUPED, PEER, SERVICE, as_json, measure, tables
+from bench.peer_bench import GROUPED, PEER, SERVICE, Run, _median, as_json, measure, tables
 
 
 @pytest.fixture(scope="module")
@@ -40,3 +40,13 @@ def test_json_carries_the_ratios_and_the_step_split_the_table_shows(result):
     assert split[GROUPED] > 0  # eager programs: every step's routed experts grouped, timed on their own
     main, step = tables(result)
     assert main[2][-1][-1] == "yes" and step[2][-1][0].startswith("left")
+
+
+def test_a_side_counts_its_run_of_median_decode_speed_and_its_median_first_token():
+    """One run's first token is one step, which a moment's load can double: the figure is the
+    median over the runs, beside the run of median decode speed."""
+    def run(decode_s: float, ttft_s: float) -> Run:
+        return Run(ttft_s=ttft_s, decode_s=decode_s, decode_tokens=10, interval_s=decode_s / 10, tokens=((1,),))
+
+    picked = _median([run(1.0, 1.4), run(2.0, 0.7), run(3.0, 0.9)])
+    assert picked.decode_s == 2.0 and picked.ttft_s == 0.9

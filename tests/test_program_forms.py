@@ -155,7 +155,7 @@ def test_an_experts_program_swapped_in_runs_from_the_next_step_in_every_layer(ti
 def test_a_fused_compiled_picked_program_serves_few_rows_and_the_rest_run_grouped_eagerly(tiny):
     """The compiled `experts.picked` runs only where it beats grouping: fused (aoti), once
     compiled, for rows picking fewer pairs per expert than `moe.picks_few`'s limit (tiny's small
-    experts: about 24). Op by op (export), on the eager tier, or for more rows, the same function
+    experts: about 32). Op by op (export), on the eager tier, or for more rows, the same function
     runs eagerly, grouped by expert. Either way the step's numbers are the eager block's."""
     config, layout, weights = tiny
     programs = build_programs(config, layout, MAX_SEQ)
@@ -176,12 +176,12 @@ def test_a_fused_compiled_picked_program_serves_few_rows_and_the_rest_run_groupe
         assert torch.equal(logits, reference[rows])
         return sorted(set(ran))
 
-    reference = {rows: step(Engine(programs, weights, slots=4), rows) for rows in (1, 30)}
+    reference = {rows: step(Engine(programs, weights, slots=4), rows) for rows in (1, 40)}
     k, n, size = config.num_experts_per_tok, config.n_routed_experts, 3 * config.hidden_size * config.moe_intermediate_size
     assert not picks_few(4, k, n)  # op by op: 4 rows pick as many pairs as tiny has experts
-    assert picks_few(4 * 20, k, n, True, size) and not picks_few(4 * 30, k, n, True, size)
+    assert picks_few(4 * 30, k, n, True, size) and not picks_few(4 * 40, k, n, True, size)
     assert experts_run(fuses=True, picked_tier=COMPILED, rows=1) == [4]  # picked, in every layer
-    assert experts_run(fuses=True, picked_tier=COMPILED, rows=30) == []  # 30 pairs per expert: grouped
+    assert experts_run(fuses=True, picked_tier=COMPILED, rows=40) == []  # 40 pairs per expert: grouped
     assert experts_run(fuses=False, picked_tier=COMPILED, rows=1) == []
     assert experts_run(fuses=True, picked_tier=EAGER, rows=1) == []
 

@@ -58,8 +58,9 @@ def _experts_grouped(d: Dims, experts: dict[str, torch.Tensor], h: torch.Tensor,
     eagerly on the cpu only (a trace holds static shapes; an accelerator would stall on the read:
     there the dense path). Choices outside 0..n-1 (another rank's experts, `routed`) are skipped.
     One expert's float weights at a time, a large one by column chunks (`linear`): the scratch never
-    grows with the experts. On `small` (32 experts, top-4, 2 cores) one layer at 256 rows: 44 ms,
-    against 149 ms for the dense path compiled by inductor."""
+    grows with the experts; its matmuls through oneDNN (`ops.matmul`). On `small` (32 experts,
+    top-4, 2 cores) one layer at 256 rows: 29 ms (44 through MKL), against 149 ms for the dense
+    path compiled by inductor."""
     n, k = next(iter(experts.values())).shape[0], idx.shape[1]
     flat = idx.reshape(-1)
     pairs = ((flat >= 0) & (flat < n)).nonzero().squeeze(1)  # (row, choice) pairs, as row·k + choice
@@ -105,19 +106,21 @@ def _picked_matmul(x: torch.Tensor, picked: dict[str, torch.Tensor], name: str) 
 
 
 # Fused by a compiler, the picked path decodes each pick's bytes where they multiply and stores no
-# float weight: it stays the faster way long after the picks outnumber the experts. One layer on 2
-# cores, picked compiled by inductor vs grouped run eagerly (the way the engine runs more rows,
-# `runtime.programs.calls`), ms: `small` (32 experts of 1.57 M weights, top-4) 16 rows 8.8 vs 18.3,
-# 32 rows 16.7 vs 25.6, 48 rows 23.0 vs 25.8, 64 rows 44.1 vs 29.3, 256 rows 174 vs 44 (the dense
-# path compiled: 149): the crossover near 7 pairs per expert; `tiny` (8 experts of 98 K, top-2) 32
-# rows 0.6 vs 2.0, 128 rows 2.2 vs 1.8, 256 rows 3.5 vs 2.2: near 24. Grouping an expert costs its
-# decode (about 6 picks' worth) plus its eager ops, a fixed cost worth picking about 1.8 M weights,
-# which a small expert cannot amortise: the limit per expert is the sum (small 7.1, tiny 24, a
-# V4-Flash expert of 44 M weights 6.0). Eagerly, or op by op, the picked path dequantises every
-# pick's weights whole and the grouped one each used expert once: grouped is never slower (small:
-# 1 row 2.0 vs 1.9 ms, 8 rows 100 vs 10), so an eager step on the cpu always groups.
-FUSED_PICKS_PER_EXPERT = 6
-GROUPED_FIXED_WEIGHTS = 1_800_000
+# float weight: it stays the faster way long after the picks outnumber the experts. A lone prefill
+# on 2 cores, picked compiled by inductor vs grouped run eagerly (the way the engine runs more rows,
+# `runtime.programs.calls`; its matmuls through oneDNN, `ops.matmul`), the whole step, ms: `small`
+# (32 experts of 1.57 M weights, top-4) 16 rows 178-192 vs 221-234, 24 rows 253 vs 244, 28 rows
+# 243 vs 276, 32 rows 305 vs 260 (medians of 40 steps), 40 rows 406 vs 314, 48 rows 519 vs 334:
+# the crossover near 3.5 pairs per expert (6-7 while grouping multiplied through MKL); `tiny` (8
+# experts of 98 K weights, top-2) 64 rows 9.2 vs 16.5, 128 rows 17.6 vs 20.0: above 32. Grouping
+# an expert costs its decode plus its eager ops, a fixed cost a small expert cannot amortise: the
+# limit per expert is FUSED_PICKS_PER_EXPERT + GROUPED_FIXED_WEIGHTS / its weights (small 3.9,
+# tiny 32.5, a V4-Flash expert of 44 M weights 2.1). Eagerly, or op by op, the picked path
+# dequantises every pick's weights whole and the grouped one each used expert once: grouped is
+# never slower (small: 1 row 2.0 vs 1.9 ms, 8 rows 100 vs 10), so an eager step on the cpu always
+# groups.
+FUSED_PICKS_PER_EXPERT = 2
+GROUPED_FIXED_WEIGHTS = 3_000_000
 
 
 def weights_per_expert(shapes: dict[str, tuple[tuple[int, ...], str]]) -> int:
