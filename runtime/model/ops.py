@@ -179,8 +179,9 @@ ONEDNN_MIN_WEIGHTS = 1 << 17
 
 
 def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [rows, in] @ w [in, out], float32, run eagerly: through oneDNN on the cpu for two rows or
-    more of a weight of ONEDNN_MIN_WEIGHTS or more (see above), else torch's matmul."""
+    """x [rows, in] @ w [in, out]: through oneDNN's linear when run eagerly on the cpu in float32,
+    for two rows or more of a weight of ONEDNN_MIN_WEIGHTS or more (see above); otherwise (one
+    row, a small weight, another device or dtype, or a trace, which its compiler lowers) torch's."""
     if (_ONEDNN_LINEAR is not None and x.dim() == 2 and x.shape[0] >= ONEDNN_MIN_ROWS and w.numel() >= ONEDNN_MIN_WEIGHTS
             and x.is_cpu and x.dtype == w.dtype == torch.float32 and not torch.compiler.is_compiling()):
         return _ONEDNN_LINEAR(x, w.t(), None, "none", [], "")
