@@ -80,8 +80,7 @@ def _median(runs: list[Run]) -> Run:
     moment's load on a shared machine can double (one prefill of eight 1.4 s against 0.7-0.9 s
     in the runs around it)."""
     middle = sorted(runs, key=lambda r: r.decode_tokens_per_s)[(len(runs) - 1) // 2]
-    ttfts = sorted(r.ttft_s for r in runs)
-    return replace(middle, ttft_s=ttfts[(len(ttfts) - 1) // 2])
+    return replace(middle, ttft_s=statistics.median_low(r.ttft_s for r in runs))
 
 
 def _stream(client, url: str, prompt: list[int], new_tokens: int) -> tuple[float, float, float, list[int]]:
