@@ -7,8 +7,12 @@ cache, compiled on the first run). Same prompts (PROMPT_TOKENS tokens each, all 
 the peer's batch needs no padding), NEW_TOKENS greedy tokens, 1 request and CONCURRENT at once:
 the service gets them as streamed /v1/completions (`ignore_eos`), the peer as one `generate` of
 a batch. Both run on the same torch threads, never at the same time: after a warm-up of every
-shape, the sides take turns REPEATS times, and each side's run of median decode tokens/s counts,
-with the median time to first token of its runs.
+shape, the sides take turns REPEATS times, and each side's run of median decode tokens/s counts.
+A first token is one step, which this machine's speed (it swings by up to 1.6x within minutes)
+moves as much as any change to it: each side's time to first token is the median of its runs'
+and of TTFT_ROUNDS more first tokens alone (the service: a one-token request; the peer: a
+`generate` of one token). Within a turn the side that goes first alternates, so neither always
+follows the other's heaviest run.
 
 Per side and concurrency: time to first token (the service: each request's first streamed
 token, median; the peer: a `generate` of one new token) and decode tokens/s (the tokens after
@@ -45,6 +49,7 @@ from typing import Any
 
 PROMPT_TOKENS, NEW_TOKENS, CONCURRENT = 32, 64, 8
 REPEATS = 3
+TTFT_ROUNDS = 8  # first tokens alone per side and concurrency, beside the runs'
 TARGET = 1.0  # decode tokens/s, service ÷ transformers, at both concurrencies
 SERVICE, PEER = "service", "transformers"
 WHO = "dsv4 bench peer"
@@ -74,13 +79,19 @@ def prompts(count: int, length: int, vocab: int) -> list[list[int]]:
     return [[(31 * i + 7 * k + 3) % vocab for k in range(length)] for i in range(count)]
 
 
-def _median(runs: list[Run]) -> Run:
+def _median(runs: list[Run], firsts: list[float] = ()) -> Run:
     """The run of median decode tokens/s (of an even count, the slower middle one), with the
-    median time to first token of all the runs: one run's first token is one step, which a
-    moment's load on a shared machine can double (one prefill of eight 1.4 s against 0.7-0.9 s
-    in the runs around it)."""
+    median time to first token of all the runs and the `firsts` measured alone: one first token
+    is one step, which a moment's load on a shared machine can double (one prefill of eight 1.4 s
+    against 0.7-0.9 s in the runs around it)."""
     middle = sorted(runs, key=lambda r: r.decode_tokens_per_s)[(len(runs) - 1) // 2]
-    return replace(middle, ttft_s=statistics.median_low(r.ttft_s for r in runs))
+    return replace(middle, ttft_s=statistics.median_low([*(r.ttft_s for r in runs), *firsts]))
+
+
+def _turns(sides: dict[str, Any], turn: int) -> list[tuple[str, Any]]:
+    """The sides in the order they run at `turn`: each goes first every other turn."""
+    order = list(sides.items())
+    return order if turn % 2 == 0 else order[::-1]
 
 
 def _stream(client, url: str, prompt: list[int], new_tokens: int) -> tuple[float, float, float, list[int]]:
@@ -120,22 +131,33 @@ def service_run(url: str, batch: list[list[int]], new_tokens: int) -> Run:
                tokens=tuple(tuple(d[3]) for d in done))
 
 
-def peer_run(peer: Any, batch: list[list[int]], new_tokens: int) -> Run:
-    """The batch as one greedy `generate`, KV cache on: one new token (the time to first token),
-    then all of them; decode is the difference."""
+def _generate(peer: Any, batch: list[list[int]], new_tokens: int) -> tuple[float, Any]:
+    """The batch as one greedy `generate` of `new_tokens`, KV cache on: (seconds, new ids)."""
     import torch
 
     ids = torch.tensor(batch, dtype=torch.int64)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = peer.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+                            use_cache=True)
+    return time.perf_counter() - t0, out[:, ids.shape[1]:]
 
-    def generate(n: int) -> tuple[float, torch.Tensor]:
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            out = peer.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                                use_cache=True)
-        return time.perf_counter() - t0, out[:, ids.shape[1]:]
 
-    ttft, _ = generate(1)
-    full, out = generate(new_tokens)
+def service_first(url: str, batch: list[list[int]]) -> float:
+    """The service's time to first token alone: every prompt a one-token request, all at once."""
+    return service_run(url, batch, 1).ttft_s
+
+
+def peer_first(peer: Any, batch: list[list[int]]) -> float:
+    """The peer's time to first token alone: a `generate` of one token."""
+    return _generate(peer, batch, 1)[0]
+
+
+def peer_run(peer: Any, batch: list[list[int]], new_tokens: int) -> Run:
+    """The batch as one greedy `generate`, KV cache on: one new token (the time to first token),
+    then all of them; decode is the difference."""
+    ttft = peer_first(peer, batch)
+    full, out = _generate(peer, batch, new_tokens)
     decode = max(full - ttft, 1e-9)
     return Run(ttft_s=ttft, decode_s=decode, decode_tokens=len(batch) * (new_tokens - 1),
                interval_s=decode / max(new_tokens - 1, 1), tokens=tuple(tuple(r) for r in out.tolist()))
@@ -202,9 +224,11 @@ def step_split(engine: Any, spent: dict[str, float], batch: list[list[int]], new
 
 def measure(preset: str = "tiny", backend: str = "export", prompt_tokens: int = PROMPT_TOKENS,
             new_tokens: int = NEW_TOKENS, concurrent: int = CONCURRENT, repeats: int = REPEATS,
-            model: Path | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
+            ttft_rounds: int = TTFT_ROUNDS, model: Path | None = None,
+            log: Callable[[str], None] = print) -> dict[str, Any]:
     """Both sides on the preset's checkpoint (or `model`), 1 and `concurrent` sequences, each
-    `repeats` times (the sides taking turns); each side's run of median decode tokens/s."""
+    `repeats` times and `ttft_rounds` first tokens alone (the sides taking turns); each side's run
+    of median decode tokens/s, with its median first token."""
     from bench.hf_peer import main_model_peer, require_transformers
 
     require_transformers(WHO)
@@ -231,8 +255,9 @@ def measure(preset: str = "tiny", backend: str = "export", prompt_tokens: int = 
     cache = kernel_cache_dir()
     result: dict[str, Any] = {"preset": preset, "backend": backend, "threads": threads, "cpus": os.cpu_count(),
                               "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "max_seq": max_seq,
-                              "loads": loads, "repeats": repeats, "split_s": {}}
+                              "loads": loads, "repeats": repeats, "ttft_rounds": ttft_rounds, "split_s": {}}
     runs: dict[str, dict[int, list[Run]]] = {SERVICE: {n: [] for n in loads}, PEER: {n: [] for n in loads}}
+    firsts: dict[str, dict[int, list[float]]] = {SERVICE: {n: [] for n in loads}, PEER: {n: [] for n in loads}}
     with tempfile.TemporaryDirectory(prefix="dsv4-bench-peer-") as tmp:
         run_dir = Path(tmp) / "serve"
         run_dir.mkdir()
@@ -244,20 +269,26 @@ def measure(preset: str = "tiny", backend: str = "export", prompt_tokens: int = 
             torch.set_num_threads(threads)
             peer = main_model_peer(model, Path(tmp) / "peer")
             sides = {SERVICE: functools.partial(service_run, url), PEER: functools.partial(peer_run, peer)}
+            first = {SERVICE: functools.partial(service_first, url), PEER: functools.partial(peer_first, peer)}
             for n in loads:  # first calls of each shape (allocations, caches) are not the figures
                 for run in sides.values():
                     run(batches[n], min(new_tokens, 4))
             for i in range(repeats):  # the sides take turns: a drift of the machine's speed falls on both
                 for n in loads:
-                    for side, run in sides.items():
+                    for side, run in _turns(sides, i):
                         log(f"{side}: {n} at once, {new_tokens} tokens (run {i + 1}/{repeats}) …")
                         runs[side][n].append(run(batches[n], new_tokens))
-            del peer, sides, run  # the float32 copy's memory, before the launch below
+            log(f"first tokens alone, {ttft_rounds} rounds …")
+            for i in range(ttft_rounds):
+                for n in loads:
+                    for side, run in _turns(first, i):
+                        firsts[side][n].append(run(batches[n]))
+            del peer, sides, first, run  # the float32 copy's memory, before the launch below
         finally:
             proc.terminate()
             proc.wait(timeout=120)
     for side, by_load in runs.items():
-        result[side] = {n: _median(rs) for n, rs in by_load.items()}
+        result[side] = {n: _median(rs, firsts[side][n]) for n, rs in by_load.items()}
     result["tokens_equal"] = all(r.tokens == result[PEER][n].tokens for side in runs for n in loads
                                  for r in runs[side][n])
     log("where a service decode step goes: its launch in this process, the same decode step by step …")

@@ -9,12 +9,12 @@ import json
 
 import pytest
 
-from bench.peer_bench import GROUPED, PEER, SERVICE, Run, _median, as_json, measure, tables
+from bench.peer_bench import GROUPED, PEER, SERVICE, Run, _median, _turns, as_json, measure, tables
 
 
 @pytest.fixture(scope="module")
 def result(tiny_ckpt_ro):
-    return measure("tiny", "eager", prompt_tokens=8, new_tokens=5, repeats=1, model=tiny_ckpt_ro,
+    return measure("tiny", "eager", prompt_tokens=8, new_tokens=5, repeats=1, ttft_rounds=2, model=tiny_ckpt_ro,
                    log=lambda _line: None)
 
 
@@ -50,3 +50,10 @@ def test_a_side_counts_its_run_of_median_decode_speed_and_its_median_first_token
 
     picked = _median([run(1.0, 1.4), run(2.0, 0.7), run(3.0, 0.9)])
     assert picked.decode_s == 2.0 and picked.ttft_s == 0.9
+    # the first tokens measured alone count beside the runs'
+    assert _median([run(1.0, 1.4), run(2.0, 0.7), run(3.0, 0.9)], [0.5, 0.6, 0.65]).ttft_s == 0.65
+
+
+def test_the_side_that_goes_first_alternates():
+    sides = {SERVICE: 1, PEER: 2}
+    assert [[s for s, _ in _turns(sides, i)] for i in range(3)] == [[SERVICE, PEER], [PEER, SERVICE], [SERVICE, PEER]]
