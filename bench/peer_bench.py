@@ -41,7 +41,7 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -79,7 +79,7 @@ def prompts(count: int, length: int, vocab: int) -> list[list[int]]:
     return [[(31 * i + 7 * k + 3) % vocab for k in range(length)] for i in range(count)]
 
 
-def _median(runs: list[Run], firsts: list[float] = ()) -> Run:
+def _median(runs: list[Run], firsts: Sequence[float] = ()) -> Run:
     """The run of median decode tokens/s (of an even count, the slower middle one), with the
     median time to first token of all the runs and the `firsts` measured alone: one first token
     is one step, which a moment's load on a shared machine can double (one prefill of eight 1.4 s
