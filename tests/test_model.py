@@ -179,10 +179,12 @@ def _ran(fn) -> set[str]:
     return {e.key for e in prof.key_averages()}
 
 
-def test_eager_matmuls_of_several_rows_of_a_large_weight_run_through_onednn():
+def test_matmuls_of_several_rows_of_a_large_weight_run_through_onednn_eagerly_and_in_programs():
     """`ops.matmul`: oneDNN's linear for two rows or more of a large weight (MKL's small-row
-    GEMMs are 2-3× slower on the project's hosts), torch's matmul for one row (a GEMV), for a small
-    weight, and in a trace; the same float32 products either way."""
+    GEMMs are 2-3× slower on the project's hosts), torch's matmul for one row (a GEMV) and for a
+    small weight; the same float32 products either way. Traced, it is `dsv4::matmul`, which inductor
+    leaves alone (it lowers oneDNN's linear only onto constant weights) and which makes the same
+    choice when the program runs, by the rows it gets."""
     from runtime.model import ops as m
 
     if m._ONEDNN_LINEAR is None:
@@ -190,16 +192,21 @@ def test_eager_matmuls_of_several_rows_of_a_large_weight_run_through_onednn():
     gen = torch.Generator().manual_seed(0)
     large = torch.randn(1024, 512, generator=gen)
     small = torch.randn(256, 128, generator=gen)
-    for rows, w, via in ((1, large, "aten::mm"), (2, large, "mkldnn::_linear_pointwise"),
-                         (32, large, "mkldnn::_linear_pointwise"), (32, small, "aten::mm")):
-        x = torch.randn(rows, w.shape[0], generator=gen)
-        ran = _ran(lambda x=x, w=w: m.matmul(x, w))
-        assert via in ran and ({"aten::mm", "mkldnn::_linear_pointwise"} - {via}).isdisjoint(ran), (rows, ran)
-        assert _rel(m.matmul(x, w), x @ w) < 1e-6
 
     class Product(torch.nn.Module):
         def forward(self, x, w):
-            return m.matmul(x, w)
+            return m.matmul(x, w * 1.0)  # a weight computed in the graph, as a dequantised one is
 
-    graph = torch.export.export(Product(), (torch.randn(32, 1024), large)).graph_module.code
-    assert "aten.matmul" in graph and "mkldnn" not in graph  # a trace keeps torch's op: the compilers lower it
+    rows = torch.export.Dim("rows", min=1, max=64)
+    programs = {}
+    for w in (large, small):
+        programs[w.shape] = torch.export.export(Product(), (torch.randn(32, w.shape[0]), w), dynamic_shapes=({0: rows}, None))
+    assert "dsv4.matmul" in programs[large.shape].graph_module.code
+    assert "dsv4" not in programs[small.shape].graph_module.code and "aten.matmul" in programs[small.shape].graph_module.code
+    for rows, w, via in ((1, large, "aten::mm"), (2, large, "mkldnn::_linear_pointwise"),
+                         (32, large, "mkldnn::_linear_pointwise"), (32, small, "aten::mm")):
+        x = torch.randn(rows, w.shape[0], generator=gen)
+        for run in (m.matmul, programs[w.shape].module()):
+            ran = _ran(lambda x=x, w=w, run=run: run(x, w))
+            assert via in ran and ({"aten::mm", "mkldnn::_linear_pointwise"} - {via}).isdisjoint(ran), (rows, ran)
+            assert _rel(run(x, w), x @ w) < 1e-6

@@ -181,11 +181,32 @@ ONEDNN_MIN_WEIGHTS = 1 << 17
 def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [rows, in] @ w [in, out]: through oneDNN's linear when run eagerly on the cpu in float32,
     for two rows or more of a weight of ONEDNN_MIN_WEIGHTS or more (see above); otherwise (one
-    row, a small weight, another device or dtype, or a trace, which its compiler lowers) torch's."""
-    if (_ONEDNN_LINEAR is not None and x.dim() == 2 and x.shape[0] >= ONEDNN_MIN_ROWS and w.numel() >= ONEDNN_MIN_WEIGHTS
-            and x.is_cpu and x.dtype == w.dtype == torch.float32 and not torch.compiler.is_compiling()):
-        return _ONEDNN_LINEAR(x, w.t(), None, "none", [], "")
+    row, a small weight, another device or dtype) torch's. Traced on the cpu, such a product is
+    `dsv4::matmul` (see below), which makes the same choice when the program runs."""
+    if (_ONEDNN_LINEAR is not None and x.dim() == 2 and w.numel() >= ONEDNN_MIN_WEIGHTS and x.is_cpu
+            and x.dtype == w.dtype == torch.float32):
+        if torch.compiler.is_compiling():
+            return torch.ops.dsv4.matmul(x, w)
+        if x.shape[0] >= ONEDNN_MIN_ROWS:
+            return _ONEDNN_LINEAR(x, w.t(), None, "none", [], "")
     return x @ w
+
+
+# Inductor lowers oneDNN's linear only onto a constant weight it prepacks, never onto one dequantised
+# in the graph (`LoweringException: NotImplementedError: Pointwise`). An op of our own is a call it
+# leaves alone: a program calls back into `matmul` (about 10 us a call more), which picks by the
+# rows it gets. Compiled by AOTInductor, one `[1024, 512]` weight dequantised in the program and
+# multiplied: 1 row 72 vs 62 us through MKL, 8 rows 130 vs 199, 32 rows 215 vs 344, 256 rows 793 vs
+# 1733 (a decode step of eight sequences' prompts). A program that calls it needs this module
+# imported before it loads (`runtime.programs.build`).
+@torch.library.custom_op("dsv4::matmul", mutates_args=())
+def _matmul_op(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return matmul(x, w)
+
+
+@_matmul_op.register_fake
+def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], w.shape[1])
 
 
 def linear(w: dict[str, torch.Tensor], name: str, x: torch.Tensor) -> torch.Tensor:

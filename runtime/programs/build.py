@@ -186,6 +186,8 @@ def _load(backend: str, data: bytes) -> Callable[..., Any]:
     """Load from the verified bytes themselves, never from a path that could change since."""
     import torch
 
+    import runtime.model.ops  # noqa: F401  registers `dsv4::matmul`, which prefill programs call
+
     if backend == "export":
         return torch.export.load(io.BytesIO(data)).module()
     return _load_aoti(data)
