@@ -186,7 +186,7 @@ def _load(backend: str, data: bytes) -> Callable[..., Any]:
     """Load from the verified bytes themselves, never from a path that could change since."""
     import torch
 
-    import runtime.model.ops  # noqa: F401  registers `dsv4::matmul`, which prefill programs call
+    import runtime.model.ops  # noqa: F401  registers `dsv4::matmul`, which programs compiled for the cpu call
 
     if backend == "export":
         return torch.export.load(io.BytesIO(data)).module()
