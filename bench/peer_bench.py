@@ -256,8 +256,11 @@ def measure(preset: str = "tiny", backend: str = "export", prompt_tokens: int = 
     result: dict[str, Any] = {"preset": preset, "backend": backend, "threads": threads, "cpus": os.cpu_count(),
                               "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "max_seq": max_seq,
                               "loads": loads, "repeats": repeats, "ttft_rounds": ttft_rounds, "split_s": {}}
-    runs: dict[str, dict[int, list[Run]]] = {SERVICE: {n: [] for n in loads}, PEER: {n: [] for n in loads}}
-    firsts: dict[str, dict[int, list[float]]] = {SERVICE: {n: [] for n in loads}, PEER: {n: [] for n in loads}}
+    def per_side() -> dict[str, dict[int, list]]:
+        return {side: {n: [] for n in loads} for side in (SERVICE, PEER)}
+
+    runs: dict[str, dict[int, list[Run]]] = per_side()
+    firsts: dict[str, dict[int, list[float]]] = per_side()  # first tokens measured alone
     with tempfile.TemporaryDirectory(prefix="dsv4-bench-peer-") as tmp:
         run_dir = Path(tmp) / "serve"
         run_dir.mkdir()
