@@ -179,16 +179,18 @@ def _ran(fn) -> set[str]:
     return {e.key for e in prof.key_averages()}
 
 
-def test_matmuls_of_several_rows_of_a_large_weight_run_through_onednn_eagerly_and_in_programs():
-    """`ops.matmul`: oneDNN's linear for two rows or more of a large weight (MKL's small-row
-    GEMMs are 2-3× slower on the project's hosts), torch's matmul for one row (a GEMV) and for a
-    small weight; the same float32 products either way. Traced, it is `dsv4::matmul`, which inductor
-    leaves alone (it lowers oneDNN's linear only onto constant weights) and which makes the same
-    choice when the program runs, by the rows it gets."""
+def test_matmuls_of_several_rows_of_a_large_weight_run_through_onednn_eagerly_and_in_programs(monkeypatch):
+    """`ops.matmul` where oneDNN is chosen (an AMD cpu: MKL's small-row GEMMs are 2-3× slower
+    there): oneDNN's linear for two rows or more of a large weight, torch's matmul for one row (a
+    GEMV) and for a small weight; the same float32 products either way. Traced, it is
+    `dsv4::matmul`, which inductor leaves alone (it lowers oneDNN's linear only onto constant
+    weights) and which makes the same choice when the program runs, by the rows it gets."""
     from runtime.model import ops as m
 
-    if m._ONEDNN_LINEAR is None:
+    onednn = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+    if not torch.backends.mkldnn.is_available() or onednn is None:
         pytest.skip("this torch has no oneDNN")
+    monkeypatch.setattr(m, "_ONEDNN_LINEAR", onednn)  # whatever this host's cpu
     gen = torch.Generator().manual_seed(0)
     large = torch.randn(1024, 512, generator=gen)
     small = torch.randn(256, 128, generator=gen)
@@ -210,3 +212,22 @@ def test_matmuls_of_several_rows_of_a_large_weight_run_through_onednn_eagerly_an
             ran = _ran(lambda x=x, w=w, run=run: run(x, w))
             assert via in ran and ({"aten::mm", "mkldnn::_linear_pointwise"} - {via}).isdisjoint(ran), (rows, ran)
             assert _rel(run(x, w), x @ w) < 1e-6
+
+
+def test_without_onednn_every_matmul_is_torchs_and_traces_as_torchs(monkeypatch):
+    """Where MKL is the faster (an Intel cpu: `ops._onednn_linear` gives None), a large weight's
+    product is torch's matmul eagerly and in the trace, which inductor then compiles itself."""
+    from runtime.model import ops as m
+
+    monkeypatch.setattr(m, "_ONEDNN_LINEAR", None)
+    w = torch.randn(1024, 512)
+
+    class Product(torch.nn.Module):
+        def forward(self, x, w):
+            return m.matmul(x, w * 1.0)
+
+    program = torch.export.export(Product(), (torch.randn(32, 1024), w), dynamic_shapes=({0: torch.export.Dim("rows", min=1, max=64)}, None))
+    assert "dsv4" not in program.graph_module.code and "aten.matmul" in program.graph_module.code
+    x = torch.randn(8, 1024)
+    ran = _ran(lambda: m.matmul(x, w))
+    assert "aten::mm" in ran and "mkldnn::_linear_pointwise" not in ran

@@ -19,6 +19,7 @@ from runtime.model.moe import (
 )
 from runtime.programs.calls import engine_runners
 from runtime.programs.catalog import (
+    EXPERTS_ONE,
     EXPERTS_PICKED,
     ROUTED_IN_LAYER,
     ROUTED_PREFIX,
@@ -68,8 +69,12 @@ def test_layer_programs_hold_no_routed_expert_and_one_experts_program_serves_eve
     apart = build_programs(config, layout, MAX_SEQ)
     layers = [s for n, s in apart.specs.items() if n.startswith("layer.")]
     assert layers and all(not _routed_inputs(s) for s in layers)
-    assert [n for n in apart.specs if n.startswith("experts")] == [EXPERTS_PICKED]
+    assert [n for n in apart.specs if n.startswith("experts")] == [EXPERTS_PICKED, EXPERTS_ONE]
     assert _routed_inputs(apart.specs[EXPERTS_PICKED]) == [f"w.{n}" for n in apart.weight_names["experts"]]
+    # one expert: its rows, then the same tensors less their experts dim
+    picked, one = apart.specs[EXPERTS_PICKED].inputs, apart.specs[EXPERTS_ONE].inputs
+    assert [(t.name, t.shape) for t in one] == [("x", ("M", config.hidden_size))] + \
+        [(t.name, t.shape[1:]) for t in picked if t.name.startswith("w.")]
     inside = build_programs(config, layout, MAX_SEQ, routed=ROUTED_IN_LAYER)
     assert all(_routed_inputs(s) for n, s in inside.specs.items() if n.startswith("layer."))
     assert not any(n.startswith("experts") for n in inside.specs)
@@ -156,7 +161,8 @@ def test_a_fused_compiled_picked_program_serves_few_rows_and_the_rest_run_groupe
     """The compiled `experts.picked` runs only where it beats grouping: fused (aoti), once
     compiled, for rows picking fewer pairs per expert than `moe.picks_few`'s limit (tiny's small
     experts: about 32). Op by op (export), on the eager tier, or for more rows, the same function
-    runs eagerly, grouped by expert. Either way the step's numbers are the eager block's."""
+    runs eagerly, grouped by expert: each expert through the compiled `experts.one` once it is
+    fused and in. Either way the step's numbers are the eager block's."""
     config, layout, weights = tiny
     programs = build_programs(config, layout, MAX_SEQ)
     units = _units(programs)
@@ -169,9 +175,13 @@ def test_a_fused_compiled_picked_program_serves_few_rows_and_the_rest_run_groupe
         ran.clear()
         return engine.step([(slot, torch.arange(9, 9 + rows) + slot) for slot in range(4)], prefill=False).logits
 
-    def experts_run(fuses: bool, picked_tier: str, rows: int) -> list[int]:
-        table = TieredRunners({**units, EXPERTS_PICKED: compiled_picked},
-                              {**dict.fromkeys(units, COMPILED), EXPERTS_PICKED: picked_tier})
+    one_ran: list[int] = []
+    compiled_one = _rows_recorded(units[EXPERTS_ONE], one_ran)  # stands for the compiled `experts.one`
+
+    def experts_run(fuses: bool, picked_tier: str, rows: int, one_tier: str = EAGER) -> list[int]:
+        table = TieredRunners({**units, EXPERTS_PICKED: compiled_picked, EXPERTS_ONE: compiled_one},
+                              {**dict.fromkeys(units, COMPILED), EXPERTS_PICKED: picked_tier, EXPERTS_ONE: one_tier})
+        one_ran.clear()
         logits = step(Engine(programs, weights, engine_runners(programs, table, fuses), slots=4), rows)
         assert torch.equal(logits, reference[rows])
         return sorted(set(ran))
@@ -184,6 +194,13 @@ def test_a_fused_compiled_picked_program_serves_few_rows_and_the_rest_run_groupe
     assert experts_run(fuses=True, picked_tier=COMPILED, rows=40) == []  # 40 pairs per expert: grouped
     assert experts_run(fuses=False, picked_tier=COMPILED, rows=1) == []
     assert experts_run(fuses=True, picked_tier=EAGER, rows=1) == []
+    # grouped, each expert through the compiled `experts.one` once it is in (fused only): every
+    # layer's used experts over their rows: each layer's 160 rows × top-k picks in all
+    assert one_ran == []
+    assert experts_run(fuses=True, picked_tier=COMPILED, rows=40, one_tier=COMPILED) == []
+    layers = sum(g.startswith("layers.") for g in programs.variants)
+    assert layers <= len(one_ran) <= layers * n and sum(one_ran) == layers * 4 * 40 * k
+    assert experts_run(fuses=False, picked_tier=COMPILED, rows=40, one_tier=COMPILED) == [] and one_ran == []
 
 
 def test_grouping_by_expert_computes_the_dense_and_the_picked_ways_numbers(tiny):

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from runtime.model import forward as model
+from runtime.model import moe
 from runtime.model.dims import Dims
 
 
@@ -38,18 +39,27 @@ def experts(dims: dict, weight_names: list[str], picked: bool | None = None, fin
     rank): the program takes a layer program's FFN parts (`model.FFN_PARTS`) and returns the block's
     output, so the engine's layer call is two programs and no glue."""
     if finish:
-        def finish_program(*args):
+        def finish_program(*args, one=None):
             parts, w = args[:model.FFN_PARTS], dict(zip(weight_names, args[model.FFN_PARTS:], strict=True))
             h, idx, weights = parts[model.ROUTED_INPUT]
-            return model.ffn_out(parts, model.experts(Dims(**dims), w, h, idx, weights, None, picked))
+            return model.ffn_out(parts, model.experts(Dims(**dims), w, h, idx, weights, None, picked, one))
 
         return finish_program
 
-    def experts_program(h, idx, weights, expert_base, *tensors):
+    def experts_program(h, idx, weights, expert_base, *tensors, one=None):
         w = dict(zip(weight_names, tensors, strict=True))
-        return model.experts(Dims(**dims), w, h, idx, weights, expert_base, picked)
+        return model.experts(Dims(**dims), w, h, idx, weights, expert_base, picked, one)
 
     return experts_program
+
+
+def expert_one(dims: dict, weight_names: list[str]) -> Callable:
+    """One routed expert over its rows, its tensors inputs (no experts dim): what the grouped way
+    calls per expert, eagerly (`one=` above), once this is compiled."""
+    def expert_one_program(x, *tensors):
+        return moe.expert_ffn(Dims(**dims), dict(zip(weight_names, tensors, strict=True)), x)
+
+    return expert_one_program
 
 
 def embed(dims: dict) -> Callable:

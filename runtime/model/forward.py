@@ -84,11 +84,11 @@ def ffn_out(parts: tuple[torch.Tensor, ...], routed: torch.Tensor) -> torch.Tens
 
 
 def experts(d: Dims, w: dict[str, torch.Tensor], h: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
-            expert_base: torch.Tensor | None, picked: bool | None = None) -> torch.Tensor:
+            expert_base: torch.Tensor | None, picked: bool | None = None, one=None) -> torch.Tensor:
     """This rank's routed experts over rows from any rank (their choices of other ranks'
     experts weigh 0 here): each row's share of its routed sum (`expert_base` None: one rank
-    holding every expert); `picked`: only that way (`moe.routed`)."""
-    return routed(d, w, h, idx, weights, expert_base, picked)
+    holding every expert); `picked`: only that way; `one`: what runs one expert (`moe.routed`)."""
+    return routed(d, w, h, idx, weights, expert_base, picked, one)
 
 
 def embed(d: Dims, w: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:

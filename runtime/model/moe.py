@@ -5,6 +5,7 @@ chosen per step) with clamped SwiGLU, and the shared expert."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -51,16 +52,18 @@ def _experts_dense(d: Dims, experts: dict[str, torch.Tensor], h: torch.Tensor, i
 
 
 def _experts_grouped(d: Dims, experts: dict[str, torch.Tensor], h: torch.Tensor, idx: torch.Tensor,
-                     weights: torch.Tensor) -> torch.Tensor:
+                     weights: torch.Tensor, one: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
     """Each expert over only the rows that picked it, its weights dequantised once: the routing's
     FLOPs (top-k of E: k/E of the dense path's) and each used expert decoded once (the picked path
     decodes it once per pick). Row counts per expert are data read back to the host, so this runs
     eagerly on the cpu only (a trace holds static shapes; an accelerator would stall on the read:
     there the dense path). Choices outside 0..n-1 (another rank's experts, `routed`) are skipped.
     One expert's float weights at a time, a large one by column chunks (`linear`): the scratch never
-    grows with the experts; its matmuls through oneDNN (`ops.matmul`). On `small` (32 experts,
-    top-4, 2 cores) one layer at 256 rows: 29 ms (44 through MKL), against 149 ms for the dense
-    path compiled by inductor."""
+    grows with the experts; its matmuls through `ops.matmul`. On `small` (32 experts, top-4, 2
+    AMD cores) one layer at 256 rows: 29 ms (44 through MKL), against 149 ms for the dense path
+    compiled by inductor. `one(x, *its tensors in name order)` runs one expert instead of
+    `expert_ffn` eagerly: the compiled `experts.one`, whose fused decode (one pass a weight, where
+    the eager one takes several) halved a layer's grouped time at 8 to 256 rows."""
     n, k = next(iter(experts.values())).shape[0], idx.shape[1]
     flat = idx.reshape(-1)
     pairs = ((flat >= 0) & (flat < n)).nonzero().squeeze(1)  # (row, choice) pairs, as row·k + choice
@@ -69,17 +72,25 @@ def _experts_grouped(d: Dims, experts: dict[str, torch.Tensor], h: torch.Tensor,
     counts = torch.bincount(by_expert, minlength=n).tolist()
     rows, gates = pairs // k, weights.reshape(-1)[pairs]
     out = torch.zeros(h.shape[0], h.shape[1], dtype=torch.promote_types(h.dtype, weights.dtype), device=h.device)
+    names = sorted(experts)
     start = 0
     for e, count in enumerate(counts):
         if not count:
             continue
         these = rows[start:start + count]
-        one = {name: t[e] for name, t in experts.items()}
         x = h.index_select(0, these)
-        act = _swiglu(d, linear(one, EXPERT_MATS[0], x), linear(one, EXPERT_MATS[1], x))
-        out.index_add_(0, these, linear(one, EXPERT_MATS[2], act) * gates[start:start + count, None])
+        if one is None:
+            y = expert_ffn(d, {name: t[e] for name, t in experts.items()}, x)
+        else:
+            y = one(x, *(experts[name][e] for name in names))
+        out.index_add_(0, these, y * gates[start:start + count, None])
         start += count
     return out
+
+
+def expert_ffn(d: Dims, w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """One routed expert (its own tensors, no experts dim) over rows x [M, D]: clamped SwiGLU."""
+    return linear(w, EXPERT_MATS[2], _swiglu(d, linear(w, EXPERT_MATS[0], x), linear(w, EXPERT_MATS[1], x)))
 
 
 def _experts_picked(d: Dims, experts: dict[str, torch.Tensor], h: torch.Tensor, idx: torch.Tensor,
@@ -145,7 +156,8 @@ def picks_few(rows, topk, experts, fused: bool = False, expert_weights: int = 0)
 
 
 def routed(d: Dims, w: dict[str, torch.Tensor], h: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
-           expert_base: torch.Tensor | None = None, picked: bool | None = None) -> torch.Tensor:
+           expert_base: torch.Tensor | None = None, picked: bool | None = None,
+           one: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
     """Routed experts of rows h [M, D] with their choices idx/weights [M, k]. Run eagerly on the
     cpu: each expert over the rows that picked it (`_experts_grouped`, at most the picked path's
     work at every row count). Traced (a program holds static shapes), or eagerly on an
@@ -159,12 +171,15 @@ def routed(d: Dims, w: dict[str, torch.Tensor], h: torch.Tensor, idx: torch.Tens
     Expert parallel (`expert_base` given): `w` holds only this rank's experts, global ids
     expert_base.. expert_base+n-1; choices of other ranks' experts weigh 0 here, so the result
     is this rank's share of each row's sum (the rows came from every rank that picked one of
-    these experts; the shares go back to the rows' ranks and are added there)."""
+    these experts; the shares go back to the rows' ranks and are added there).
+
+    `one`: what runs one expert over its rows when grouping (`expert_ffn`'s compiled program,
+    `experts.one`), else `expert_ffn` eagerly."""
     experts = _expert_tensors(w)
     n = next(iter(experts.values())).shape[0]
     local = idx if expert_base is None else idx - expert_base
     if h.device.type == "cpu" and not torch.compiler.is_compiling():
-        return _experts_grouped(d, experts, h, local, weights)  # skips other ranks' choices
+        return _experts_grouped(d, experts, h, local, weights, one)  # skips other ranks' choices
     if expert_base is not None:
         weights = torch.where((local >= 0) & (local < n), weights, torch.zeros_like(weights))
         idx = local.clamp(0, n - 1)

@@ -8,7 +8,9 @@ block: the compiled `experts.picked` when its rows pick few enough (row, expert)
 (`moe.picks_few`, fused: it decodes each pick where it multiplies), otherwise the same function run
 eagerly, which groups the rows by expert (`moe._experts_grouped`: each used expert decoded once and
 multiplied with only its rows; a static program cannot hold shapes that depend on the routing, and
-its dense form computes every expert on every row: 3.4× slower at 256 rows of `small`). Op by op
+its dense form computes every expert on every row: 3.4× slower at 256 rows of `small`), each
+expert through the compiled `experts.one` once it is fused (its three weights decoded in one
+kernel each, where the eager decode takes several whole-tensor passes). Op by op
 (export, the eager tier) the grouped way is never slower than the picked one, so there it serves
 every step. (On an accelerator the eager function runs the static ways instead: grouping reads
 counts back to the host, `moe.routed`.) Several ranks exchange the rows themselves: the engine calls
@@ -20,10 +22,17 @@ Programs are looked up in the table at every call, so a program swapped in betwe
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from runtime.programs.catalog import EXPERTS_PICKED, EXPERTS_PROGRAM, ROUTED_APART, ModelPrograms
+from runtime.programs.catalog import (
+    EXPERTS_ONE,
+    EXPERTS_PICKED,
+    EXPERTS_PROGRAM,
+    ROUTED_APART,
+    ModelPrograms,
+)
 from runtime.programs.tiers import COMPILED
 
 Runner = Callable[..., Any]
@@ -81,11 +90,19 @@ class EngineRunners(Mapping):
 
     def _experts_runner(self, rows: int, topk: int, experts: int) -> Runner:
         """What runs these rows' routed experts: the compiled `experts.picked` when it is fused
-        (aoti) and they pick few (`moe.picks_few`), else the grouped way, eagerly."""
+        (aoti) and they pick few (`moe.picks_few`), else the grouped way, eagerly, each expert
+        through the compiled `experts.one` once it is fused (its weights decoded in one kernel
+        each, not in the eager decode's several passes)."""
+        if self._compiled(EXPERTS_PICKED) and self._picks_few(rows, topk, experts, True, self._expert_weights):
+            return self.table[EXPERTS_PICKED]
+        if EXPERTS_ONE in self.table and self._compiled(EXPERTS_ONE):
+            return functools.partial(self.grouped, one=self.table[EXPERTS_ONE])
+        return self.grouped
+
+    def _compiled(self, name: str) -> bool:
+        """Is `name` a fused (aoti) program now, not the eager tier standing in for it?"""
         tiers = getattr(self.table, "tiers", None)
-        fused = self._fuses and (tiers is None or tiers.get(EXPERTS_PICKED) == COMPILED)
-        few = fused and self._picks_few(rows, topk, experts, True, self._expert_weights)
-        return self.table[EXPERTS_PICKED] if few else self.grouped
+        return self._fuses and (tiers is None or tiers.get(name) == COMPILED)
 
     def _experts(self, h, idx, weights, expert_base, *tensors):
         """Several ranks: this rank's share of the rows it received (any rank's)."""

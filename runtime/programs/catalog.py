@@ -10,7 +10,8 @@ The routed experts are a program of their own (`ROUTED_APART`): every layer prog
 them, and `experts.picked` serves every layer, so the expert math — most of a layer's compile, the
 FP4 decode with it — compiles once per model instead of once per layer program (the engine's calls
 put them back together: `runtime.programs.calls`, which runs more rows than it suits eagerly, each
-expert over its own rows: a shape that depends on the routing, which no static program holds).
+expert over its own rows: a shape that depends on the routing, which no static program holds;
+there each expert runs through `experts.one`, one expert's math over any rows).
 `ROUTED_IN_LAYER`, each layer program with its routed experts inside, is the form before, kept as
 `dsv4 bench compile`'s baseline.
 """
@@ -33,6 +34,8 @@ MAX_DECODE_ROWS = 2 * MAX_SLOTS
 EXPERTS_PROGRAM = "experts"  # what the engine calls: one rank's routed experts over rows (of every rank)
 # the program behind it for few rows: only each row's picked experts (more rows run grouped, eagerly)
 EXPERTS_PICKED = f"{EXPERTS_PROGRAM}.picked"
+# and one expert over its rows, which the grouped way calls per expert (each weight decoded in one kernel)
+EXPERTS_ONE = f"{EXPERTS_PROGRAM}.one"
 ROUTED_APART, ROUTED_IN_LAYER = "apart", "in-layer"  # the program forms (see the module's docstring)
 ROUTED_PREFIX = "ffn.experts."
 FNS = "runtime.model.factories"
@@ -176,6 +179,12 @@ def build_programs(config: DeepSeekV4Config, packed: PackedLayout, max_seq: int,
             EXPERTS_PICKED, f"{FNS}:experts", (*head, *weights("w.", expert_shapes, weight_names[EXPERTS_PROGRAM])),
             dims=(rows,), layout=layout, model_dims=dims,
             captures={"dims": dims, "weight_names": list(weight_names[EXPERTS_PROGRAM]), "picked": True, **finish})
+        one_expert = {n: (dtype, shape[1:]) for n, (dtype, shape) in expert_shapes.items()}
+        specs[EXPERTS_ONE] = ProgramSpec(
+            EXPERTS_ONE, f"{FNS}:expert_one",
+            (TensorSpec("x", "float32", ("M", d.hidden)), *weights("w.", one_expert, weight_names[EXPERTS_PROGRAM])),
+            dims=(rows,), layout=layout, model_dims=dims,
+            captures={"dims": dims, "weight_names": list(weight_names[EXPERTS_PROGRAM])})
 
     top = shapes["top"]
     emb_spec = TensorSpec("embed.weight", *top["embed.weight"])
