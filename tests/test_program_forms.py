@@ -160,28 +160,27 @@ def test_an_experts_program_swapped_in_runs_from_the_next_step_in_every_layer(ti
 def test_a_fused_compiled_picked_program_serves_few_rows_and_the_rest_run_grouped_eagerly(tiny):
     """The compiled `experts.picked` runs only where it beats grouping: fused (aoti), once
     compiled, for rows picking fewer pairs per expert than `moe.picks_few`'s limit (tiny's small
-    experts: about 32). Op by op (export), on the eager tier, or for more rows, the same function
-    runs eagerly, grouped by expert: each expert through the compiled `experts.one` once it is
-    fused and in. Either way the step's numbers are the eager block's."""
+    experts: about 32), and only until `experts.one` is compiled. Op by op (export), on the
+    eager tier, or for more rows, the same function runs eagerly, grouped by expert: each expert
+    through `experts.one` once it is compiled. Either way the step's numbers are the eager block's."""
     config, layout, weights = tiny
     programs = build_programs(config, layout, MAX_SEQ)
     units = _units(programs)
     ran: list[int] = []
     compiled_picked = _rows_recorded(units[EXPERTS_PICKED], ran)  # stands for the compiled program
+    one_ran: list[int] = []
+    compiled_one = _rows_recorded(units[EXPERTS_ONE], one_ran)  # stands for the compiled `experts.one`
 
     def step(engine, rows: int):  # four sequences of two tokens, then `rows` more each (packed)
         for slot in range(4):
             engine.forward(torch.tensor([slot + 1, slot + 2]), slot)
         ran.clear()
+        one_ran.clear()
         return engine.step([(slot, torch.arange(9, 9 + rows) + slot) for slot in range(4)], prefill=False).logits
-
-    one_ran: list[int] = []
-    compiled_one = _rows_recorded(units[EXPERTS_ONE], one_ran)  # stands for the compiled `experts.one`
 
     def experts_run(fuses: bool, picked_tier: str, rows: int, one_tier: str = EAGER) -> list[int]:
         table = TieredRunners({**units, EXPERTS_PICKED: compiled_picked, EXPERTS_ONE: compiled_one},
                               {**dict.fromkeys(units, COMPILED), EXPERTS_PICKED: picked_tier, EXPERTS_ONE: one_tier})
-        one_ran.clear()
         logits = step(Engine(programs, weights, engine_runners(programs, table, fuses), slots=4), rows)
         assert torch.equal(logits, reference[rows])
         return sorted(set(ran))
@@ -194,13 +193,14 @@ def test_a_fused_compiled_picked_program_serves_few_rows_and_the_rest_run_groupe
     assert experts_run(fuses=True, picked_tier=COMPILED, rows=40) == []  # 40 pairs per expert: grouped
     assert experts_run(fuses=False, picked_tier=COMPILED, rows=1) == []
     assert experts_run(fuses=True, picked_tier=EAGER, rows=1) == []
-    # grouped, each expert through the compiled `experts.one` once it is in (fused only): every
-    # layer's used experts over their rows: each layer's 160 rows × top-k picks in all
+    # once `experts.one` is compiled (natively, whatever the backend), the grouped way through it
+    # serves every row count on the cpu: every layer's used experts over their rows
     assert one_ran == []
-    assert experts_run(fuses=True, picked_tier=COMPILED, rows=40, one_tier=COMPILED) == []
     layers = sum(g.startswith("layers.") for g in programs.variants)
-    assert layers <= len(one_ran) <= layers * n and sum(one_ran) == layers * 4 * 40 * k
-    assert experts_run(fuses=False, picked_tier=COMPILED, rows=40, one_tier=COMPILED) == [] and one_ran == []
+    for fuses in (True, False):
+        for rows in (1, 40):
+            assert experts_run(fuses=fuses, picked_tier=COMPILED, rows=rows, one_tier=COMPILED) == []
+            assert layers <= len(one_ran) <= layers * n and sum(one_ran) == layers * 4 * rows * k
 
 
 def test_grouping_by_expert_computes_the_dense_and_the_picked_ways_numbers(tiny):

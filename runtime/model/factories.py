@@ -53,9 +53,10 @@ def experts(dims: dict, weight_names: list[str], picked: bool | None = None, fin
     return experts_program
 
 
-def expert_one(dims: dict, weight_names: list[str]) -> Callable:
+def expert_one(dims: dict, weight_names: list[str], native: bool = False) -> Callable:
     """One routed expert over its rows, its tensors inputs (no experts dim): what the grouped way
-    calls per expert, eagerly (`one=` above), once this is compiled."""
+    calls per expert, eagerly (`one=` above). `native`: its compiled form is this function with
+    the FP4 decode built from C++ (`runtime.model.fp4_native`), not a trace of it."""
     def expert_one_program(x, *tensors):
         return moe.expert_ffn(Dims(**dims), dict(zip(weight_names, tensors, strict=True)), x)
 

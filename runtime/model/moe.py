@@ -11,7 +11,15 @@ import torch
 import torch.nn.functional as F
 
 from runtime.model.dims import Dims
-from runtime.model.ops import MAX_EXPERT_CHUNKS, chunk_units, fp4_rows, fusing, linear, weight
+from runtime.model.ops import (
+    MAX_EXPERT_CHUNKS,
+    NativeFP4,
+    chunk_units,
+    fp4_rows,
+    fusing,
+    linear,
+    weight,
+)
 
 
 def _swiglu(d: Dims, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -88,9 +96,11 @@ def _experts_grouped(d: Dims, experts: dict[str, torch.Tensor], h: torch.Tensor,
     return out
 
 
-def expert_ffn(d: Dims, w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """One routed expert (its own tensors, no experts dim) over rows x [M, D]: clamped SwiGLU."""
-    return linear(w, EXPERT_MATS[2], _swiglu(d, linear(w, EXPERT_MATS[0], x), linear(w, EXPERT_MATS[1], x)))
+def expert_ffn(d: Dims, w: dict[str, torch.Tensor], x: torch.Tensor, native: NativeFP4 | None = None) -> torch.Tensor:
+    """One routed expert (its own tensors, no experts dim) over rows x [M, D]: clamped SwiGLU;
+    FP4 products through `native` when given (`ops.linear`)."""
+    a, b = (linear(w, name, x, native) for name in EXPERT_MATS[:2])
+    return linear(w, EXPERT_MATS[2], _swiglu(d, a, b), native)
 
 
 def _experts_picked(d: Dims, experts: dict[str, torch.Tensor], h: torch.Tensor, idx: torch.Tensor,

@@ -24,6 +24,7 @@ from runtime.programs.spec import (
     ProgramSpec,
     build_function,
     default_backend,
+    is_native,
     program_key,
 )
 from runtime.programs.toolchain import toolchain_components
@@ -75,7 +76,7 @@ def prepare(
     build = functools.partial(_build, spec, backend, device)
     if cache is None:
         data = _build_bytes(build)
-        return Prepared(spec.name, backend, None, "uncached", "no kernel cache", _since(started), _load(backend, data),
+        return Prepared(spec.name, backend, None, "uncached", "no kernel cache", _since(started), _load(spec, backend, data),
                         artifact_bytes=len(data))
     fetched = cache.get_or_build(spec.name, key, build, config_components=CONFIG_COMPONENTS)
     if not load:  # a compile worker: published is done; the parent loads
@@ -83,13 +84,13 @@ def prepare(
                         fetched.miss.reason if fetched.miss else "", _since(started), None,
                         fetched.miss.kind if fetched.miss else "")
     try:
-        run = _load(backend, fetched.hit.data(ARTIFACT))
+        run = _load(spec, backend, fetched.hit.data(ARTIFACT))
     except Exception as e:
         if fetched.built:
             raise  # our own fresh artifact does not load: a bug, not a cache problem
         cache.reject(fetched.hit, f"{type(e).__name__}: {e}")
         fetched = cache.get_or_build(spec.name, key, build, config_components=CONFIG_COMPONENTS)
-        run = _load(backend, fetched.hit.data(ARTIFACT))
+        run = _load(spec, backend, fetched.hit.data(ARTIFACT))
     return Prepared(
         spec.name,
         backend,
@@ -110,7 +111,7 @@ def load_verified(spec: ProgramSpec, hit: Hit, *, cache: KernelCache, backend: s
     started = time.perf_counter()
     data = hit.data(ARTIFACT)
     try:
-        run = _load(backend, data)
+        run = _load(spec, backend, data)
     except Exception as e:
         cache.reject(hit, f"{type(e).__name__}: {e}")
         return prepare(spec, cache=cache, backend=backend, device=device)
@@ -169,6 +170,11 @@ def export_program(spec: ProgramSpec, device: str = "cpu") -> Any:
 
 
 def _build(spec: ProgramSpec, backend: str, device: str, out_dir: Path) -> None:
+    if is_native(spec):  # compiled from C++ source, not traced
+        from runtime.model import fp4_native
+
+        fp4_native.build(out_dir / ARTIFACT)
+        return
     import torch
 
     from runtime.model.ops import interpreted_trace
@@ -182,12 +188,16 @@ def _build(spec: ProgramSpec, backend: str, device: str, out_dir: Path) -> None:
         torch._inductor.aoti_compile_and_package(exported, package_path=str(out_dir / ARTIFACT))
 
 
-def _load(backend: str, data: bytes) -> Callable[..., Any]:
+def _load(spec: ProgramSpec, backend: str, data: bytes) -> Callable[..., Any]:
     """Load from the verified bytes themselves, never from a path that could change since."""
     import torch
 
     import runtime.model.ops  # noqa: F401  registers `dsv4::matmul`, which programs compiled for the cpu call
 
+    if is_native(spec):
+        from runtime.model import fp4_native
+
+        return fp4_native.expert_runner(fp4_native.load(data), spec.captures["dims"], spec.captures["weight_names"])
     if backend == "export":
         return torch.export.load(io.BytesIO(data)).module()
     return _load_aoti(data)

@@ -4,15 +4,17 @@ The catalog's programs (what compiles, what the kernel cache holds, what the pla
 engine's calls differ in one place: the routed experts. In the `ROUTED_APART` form every layer
 program stops before them and returns the block's FFN parts; `experts.picked` serves every layer.
 With one rank, a call of a layer runs its layer program, then the routed experts, which finish the
-block: the compiled `experts.picked` when its rows pick few enough (row, expert) pairs for it
-(`moe.picks_few`, fused: it decodes each pick where it multiplies), otherwise the same function run
-eagerly, which groups the rows by expert (`moe._experts_grouped`: each used expert decoded once and
-multiplied with only its rows; a static program cannot hold shapes that depend on the routing, and
-its dense form computes every expert on every row: 3.4× slower at 256 rows of `small`), each
-expert through the compiled `experts.one` once it is fused (its three weights decoded in one
-kernel each, where the eager decode takes several whole-tensor passes). Op by op
-(export, the eager tier) the grouped way is never slower than the picked one, so there it serves
-every step. (On an accelerator the eager function runs the static ways instead: grouping reads
+block. On the cpu, once `experts.one` is compiled, the experts' function runs eagerly and groups the
+rows by expert (`moe._experts_grouped`: each used expert once, over only its rows), each expert
+through `experts.one`, whose FP4 products are native (`runtime.model.fp4_native`: each byte decoded
+in registers into its rows' sums): faster than every other way at every row count measured (a lone
+32-token prefill of `small`: 162 ms against 225 ms with inductor's decode, 487 ms picked). Before
+that (and on an accelerator), the compiled `experts.picked` when its rows pick few enough (row,
+expert) pairs for it (`moe.picks_few`, fused: it decodes each pick where it multiplies), otherwise
+the same function run eagerly, grouped with the eager decode (a static program cannot hold shapes
+that depend on the routing, and its dense form computes every expert on every row: 3.4× slower at
+256 rows of `small`). Op by op (export, the eager tier) the grouped way is never slower than the
+picked one. (On an accelerator the eager function runs the static ways instead: grouping reads
 counts back to the host, `moe.routed`.) Several ranks exchange the rows themselves: the engine calls
 `experts` on the rows it received, which runs the way they need.
 
@@ -88,25 +90,26 @@ class EngineRunners(Mapping):
         if swap is not None:
             swap()
 
-    def _experts_runner(self, rows: int, topk: int, experts: int) -> Runner:
-        """What runs these rows' routed experts: the compiled `experts.picked` when it is fused
-        (aoti) and they pick few (`moe.picks_few`), else the grouped way, eagerly, each expert
-        through the compiled `experts.one` once it is fused (its weights decoded in one kernel
-        each, not in the eager decode's several passes)."""
-        if self._compiled(EXPERTS_PICKED) and self._picks_few(rows, topk, experts, True, self._expert_weights):
-            return self.table[EXPERTS_PICKED]
-        if EXPERTS_ONE in self.table and self._compiled(EXPERTS_ONE):
+    def _experts_runner(self, rows: int, topk: int, experts: int, cpu: bool) -> Runner:
+        """What runs these rows' routed experts. On the cpu, once `experts.one` is compiled: the
+        grouped way, each expert through it (its FP4 products native: faster than the compiled
+        `experts.picked` from one row up). Else the compiled `experts.picked` when it is fused
+        (aoti) and the rows pick few (`moe.picks_few`); else the grouped way, eagerly."""
+        if cpu and EXPERTS_ONE in self.table and self._compiled(EXPERTS_ONE):
             return functools.partial(self.grouped, one=self.table[EXPERTS_ONE])
+        if self._fuses and self._compiled(EXPERTS_PICKED) and self._picks_few(rows, topk, experts, True,
+                                                                              self._expert_weights):
+            return self.table[EXPERTS_PICKED]
         return self.grouped
 
     def _compiled(self, name: str) -> bool:
-        """Is `name` a fused (aoti) program now, not the eager tier standing in for it?"""
+        """Is `name` compiled now, not the eager tier standing in for it?"""
         tiers = getattr(self.table, "tiers", None)
-        return self._fuses and (tiers is None or tiers.get(name) == COMPILED)
+        return tiers is None or tiers.get(name) == COMPILED
 
     def _experts(self, h, idx, weights, expert_base, *tensors):
         """Several ranks: this rank's share of the rows it received (any rank's)."""
-        run = self._experts_runner(h.shape[0], idx.shape[1], tensors[0].shape[0])  # experts held: the first dim
+        run = self._experts_runner(h.shape[0], idx.shape[1], tensors[0].shape[0], h.is_cpu)  # experts held: the first dim
         return run(h, idx, weights, expert_base, *tensors)
 
     def _layer(self, name: str, inputs: int) -> Runner:
@@ -118,7 +121,8 @@ class EngineRunners(Mapping):
 
         def call(*args):
             out = table[name](*args[:inputs])
-            run = experts_runner(out[h_at].shape[0], out[h_at + 1].shape[1], args[inputs].shape[0])
+            h = out[h_at]
+            run = experts_runner(h.shape[0], out[h_at + 1].shape[1], args[inputs].shape[0], h.is_cpu)
             x = run(*out[:FFN_PARTS], *args[inputs:])
             return (x if not isinstance(x, list | tuple) else x[0], *out[FFN_PARTS:])
 

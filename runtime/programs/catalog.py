@@ -34,7 +34,8 @@ MAX_DECODE_ROWS = 2 * MAX_SLOTS
 EXPERTS_PROGRAM = "experts"  # what the engine calls: one rank's routed experts over rows (of every rank)
 # the program behind it for few rows: only each row's picked experts (more rows run grouped, eagerly)
 EXPERTS_PICKED = f"{EXPERTS_PROGRAM}.picked"
-# and one expert over its rows, which the grouped way calls per expert (each weight decoded in one kernel)
+# and one expert over its rows, which the grouped way calls per expert: its FP4 decode compiled
+# natively (`runtime.model.fp4_native`), its matmuls torch's
 EXPERTS_ONE = f"{EXPERTS_PROGRAM}.one"
 ROUTED_APART, ROUTED_IN_LAYER = "apart", "in-layer"  # the program forms (see the module's docstring)
 ROUTED_PREFIX = "ffn.experts."
@@ -184,7 +185,7 @@ def build_programs(config: DeepSeekV4Config, packed: PackedLayout, max_seq: int,
             EXPERTS_ONE, f"{FNS}:expert_one",
             (TensorSpec("x", "float32", ("M", d.hidden)), *weights("w.", one_expert, weight_names[EXPERTS_PROGRAM])),
             dims=(rows,), layout=layout, model_dims=dims,
-            captures={"dims": dims, "weight_names": list(weight_names[EXPERTS_PROGRAM])})
+            captures={"dims": dims, "weight_names": list(weight_names[EXPERTS_PROGRAM]), "native": True})
 
     top = shapes["top"]
     emb_spec = TensorSpec("embed.weight", *top["embed.weight"])

@@ -110,7 +110,20 @@ def program_key(spec: ProgramSpec, backend: str, device: str = "cpu") -> Key:
     ]
     if spec.captures is not None:
         config.append(("captures", dict(spec.captures)))
-    return Key.of([*config, *source_components(spec.fn), *toolchain_components(device, backend)])
+    if not is_native(spec):
+        return Key.of([*config, *source_components(spec.fn), *toolchain_components(device, backend)])
+    # compiled from its own C++ source by the C++ compiler, whatever the backend: both in the key
+    return Key.of([*config, *source_components(spec.fn), *source_components(NATIVE_BUILD),
+                   *toolchain_components(device, "aoti")])
+
+
+# A program whose captures say `native` is built from C++ source (`runtime.model.fp4_native`), not
+# traced: its spec's function is what runs on the eager tier, and the reference it must equal.
+NATIVE_BUILD = "runtime.model.fp4_native:build"
+
+
+def is_native(spec: ProgramSpec) -> bool:
+    return bool((spec.captures or {}).get("native"))
 
 
 def resolve(fn: Callable[..., Any] | str) -> Callable[..., Any]:

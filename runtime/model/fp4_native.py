@@ -1,0 +1,311 @@
+"""The FP4 decode compiled natively: a routed expert's packed weight to float32 in one pass.
+
+Run eagerly, the decode takes several whole-tensor passes (`ops.fp4_weight`: 305 us for small's
+`[1024, 512]` expert weight on a Sapphire Rapids host, 2 threads); compiled by inductor, one
+fused kernel of some forty vector instructions a code (about 200 us). Here each code is an index
+into an 8-entry table held in a vector register (AVX2's permute), its sign bit or-ed in, times
+the block's scale built from the E8M0 byte's bits: 88 us on one thread, the same numbers exactly
+(both products are exact; an E8M0 byte of 241 or more, a weight past 2^114, overflows either way).
+
+This is compiled code: `experts.one`'s artifact on the cpu (`runtime.programs.catalog`), built by
+the programs phase through the kernel cache like every program (its source, the flags and the
+compiler in the key: `runtime.programs.spec.program_key`), and loaded only from the bytes the
+cache verified (`load`). Plain C++ with no torch header, so it compiles in about a second; its
+OpenMP loop runs on torch's own OpenMP runtime (the library is loaded after torch, whose
+libgomp.so.1 then serves it), never a second thread pool spinning beside torch's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from runtime.model.dims import Dims
+
+SOURCE = r"""
+#include <stdint.h>
+#include <string.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+static const float E2M1[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
+                               -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+
+/* 2^(s - 127) for an E8M0 byte s, exactly: its bits (s = 0: the subnormal 2^-127) */
+static inline float e8m0(uint8_t s) {
+    uint32_t bits = s ? (uint32_t)s << 23 : 0x00400000u;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static void row_scalar(const uint8_t *p, const uint8_t *s, float *lo, float *hi, int64_t from, int64_t cols) {
+    for (int64_t o = from; o < cols; o++) {
+        float scale = e8m0(s[o]);
+        lo[o] = E2M1[p[o] & 15] * scale;
+        hi[o] = E2M1[p[o] >> 4] * scale;
+    }
+}
+
+#if defined(__x86_64__)
+__attribute__((target("avx2,fma")))
+static void row_avx2(const uint8_t *p, const uint8_t *s, float *lo, float *hi, int64_t cols) {
+    const __m256 table = _mm256_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f);
+    const __m256i seven = _mm256_set1_epi32(7), eight = _mm256_set1_epi32(8), zero = _mm256_setzero_si256();
+    const __m256i tiny = _mm256_set1_epi32(0x00400000);
+    int64_t o = 0;
+    for (; o + 8 <= cols; o += 8) {
+        __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + o)));
+        __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(s + o)));
+        __m256i bits = _mm256_blendv_epi8(_mm256_slli_epi32(e, 23), tiny, _mm256_cmpeq_epi32(e, zero));
+        __m256 scale = _mm256_castsi256_ps(bits);
+        __m256i h = _mm256_srli_epi32(b, 4);
+        __m256 vl = _mm256_permutevar8x32_ps(table, _mm256_and_si256(b, seven));
+        __m256 vh = _mm256_permutevar8x32_ps(table, _mm256_and_si256(h, seven));
+        vl = _mm256_or_ps(vl, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(b, eight), 28)));
+        vh = _mm256_or_ps(vh, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(h, eight), 28)));
+        _mm256_storeu_ps(lo + o, _mm256_mul_ps(vl, scale));
+        _mm256_storeu_ps(hi + o, _mm256_mul_ps(vh, scale));
+    }
+    row_scalar(p, s, lo, hi, o, cols);
+}
+#endif
+
+/* rows x [rows <= 8, 2 half] (contiguous) times the weight: out [rows, cols] (contiguous), for the
+   8 columns o..o+7 (o + 8 <= cols): each byte row decoded once, in registers, into all rows' sums */
+#if defined(__x86_64__)
+__attribute__((target("avx2,fma")))
+static void tile_avx2(const float *x, int64_t rows, const uint8_t *packed, int64_t ld_packed, const uint8_t *scale,
+                      int64_t ld_scale, float *out, int64_t half, int64_t cols, int64_t group, int64_t o) {
+    const __m256 table = _mm256_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f);
+    const __m256i seven = _mm256_set1_epi32(7), eight = _mm256_set1_epi32(8), zero = _mm256_setzero_si256();
+    const __m256i tiny = _mm256_set1_epi32(0x00400000);
+    const int64_t in = 2 * half;
+    __m256 acc[8];
+    for (int r = 0; r < 8; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < half; j++) {
+        const uint8_t *p = packed + j * ld_packed + o, *s = scale + (2 * j / group) * ld_scale + o;
+        __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+        __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)s));
+        __m256 sc = _mm256_castsi256_ps(_mm256_blendv_epi8(_mm256_slli_epi32(e, 23), tiny, _mm256_cmpeq_epi32(e, zero)));
+        __m256i h = _mm256_srli_epi32(b, 4);
+        __m256 vl = _mm256_permutevar8x32_ps(table, _mm256_and_si256(b, seven));
+        __m256 vh = _mm256_permutevar8x32_ps(table, _mm256_and_si256(h, seven));
+        vl = _mm256_mul_ps(_mm256_or_ps(vl, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(b, eight), 28))), sc);
+        vh = _mm256_mul_ps(_mm256_or_ps(vh, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(h, eight), 28))), sc);
+        for (int64_t r = 0; r < rows; r++) {
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(x[r * in + 2 * j]), vl, acc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(x[r * in + 2 * j + 1]), vh, acc[r]);
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) _mm256_storeu_ps(out + r * cols + o, acc[r]);
+}
+#endif
+
+/* the same for 16 columns with AVX-512: a 16-entry table (signs included) in one register, and each
+   scale block's sums multiplied by its scale once (a power of two: the very numbers of scaling each
+   weight, as `tile_avx2` does) */
+#if defined(__x86_64__)
+__attribute__((target("avx512f")))
+static void tile_avx512(const float *x, int64_t rows, const uint8_t *packed, int64_t ld_packed, const uint8_t *scale,
+                        int64_t ld_scale, float *out, int64_t half, int64_t cols, int64_t group, int64_t o) {
+    const __m512 table = _mm512_loadu_ps(E2M1);
+    const __m512i fifteen = _mm512_set1_epi32(15), tiny = _mm512_set1_epi32(0x00400000);
+    const int64_t in = 2 * half, per_block = group / 2;
+    __m512 acc[8], part[8];
+    for (int r = 0; r < 8; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t j0 = 0; j0 < half; j0 += per_block) {
+        for (int r = 0; r < 8; r++) part[r] = _mm512_setzero_ps();
+        for (int64_t j = j0; j < j0 + per_block; j++) {
+            __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(packed + j * ld_packed + o)));
+            __m512 vl = _mm512_permutexvar_ps(_mm512_and_si512(b, fifteen), table);
+            __m512 vh = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
+            for (int64_t r = 0; r < rows; r++) {
+                part[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * in + 2 * j]), vl, part[r]);
+                part[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * in + 2 * j + 1]), vh, part[r]);
+            }
+        }
+        __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(scale + (2 * j0 / group) * ld_scale + o)));
+        __mmask16 zero = _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512());
+        __m512 sc = _mm512_castsi512_ps(_mm512_mask_blend_epi32(zero, _mm512_slli_epi32(e, 23), tiny));
+        for (int64_t r = 0; r < rows; r++) acc[r] = _mm512_fmadd_ps(part[r], sc, acc[r]);
+    }
+    for (int64_t r = 0; r < rows; r++) _mm512_storeu_ps(out + r * cols + o, acc[r]);
+}
+#endif
+
+static void column_scalar(const float *x, int64_t rows, const uint8_t *packed, int64_t ld_packed, const uint8_t *scale,
+                          int64_t ld_scale, float *out, int64_t half, int64_t cols, int64_t group, int64_t o) {
+    const int64_t in = 2 * half;
+    for (int64_t r = 0; r < rows; r++) {
+        float acc = 0.f;
+        for (int64_t j = 0; j < half; j++) {
+            uint8_t b = packed[j * ld_packed + o];
+            float sc = e8m0(scale[(2 * j / group) * ld_scale + o]);
+            acc += x[r * in + 2 * j] * (E2M1[b & 15] * sc);
+            acc += x[r * in + 2 * j + 1] * (E2M1[b >> 4] * sc);
+        }
+        out[r * cols + o] = acc;
+    }
+}
+
+extern "C" void dsv4_fp4_matmul(const float *x, int64_t rows, const uint8_t *packed, int64_t ld_packed,
+                                const uint8_t *scale, int64_t ld_scale, float *out, int64_t half, int64_t cols,
+                                int64_t group, int threads) {
+#if defined(__x86_64__)
+    const int avx512 = __builtin_cpu_supports("avx512f"), avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+    const int avx512 = 0, avx2 = 0;
+#endif
+    const int64_t width = avx512 ? 16 : 8, tiles = cols / width;
+    /* the tiles hold 8 rows' sums: more rows, 8 at a time (each pass decodes the bytes again) */
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        for (int64_t r0 = 0; r0 < rows; r0 += 8) {
+            const float *xr = x + r0 * 2 * half;
+            float *outr = out + r0 * cols;
+            const int64_t n = rows - r0 < 8 ? rows - r0 : 8;
+#if defined(__x86_64__)
+            if (avx512) {
+                tile_avx512(xr, n, packed, ld_packed, scale, ld_scale, outr, half, cols, group, 16 * t);
+                continue;
+            }
+            if (avx2) {
+                tile_avx2(xr, n, packed, ld_packed, scale, ld_scale, outr, half, cols, group, 8 * t);
+                continue;
+            }
+#endif
+            for (int64_t o = 8 * t; o < 8 * t + 8; o++)
+                column_scalar(xr, n, packed, ld_packed, scale, ld_scale, outr, half, cols, group, o);
+        }
+    }
+    for (int64_t o = width * tiles; o < cols; o++)
+        column_scalar(x, rows, packed, ld_packed, scale, ld_scale, out, half, cols, group, o);
+}
+
+/* packed [half, cols] (row stride ld_packed; byte (j, o): input 2j in its low nibble, 2j+1 in its
+   high one), scale [2 half / group, cols] (row stride ld_scale) -> out [2 half, cols], contiguous */
+extern "C" void dsv4_fp4_decode(const uint8_t *packed, int64_t ld_packed, const uint8_t *scale, int64_t ld_scale,
+                                float *out, int64_t half, int64_t cols, int64_t group, int threads) {
+#if defined(__x86_64__)
+    const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#endif
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t j = 0; j < half; j++) {
+        const uint8_t *p = packed + j * ld_packed, *s = scale + (2 * j / group) * ld_scale;
+        float *lo = out + 2 * j * cols, *hi = lo + cols;
+#if defined(__x86_64__)
+        if (avx2) {
+            row_avx2(p, s, lo, hi, cols);
+            continue;
+        }
+#endif
+        row_scalar(p, s, lo, hi, 0, cols);
+    }
+}
+"""
+
+FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-x", "c++")
+
+
+def compiler() -> str:
+    """The C++ compiler inductor would use, whose version is in every program's key
+    (`runtime.programs.toolchain.compiler_version`)."""
+    cxx = os.environ.get("CXX") or next((c for c in ("g++", "clang++", "c++") if shutil.which(c)), None)
+    if cxx is None:
+        raise RuntimeError("no C++ compiler (CXX, g++, clang++) to build the FP4 decode")
+    return cxx
+
+
+def build(out: Path) -> None:
+    """Compile SOURCE into the shared library `out`."""
+    with tempfile.TemporaryDirectory(prefix="dsv4-fp4-") as tmp:
+        src = Path(tmp) / "fp4.cpp"
+        src.write_text(SOURCE)
+        done = subprocess.run([compiler(), *FLAGS, str(src), "-o", str(out)], capture_output=True, text=True,
+                              timeout=300, stdin=subprocess.DEVNULL)
+    if done.returncode != 0:
+        raise RuntimeError(f"the FP4 decode did not compile ({platform.machine()}): {done.stderr.strip()[-2000:]}")
+
+
+# Rows up to which `matmul` decodes each byte in registers straight into the rows' sums (the kernel
+# holds 8 rows' sums); past them a float weight, decoded once, multiplied by torch (small's expert
+# weight [1024, 512], 2 threads, us: 1 row 65 fused vs 75 decoded + mm, 4 rows 75 vs 111, 8 rows
+# 112 vs 119; inside an expert, where the decoded weight is fresh, the fused gain is larger).
+FUSED_ROWS = 32
+
+
+class Native:
+    """`ops.NativeFP4` through the library loaded from verified bytes: one weight (packed
+    [in/2, out], scale [in/group, out], on the cpu, columns contiguous) at a time; anything else
+    the eager way (`decode`: `ops.fp4_weight`; `matmul`: None, `ops.linear`'s own path)."""
+
+    def __init__(self, library: ctypes.CDLL):
+        self._library = library  # held: the functions live as long as their library
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        self._decode = library.dsv4_fp4_decode
+        self._decode.restype = None
+        self._decode.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, ctypes.c_int]
+        self._matmul = library.dsv4_fp4_matmul
+        self._matmul.restype = None
+        self._matmul.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, i64, ctypes.c_int]
+
+    @staticmethod
+    def _takes(packed: torch.Tensor, scale: torch.Tensor) -> bool:
+        return (packed.dim() == 2 and scale.dim() == 2 and packed.dtype == scale.dtype == torch.uint8
+                and packed.is_cpu and scale.is_cpu and packed.stride(1) == 1 and scale.stride(1) == 1
+                and packed.shape[1] == scale.shape[1] and scale.shape[0] > 0
+                and (2 * packed.shape[0]) % (2 * scale.shape[0]) == 0)  # whole bytes in each scale block
+
+    def decode(self, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        from runtime.model.ops import fp4_weight
+
+        if not self._takes(packed, scale):
+            return fp4_weight(packed, scale)
+        half, cols = packed.shape
+        out = torch.empty(2 * half, cols, dtype=torch.float32)
+        if out.numel():
+            self._decode(packed.data_ptr(), packed.stride(0), scale.data_ptr(), scale.stride(0), out.data_ptr(),
+                         half, cols, 2 * half // scale.shape[0], torch.get_num_threads())
+        return out
+
+    def matmul(self, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
+        if (not self._takes(packed, scale) or x.dim() != 2 or x.dtype != torch.float32 or not x.is_cpu
+                or not 0 < x.shape[0] <= FUSED_ROWS or x.shape[1] != 2 * packed.shape[0]):
+            return None
+        x = x.contiguous()
+        half, cols = packed.shape
+        out = torch.empty(x.shape[0], cols, dtype=torch.float32)
+        self._matmul(x.data_ptr(), x.shape[0], packed.data_ptr(), packed.stride(0), scale.data_ptr(),
+                     scale.stride(0), out.data_ptr(), half, cols, 2 * half // scale.shape[0], torch.get_num_threads())
+        return out
+
+
+def load(data: bytes) -> Native:
+    """The library from verified bytes: written to a private (0600) temp file only while it is
+    dlopened, never loaded from a path that could change since (as `build._load_aoti`)."""
+    with tempfile.NamedTemporaryFile(prefix="dsv4-fp4-", suffix=".so") as f:
+        f.write(data)
+        f.flush()
+        return Native(ctypes.CDLL(f.name, mode=ctypes.RTLD_LOCAL))
+
+
+def expert_runner(native: Native, dims: dict, weight_names: list[str]) -> Callable[..., torch.Tensor]:
+    """`experts.one` run natively: `moe.expert_ffn`, each FP4 product through `native`."""
+    from runtime.model import moe
+
+    d = Dims(**dims)
+
+    def run(x: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
+        return moe.expert_ffn(d, dict(zip(weight_names, tensors, strict=True)), x, native)
+
+    return run
