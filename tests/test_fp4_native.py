@@ -24,10 +24,18 @@ MAX_SEQ = 64
 
 
 @pytest.fixture(scope="module")
-def native(tmp_path_factory) -> fp4_native.Native:
+def library(tmp_path_factory) -> bytes:
     out = tmp_path_factory.mktemp("fp4") / "fp4.so"
     fp4_native.build(out)
-    return fp4_native.load(out.read_bytes())
+    return out.read_bytes()
+
+
+@pytest.fixture(params=[fp4_native.ISA_SCALAR, fp4_native.ISA_AVX2, fp4_native.ISA_BEST], ids=["c", "avx2", "best"])
+def native(library, request) -> fp4_native.Native:
+    """Each of the library's paths this cpu has (a cap above the cpu's runs what it has)."""
+    native = fp4_native.load(library)
+    native.isa = request.param
+    return native
 
 
 def _random(shape_in: int, shape_out: int, group: int, gen, low: int = 0, high: int = 241):

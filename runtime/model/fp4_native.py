@@ -53,6 +53,16 @@ static inline float e8m0(uint8_t s) {
     return f;
 }
 
+/* what this cpu runs: 2 AVX-512, 1 AVX2 + FMA, 0 neither; `isa` arguments cap it (tests reach
+   every path on one host) */
+static int cpu_isa(void) {
+#if defined(__x86_64__)
+    if (__builtin_cpu_supports("avx512f")) return 2;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
+#endif
+    return 0;
+}
+
 static void row_scalar(const uint8_t *p, const uint8_t *s, float *lo, float *hi, int64_t from, int64_t cols) {
     for (int64_t o = from; o < cols; o++) {
         float scale = e8m0(s[o]);
@@ -116,35 +126,56 @@ static void tile_avx2(const float *x, int64_t rows, const uint8_t *packed, int64
 }
 #endif
 
-/* the same for 16 columns with AVX-512: a 16-entry table (signs included) in one register, and each
-   scale block's sums multiplied by its scale once (a power of two: the very numbers of scaling each
-   weight, as `tile_avx2` does) */
+/* the same for 16 columns and R rows (R <= 16, a constant: the sums stay in registers) with
+   AVX-512: a 16-entry table (signs included) in one register. Up to 8 rows, each scale block's
+   sums are scaled once (by a power of two: the very numbers of scaling each weight); past 8,
+   their registers are the rows', so each decoded vector is scaled once and used by every row. */
 #if defined(__x86_64__)
+template <int R>
 __attribute__((target("avx512f")))
-static void tile_avx512(const float *x, int64_t rows, const uint8_t *packed, int64_t ld_packed, const uint8_t *scale,
+static void tile_avx512(const float *x, const uint8_t *packed, int64_t ld_packed, const uint8_t *scale,
                         int64_t ld_scale, float *out, int64_t half, int64_t cols, int64_t group, int64_t o) {
+    constexpr bool by_block = R <= 8;
     const __m512 table = _mm512_loadu_ps(E2M1);
     const __m512i fifteen = _mm512_set1_epi32(15), tiny = _mm512_set1_epi32(0x00400000);
     const int64_t in = 2 * half, per_block = group / 2;
-    __m512 acc[8], part[8];
-    for (int r = 0; r < 8; r++) acc[r] = _mm512_setzero_ps();
+    __m512 acc[R], part[by_block ? R : 1];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t j0 = 0; j0 < half; j0 += per_block) {
-        for (int r = 0; r < 8; r++) part[r] = _mm512_setzero_ps();
+        __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(scale + (2 * j0 / group) * ld_scale + o)));
+        __mmask16 zero = _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512());
+        const __m512 sc = _mm512_castsi512_ps(_mm512_mask_blend_epi32(zero, _mm512_slli_epi32(e, 23), tiny));
+        if constexpr (by_block)
+            for (int r = 0; r < R; r++) part[r] = _mm512_setzero_ps();
         for (int64_t j = j0; j < j0 + per_block; j++) {
             __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(packed + j * ld_packed + o)));
             __m512 vl = _mm512_permutexvar_ps(_mm512_and_si512(b, fifteen), table);
             __m512 vh = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
-            for (int64_t r = 0; r < rows; r++) {
-                part[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * in + 2 * j]), vl, part[r]);
-                part[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * in + 2 * j + 1]), vh, part[r]);
+            if constexpr (!by_block) {
+                vl = _mm512_mul_ps(vl, sc);
+                vh = _mm512_mul_ps(vh, sc);
+            }
+            __m512 *sums = by_block ? part : acc;
+            for (int r = 0; r < R; r++) {
+                sums[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * in + 2 * j]), vl, sums[r]);
+                sums[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * in + 2 * j + 1]), vh, sums[r]);
             }
         }
-        __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(scale + (2 * j0 / group) * ld_scale + o)));
-        __mmask16 zero = _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512());
-        __m512 sc = _mm512_castsi512_ps(_mm512_mask_blend_epi32(zero, _mm512_slli_epi32(e, 23), tiny));
-        for (int64_t r = 0; r < rows; r++) acc[r] = _mm512_fmadd_ps(part[r], sc, acc[r]);
+        if constexpr (by_block)
+            for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(part[r], sc, acc[r]);
     }
-    for (int64_t r = 0; r < rows; r++) _mm512_storeu_ps(out + r * cols + o, acc[r]);
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * cols + o, acc[r]);
+}
+
+template <int R>
+__attribute__((target("avx512f")))
+static void rows_avx512(const float *x, int64_t rows, const uint8_t *packed, int64_t ld_packed, const uint8_t *scale,
+                        int64_t ld_scale, float *out, int64_t half, int64_t cols, int64_t group, int64_t o) {
+    if (rows == R) {
+        tile_avx512<R>(x, packed, ld_packed, scale, ld_scale, out, half, cols, group, o);
+    } else if constexpr (R > 1) {
+        rows_avx512<R - 1>(x, rows, packed, ld_packed, scale, ld_scale, out, half, cols, group, o);
+    }
 }
 #endif
 
@@ -165,23 +196,21 @@ static void column_scalar(const float *x, int64_t rows, const uint8_t *packed, i
 
 extern "C" void dsv4_fp4_matmul(const float *x, int64_t rows, const uint8_t *packed, int64_t ld_packed,
                                 const uint8_t *scale, int64_t ld_scale, float *out, int64_t half, int64_t cols,
-                                int64_t group, int threads) {
-#if defined(__x86_64__)
-    const int avx512 = __builtin_cpu_supports("avx512f"), avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-#else
-    const int avx512 = 0, avx2 = 0;
-#endif
+                                int64_t group, int threads, int isa) {
+    const int avx512 = isa >= 2 && cpu_isa() >= 2, avx2 = isa >= 1 && cpu_isa() >= 1;
     const int64_t width = avx512 ? 16 : 8, tiles = cols / width;
-    /* the tiles hold 8 rows' sums: more rows, 8 at a time (each pass decodes the bytes again) */
+    /* a tile holds the sums of 16 rows (AVX-512) or 8: more rows, that many at a time (each pass
+       decodes the bytes again) */
+    const int64_t per_pass = avx512 ? 16 : 8;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
-        for (int64_t r0 = 0; r0 < rows; r0 += 8) {
+        for (int64_t r0 = 0; r0 < rows; r0 += per_pass) {
             const float *xr = x + r0 * 2 * half;
             float *outr = out + r0 * cols;
-            const int64_t n = rows - r0 < 8 ? rows - r0 : 8;
+            const int64_t n = rows - r0 < per_pass ? rows - r0 : per_pass;
 #if defined(__x86_64__)
             if (avx512) {
-                tile_avx512(xr, n, packed, ld_packed, scale, ld_scale, outr, half, cols, group, 16 * t);
+                rows_avx512<16>(xr, n, packed, ld_packed, scale, ld_scale, outr, half, cols, group, 16 * t);
                 continue;
             }
             if (avx2) {
@@ -200,10 +229,8 @@ extern "C" void dsv4_fp4_matmul(const float *x, int64_t rows, const uint8_t *pac
 /* packed [half, cols] (row stride ld_packed; byte (j, o): input 2j in its low nibble, 2j+1 in its
    high one), scale [2 half / group, cols] (row stride ld_scale) -> out [2 half, cols], contiguous */
 extern "C" void dsv4_fp4_decode(const uint8_t *packed, int64_t ld_packed, const uint8_t *scale, int64_t ld_scale,
-                                float *out, int64_t half, int64_t cols, int64_t group, int threads) {
-#if defined(__x86_64__)
-    const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-#endif
+                                float *out, int64_t half, int64_t cols, int64_t group, int threads, int isa) {
+    const int avx2 = isa >= 1 && cpu_isa() >= 1;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t j = 0; j < half; j++) {
         const uint8_t *p = packed + j * ld_packed, *s = scale + (2 * j / group) * ld_scale;
@@ -247,6 +274,8 @@ def build(out: Path) -> None:
 # weight [1024, 512], 2 threads, us: 1 row 65 fused vs 75 decoded + mm, 4 rows 75 vs 111, 8 rows
 # 112 vs 119; inside an expert, where the decoded weight is fresh, the fused gain is larger).
 FUSED_ROWS = 32
+# the instruction sets a `Native` may use, at most (the library picks what the cpu has below it)
+ISA_SCALAR, ISA_AVX2, ISA_BEST = 0, 1, 2
 
 
 class Native:
@@ -259,10 +288,11 @@ class Native:
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         self._decode = library.dsv4_fp4_decode
         self._decode.restype = None
-        self._decode.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, ctypes.c_int]
+        self._decode.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, ctypes.c_int, ctypes.c_int]
         self._matmul = library.dsv4_fp4_matmul
         self._matmul.restype = None
-        self._matmul.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, i64, ctypes.c_int]
+        self._matmul.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, i64, ctypes.c_int, ctypes.c_int]
+        self.isa = ISA_BEST
 
     @staticmethod
     def _takes(packed: torch.Tensor, scale: torch.Tensor) -> bool:
@@ -280,7 +310,7 @@ class Native:
         out = torch.empty(2 * half, cols, dtype=torch.float32)
         if out.numel():
             self._decode(packed.data_ptr(), packed.stride(0), scale.data_ptr(), scale.stride(0), out.data_ptr(),
-                         half, cols, 2 * half // scale.shape[0], torch.get_num_threads())
+                         half, cols, 2 * half // scale.shape[0], torch.get_num_threads(), self.isa)
         return out
 
     def matmul(self, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
@@ -291,7 +321,8 @@ class Native:
         half, cols = packed.shape
         out = torch.empty(x.shape[0], cols, dtype=torch.float32)
         self._matmul(x.data_ptr(), x.shape[0], packed.data_ptr(), packed.stride(0), scale.data_ptr(),
-                     scale.stride(0), out.data_ptr(), half, cols, 2 * half // scale.shape[0], torch.get_num_threads())
+                     scale.stride(0), out.data_ptr(), half, cols, 2 * half // scale.shape[0], torch.get_num_threads(),
+                     self.isa)
         return out
 
 
