@@ -30,6 +30,24 @@ def tiny_ckpt_ro(tmp_path_factory) -> Path:
     return synthesize("tiny", tmp_path_factory.mktemp("tiny") / "ckpt", seed=0)
 
 
+@pytest.fixture(scope="module")
+def tiny_packed(tiny_ckpt_ro):
+    """tiny's config, its one-rank packed layout, and the programs' weight views of it, in memory."""
+    from runtime.model.config import load_config
+    from runtime.weights.pack import PackedLayout, pack_in_memory
+    from runtime.weights.views import packed_views
+    from store.checkpoint import Checkpoint
+
+    config = load_config(tiny_ckpt_ro)
+    layout = PackedLayout(config, ranks=1)
+    ckpt = Checkpoint.open(tiny_ckpt_ro)
+    try:
+        weights = packed_views(layout, pack_in_memory(ckpt, layout))
+    finally:
+        ckpt.close()
+    return config, layout, weights
+
+
 @pytest.fixture
 def tiny_ckpt(tiny_ckpt_ro, tmp_path) -> Path:
     """A private copy of the tiny checkpoint, free to corrupt."""

@@ -8,15 +8,11 @@ import pytest
 import torch
 
 from runtime.model import fp4_native, ops
-from runtime.model.config import load_config
 from runtime.model.dims import Dims
 from runtime.model.moe import _expert_tensors, expert_ffn
 from runtime.programs.build import ARTIFACT, prepare
 from runtime.programs.catalog import EXPERTS_ONE, build_programs
 from runtime.programs.spec import build_function, program_key
-from runtime.weights.pack import PackedLayout, pack_in_memory
-from runtime.weights.views import packed_views
-from store.checkpoint import Checkpoint
 from store.fingerprint import diff
 from store.kernel_cache import Hit, KernelCache
 
@@ -101,23 +97,11 @@ def test_the_fused_product_is_the_eager_products_for_up_to_fused_rows(native):
     assert native.matmul(x[:0], packed, scale) is None
 
 
-@pytest.fixture(scope="module")
-def tiny(tiny_ckpt_ro):
-    config = load_config(tiny_ckpt_ro)
-    layout = PackedLayout(config, ranks=1)
-    ckpt = Checkpoint.open(tiny_ckpt_ro)
-    try:
-        weights = packed_views(layout, pack_in_memory(ckpt, layout))
-    finally:
-        ckpt.close()
-    return config, layout, weights
-
-
-def test_experts_one_is_built_from_its_source_through_the_kernel_cache_and_runs_the_expert(tiny, tmp_path):
+def test_experts_one_is_built_from_its_source_through_the_kernel_cache_and_runs_the_expert(tiny_packed, tmp_path):
     """Cold: compiled (a shared library, in the cache); warm: a HIT loaded from the verified
     bytes; either way each expert over its rows gives the eager expert's numbers (to float32
     rounding: few rows run fused), and the eager tier's function is the eager expert itself."""
-    config, layout, weights = tiny
+    config, layout, weights = tiny_packed
     spec = build_programs(config, layout, MAX_SEQ).specs[EXPERTS_ONE]
     cache = KernelCache(tmp_path / "kc")
     cold = prepare(spec, cache=cache, backend="export")
@@ -138,8 +122,8 @@ def test_experts_one_is_built_from_its_source_through_the_kernel_cache_and_runs_
         assert torch.equal(eager(x, *one), want)
 
 
-def test_experts_ones_key_holds_its_source_and_the_compiler_whatever_the_backend(tiny):
-    config, layout, _ = tiny
+def test_experts_ones_key_holds_its_source_and_the_compiler_whatever_the_backend(tiny_packed):
+    config, layout, _ = tiny_packed
     spec = build_programs(config, layout, MAX_SEQ).specs[EXPERTS_ONE]
     for backend in ("export", "aoti"):
         key = program_key(spec, backend).as_dict()

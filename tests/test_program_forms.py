@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.model.config import load_config
 from runtime.model.dims import Dims
 from runtime.model.forward import FFN_PARTS
 from runtime.model.moe import (
@@ -28,24 +27,9 @@ from runtime.programs.catalog import (
 from runtime.programs.spec import build_function, program_key
 from runtime.programs.tiers import COMPILED, EAGER, TieredRunners
 from runtime.serve.engine import Engine
-from runtime.weights.pack import PackedLayout, pack_in_memory
-from runtime.weights.views import packed_views
-from store.checkpoint import Checkpoint
 from store.fingerprint import diff
 
 MAX_SEQ = 64
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_ckpt_ro):
-    config = load_config(tiny_ckpt_ro)
-    layout = PackedLayout(config, ranks=1)
-    ckpt = Checkpoint.open(tiny_ckpt_ro)
-    try:
-        weights = packed_views(layout, pack_in_memory(ckpt, layout))
-    finally:
-        ckpt.close()
-    return config, layout, weights
 
 
 def _units(programs):
@@ -64,8 +48,8 @@ def _routed_inputs(spec) -> list[str]:
     return [t.name for t in spec.inputs if t.name.startswith("w." + ROUTED_PREFIX)]
 
 
-def test_layer_programs_hold_no_routed_expert_and_one_experts_program_serves_every_layer(tiny):
-    config, layout, _ = tiny
+def test_layer_programs_hold_no_routed_expert_and_one_experts_program_serves_every_layer(tiny_packed):
+    config, layout, _ = tiny_packed
     apart = build_programs(config, layout, MAX_SEQ)
     layers = [s for n, s in apart.specs.items() if n.startswith("layer.")]
     assert layers and all(not _routed_inputs(s) for s in layers)
@@ -80,10 +64,10 @@ def test_layer_programs_hold_no_routed_expert_and_one_experts_program_serves_eve
     assert not any(n.startswith("experts") for n in inside.specs)
 
 
-def test_a_layer_programs_key_changes_with_the_form(tiny):
+def test_a_layer_programs_key_changes_with_the_form(tiny_packed):
     """An entry compiled in the other form never loads for this one: its signature, captures and
     the source of what the layer program runs are in its key."""
-    config, layout, _ = tiny
+    config, layout, _ = tiny_packed
     apart = build_programs(config, layout, MAX_SEQ)
     inside = build_programs(config, layout, MAX_SEQ, routed=ROUTED_IN_LAYER)
     name = next(n for n in apart.specs if n.startswith("layer."))
@@ -92,8 +76,8 @@ def test_a_layer_programs_key_changes_with_the_form(tiny):
     assert {"source:runtime.model.factories.layer", "source:runtime.model.moe.routed"} <= set(a.as_dict())
 
 
-def test_the_experts_programs_take_what_the_layer_programs_give(tiny):
-    config, layout, _ = tiny
+def test_the_experts_programs_take_what_the_layer_programs_give(tiny_packed):
+    config, layout, _ = tiny_packed
     programs = build_programs(config, layout, MAX_SEQ)
     picked = programs.specs[EXPERTS_PICKED]
     for name, spec in programs.specs.items():
@@ -109,11 +93,11 @@ def test_the_experts_programs_take_what_the_layer_programs_give(tiny):
                 (want.dtype, tuple(rows if s == "M" else s for s in want.shape)), (name, want.name)
 
 
-def test_the_engines_calls_over_the_programs_compute_the_fused_blocks_model(tiny):
+def test_the_engines_calls_over_the_programs_compute_the_fused_blocks_model(tiny_packed):
     """A prefill, a decode step of one row and one of four sequences, and an MTP draft: the layer
     program then the routed experts give the very numbers of the whole block run eagerly (and so
     do the baseline form's programs)."""
-    config, layout, weights = tiny
+    config, layout, weights = tiny_packed
     programs = build_programs(config, layout, MAX_SEQ)
     calls = Engine(programs, weights, engine_runners(programs, _units(programs)), slots=4)
     whole = Engine(programs, weights, slots=4)
@@ -134,8 +118,8 @@ def test_the_engines_calls_over_the_programs_compute_the_fused_blocks_model(tiny
     assert torch.equal(calls.mtp_step(drafts), whole.mtp_step(drafts))
 
 
-def test_an_experts_program_swapped_in_runs_from_the_next_step_in_every_layer(tiny):
-    config, layout, weights = tiny
+def test_an_experts_program_swapped_in_runs_from_the_next_step_in_every_layer(tiny_packed):
+    config, layout, weights = tiny_packed
     programs = build_programs(config, layout, MAX_SEQ)
     units = _units(programs)
     table = TieredRunners(units, dict.fromkeys(units, EAGER))
@@ -157,13 +141,13 @@ def test_an_experts_program_swapped_in_runs_from_the_next_step_in_every_layer(ti
     assert ran == [engine.calls] * layers and table.tiers[EXPERTS_PICKED] == COMPILED
 
 
-def test_a_fused_compiled_picked_program_serves_few_rows_and_the_rest_run_grouped_eagerly(tiny):
+def test_a_fused_compiled_picked_program_serves_few_rows_and_the_rest_run_grouped_eagerly(tiny_packed):
     """The compiled `experts.picked` runs only where it beats grouping: fused (aoti), once
     compiled, for rows picking fewer pairs per expert than `moe.picks_few`'s limit (tiny's small
     experts: about 32), and only until `experts.one` is compiled. Op by op (export), on the
     eager tier, or for more rows, the same function runs eagerly, grouped by expert: each expert
     through `experts.one` once it is compiled. Either way the step's numbers are the eager block's."""
-    config, layout, weights = tiny
+    config, layout, weights = tiny_packed
     programs = build_programs(config, layout, MAX_SEQ)
     units = _units(programs)
     ran: list[int] = []
@@ -203,11 +187,11 @@ def test_a_fused_compiled_picked_program_serves_few_rows_and_the_rest_run_groupe
             assert layers <= len(one_ran) <= layers * n and sum(one_ran) == layers * 4 * rows * k
 
 
-def test_grouping_by_expert_computes_the_dense_and_the_picked_ways_numbers(tiny):
+def test_grouping_by_expert_computes_the_dense_and_the_picked_ways_numbers(tiny_packed):
     """The grouped way (eager: each expert over its rows) against both traced ways, run eagerly
     by hand: the same sums, of every expert or of one rank's share (other ranks' choices
     skipped, as the dense way weighs them 0)."""
-    config, _, weights = tiny
+    config, _, weights = tiny_packed
     d = Dims.of(config, MAX_SEQ)
     experts = _expert_tensors(weights["layers.2"])
     n, k = config.n_routed_experts, config.num_experts_per_tok
@@ -227,11 +211,11 @@ def test_grouping_by_expert_computes_the_dense_and_the_picked_ways_numbers(tiny)
     assert torch.equal(_experts_grouped(d, experts, h[:0], idx[:0], gates[:0]), h[:0])
 
 
-def test_a_step_asked_for_its_last_rows_logits_runs_the_head_on_those_rows_only(tiny):
+def test_a_step_asked_for_its_last_rows_logits_runs_the_head_on_those_rows_only(tiny_packed):
     """`logits_rows`: the head (a vocabulary-wide matmul) runs on the rows whose logits are
     wanted, and they are the rows of a step that computed every row's (to a matmul's rounding
     over fewer rows); the hidden streams (the MTP layer's input) keep every row."""
-    config, layout, weights = tiny
+    config, layout, weights = tiny_packed
     programs = build_programs(config, layout, MAX_SEQ)
     units = _units(programs)
     heads: list[int] = []

@@ -6,8 +6,8 @@ for small's `[1024, 512]` expert weight on a Sapphire Rapids host, 2 threads); c
 inductor, one fused kernel of some forty vector instructions a code (about 200 us), and then the
 matmul reads the float weight back. Here each code is an index into a table held in one vector
 register (AVX-512: a 16-lane permute, signs included; AVX2: an 8-lane one, the sign or-ed in;
-plain C elsewhere), times the block's scale built from the E8M0 byte's bits: x @ W in 20 us for
-one row, 29 for 4, 160 for 32. The decode (`Native.decode`, for more rows) gives the eager
+plain C elsewhere), times the block's scale built from the E8M0 byte's bits: x @ W in 19 us for
+one row, 27 for 4, 42 for 8, 160 for 32 (decoded then multiplied: 62, 118, 159, 213). The decode (`Native.decode`, for more rows) gives the eager
 decode's very numbers (both products are exact; an E8M0 byte of 241 or more, a weight past 2^114,
 overflows the eager one's float16 form); the fused product sums in another order than a GEMM,
 the same numbers to float32 rounding.
@@ -269,10 +269,10 @@ def build(out: Path) -> None:
         raise RuntimeError(f"the FP4 decode did not compile ({platform.machine()}): {done.stderr.strip()[-2000:]}")
 
 
-# Rows up to which `matmul` decodes each byte in registers straight into the rows' sums (the kernel
-# holds 8 rows' sums); past them a float weight, decoded once, multiplied by torch (small's expert
-# weight [1024, 512], 2 threads, us: 1 row 65 fused vs 75 decoded + mm, 4 rows 75 vs 111, 8 rows
-# 112 vs 119; inside an expert, where the decoded weight is fresh, the fused gain is larger).
+# Rows up to which `matmul` decodes each byte in registers straight into the rows' sums (16 rows'
+# sums a pass with AVX-512, 8 with AVX2; each pass decodes again); past them a float weight, decoded
+# once, multiplied by torch (small's expert weight [1024, 512], 2 threads, AVX-512, us: 1 row 19
+# fused vs 62 decoded + mm, 8 rows 42 vs 159, 16 rows 91 vs 235, 32 rows 160 vs 213).
 FUSED_ROWS = 32
 # the instruction sets a `Native` may use, at most (the library picks what the cpu has below it)
 ISA_SCALAR, ISA_AVX2, ISA_BEST = 0, 1, 2
