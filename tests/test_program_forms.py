@@ -64,6 +64,24 @@ def test_layer_programs_hold_no_routed_expert_and_one_experts_program_serves_eve
     assert not any(n.startswith("experts") for n in inside.specs)
 
 
+def test_a_host_with_no_cxx_compiler_has_no_experts_one_and_groups_with_the_eager_decode(tiny_packed, monkeypatch):
+    """`experts.one` is built from C++ source: where no compiler is found, the catalog holds no such
+    program (rather than one that cannot compile and would end the launch), and the engine's
+    grouped way decodes eagerly, to the same numbers."""
+    config, layout, weights = tiny_packed
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setenv("PATH", "")
+    programs = build_programs(config, layout, MAX_SEQ)
+    assert EXPERTS_ONE not in programs.specs and EXPERTS_PICKED in programs.specs
+    monkeypatch.undo()
+    with_one = build_programs(config, layout, MAX_SEQ)
+    assert EXPERTS_ONE in with_one.specs
+    assert set(with_one.specs) - set(programs.specs) == {EXPERTS_ONE}
+    prompt = torch.arange(3, 30)
+    want = Engine(with_one, weights).forward(prompt).logits
+    assert torch.equal(Engine(programs, weights, engine_runners(programs, _units(programs))).forward(prompt).logits, want)
+
+
 def test_a_layer_programs_key_changes_with_the_form(tiny_packed):
     """An entry compiled in the other form never loads for this one: its signature, captures and
     the source of what the layer program runs are in its key."""

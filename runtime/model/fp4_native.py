@@ -23,9 +23,7 @@ libgomp.so.1 then serves it), never a second thread pool spinning beside torch's
 from __future__ import annotations
 
 import ctypes
-import os
 import platform
-import shutil
 import subprocess
 import tempfile
 from collections.abc import Callable
@@ -250,12 +248,14 @@ FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-x", "c++")
 
 
 def compiler() -> str:
-    """The C++ compiler inductor would use, whose version is in every program's key
-    (`runtime.programs.toolchain.compiler_version`)."""
-    cxx = os.environ.get("CXX") or next((c for c in ("g++", "clang++", "c++") if shutil.which(c)), None)
-    if cxx is None:
-        raise RuntimeError("no C++ compiler (CXX, g++, clang++) to build the FP4 decode")
-    return cxx
+    """The C++ compiler every program is built with, whose version is in every key
+    (`runtime.programs.toolchain.cxx`)."""
+    from runtime.programs.toolchain import cxx
+
+    found = cxx()
+    if found is None:
+        raise RuntimeError("no C++ compiler (CXX, g++, clang++) to build the FP4 products")
+    return found
 
 
 def build(out: Path) -> None:

@@ -24,6 +24,7 @@ from runtime.launch.spec import MAX_SLOTS
 from runtime.model.config import SLIDING, DeepSeekV4Config
 from runtime.model.dims import Dims, cache_shapes
 from runtime.programs.spec import DynamicDim, ProgramSpec, TensorSpec
+from runtime.programs.toolchain import cxx
 from runtime.weights.layout import EXPERTS, PackedLayout
 
 PREFILL, DECODE = "prefill", "decode"
@@ -180,12 +181,13 @@ def build_programs(config: DeepSeekV4Config, packed: PackedLayout, max_seq: int,
             EXPERTS_PICKED, f"{FNS}:experts", (*head, *weights("w.", expert_shapes, weight_names[EXPERTS_PROGRAM])),
             dims=(rows,), layout=layout, model_dims=dims,
             captures={"dims": dims, "weight_names": list(weight_names[EXPERTS_PROGRAM]), "picked": True, **finish})
-        one_expert = {n: (dtype, shape[1:]) for n, (dtype, shape) in expert_shapes.items()}
-        specs[EXPERTS_ONE] = ProgramSpec(
-            EXPERTS_ONE, f"{FNS}:expert_one",
-            (TensorSpec("x", "float32", ("M", d.hidden)), *weights("w.", one_expert, weight_names[EXPERTS_PROGRAM])),
-            dims=(rows,), layout=layout, model_dims=dims,
-            captures={"dims": dims, "weight_names": list(weight_names[EXPERTS_PROGRAM]), "native": True})
+        if cxx() is not None:  # built from C++ source: a host with no compiler groups with the eager decode
+            one_expert = {n: (dtype, shape[1:]) for n, (dtype, shape) in expert_shapes.items()}
+            specs[EXPERTS_ONE] = ProgramSpec(
+                EXPERTS_ONE, f"{FNS}:expert_one",
+                (TensorSpec("x", "float32", ("M", d.hidden)), *weights("w.", one_expert, weight_names[EXPERTS_PROGRAM])),
+                dims=(rows,), layout=layout, model_dims=dims,
+                captures={"dims": dims, "weight_names": list(weight_names[EXPERTS_PROGRAM]), "native": True})
 
     top = shapes["top"]
     emb_spec = TensorSpec("embed.weight", *top["embed.weight"])

@@ -220,16 +220,20 @@ def _cpu_flags() -> list[str] | str:
     return sorted(found.intersection(_CPU_FLAGS))
 
 
+def cxx() -> str | None:
+    """The C++ compiler Inductor would use (CXX, else g++/clang++/c++ on the PATH), None if none:
+    what builds every compiled program, `runtime.model.fp4_native`'s too."""
+    return os.environ.get("CXX") or next((c for c in ("g++", "clang++", "c++") if shutil.which(c)), None)
+
+
 @functools.cache
 def compiler_version() -> str:
-    """First line of `--version` of the C++ compiler Inductor would use (CXX, else g++/clang++)."""
-    cxx = os.environ.get("CXX") or next(
-        (c for c in ("g++", "clang++", "c++") if shutil.which(c)), None
-    )
-    if not cxx:
+    """First line of `--version` of the C++ compiler (`cxx`)."""
+    compiler = cxx()
+    if not compiler:
         return UNKNOWN
     try:
-        out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=10)
+        out = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return UNKNOWN
     first = out.stdout.strip().splitlines()[:1]
