@@ -55,10 +55,10 @@ def experts(dims: dict, weight_names: list[str], picked: bool | None = None, fin
 
 def expert_one(dims: dict, weight_names: list[str], native: bool = False) -> Callable:
     """One routed expert over its rows, its tensors inputs (no experts dim): what the grouped way
-    calls per expert, eagerly (`one=` above). `native`: its compiled form is this function with
-    the FP4 decode built from C++ (`runtime.model.fp4_native`), not a trace of it."""
-    def expert_one_program(x, *tensors):
-        return moe.expert_ffn(Dims(**dims), dict(zip(weight_names, tensors, strict=True)), x)
+    calls per expert, eagerly (`one=` above). `native`: its compiled form is this function given
+    the FP4 products built from C++ (`fp4`: `runtime.model.fp4_native`), not a trace of it."""
+    def expert_one_program(x, *tensors, fp4=None):
+        return moe.expert_ffn(Dims(**dims), dict(zip(weight_names, tensors, strict=True)), x, fp4)
 
     return expert_one_program
 

@@ -26,12 +26,9 @@ import ctypes
 import platform
 import subprocess
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
-
-from runtime.model.dims import Dims
 
 SOURCE = r"""
 #include <stdint.h>
@@ -70,24 +67,34 @@ static void row_scalar(const uint8_t *p, const uint8_t *s, float *lo, float *hi,
 }
 
 #if defined(__x86_64__)
+/* 8 bytes of a byte row (p) and their scales (s) -> the low nibbles' and the high ones' values,
+   scaled: an 8-entry table of magnitudes in one register, the sign or-ed in */
+__attribute__((target("avx2,fma")))
+static inline void decode8_avx2(const uint8_t *p, const uint8_t *s, __m256 *lo, __m256 *hi) {
+    const __m256 table = _mm256_loadu_ps(E2M1);
+    const __m256i seven = _mm256_set1_epi32(7), eight = _mm256_set1_epi32(8);
+    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)s));
+    __m256i bits = _mm256_blendv_epi8(_mm256_slli_epi32(e, 23), _mm256_set1_epi32(0x00400000),
+                                      _mm256_cmpeq_epi32(e, _mm256_setzero_si256()));
+    __m256 scale = _mm256_castsi256_ps(bits);
+    __m256i h = _mm256_srli_epi32(b, 4);
+    __m256 vl = _mm256_permutevar8x32_ps(table, _mm256_and_si256(b, seven));
+    __m256 vh = _mm256_permutevar8x32_ps(table, _mm256_and_si256(h, seven));
+    vl = _mm256_or_ps(vl, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(b, eight), 28)));
+    vh = _mm256_or_ps(vh, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(h, eight), 28)));
+    *lo = _mm256_mul_ps(vl, scale);
+    *hi = _mm256_mul_ps(vh, scale);
+}
+
 __attribute__((target("avx2,fma")))
 static void row_avx2(const uint8_t *p, const uint8_t *s, float *lo, float *hi, int64_t cols) {
-    const __m256 table = _mm256_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f);
-    const __m256i seven = _mm256_set1_epi32(7), eight = _mm256_set1_epi32(8), zero = _mm256_setzero_si256();
-    const __m256i tiny = _mm256_set1_epi32(0x00400000);
     int64_t o = 0;
     for (; o + 8 <= cols; o += 8) {
-        __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + o)));
-        __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(s + o)));
-        __m256i bits = _mm256_blendv_epi8(_mm256_slli_epi32(e, 23), tiny, _mm256_cmpeq_epi32(e, zero));
-        __m256 scale = _mm256_castsi256_ps(bits);
-        __m256i h = _mm256_srli_epi32(b, 4);
-        __m256 vl = _mm256_permutevar8x32_ps(table, _mm256_and_si256(b, seven));
-        __m256 vh = _mm256_permutevar8x32_ps(table, _mm256_and_si256(h, seven));
-        vl = _mm256_or_ps(vl, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(b, eight), 28)));
-        vh = _mm256_or_ps(vh, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(h, eight), 28)));
-        _mm256_storeu_ps(lo + o, _mm256_mul_ps(vl, scale));
-        _mm256_storeu_ps(hi + o, _mm256_mul_ps(vh, scale));
+        __m256 vl, vh;
+        decode8_avx2(p + o, s + o, &vl, &vh);
+        _mm256_storeu_ps(lo + o, vl);
+        _mm256_storeu_ps(hi + o, vh);
     }
     row_scalar(p, s, lo, hi, o, cols);
 }
@@ -99,22 +106,12 @@ static void row_avx2(const uint8_t *p, const uint8_t *s, float *lo, float *hi, i
 __attribute__((target("avx2,fma")))
 static void tile_avx2(const float *x, int64_t rows, const uint8_t *packed, int64_t ld_packed, const uint8_t *scale,
                       int64_t ld_scale, float *out, int64_t half, int64_t cols, int64_t group, int64_t o) {
-    const __m256 table = _mm256_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f);
-    const __m256i seven = _mm256_set1_epi32(7), eight = _mm256_set1_epi32(8), zero = _mm256_setzero_si256();
-    const __m256i tiny = _mm256_set1_epi32(0x00400000);
     const int64_t in = 2 * half;
     __m256 acc[8];
     for (int r = 0; r < 8; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t j = 0; j < half; j++) {
-        const uint8_t *p = packed + j * ld_packed + o, *s = scale + (2 * j / group) * ld_scale + o;
-        __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-        __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)s));
-        __m256 sc = _mm256_castsi256_ps(_mm256_blendv_epi8(_mm256_slli_epi32(e, 23), tiny, _mm256_cmpeq_epi32(e, zero)));
-        __m256i h = _mm256_srli_epi32(b, 4);
-        __m256 vl = _mm256_permutevar8x32_ps(table, _mm256_and_si256(b, seven));
-        __m256 vh = _mm256_permutevar8x32_ps(table, _mm256_and_si256(h, seven));
-        vl = _mm256_mul_ps(_mm256_or_ps(vl, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(b, eight), 28))), sc);
-        vh = _mm256_mul_ps(_mm256_or_ps(vh, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(h, eight), 28))), sc);
+        __m256 vl, vh;
+        decode8_avx2(packed + j * ld_packed + o, scale + (2 * j / group) * ld_scale + o, &vl, &vh);
         for (int64_t r = 0; r < rows; r++) {
             acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(x[r * in + 2 * j]), vl, acc[r]);
             acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(x[r * in + 2 * j + 1]), vh, acc[r]);
@@ -196,10 +193,9 @@ extern "C" void dsv4_fp4_matmul(const float *x, int64_t rows, const uint8_t *pac
                                 const uint8_t *scale, int64_t ld_scale, float *out, int64_t half, int64_t cols,
                                 int64_t group, int threads, int isa) {
     const int avx512 = isa >= 2 && cpu_isa() >= 2, avx2 = isa >= 1 && cpu_isa() >= 1;
-    const int64_t width = avx512 ? 16 : 8, tiles = cols / width;
-    /* a tile holds the sums of 16 rows (AVX-512) or 8: more rows, that many at a time (each pass
-       decodes the bytes again) */
-    const int64_t per_pass = avx512 ? 16 : 8;
+    /* a tile is 16 columns and the sums of up to 16 rows with AVX-512, else 8 and 8: more rows,
+       that many at a time (each pass decodes the bytes again) */
+    const int64_t width = avx512 ? 16 : 8, tiles = cols / width, per_pass = width;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
         for (int64_t r0 = 0; r0 < rows; r0 += per_pass) {
@@ -333,15 +329,3 @@ def load(data: bytes) -> Native:
         f.write(data)
         f.flush()
         return Native(ctypes.CDLL(f.name, mode=ctypes.RTLD_LOCAL))
-
-
-def expert_runner(native: Native, dims: dict, weight_names: list[str]) -> Callable[..., torch.Tensor]:
-    """`experts.one` run natively: `moe.expert_ffn`, each FP4 product through `native`."""
-    from runtime.model import moe
-
-    d = Dims(**dims)
-
-    def run(x: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
-        return moe.expert_ffn(d, dict(zip(weight_names, tensors, strict=True)), x, native)
-
-    return run

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 import torch
 
 from runtime.model.dims import Dims
+from runtime.programs.toolchain import cpu_vendor
 
 NORM_EPS = 1e-6
 
@@ -191,14 +192,9 @@ def chunk_units(count: int, unit_elements: int, align: int = 1, most: int | None
 # oneDNN's linear op takes the weight [out, in]: ours, [in, out], transposed as a view.
 def _onednn_linear() -> Any:
     """oneDNN's linear op where it beats MKL's GEMMs (an AMD cpu), else None."""
-    if not torch.backends.mkldnn.is_available():
+    if not torch.backends.mkldnn.is_available() or cpu_vendor() != "AuthenticAMD":
         return None
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            amd = any(line.startswith("vendor_id") and "AuthenticAMD" in line for line in f)
-    except OSError:
-        amd = False
-    return getattr(torch.ops.mkldnn, "_linear_pointwise", None) if amd else None
+    return getattr(torch.ops.mkldnn, "_linear_pointwise", None)
 
 
 _ONEDNN_LINEAR = _onednn_linear()

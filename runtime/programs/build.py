@@ -197,7 +197,7 @@ def _load(spec: ProgramSpec, backend: str, data: bytes) -> Callable[..., Any]:
     if is_native(spec):
         from runtime.model import fp4_native
 
-        return fp4_native.expert_runner(fp4_native.load(data), spec.captures["dims"], spec.captures["weight_names"])
+        return functools.partial(build_function(spec), fp4=fp4_native.load(data))
     if backend == "export":
         return torch.export.load(io.BytesIO(data)).module()
     return _load_aoti(data)

@@ -110,11 +110,9 @@ def program_key(spec: ProgramSpec, backend: str, device: str = "cpu") -> Key:
     ]
     if spec.captures is not None:
         config.append(("captures", dict(spec.captures)))
-    if not is_native(spec):
-        return Key.of([*config, *source_components(spec.fn), *toolchain_components(device, backend)])
-    # compiled from its own C++ source by the C++ compiler, whatever the backend: both in the key
-    return Key.of([*config, *source_components(spec.fn), *source_components(NATIVE_BUILD),
-                   *toolchain_components(device, "aoti")])
+    native = is_native(spec)  # compiled from its own C++ source by the C++ compiler, whatever the backend
+    return Key.of([*config, *source_components(spec.fn), *(source_components(NATIVE_BUILD) if native else ()),
+                   *toolchain_components(device, "aoti" if native else backend)])
 
 
 # A program whose captures say `native` is built from C++ source (`runtime.model.fp4_native`), not

@@ -208,6 +208,16 @@ def _npu_chip() -> str | None:
 
 
 @functools.cache
+def cpu_vendor() -> str | None:
+    """The cpu's `vendor_id` ("GenuineIntel", "AuthenticAMD"), from its first line in /proc/cpuinfo;
+    None where there is none (not Linux, not x86)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), None)
+    except OSError:
+        return None
+
+
 def _cpu_flags() -> list[str] | str:
     try:
         text = Path("/proc/cpuinfo").read_text()
