@@ -163,8 +163,8 @@ def peer_run(peer: Any, batch: list[list[int]], new_tokens: int) -> Run:
                interval_s=decode / max(new_tokens - 1, 1), tokens=tuple(tuple(r) for r in out.tolist()))
 
 
-# not a program: the rows the compiled picked program does not serve, grouped by expert eagerly, each
-# expert through the compiled `experts.one` (its seconds counted here, not under "experts")
+# not a program: the rows the compiled picked program does not serve, grouped by expert eagerly (with
+# `experts.native` compiled, the routed experts are that program's, under "experts")
 GROUPED = "experts grouped (eager)"
 
 
@@ -175,8 +175,6 @@ def _family(program: str) -> str:
 def time_programs(engine: Any) -> dict[str, float]:
     """Wrap the engine's programs (in place) so each call adds its seconds to its family in the
     returned dict; empty forever when the engine runs the model code without programs."""
-    from runtime.programs.catalog import EXPERTS_ONE
-
     table = getattr(engine.runners, "table", engine.runners)  # program name → runner
     spent: dict[str, float] = {}
 
@@ -190,8 +188,7 @@ def time_programs(engine: Any) -> dict[str, float]:
         return call
 
     for name in list(table or ()):
-        if name != EXPERTS_ONE:  # called inside the grouped way, timed with it
-            table[name] = timed(_family(name), table[name])
+        table[name] = timed(_family(name), table[name])
     if getattr(engine.runners, "grouped", None) is not None:  # the routed experts run eagerly, grouped
         engine.runners.grouped = timed(GROUPED, engine.runners.grouped)
     return spent

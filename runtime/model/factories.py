@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from runtime.model import forward as model
-from runtime.model import moe
 from runtime.model.dims import Dims
 
 
@@ -32,35 +31,28 @@ def layer(dims: dict, kind: str, ratio: int, hash_routed: bool, cache_names: lis
     return layer_program
 
 
-def experts(dims: dict, weight_names: list[str], picked: bool | None = None, finish: bool = False) -> Callable:
+def experts(dims: dict, weight_names: list[str], picked: bool | None = None, finish: bool = False,
+            native: bool = False) -> Callable:
     """One rank's routed experts over rows of any layer (the experts' weights are inputs), from every
     rank with several: each row's share of its routed sum; `picked`: traced, only the picked (True)
     or only the dense (False) way (run eagerly on the cpu, it groups: `moe.routed`). `finish` (one
     rank): the program takes a layer program's FFN parts (`model.FFN_PARTS`) and returns the block's
-    output, so the engine's layer call is two programs and no glue."""
+    output, so the engine's layer call is two programs and no glue. `native` (`experts.native`): the
+    compiled form is this function run eagerly, grouped, given the FP4 products built from C++
+    (`fp4`: `runtime.model.fp4_native`), not a trace of it."""
     if finish:
-        def finish_program(*args, one=None):
+        def finish_program(*args, fp4=None):
             parts, w = args[:model.FFN_PARTS], dict(zip(weight_names, args[model.FFN_PARTS:], strict=True))
             h, idx, weights = parts[model.ROUTED_INPUT]
-            return model.ffn_out(parts, model.experts(Dims(**dims), w, h, idx, weights, None, picked, one))
+            return model.ffn_out(parts, model.experts(Dims(**dims), w, h, idx, weights, None, picked, fp4))
 
         return finish_program
 
-    def experts_program(h, idx, weights, expert_base, *tensors, one=None):
+    def experts_program(h, idx, weights, expert_base, *tensors, fp4=None):
         w = dict(zip(weight_names, tensors, strict=True))
-        return model.experts(Dims(**dims), w, h, idx, weights, expert_base, picked, one)
+        return model.experts(Dims(**dims), w, h, idx, weights, expert_base, picked, fp4)
 
     return experts_program
-
-
-def expert_one(dims: dict, weight_names: list[str], native: bool = False) -> Callable:
-    """One routed expert over its rows, its tensors inputs (no experts dim): what the grouped way
-    calls per expert, eagerly (`one=` above). `native`: its compiled form is this function given
-    the FP4 products built from C++ (`fp4`: `runtime.model.fp4_native`), not a trace of it."""
-    def expert_one_program(x, *tensors, fp4=None):
-        return moe.expert_ffn(Dims(**dims), dict(zip(weight_names, tensors, strict=True)), x, fp4)
-
-    return expert_one_program
 
 
 def embed(dims: dict) -> Callable:

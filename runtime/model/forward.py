@@ -48,7 +48,16 @@ from runtime.model.attention import Rows, attention
 from runtime.model.config import CSA, HCA, SLIDING
 from runtime.model.dims import Dims
 from runtime.model.moe import moe, route, routed, shared_expert
-from runtime.model.ops import NORM_EPS, hc_head, hc_post, hc_pre, linear, rms_norm, weight
+from runtime.model.ops import (
+    NORM_EPS,
+    NativeFP4,
+    hc_head,
+    hc_post,
+    hc_pre,
+    linear,
+    rms_norm,
+    weight,
+)
 
 __all__ = ["FFN_PARTS", "KINDS", "NORM_EPS", "ROUTED_INPUT", "Rows", "block", "embed", "experts", "ffn_out", "head",
            "mtp_input", "weight"]
@@ -84,11 +93,12 @@ def ffn_out(parts: tuple[torch.Tensor, ...], routed: torch.Tensor) -> torch.Tens
 
 
 def experts(d: Dims, w: dict[str, torch.Tensor], h: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
-            expert_base: torch.Tensor | None, picked: bool | None = None, one=None) -> torch.Tensor:
+            expert_base: torch.Tensor | None, picked: bool | None = None,
+            native: NativeFP4 | None = None) -> torch.Tensor:
     """This rank's routed experts over rows from any rank (their choices of other ranks'
     experts weigh 0 here): each row's share of its routed sum (`expert_base` None: one rank
-    holding every expert); `picked`: only that way; `one`: what runs one expert (`moe.routed`)."""
-    return routed(d, w, h, idx, weights, expert_base, picked, one)
+    holding every expert); `picked`: only that way; `native`: the FP4 products (`moe.routed`)."""
+    return routed(d, w, h, idx, weights, expert_base, picked, native)
 
 
 def embed(d: Dims, w: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:

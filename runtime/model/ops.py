@@ -51,10 +51,16 @@ FP4Decode = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class NativeFP4(Protocol):
-    """FP4 products compiled natively (`runtime.model.fp4_native`), for `linear`."""
+    """FP4 products compiled natively (`runtime.model.fp4_native`), for `linear` and the grouped
+    experts (`moe._experts_grouped`)."""
 
     def matmul(self, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
         """x @ W with each byte decoded in registers, never a float W; None where it does not serve."""
+
+    def grouped(self, x: torch.Tensor, ids: torch.Tensor, starts: torch.Tensor, packed: torch.Tensor,
+                scale: torch.Tensor) -> torch.Tensor | None:
+        """Each expert ids[k]'s rows x[starts[k]:starts[k + 1]] times its weight of the stacks
+        (packed, scale) [experts, …], fused; None where it does not serve."""
 
     def decode(self, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """`fp4_weight`'s very numbers."""

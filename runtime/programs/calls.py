@@ -4,11 +4,12 @@ The catalog's programs (what compiles, what the kernel cache holds, what the pla
 engine's calls differ in one place: the routed experts. In the `ROUTED_APART` form every layer
 program stops before them and returns the block's FFN parts; `experts.picked` serves every layer.
 With one rank, a call of a layer runs its layer program, then the routed experts, which finish the
-block. On the cpu, once `experts.one` is compiled, the experts' function runs eagerly and groups the
-rows by expert (`moe._experts_grouped`: each used expert once, over only its rows), each expert
-through `experts.one`, whose FP4 products are native (`runtime.model.fp4_native`: each byte decoded
-in registers into its rows' sums): faster than every other way at every row count measured (a lone
-32-token prefill of `small`: 162 ms against 225 ms with inductor's decode, 487 ms picked). Before
+block. On the cpu, once `experts.native` is compiled, it runs them: the experts' function run
+eagerly, grouping the rows by expert (`moe._experts_grouped`: each used expert once, over only its
+rows), with FP4 products compiled natively (`runtime.model.fp4_native`: each byte decoded in
+registers into its rows' sums, every expert's in one call a weight): faster than every other way
+at every row count measured (a lone 32-token prefill of `small`: 162 ms with one native call an
+expert and weight, against 225 ms with inductor's decode, 487 ms picked). Before
 that (and on an accelerator), the compiled `experts.picked` when its rows pick few enough (row,
 expert) pairs for it (`moe.picks_few`, fused: it decodes each pick where it multiplies), otherwise
 the same function run eagerly, grouped with the eager decode (a static program cannot hold shapes
@@ -24,12 +25,11 @@ Programs are looked up in the table at every call, so a program swapped in betwe
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from runtime.programs.catalog import (
-    EXPERTS_ONE,
+    EXPERTS_NATIVE,
     EXPERTS_PICKED,
     EXPERTS_PROGRAM,
     ROUTED_APART,
@@ -91,12 +91,12 @@ class EngineRunners(Mapping):
             swap()
 
     def _experts_runner(self, rows: int, topk: int, experts: int, cpu: bool) -> Runner:
-        """What runs these rows' routed experts. On the cpu, once `experts.one` is compiled: the
-        grouped way, each expert through it (its FP4 products native: faster than the compiled
-        `experts.picked` from one row up). Else the compiled `experts.picked` when it is fused
-        (aoti) and the rows pick few (`moe.picks_few`); else the grouped way, eagerly."""
-        if cpu and EXPERTS_ONE in self.table and self._compiled(EXPERTS_ONE):
-            return functools.partial(self.grouped, one=self.table[EXPERTS_ONE])
+        """What runs these rows' routed experts. On the cpu, once `experts.native` is compiled: it
+        (the grouped way, its FP4 products native: faster than the compiled `experts.picked` from
+        one row up). Else the compiled `experts.picked` when it is fused (aoti) and the rows pick
+        few (`moe.picks_few`); else the grouped way, eagerly."""
+        if cpu and EXPERTS_NATIVE in self.table and self._compiled(EXPERTS_NATIVE):
+            return self.table[EXPERTS_NATIVE]
         if self._fuses and self._compiled(EXPERTS_PICKED) and self._picks_few(rows, topk, experts, True,
                                                                               self._expert_weights):
             return self.table[EXPERTS_PICKED]

@@ -11,14 +11,14 @@ them, and `experts.picked` serves every layer, so the expert math — most of a 
 FP4 decode with it — compiles once per model instead of once per layer program (the engine's calls
 put them back together: `runtime.programs.calls`, which runs more rows than it suits eagerly, each
 expert over its own rows: a shape that depends on the routing, which no static program holds;
-there each expert runs through `experts.one`, one expert's math over any rows).
+there, on the cpu, `experts.native`: that eager function given the FP4 products compiled from C++).
 `ROUTED_IN_LAYER`, each layer program with its routed experts inside, is the form before, kept as
 `dsv4 bench compile`'s baseline.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from runtime.launch.spec import MAX_SLOTS
 from runtime.model.config import SLIDING, DeepSeekV4Config
@@ -35,9 +35,9 @@ MAX_DECODE_ROWS = 2 * MAX_SLOTS
 EXPERTS_PROGRAM = "experts"  # what the engine calls: one rank's routed experts over rows (of every rank)
 # the program behind it for few rows: only each row's picked experts (more rows run grouped, eagerly)
 EXPERTS_PICKED = f"{EXPERTS_PROGRAM}.picked"
-# and one expert over its rows, which the grouped way calls per expert: its FP4 decode compiled
-# natively (`runtime.model.fp4_native`), its matmuls torch's
-EXPERTS_ONE = f"{EXPERTS_PROGRAM}.one"
+# and the grouped way (every expert over its own rows, eagerly) with its FP4 products compiled
+# natively (`runtime.model.fp4_native`): the same inputs, built from C++ rather than traced
+EXPERTS_NATIVE = f"{EXPERTS_PROGRAM}.native"
 ROUTED_APART, ROUTED_IN_LAYER = "apart", "in-layer"  # the program forms (see the module's docstring)
 ROUTED_PREFIX = "ffn.experts."
 FNS = "runtime.model.factories"
@@ -182,12 +182,8 @@ def build_programs(config: DeepSeekV4Config, packed: PackedLayout, max_seq: int,
             dims=(rows,), layout=layout, model_dims=dims,
             captures={"dims": dims, "weight_names": list(weight_names[EXPERTS_PROGRAM]), "picked": True, **finish})
         if cxx() is not None:  # built from C++ source: a host with no compiler groups with the eager decode
-            one_expert = {n: (dtype, shape[1:]) for n, (dtype, shape) in expert_shapes.items()}
-            specs[EXPERTS_ONE] = ProgramSpec(
-                EXPERTS_ONE, f"{FNS}:expert_one",
-                (TensorSpec("x", "float32", ("M", d.hidden)), *weights("w.", one_expert, weight_names[EXPERTS_PROGRAM])),
-                dims=(rows,), layout=layout, model_dims=dims,
-                captures={"dims": dims, "weight_names": list(weight_names[EXPERTS_PROGRAM]), "native": True})
+            specs[EXPERTS_NATIVE] = replace(specs[EXPERTS_PICKED], name=EXPERTS_NATIVE, captures={
+                "dims": dims, "weight_names": list(weight_names[EXPERTS_PROGRAM]), "native": True, **finish})
 
     top = shapes["top"]
     emb_spec = TensorSpec("embed.weight", *top["embed.weight"])
