@@ -1,6 +1,6 @@
-"""The FP4 products built natively (`runtime.model.fp4_native`): `experts.one`'s compiled form,
+"""The FP4 products built natively (`runtime.model.fp4_native`): `experts.native`'s compiled form,
 built from C++ source through the kernel cache and loaded from the verified bytes; its decode
-exactly the eager one's numbers, its fused product the eager product's to float32 rounding."""
+exactly the eager one's numbers, its fused products the eager products' to float32 rounding."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import torch
 
 from runtime.model import fp4_native, ops
 from runtime.model.dims import Dims
-from runtime.model.moe import _expert_tensors, expert_ffn
+from runtime.model.moe import _expert_tensors
 from runtime.programs.build import ARTIFACT, prepare
-from runtime.programs.catalog import EXPERTS_ONE, build_programs
+from runtime.programs.catalog import EXPERTS_NATIVE, EXPERTS_PICKED, build_programs
 from runtime.programs.spec import build_function, program_key
 from store.fingerprint import diff
 from store.kernel_cache import Hit, KernelCache
@@ -97,34 +97,83 @@ def test_the_fused_product_is_the_eager_products_for_up_to_fused_rows(native):
     assert native.matmul(x[:0], packed, scale) is None
 
 
-def test_experts_one_is_built_from_its_source_through_the_kernel_cache_and_runs_the_expert(tiny_packed, tmp_path):
+def _grouped_args(counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    used = [e for e, count in enumerate(counts) if count]
+    starts = [0]
+    for e in used:
+        starts.append(starts[-1] + counts[e])
+    return torch.tensor(used), torch.tensor(starts)
+
+
+def test_the_grouped_product_is_each_experts_eager_product_and_a_rows_sums_never_depend_on_its_pass(native):
+    """Every used expert's rows (1 to 40: several passes of rows, uneven ones) times its own weight
+    of the stacks, whole tiles and a column tail: each expert's x @ W to float32 rounding. A row's
+    numbers are the same alone as among others (every path sums each row on its own, in one
+    order): a request's tokens do not depend on who shares its step."""
+    gen = torch.Generator().manual_seed(5)
+    for rows_in, cols, group in ((256, 64, 32), (128, 20, 32), (64, 40, 16)):
+        stacks = [_random(rows_in, cols, group, gen, 118, 128) for _ in range(6)]
+        packed, scale = torch.stack([p for p, _ in stacks]), torch.stack([q for _, q in stacks])
+        counts = [3, 0, 40, 1, 17, 0]
+        ids, starts = _grouped_args(counts)
+        x = torch.randn(int(starts[-1]), rows_in, generator=gen)
+        got = native.grouped(x, ids, starts, packed, scale)
+        assert got is not None and got.shape == (x.shape[0], cols)
+        for k, e in enumerate(ids.tolist()):
+            part = slice(int(starts[k]), int(starts[k + 1]))
+            assert _rel(got[part], x[part] @ ops.fp4_weight(packed[e], scale[e])) < 1e-5
+            for r in (part.start, part.stop - 1):  # the row alone, as its expert's only row
+                alone = native.grouped(x[r:r + 1], torch.tensor([e]), torch.tensor([0, 1]), packed, scale)
+                assert torch.equal(alone, got[r:r + 1])
+
+
+def test_the_grouped_product_refuses_ids_and_bounds_it_cannot_trust(native):
+    gen = torch.Generator().manual_seed(6)
+    packed, scale = (torch.stack(t) for t in zip(*(_random(64, 32, 32, gen, 118, 128) for _ in range(3)), strict=True))
+    x = torch.randn(4, 64, generator=gen)
+    ok = torch.tensor([0, 2]), torch.tensor([0, 1, 4])
+    assert native.grouped(x, *ok, packed, scale) is not None
+    for ids, starts in ((torch.tensor([0, 3]), ok[1]), (torch.tensor([-1, 2]), ok[1]),  # no such expert
+                        (ok[0], torch.tensor([0, 1, 5])), (ok[0], torch.tensor([1, 1, 4])),  # past x, not from 0
+                        (ok[0], torch.tensor([0, 3, 2])), (ok[0], torch.tensor([0, 4])),  # backwards, short
+                        (ok[0].int(), ok[1])):  # not int64
+        assert native.grouped(x, ids, starts, packed, scale) is None
+    assert native.grouped(x.double(), *ok, packed, scale) is None and native.grouped(x[:, :32], *ok, packed, scale) is None
+    assert native.grouped(x, *ok, packed[:0], scale[:0]) is None  # no experts at all
+
+
+def test_experts_native_is_built_from_its_source_through_the_kernel_cache_and_runs_the_experts(tiny_packed, tmp_path):
     """Cold: compiled (a shared library, in the cache); warm: a HIT loaded from the verified
-    bytes; either way each expert over its rows gives the eager expert's numbers (to float32
-    rounding: few rows run fused), and the eager tier's function is the eager expert itself."""
+    bytes; either way a layer's routed experts finish its block as the eager grouped way does (to
+    float32 rounding: the products run fused), at every row count, and the eager tier's function
+    is that eager way itself."""
     config, layout, weights = tiny_packed
-    spec = build_programs(config, layout, MAX_SEQ).specs[EXPERTS_ONE]
+    programs = build_programs(config, layout, MAX_SEQ)
+    spec = programs.specs[EXPERTS_NATIVE]
     cache = KernelCache(tmp_path / "kc")
     cold = prepare(spec, cache=cache, backend="export")
     warm = prepare(spec, cache=cache, backend="export")
     assert (cold.outcome, warm.outcome) == ("compiled", "hit") and warm.artifact_bytes > 0
     hit = cache.lookup(spec.name, program_key(spec, "export"))
     assert isinstance(hit, Hit) and hit.data(ARTIFACT)[:4] == b"\x7fELF"  # a shared library
-    d = Dims.of(config, MAX_SEQ)
-    eager = build_function(spec)
-    names = [t.name.removeprefix("w.") for t in spec.inputs[1:]]
+    eager, grouped = build_function(spec), build_function(programs.specs[EXPERTS_PICKED])  # run eagerly: grouped
     experts = _expert_tensors(weights["layers.1"])
-    gen = torch.Generator().manual_seed(2)
-    for e, rows in ((0, 1), (3, 5), (7, 40)):
-        x = torch.randn(rows, config.hidden_size, generator=gen)
-        one = [experts[n][e] for n in names]
-        want = expert_ffn(d, dict(zip(names, one, strict=True)), x)
-        assert _rel(cold.run(x, *one), want) < 1e-5 and torch.equal(warm.run(x, *one), cold.run(x, *one))
-        assert torch.equal(eager(x, *one), want)
+    tensors = [experts[t.name.removeprefix("w.")] for t in spec.inputs if t.name.startswith("w.")]
+    d, gen = Dims.of(config, MAX_SEQ), torch.Generator().manual_seed(2)
+    for rows in (1, 5, 40):
+        parts = (torch.randn(rows, d.hc, d.hidden, generator=gen), torch.rand(rows, d.hc, generator=gen),
+                 torch.rand(rows, d.hc, d.hc, generator=gen), torch.randn(rows, d.hidden, generator=gen),
+                 torch.randint(0, config.n_routed_experts, (rows, d.topk), generator=gen),
+                 torch.rand(rows, d.topk, generator=gen), torch.randn(rows, d.hidden, generator=gen))
+        want = eager(*parts, *tensors)
+        got = cold.run(*parts, *tensors)
+        assert _rel(got, want) < 1e-5 and torch.equal(warm.run(*parts, *tensors), got)
+        assert torch.equal(grouped(*parts, *tensors), want)
 
 
-def test_experts_ones_key_holds_its_source_and_the_compiler_whatever_the_backend(tiny_packed):
+def test_experts_natives_key_holds_its_source_and_the_compiler_whatever_the_backend(tiny_packed):
     config, layout, _ = tiny_packed
-    spec = build_programs(config, layout, MAX_SEQ).specs[EXPERTS_ONE]
+    spec = build_programs(config, layout, MAX_SEQ).specs[EXPERTS_NATIVE]
     for backend in ("export", "aoti"):
         key = program_key(spec, backend).as_dict()
         assert "source:runtime.model.fp4_native.SOURCE" in key and "source:runtime.model.fp4_native.FLAGS" in key

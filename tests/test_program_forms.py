@@ -18,7 +18,7 @@ from runtime.model.moe import (
 )
 from runtime.programs.calls import engine_runners
 from runtime.programs.catalog import (
-    EXPERTS_ONE,
+    EXPERTS_NATIVE,
     EXPERTS_PICKED,
     ROUTED_IN_LAYER,
     ROUTED_PREFIX,
@@ -53,32 +53,32 @@ def test_layer_programs_hold_no_routed_expert_and_one_experts_program_serves_eve
     apart = build_programs(config, layout, MAX_SEQ)
     layers = [s for n, s in apart.specs.items() if n.startswith("layer.")]
     assert layers and all(not _routed_inputs(s) for s in layers)
-    assert [n for n in apart.specs if n.startswith("experts")] == [EXPERTS_PICKED, EXPERTS_ONE]
+    assert [n for n in apart.specs if n.startswith("experts")] == [EXPERTS_PICKED, EXPERTS_NATIVE]
     assert _routed_inputs(apart.specs[EXPERTS_PICKED]) == [f"w.{n}" for n in apart.weight_names["experts"]]
-    # one expert: its rows, then the same tensors less their experts dim
-    picked, one = apart.specs[EXPERTS_PICKED].inputs, apart.specs[EXPERTS_ONE].inputs
-    assert [(t.name, t.shape) for t in one] == [("x", ("M", config.hidden_size))] + \
-        [(t.name, t.shape[1:]) for t in picked if t.name.startswith("w.")]
+    # the grouped way with native FP4 products: the same inputs, built from C++ rather than traced
+    picked, native = apart.specs[EXPERTS_PICKED], apart.specs[EXPERTS_NATIVE]
+    assert native.inputs == picked.inputs and native.fn == picked.fn
+    assert native.captures["native"] is True and "picked" not in native.captures
     inside = build_programs(config, layout, MAX_SEQ, routed=ROUTED_IN_LAYER)
     assert all(_routed_inputs(s) for n, s in inside.specs.items() if n.startswith("layer."))
     assert not any(n.startswith("experts") for n in inside.specs)
 
 
-def test_a_host_with_no_cxx_compiler_has_no_experts_one_and_groups_with_the_eager_decode(tiny_packed, monkeypatch):
-    """`experts.one` is built from C++ source: where no compiler is found, the catalog holds no such
+def test_a_host_with_no_cxx_compiler_has_no_experts_native_and_groups_with_the_eager_decode(tiny_packed, monkeypatch):
+    """`experts.native` is built from C++ source: where no compiler is found, the catalog holds no such
     program (rather than one that cannot compile and would end the launch), and the engine's
     grouped way decodes eagerly, to the same numbers."""
     config, layout, weights = tiny_packed
     monkeypatch.delenv("CXX", raising=False)
     monkeypatch.setenv("PATH", "")
     programs = build_programs(config, layout, MAX_SEQ)
-    assert EXPERTS_ONE not in programs.specs and EXPERTS_PICKED in programs.specs
+    assert EXPERTS_NATIVE not in programs.specs and EXPERTS_PICKED in programs.specs
     monkeypatch.undo()
-    with_one = build_programs(config, layout, MAX_SEQ)
-    assert EXPERTS_ONE in with_one.specs
-    assert set(with_one.specs) - set(programs.specs) == {EXPERTS_ONE}
+    with_native = build_programs(config, layout, MAX_SEQ)
+    assert EXPERTS_NATIVE in with_native.specs
+    assert set(with_native.specs) - set(programs.specs) == {EXPERTS_NATIVE}
     prompt = torch.arange(3, 30)
-    want = Engine(with_one, weights).forward(prompt).logits
+    want = Engine(with_native, weights).forward(prompt).logits
     assert torch.equal(Engine(programs, weights, engine_runners(programs, _units(programs))).forward(prompt).logits, want)
 
 
@@ -162,27 +162,28 @@ def test_an_experts_program_swapped_in_runs_from_the_next_step_in_every_layer(ti
 def test_a_fused_compiled_picked_program_serves_few_rows_and_the_rest_run_grouped_eagerly(tiny_packed):
     """The compiled `experts.picked` runs only where it beats grouping: fused (aoti), once
     compiled, for rows picking fewer pairs per expert than `moe.picks_few`'s limit (tiny's small
-    experts: about 32), and only until `experts.one` is compiled. Op by op (export), on the
-    eager tier, or for more rows, the same function runs eagerly, grouped by expert: each expert
-    through `experts.one` once it is compiled. Either way the step's numbers are the eager block's."""
+    experts: about 32), and only until `experts.native` is compiled. Op by op (export), on the
+    eager tier, or for more rows, the same function runs eagerly, grouped by expert; once
+    `experts.native` is compiled, it runs every layer's rows. Either way the step's numbers are the
+    eager block's."""
     config, layout, weights = tiny_packed
     programs = build_programs(config, layout, MAX_SEQ)
     units = _units(programs)
     ran: list[int] = []
     compiled_picked = _rows_recorded(units[EXPERTS_PICKED], ran)  # stands for the compiled program
-    one_ran: list[int] = []
-    compiled_one = _rows_recorded(units[EXPERTS_ONE], one_ran)  # stands for the compiled `experts.one`
+    native_ran: list[int] = []
+    compiled_native = _rows_recorded(units[EXPERTS_NATIVE], native_ran)  # stands for the compiled `experts.native`
 
     def step(engine, rows: int):  # four sequences of two tokens, then `rows` more each (packed)
         for slot in range(4):
             engine.forward(torch.tensor([slot + 1, slot + 2]), slot)
         ran.clear()
-        one_ran.clear()
+        native_ran.clear()
         return engine.step([(slot, torch.arange(9, 9 + rows) + slot) for slot in range(4)], prefill=False).logits
 
-    def experts_run(fuses: bool, picked_tier: str, rows: int, one_tier: str = EAGER) -> list[int]:
-        table = TieredRunners({**units, EXPERTS_PICKED: compiled_picked, EXPERTS_ONE: compiled_one},
-                              {**dict.fromkeys(units, COMPILED), EXPERTS_PICKED: picked_tier, EXPERTS_ONE: one_tier})
+    def experts_run(fuses: bool, picked_tier: str, rows: int, native_tier: str = EAGER) -> list[int]:
+        table = TieredRunners({**units, EXPERTS_PICKED: compiled_picked, EXPERTS_NATIVE: compiled_native},
+                              {**dict.fromkeys(units, COMPILED), EXPERTS_PICKED: picked_tier, EXPERTS_NATIVE: native_tier})
         logits = step(Engine(programs, weights, engine_runners(programs, table, fuses), slots=4), rows)
         assert torch.equal(logits, reference[rows])
         return sorted(set(ran))
@@ -195,14 +196,14 @@ def test_a_fused_compiled_picked_program_serves_few_rows_and_the_rest_run_groupe
     assert experts_run(fuses=True, picked_tier=COMPILED, rows=40) == []  # 40 pairs per expert: grouped
     assert experts_run(fuses=False, picked_tier=COMPILED, rows=1) == []
     assert experts_run(fuses=True, picked_tier=EAGER, rows=1) == []
-    # once `experts.one` is compiled (natively, whatever the backend), the grouped way through it
-    # serves every row count on the cpu: every layer's used experts over their rows
-    assert one_ran == []
+    # once `experts.native` is compiled (natively, whatever the backend), it serves every row count
+    # on the cpu: each layer's rows, once
+    assert native_ran == []
     layers = sum(g.startswith("layers.") for g in programs.variants)
     for fuses in (True, False):
         for rows in (1, 40):
-            assert experts_run(fuses=fuses, picked_tier=COMPILED, rows=rows, one_tier=COMPILED) == []
-            assert layers <= len(one_ran) <= layers * n and sum(one_ran) == layers * 4 * rows * k
+            assert experts_run(fuses=fuses, picked_tier=COMPILED, rows=rows, native_tier=COMPILED) == []
+            assert native_ran == [4 * rows] * layers
 
 
 def test_grouping_by_expert_computes_the_dense_and_the_picked_ways_numbers(tiny_packed):

@@ -1,18 +1,21 @@
-"""The FP4 products compiled natively: a routed expert's packed weight times a few rows, each byte
-decoded in registers into the rows' sums, never a float weight.
+"""The FP4 products compiled natively: a routed expert's packed weight times its rows, each byte
+decoded in registers into the rows' sums, never a float weight; every used expert of a layer in
+one call a weight (`Native.grouped`).
 
 Run eagerly, the decode alone takes several whole-tensor passes (`ops.fp4_weight`: about 300 us
 for small's `[1024, 512]` expert weight on a Sapphire Rapids host, 2 threads); compiled by
 inductor, one fused kernel of some forty vector instructions a code (about 200 us), and then the
 matmul reads the float weight back. Here each code is an index into a table held in one vector
 register (AVX-512: a 16-lane permute, signs included; AVX2: an 8-lane one, the sign or-ed in;
-plain C elsewhere), times the block's scale built from the E8M0 byte's bits: x @ W in 19 us for
-one row, 27 for 4, 42 for 8, 160 for 32 (decoded then multiplied: 62, 118, 159, 213). The decode (`Native.decode`, for more rows) gives the eager
-decode's very numbers (both products are exact; an E8M0 byte of 241 or more, a weight past 2^114,
-overflows the eager one's float16 form); the fused product sums in another order than a GEMM,
-the same numbers to float32 rounding.
+plain C elsewhere), times the block's scale built from the E8M0 byte's bits: x @ W in 28 us for
+one row, 30 for 4, 45 for 8, 155 for 32 (decoded then multiplied: 62, 118, 159, 213); 16 rows'
+sums a pass (AVX-512), each pass decoding again, at about 200 GFLOP/s on 2 cores from 16 rows up,
+MKL's own rate at these shapes. The decode (`Native.decode`) gives the eager decode's very numbers
+(both products are exact; an E8M0 byte of 241 or more, a weight past 2^114, overflows the eager
+one's float16 form); the fused products sum in another order than a GEMM, the same numbers to
+float32 rounding, and each row on its own: a row's sums do not depend on the rows beside it.
 
-This is compiled code: `experts.one`'s artifact on the cpu (`runtime.programs.catalog`), built by
+This is compiled code: `experts.native`'s artifact on the cpu (`runtime.programs.catalog`), built by
 the programs phase through the kernel cache like every program (its source, the flags and the
 compiler in the key: `runtime.programs.spec.program_key`), and loaded only from the bytes the
 cache verified (`load`). Plain C++ with no torch header, so it compiles in about a second; its
@@ -299,10 +302,10 @@ def build(out: Path) -> None:
         raise RuntimeError(f"the FP4 decode did not compile ({platform.machine()}): {done.stderr.strip()[-2000:]}")
 
 
-# Rows up to which `matmul` decodes each byte in registers straight into the rows' sums (16 rows'
-# sums a pass with AVX-512, 8 with AVX2; each pass decodes again); past them a float weight, decoded
-# once, multiplied by torch (small's expert weight [1024, 512], 2 threads, AVX-512, us: 1 row 19
-# fused vs 62 decoded + mm, 8 rows 42 vs 159, 16 rows 91 vs 235, 32 rows 160 vs 213).
+# Rows up to which `matmul` (one weight, `ops.linear`) decodes each byte in registers straight into
+# the rows' sums; past them a float weight, decoded once, multiplied by torch (small's expert weight
+# [1024, 512], 2 threads, AVX-512, us: 1 row 28 fused vs 62 decoded + mm, 8 rows 45 vs 159, 16 rows
+# 80 vs 235, 32 rows 155 vs 213). `grouped` fuses every row.
 FUSED_ROWS = 32
 # the instruction sets a `Native` may use, at most (the library picks what the cpu has below it)
 ISA_SCALAR, ISA_AVX2, ISA_BEST = 0, 1, 2

@@ -8,9 +8,9 @@ block. On the cpu, once `experts.native` is compiled, it runs them: the experts'
 eagerly, grouping the rows by expert (`moe._experts_grouped`: each used expert once, over only its
 rows), with FP4 products compiled natively (`runtime.model.fp4_native`: each byte decoded in
 registers into its rows' sums, every expert's in one call a weight): faster than every other way
-at every row count measured (a lone 32-token prefill of `small`: 162 ms with one native call an
-expert and weight, against 225 ms with inductor's decode, 487 ms picked). Before
-that (and on an accelerator), the compiled `experts.picked` when its rows pick few enough (row,
+at every row count measured (a lone 32-token prefill of `small`, the whole step: 124 ms, against
+162-166 ms with one native call an expert and weight, 225 ms with inductor's decode, 487 ms
+picked). Before that (and on an accelerator), the compiled `experts.picked` when its rows pick few enough (row,
 expert) pairs for it (`moe.picks_few`, fused: it decodes each pick where it multiplies), otherwise
 the same function run eagerly, grouped with the eager decode (a static program cannot hold shapes
 that depend on the routing, and its dense form computes every expert on every row: 3.4× slower at
