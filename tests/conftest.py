@@ -98,7 +98,11 @@ def start_server(model_dir, tmp_path, *extra, env=None):
         if proc.poll() is not None:
             raise AssertionError(f"server exited {proc.returncode}: {log.read_text()}")
         if events.exists():
-            for line in events.read_text().splitlines():
+            # whole lines only: the server may be half-way through writing the last (a plan's
+            # event is several KiB, more than one write)
+            for line in events.read_text().splitlines(keepends=True):
+                if not line.endswith("\n"):
+                    break
                 e = parse(line)
                 if e.phase == "serve" and e.kind == "end":
                     return proc, e.detail["url"], events

@@ -186,6 +186,9 @@ static void column_scalar(const float *x, int64_t rows, const uint8_t *packed, i
     }
 }
 
+/* a tile is 16 columns (the sums of up to 16 rows) with AVX-512, else 8 (and 8) */
+static int64_t tile_width(int avx512) { return avx512 ? 16 : 8; }
+
 /* columns o..o+width-1 (one tile) of x [rows, 2 half] (contiguous) times the weight into out
    [rows, cols] (contiguous), `width` rows' sums at a time (each pass decodes the bytes again) */
 static void tile_rows(const float *x, int64_t rows, const uint8_t *packed, int64_t ld_packed, const uint8_t *scale,
@@ -193,7 +196,7 @@ static void tile_rows(const float *x, int64_t rows, const uint8_t *packed, int64
                       int avx2) {
     /* as few passes as `width` rows allow, as even as they go (42 rows: 14, 14, 14, not 16, 16,
        10): a pass of few rows costs nearly a full one */
-    const int64_t width = avx512 ? 16 : 8, passes = (rows + width - 1) / width;
+    const int64_t width = tile_width(avx512), passes = (rows + width - 1) / width;
     for (int64_t p = 0, r0 = 0; p < passes; p++) {
         const float *xr = x + r0 * 2 * half;
         float *outr = out + r0 * cols;
@@ -213,9 +216,6 @@ static void tile_rows(const float *x, int64_t rows, const uint8_t *packed, int64
             column_scalar(xr, n, packed, ld_packed, scale, ld_scale, outr, half, cols, group, c);
     }
 }
-
-/* a tile is 16 columns (the sums of up to 16 rows) with AVX-512, else 8 (and 8) */
-static int64_t tile_width(int avx512) { return avx512 ? 16 : 8; }
 
 extern "C" void dsv4_fp4_matmul(const float *x, int64_t rows, const uint8_t *packed, int64_t ld_packed,
                                 const uint8_t *scale, int64_t ld_scale, float *out, int64_t half, int64_t cols,
