@@ -97,12 +97,12 @@ def test_the_fused_product_is_the_eager_products_for_up_to_fused_rows(native):
     assert native.matmul(x[:0], packed, scale) is None
 
 
-def _grouped_args(counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def _grouped_args(counts: list[int]) -> tuple[list[int], list[int]]:
     used = [e for e, count in enumerate(counts) if count]
     starts = [0]
     for e in used:
         starts.append(starts[-1] + counts[e])
-    return torch.tensor(used), torch.tensor(starts)
+    return used, starts
 
 
 def test_the_grouped_product_is_each_experts_eager_product_and_a_rows_sums_never_depend_on_its_pass(native):
@@ -116,14 +116,14 @@ def test_the_grouped_product_is_each_experts_eager_product_and_a_rows_sums_never
         packed, scale = torch.stack([p for p, _ in stacks]), torch.stack([q for _, q in stacks])
         counts = [3, 0, 40, 1, 17, 0]
         ids, starts = _grouped_args(counts)
-        x = torch.randn(int(starts[-1]), rows_in, generator=gen)
+        x = torch.randn(starts[-1], rows_in, generator=gen)
         got = native.grouped(x, ids, starts, packed, scale)
         assert got is not None and got.shape == (x.shape[0], cols)
-        for k, e in enumerate(ids.tolist()):
-            part = slice(int(starts[k]), int(starts[k + 1]))
+        for k, e in enumerate(ids):
+            part = slice(starts[k], starts[k + 1])
             assert _rel(got[part], x[part] @ ops.fp4_weight(packed[e], scale[e])) < 1e-5
             for r in (part.start, part.stop - 1):  # the row alone, as its expert's only row
-                alone = native.grouped(x[r:r + 1], torch.tensor([e]), torch.tensor([0, 1]), packed, scale)
+                alone = native.grouped(x[r:r + 1], [e], [0, 1], packed, scale)
                 assert torch.equal(alone, got[r:r + 1])
 
 
@@ -131,12 +131,12 @@ def test_the_grouped_product_refuses_ids_and_bounds_it_cannot_trust(native):
     gen = torch.Generator().manual_seed(6)
     packed, scale = (torch.stack(t) for t in zip(*(_random(64, 32, 32, gen, 118, 128) for _ in range(3)), strict=True))
     x = torch.randn(4, 64, generator=gen)
-    ok = torch.tensor([0, 2]), torch.tensor([0, 1, 4])
+    ok = [0, 2], [0, 1, 4]
     assert native.grouped(x, *ok, packed, scale) is not None
-    for ids, starts in ((torch.tensor([0, 3]), ok[1]), (torch.tensor([-1, 2]), ok[1]),  # no such expert
-                        (ok[0], torch.tensor([0, 1, 5])), (ok[0], torch.tensor([1, 1, 4])),  # past x, not from 0
-                        (ok[0], torch.tensor([0, 3, 2])), (ok[0], torch.tensor([0, 4])),  # backwards, short
-                        (ok[0].int(), ok[1])):  # not int64
+    for ids, starts in (([0, 3], ok[1]), ([-1, 2], ok[1]),  # no such expert
+                        (ok[0], [0, 1, 5]), (ok[0], [1, 1, 4]),  # past x, not from 0
+                        (ok[0], [0, 3, 2]), (ok[0], [0, 4]),  # backwards, short
+                        ([0.0, 2.0], ok[1]), (ok[0], [0, 1.5, 4])):  # not whole numbers
         assert native.grouped(x, ids, starts, packed, scale) is None
     assert native.grouped(x.double(), *ok, packed, scale) is None and native.grouped(x[:, :32], *ok, packed, scale) is None
     assert native.grouped(x, *ok, packed[:0], scale[:0]) is None  # no experts at all

@@ -26,9 +26,11 @@ libgomp.so.1 then serves it), never a second thread pool spinning beside torch's
 from __future__ import annotations
 
 import ctypes
+import operator
 import platform
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -362,27 +364,28 @@ class Native:
                      self.isa)
         return out
 
-    def grouped(self, x: torch.Tensor, ids: torch.Tensor, starts: torch.Tensor, packed: torch.Tensor,
+    def grouped(self, x: torch.Tensor, ids: Sequence[int], starts: Sequence[int], packed: torch.Tensor,
                 scale: torch.Tensor) -> torch.Tensor | None:
         """Rows x [pairs, in], expert ids[k]'s from starts[k] to starts[k + 1], each times its
         expert's weight of the stacks packed [experts, in/2, out] and scale [experts, in/group,
-        out]: [pairs, out], every row fused (16 rows' sums a pass); None if these are not such."""
+        out]: [pairs, out], every row fused (16 rows' sums a pass); None if these are not such.
+        The ids and bounds are the host's own numbers (checked here: the C loop indexes by them),
+        so a step of few rows pays no tensor op for them."""
         if (packed.dim() != 3 or scale.dim() != 3 or not 0 < packed.shape[0] == scale.shape[0]
                 or not self._takes(packed[0], scale[0]) or x.dim() != 2 or x.dtype != torch.float32 or not x.is_cpu
-                or x.shape[1] != 2 * packed.shape[1] or ids.dim() != 1 or starts.shape != (ids.shape[0] + 1,)
-                or ids.dtype != torch.int64 or starts.dtype != torch.int64):
+                or x.shape[1] != 2 * packed.shape[1] or len(starts) != len(ids) + 1
+                or not all(isinstance(v, int) and 0 <= v < packed.shape[0] for v in ids)
+                or not (starts[0] == 0 and starts[-1] == x.shape[0] and all(map(operator.le, starts, starts[1:])))
+                or not all(isinstance(v, int) for v in starts)):
             return None
-        ids, starts = ids.contiguous(), starts.contiguous()
-        if ids.numel() and not (int(ids.min()) >= 0 and int(ids.max()) < packed.shape[0] and int(starts[0]) == 0
-                                and int(starts[-1]) == x.shape[0] and bool((starts[1:] >= starts[:-1]).all())):
-            return None  # the C loop indexes by them: only ids and bounds it can trust
         x = x.contiguous()
         _, half, cols = packed.shape
         out = torch.empty(x.shape[0], cols, dtype=torch.float32)
         if out.numel():
-            self._grouped(x.data_ptr(), ids.data_ptr(), starts.data_ptr(), ids.shape[0], packed.data_ptr(),
-                          packed.stride(0), packed.stride(1), scale.data_ptr(), scale.stride(0), scale.stride(1),
-                          out.data_ptr(), half, cols, 2 * half // scale.shape[1], torch.get_num_threads(), self.isa)
+            self._grouped(x.data_ptr(), (ctypes.c_int64 * len(ids))(*ids), (ctypes.c_int64 * len(starts))(*starts),
+                          len(ids), packed.data_ptr(), packed.stride(0), packed.stride(1), scale.data_ptr(),
+                          scale.stride(0), scale.stride(1), out.data_ptr(), half, cols, 2 * half // scale.shape[1],
+                          torch.get_num_threads(), self.isa)
         return out
 
 

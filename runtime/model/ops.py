@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -57,7 +57,7 @@ class NativeFP4(Protocol):
     def matmul(self, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
         """x @ W with each byte decoded in registers, never a float W; None where it does not serve."""
 
-    def grouped(self, x: torch.Tensor, ids: torch.Tensor, starts: torch.Tensor, packed: torch.Tensor,
+    def grouped(self, x: torch.Tensor, ids: Sequence[int], starts: Sequence[int], packed: torch.Tensor,
                 scale: torch.Tensor) -> torch.Tensor | None:
         """Each expert ids[k]'s rows x[starts[k]:starts[k + 1]] times its weight of the stacks
         (packed, scale) [experts, …], fused; None where it does not serve."""
