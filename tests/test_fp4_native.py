@@ -1,6 +1,6 @@
 """The FP4 products built natively (`runtime.model.fp4_native`): `experts.native`'s compiled form,
-built from C++ source through the kernel cache and loaded from the verified bytes; its decode
-exactly the eager one's numbers, its fused products the eager products' to float32 rounding."""
+built from C++ source through the kernel cache and loaded from the verified bytes; its fused
+products the eager products' to float32 rounding."""
 
 from __future__ import annotations
 
@@ -40,61 +40,8 @@ def _random(shape_in: int, shape_out: int, group: int, gen, low: int = 0, high: 
     return packed, scale
 
 
-def test_the_native_decode_gives_the_eager_decodes_numbers_exactly(native):
-    """Every byte and every E8M0 scale below 241 (the eager decode's own exact range), the
-    subnormal 2^-127 of a zero scale included; whole rows of the vector loop and scalar tails;
-    a column slice (a large weight's chunk, `ops.linear`) read through its row stride."""
-    gen = torch.Generator().manual_seed(0)
-    for rows, cols, group in ((1024, 512, 32), (512, 1024, 32), (64, 24, 16), (256, 7, 32), (32, 3, 32)):
-        packed, scale = _random(rows, cols, group, gen)
-        got = native.decode(packed, scale)
-        assert got.dtype == torch.float32 and got.shape == (rows, cols)
-        assert torch.equal(got, ops.fp4_weight(packed, scale))
-        assert torch.equal(got.view(torch.int32), ops.fp4_weight(packed, scale).view(torch.int32))  # -0.0 too
-    every = torch.arange(256, dtype=torch.uint8).reshape(16, 16).repeat(2, 1)  # [32, 16]: 64 inputs
-    for s in (0, 1, 127, 240):
-        scale = torch.full((2, 16), s, dtype=torch.uint8)
-        assert torch.equal(native.decode(every, scale), ops.fp4_weight(every, scale))
-    packed, scale = _random(256, 64, 32, gen)
-    chunk = packed[:, 16:40], scale[:, 16:40]
-    assert not chunk[0].is_contiguous()
-    assert torch.equal(native.decode(*chunk), ops.fp4_weight(*chunk))
-
-
-def test_what_the_native_decode_does_not_take_goes_to_the_eager_one(native):
-    gen = torch.Generator().manual_seed(1)
-    packed, scale = _random(64, 32, 32, gen)
-    stacked = packed.expand(3, -1, -1), scale.expand(3, -1, -1)  # several experts: not one weight
-    assert torch.equal(native.decode(*stacked), ops.fp4_weight(*stacked))
-    columns = packed.t(), scale  # a column stride other than 1
-    assert torch.equal(native.decode(*columns), ops.fp4_weight(*columns))
-
-
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max()).item()
-
-
-def test_the_fused_product_is_the_eager_products_for_up_to_fused_rows(native):
-    """Rows 1..FUSED_ROWS (non-contiguous rows too), whole tiles of 8 columns and a tail, a column
-    slice through its row stride: x @ W as the eager decode + matmul give it, to float32 rounding
-    (the sums run in another order); more rows, or what it does not take, are left to `ops.linear`."""
-    gen = torch.Generator().manual_seed(3)
-    for rows_in, cols in ((1024, 512), (256, 20), (64, 5)):
-        packed, scale = _random(rows_in, cols, 32, gen, 118, 128)
-        w = ops.fp4_weight(packed, scale)
-        for rows in range(1, fp4_native.FUSED_ROWS + 1):
-            x = torch.randn(rows, rows_in, generator=gen)
-            got = native.matmul(x, packed, scale)
-            assert got is not None and got.shape == (rows, cols) and _rel(got, x @ w) < 1e-5
-        x = torch.randn(3, 2 * rows_in, generator=gen)[:, ::2]  # rows with a stride
-        assert _rel(native.matmul(x, packed, scale), x @ w) < 1e-5
-    packed, scale = _random(256, 64, 32, gen, 118, 128)
-    chunk = packed[:, 8:40], scale[:, 8:40]
-    x = torch.randn(4, 256, generator=gen)
-    assert _rel(native.matmul(x, *chunk), x @ ops.fp4_weight(*chunk)) < 1e-5
-    assert native.matmul(torch.randn(fp4_native.FUSED_ROWS + 1, 256), packed, scale) is None
-    assert native.matmul(x.double(), packed, scale) is None and native.matmul(x[:, :128], packed, scale) is None
-    assert native.matmul(x[:0], packed, scale) is None
 
 
 def _grouped_args(counts: list[int]) -> tuple[list[int], list[int]]:
@@ -125,6 +72,18 @@ def test_the_grouped_product_is_each_experts_eager_product_and_a_rows_sums_never
             for r in (part.start, part.stop - 1):  # the row alone, as its expert's only row
                 alone = native.grouped(x[r:r + 1], [e], [0, 1], packed, scale)
                 assert torch.equal(alone, got[r:r + 1])
+
+
+def test_every_decoded_weight_is_the_eager_decodes_number_exactly(native):
+    """Rows of the identity pick the weight's rows out one by one, so the product is the decoded
+    weight itself: every byte, E8M0 scales 0 (the subnormal 2^-127), 1, 127 and 240, equal to
+    the eager decode bit for bit (a zero's sign aside: 0 · w + 0 is +0)."""
+    every = torch.arange(256, dtype=torch.uint8).reshape(16, 16).repeat(2, 1)  # [32, 16]: 64 inputs, each byte
+    eye = torch.eye(64)
+    for s in (0, 1, 127, 240):
+        scale = torch.full((2, 16), s, dtype=torch.uint8)
+        got = native.grouped(eye, [0], [0, 64], every[None], scale[None])
+        assert torch.equal(got, ops.fp4_weight(every, scale))
 
 
 def test_the_grouped_product_refuses_ids_and_bounds_it_cannot_trust(native):

@@ -7,13 +7,14 @@ for small's `[1024, 512]` expert weight on a Sapphire Rapids host, 2 threads); c
 inductor, one fused kernel of some forty vector instructions a code (about 200 us), and then the
 matmul reads the float weight back. Here each code is an index into a table held in one vector
 register (AVX-512: a 16-lane permute, signs included; AVX2: an 8-lane one, the sign or-ed in;
-plain C elsewhere), times the block's scale built from the E8M0 byte's bits: x @ W in 28 us for
-one row, 30 for 4, 45 for 8, 155 for 32 (decoded then multiplied: 62, 118, 159, 213); 16 rows'
-sums a pass (AVX-512), each pass decoding again, at about 200 GFLOP/s on 2 cores from 16 rows up,
-MKL's own rate at these shapes. The decode (`Native.decode`) gives the eager decode's very numbers
-(both products are exact; an E8M0 byte of 241 or more, a weight past 2^114, overflows the eager
-one's float16 form); the fused products sum in another order than a GEMM, the same numbers to
-float32 rounding, and each row on its own: a row's sums do not depend on the rows beside it.
+plain C elsewhere), times the block's scale built from the E8M0 byte's bits: one weight's x @ W
+in 28 us for one row, 30 for 4, 45 for 8, 155 for 32 (decoded natively then multiplied by MKL:
+62, 118, 159, 213); 16 rows' sums a pass (AVX-512), each pass decoding again, at about 200 GFLOP/s
+on 2 cores from 16 rows up, MKL's own rate at these shapes. Each decoded weight is the eager
+decode's very number (both products are exact; an E8M0 byte of 241 or more, a weight past 2^114,
+overflows the eager one's float16 form); the products sum in another order than a GEMM, the same
+numbers to float32 rounding, and each row on its own: a row's sums do not depend on the rows
+beside it.
 
 This is compiled code: `experts.native`'s artifact on the cpu (`runtime.programs.catalog`), built by
 the programs phase through the kernel cache like every program (its source, the flags and the
@@ -63,14 +64,6 @@ static int cpu_isa(void) {
     return 0;
 }
 
-static void row_scalar(const uint8_t *p, const uint8_t *s, float *lo, float *hi, int64_t from, int64_t cols) {
-    for (int64_t o = from; o < cols; o++) {
-        float scale = e8m0(s[o]);
-        lo[o] = E2M1[p[o] & 15] * scale;
-        hi[o] = E2M1[p[o] >> 4] * scale;
-    }
-}
-
 #if defined(__x86_64__)
 /* 8 bytes of a byte row (p) and their scales (s) -> the low nibbles' and the high ones' values,
    scaled: an 8-entry table of magnitudes in one register, the sign or-ed in */
@@ -90,18 +83,6 @@ static inline void decode8_avx2(const uint8_t *p, const uint8_t *s, __m256 *lo, 
     vh = _mm256_or_ps(vh, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(h, eight), 28)));
     *lo = _mm256_mul_ps(vl, scale);
     *hi = _mm256_mul_ps(vh, scale);
-}
-
-__attribute__((target("avx2,fma")))
-static void row_avx2(const uint8_t *p, const uint8_t *s, float *lo, float *hi, int64_t cols) {
-    int64_t o = 0;
-    for (; o + 8 <= cols; o += 8) {
-        __m256 vl, vh;
-        decode8_avx2(p + o, s + o, &vl, &vh);
-        _mm256_storeu_ps(lo + o, vl);
-        _mm256_storeu_ps(hi + o, vh);
-    }
-    row_scalar(p, s, lo, hi, o, cols);
 }
 #endif
 
@@ -219,18 +200,6 @@ static void tile_rows(const float *x, int64_t rows, const uint8_t *packed, int64
     }
 }
 
-extern "C" void dsv4_fp4_matmul(const float *x, int64_t rows, const uint8_t *packed, int64_t ld_packed,
-                                const uint8_t *scale, int64_t ld_scale, float *out, int64_t half, int64_t cols,
-                                int64_t group, int threads, int isa) {
-    const int avx512 = isa >= 2 && cpu_isa() >= 2, avx2 = isa >= 1 && cpu_isa() >= 1;
-    const int64_t width = tile_width(avx512), tiles = cols / width;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t t = 0; t < tiles; t++)
-        tile_rows(x, rows, packed, ld_packed, scale, ld_scale, out, half, cols, group, width * t, avx512, avx2);
-    for (int64_t o = width * tiles; o < cols; o++)
-        column_scalar(x, rows, packed, ld_packed, scale, ld_scale, out, half, cols, group, o);
-}
-
 /* the routed experts of a layer, grouped by expert: x [pairs, 2 half] holds expert ids[k]'s rows
    from starts[k] to starts[k + 1]; each times its expert's weight (packed + ids[k] * packed_stride,
    scale + ids[k] * scale_stride) into out [pairs, cols]. One parallel loop over (expert, tile):
@@ -259,24 +228,6 @@ extern "C" void dsv4_fp4_grouped(const float *x, const int64_t *ids, const int64
     }
 }
 
-/* packed [half, cols] (row stride ld_packed; byte (j, o): input 2j in its low nibble, 2j+1 in its
-   high one), scale [2 half / group, cols] (row stride ld_scale) -> out [2 half, cols], contiguous */
-extern "C" void dsv4_fp4_decode(const uint8_t *packed, int64_t ld_packed, const uint8_t *scale, int64_t ld_scale,
-                                float *out, int64_t half, int64_t cols, int64_t group, int threads, int isa) {
-    const int avx2 = isa >= 1 && cpu_isa() >= 1;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t j = 0; j < half; j++) {
-        const uint8_t *p = packed + j * ld_packed, *s = scale + (2 * j / group) * ld_scale;
-        float *lo = out + 2 * j * cols, *hi = lo + cols;
-#if defined(__x86_64__)
-        if (avx2) {
-            row_avx2(p, s, lo, hi, cols);
-            continue;
-        }
-#endif
-        row_scalar(p, s, lo, hi, 0, cols);
-    }
-}
 """
 
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-x", "c++")
@@ -304,29 +255,18 @@ def build(out: Path) -> None:
         raise RuntimeError(f"the FP4 decode did not compile ({platform.machine()}): {done.stderr.strip()[-2000:]}")
 
 
-# Rows up to which `matmul` (one weight, `ops.linear`) decodes each byte in registers straight into
-# the rows' sums; past them a float weight, decoded once, multiplied by torch (small's expert weight
-# [1024, 512], 2 threads, AVX-512, us: 1 row 28 fused vs 62 decoded + mm, 8 rows 45 vs 159, 16 rows
-# 80 vs 235, 32 rows 155 vs 213). `grouped` fuses every row.
-FUSED_ROWS = 32
 # the instruction sets a `Native` may use, at most (the library picks what the cpu has below it)
 ISA_SCALAR, ISA_AVX2, ISA_BEST = 0, 1, 2
 
 
 class Native:
-    """`ops.NativeFP4` through the library loaded from verified bytes: one weight (packed
-    [in/2, out], scale [in/group, out], on the cpu, columns contiguous) at a time; anything else
-    the eager way (`decode`: `ops.fp4_weight`; `matmul`: None, `ops.linear`'s own path)."""
+    """`ops.NativeFP4` through the library loaded from verified bytes: a layer's routed experts'
+    stacked weights (packed [experts, in/2, out], scale [experts, in/group, out], on the cpu,
+    columns contiguous); anything else None, left to the eager way."""
 
     def __init__(self, library: ctypes.CDLL):
         self._library = library  # held: the functions live as long as their library
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        self._decode = library.dsv4_fp4_decode
-        self._decode.restype = None
-        self._decode.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, ctypes.c_int, ctypes.c_int]
-        self._matmul = library.dsv4_fp4_matmul
-        self._matmul.restype = None
-        self._matmul.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, i64, ctypes.c_int, ctypes.c_int]
         self._grouped = library.dsv4_fp4_grouped
         self._grouped.restype = None
         self._grouped.argtypes = [ptr, ptr, ptr, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, ctypes.c_int,
@@ -339,30 +279,6 @@ class Native:
                 and packed.is_cpu and scale.is_cpu and packed.stride(1) == 1 and scale.stride(1) == 1
                 and packed.shape[1] == scale.shape[1] and scale.shape[0] > 0
                 and (2 * packed.shape[0]) % (2 * scale.shape[0]) == 0)  # whole bytes in each scale block
-
-    def decode(self, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        from runtime.model.ops import fp4_weight
-
-        if not self._takes(packed, scale):
-            return fp4_weight(packed, scale)
-        half, cols = packed.shape
-        out = torch.empty(2 * half, cols, dtype=torch.float32)
-        if out.numel():
-            self._decode(packed.data_ptr(), packed.stride(0), scale.data_ptr(), scale.stride(0), out.data_ptr(),
-                         half, cols, 2 * half // scale.shape[0], torch.get_num_threads(), self.isa)
-        return out
-
-    def matmul(self, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
-        if (not self._takes(packed, scale) or x.dim() != 2 or x.dtype != torch.float32 or not x.is_cpu
-                or not 0 < x.shape[0] <= FUSED_ROWS or x.shape[1] != 2 * packed.shape[0]):
-            return None
-        x = x.contiguous()
-        half, cols = packed.shape
-        out = torch.empty(x.shape[0], cols, dtype=torch.float32)
-        self._matmul(x.data_ptr(), x.shape[0], packed.data_ptr(), packed.stride(0), scale.data_ptr(),
-                     scale.stride(0), out.data_ptr(), half, cols, 2 * half // scale.shape[0], torch.get_num_threads(),
-                     self.isa)
-        return out
 
     def grouped(self, x: torch.Tensor, ids: Sequence[int], starts: Sequence[int], packed: torch.Tensor,
                 scale: torch.Tensor) -> torch.Tensor | None:

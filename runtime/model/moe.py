@@ -86,7 +86,7 @@ def _experts_grouped(d: Dims, experts: dict[str, torch.Tensor], h: torch.Tensor,
         if not count:
             continue
         these = rows[start:start + count]
-        y = expert_ffn(d, {name: t[e] for name, t in experts.items()}, h.index_select(0, these), native)
+        y = expert_ffn(d, {name: t[e] for name, t in experts.items()}, h.index_select(0, these))
         out.index_add_(0, these, y * gates[start:start + count, None])
         start += count
     return out
@@ -115,11 +115,10 @@ def _grouped_native(d: Dims, experts: dict[str, torch.Tensor], x: torch.Tensor, 
     return product(EXPERT_MATS[2], _swiglu(d, a, b))
 
 
-def expert_ffn(d: Dims, w: dict[str, torch.Tensor], x: torch.Tensor, native: NativeFP4 | None = None) -> torch.Tensor:
-    """One routed expert (its own tensors, no experts dim) over rows x [M, D]: clamped SwiGLU;
-    FP4 products through `native` when given (`ops.linear`)."""
-    a, b = (linear(w, name, x, native) for name in EXPERT_MATS[:2])
-    return linear(w, EXPERT_MATS[2], _swiglu(d, a, b), native)
+def expert_ffn(d: Dims, w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """One routed expert (its own tensors, no experts dim) over rows x [M, D]: clamped SwiGLU."""
+    a, b = (linear(w, name, x) for name in EXPERT_MATS[:2])
+    return linear(w, EXPERT_MATS[2], _swiglu(d, a, b))
 
 
 def _experts_picked(d: Dims, experts: dict[str, torch.Tensor], h: torch.Tensor, idx: torch.Tensor,

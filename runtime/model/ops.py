@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -47,37 +47,27 @@ def fusing() -> bool:
     return torch.compiler.is_compiling() and not _interpreted
 
 
-FP4Decode = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
 class NativeFP4(Protocol):
-    """FP4 products compiled natively (`runtime.model.fp4_native`), for `linear` and the grouped
-    experts (`moe._experts_grouped`)."""
-
-    def matmul(self, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
-        """x @ W with each byte decoded in registers, never a float W; None where it does not serve."""
+    """FP4 products compiled natively (`runtime.model.fp4_native`), for the grouped experts
+    (`moe._experts_grouped`)."""
 
     def grouped(self, x: torch.Tensor, ids: Sequence[int], starts: Sequence[int], packed: torch.Tensor,
                 scale: torch.Tensor) -> torch.Tensor | None:
         """Each expert ids[k]'s rows x[starts[k]:starts[k + 1]] times its weight of the stacks
         (packed, scale) [experts, …], fused; None where it does not serve."""
 
-    def decode(self, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """`fp4_weight`'s very numbers."""
 
-
-def weight(w: dict[str, torch.Tensor], name: str, decode: FP4Decode | None = None) -> torch.Tensor:
+def weight(w: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     """A matmul weight [.., in, out] as float32: a packed one dequantised per block from the
     checkpoint's bytes (value(qweight) · 2^(qscale - 127), qscale one E8M0 byte per block; FP4
-    codes decoded from their bytes here, where they multiply, by `decode` when given: the same
-    numbers as `fp4_weight`), or a float one as is. Block sizes follow from the shapes: the
-    packer stores whole blocks only."""
+    codes decoded from their bytes here, where they multiply), or a float one as is. Block sizes
+    follow from the shapes: the packer stores whole blocks only."""
     q = w.get(name + ".qweight")
     if q is None:
         return w[name + ".weight"].float()
     e = w[name + ".qscale"]
     if q.dtype == torch.uint8:
-        return (decode or fp4_weight)(q, e)
+        return fp4_weight(q, e)
     *lead, i, o = q.shape
     gi, go = e.shape[-2], e.shape[-1]
     scale = torch.exp2(e.float() - 127.0).reshape(*lead, gi, 1, go, 1)
@@ -239,30 +229,22 @@ def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape[0], w.shape[1])
 
 
-def linear(w: dict[str, torch.Tensor], name: str, x: torch.Tensor, native: NativeFP4 | None = None) -> torch.Tensor:
-    """x @ W for a packed or a float weight, both stored [in, out]; a large one by column chunks.
-    `native`: an FP4 weight's product through it, fused where it serves the rows, else its
-    decode (`weight`)."""
+def linear(w: dict[str, torch.Tensor], name: str, x: torch.Tensor) -> torch.Tensor:
+    """x @ W for a packed or a float weight, both stored [in, out]; a large one by column chunks."""
     q, scale = w.get(name + ".qweight"), w.get(name + ".qscale")
-    decode = None
-    if native is not None and q is not None and q.dtype == torch.uint8:
-        fused = native.matmul(x, q, scale)
-        if fused is not None:
-            return fused
-        decode = native.decode
     i, o = (w[name + ".weight"] if q is None else q).shape[-2:]
     i *= 2 if q is not None and q.dtype == torch.uint8 else 1  # FP4: two inputs a byte
     block = 1 if q is None else o // scale.shape[-1]  # output columns per scale block
     step = chunk_units(o, i, block)
     if step >= o:
-        return matmul(x, weight(w, name, decode))
+        return matmul(x, weight(w, name))
 
     def columns(c: int) -> dict[str, torch.Tensor]:  # output columns c..c+step, whole scale blocks
         if q is None:
             return {name + ".weight": w[name + ".weight"][..., c:c + step]}
         return {name + ".qweight": q[..., c:c + step], name + ".qscale": scale[..., c // block:(c + step) // block]}
 
-    return torch.cat([matmul(x, weight(columns(c), name, decode)) for c in range(0, o, step)], dim=-1)
+    return torch.cat([matmul(x, weight(columns(c), name)) for c in range(0, o, step)], dim=-1)
 
 
 def rope_inv_freq(d: Dims, compressed: bool, device: torch.device) -> torch.Tensor:
