@@ -11,21 +11,23 @@ from collections.abc import Callable
 
 from runtime.model import forward as model
 from runtime.model.dims import Dims
+from runtime.model.ops import few_rows
 
 
 def layer(dims: dict, kind: str, ratio: int, hash_routed: bool, cache_names: list[str],
-          weight_names: list[str], prefill: bool, experts_apart: bool = False) -> Callable:
+          weight_names: list[str], prefill: bool, experts_apart: bool = False, native_dense: bool = False) -> Callable:
     """With `experts_apart`, the program holds no routed expert: it returns the block's FFN parts
     (`model.FFN_PARTS`: the routed experts' input rows and choices among them) before the new
     cache rows, and the `experts` programs compute the routed sum (of every expert owner, with
-    several ranks)."""
+    several ranks). `native_dense`: its FP8 and BF16 products go native (`ops.few_rows`)."""
     def layer_program(x, tokens, positions, slots, starts, *rest):
         nc = len(cache_names)
         cache = dict(zip(cache_names, rest[:nc], strict=True))
         w = dict(zip(weight_names, rest[nc:], strict=True))
         rows = model.Rows(positions, slots, starts)
-        out, new = model.block(Dims(**dims), kind, ratio, hash_routed, w, x, tokens, rows, cache, prefill,
-                               experts_apart)
+        with few_rows(native_dense):
+            out, new = model.block(Dims(**dims), kind, ratio, hash_routed, w, x, tokens, rows, cache, prefill,
+                                   experts_apart)
         return (*(out if experts_apart else (out,)), *(new[n] for n in cache_names))
 
     return layer_program
@@ -39,7 +41,7 @@ def experts(dims: dict, weight_names: list[str], picked: bool | None = None, fin
     rank): the program takes a layer program's FFN parts (`model.FFN_PARTS`) and returns the block's
     output, so the engine's layer call is two programs and no glue. `native` (`experts.native`): the
     compiled form is this function run eagerly, grouped, given the FP4 products built from C++
-    (`fp4`: `runtime.model.fp4_native`), not a trace of it."""
+    (`fp4`: `runtime.model.native`), not a trace of it."""
     if finish:
         def finish_program(*args, fp4=None):
             parts, w = args[:model.FFN_PARTS], dict(zip(weight_names, args[model.FFN_PARTS:], strict=True))
@@ -62,9 +64,10 @@ def embed(dims: dict) -> Callable:
     return embed_program
 
 
-def head(dims: dict, weight_names: list[str]) -> Callable:
+def head(dims: dict, weight_names: list[str], native_dense: bool = False) -> Callable:
     def head_program(x, *weights):
-        return model.head(Dims(**dims), dict(zip(weight_names, weights, strict=True)), x)
+        with few_rows(native_dense):
+            return model.head(Dims(**dims), dict(zip(weight_names, weights, strict=True)), x)
 
     return head_program
 

@@ -70,7 +70,7 @@ def _experts_grouped(d: Dims, experts: dict[str, torch.Tensor], h: torch.Tensor,
     grows with the experts; its matmuls through `ops.matmul`. On `small` (32 experts, top-4, 2
     AMD cores) one layer at 256 rows: 29 ms (44 through MKL), against 149 ms for the dense path
     compiled by inductor. `native`: the FP4 products compiled from C++ (`experts.native`,
-    `runtime.model.fp4_native`), every used expert's in one call a weight (`_grouped_native`)."""
+    `runtime.model.native`), every used expert's in one call a weight (`_grouped_native`)."""
     n, k = next(iter(experts.values())).shape[0], idx.shape[1]
     flat = idx.reshape(-1)
     pairs = ((flat >= 0) & (flat < n)).nonzero().squeeze(1)  # (row, choice) pairs, as row·k + choice

@@ -171,9 +171,9 @@ def export_program(spec: ProgramSpec, device: str = "cpu") -> Any:
 
 def _build(spec: ProgramSpec, backend: str, device: str, out_dir: Path) -> None:
     if is_native(spec):  # compiled from C++ source, not traced
-        from runtime.model import fp4_native
+        from runtime.model import native
 
-        fp4_native.build(out_dir / ARTIFACT)
+        native.build(out_dir / ARTIFACT)
         return
     import torch
 
@@ -192,12 +192,15 @@ def _load(spec: ProgramSpec, backend: str, data: bytes) -> Callable[..., Any]:
     """Load from the verified bytes themselves, never from a path that could change since."""
     import torch
 
-    import runtime.model.ops  # noqa: F401  registers `dsv4::matmul`, which programs compiled for the cpu call
+    # importing ops registers `dsv4::matmul` and `dsv4::dense`, which programs compiled for the cpu call
+    from runtime.model.ops import use_native
 
     if is_native(spec):
-        from runtime.model import fp4_native
+        from runtime.model import native
 
-        return functools.partial(build_function(spec), fp4=fp4_native.load(data))
+        products = native.load(data)
+        use_native(products)  # the dense products of the programs of few rows run them too (`ops.few_rows`)
+        return functools.partial(build_function(spec), fp4=products)
     if backend == "export":
         return torch.export.load(io.BytesIO(data)).module()
     return _load_aoti(data)

@@ -6,7 +6,7 @@ program stops before them and returns the block's FFN parts; `experts.picked` se
 With one rank, a call of a layer runs its layer program, then the routed experts, which finish the
 block. On the cpu, once `experts.native` is compiled, it runs them: the experts' function run
 eagerly, grouping the rows by expert (`moe._experts_grouped`: each used expert once, over only its
-rows), with FP4 products compiled natively (`runtime.model.fp4_native`: each byte decoded in
+rows), with FP4 products compiled natively (`runtime.model.native`: each byte decoded in
 registers into its rows' sums, every expert's in one call a weight): faster than every other way
 at every row count measured (a lone 32-token prefill of `small`, the whole step: 124 ms, against
 162-166 ms with one native call an expert and weight, 225 ms with inductor's decode, 487 ms

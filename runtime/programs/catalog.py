@@ -13,7 +13,9 @@ put them back together: `runtime.programs.calls`, which runs more rows than it s
 expert over its own rows: a shape that depends on the routing, which no static program holds;
 there, on the cpu, `experts.native`: that eager function given the FP4 products compiled from C++).
 `ROUTED_IN_LAYER`, each layer program with its routed experts inside, is the form before, kept as
-`dsv4 bench compile`'s baseline.
+`dsv4 bench compile`'s baseline. Where `experts.native` is built, the programs of few rows (decode
+layers, the head) say `native_dense`: their FP8 and BF16 products run on its library too
+(`runtime.model.ops.few_rows`).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ EXPERTS_PROGRAM = "experts"  # what the engine calls: one rank's routed experts 
 # the program behind it for few rows: only each row's picked experts (more rows run grouped, eagerly)
 EXPERTS_PICKED = f"{EXPERTS_PROGRAM}.picked"
 # and the grouped way (every expert over its own rows, eagerly) with its FP4 products compiled
-# natively (`runtime.model.fp4_native`): the same inputs, built from C++ rather than traced
+# natively (`runtime.model.native`): the same inputs, built from C++ rather than traced
 EXPERTS_NATIVE = f"{EXPERTS_PROGRAM}.native"
 ROUTED_APART, ROUTED_IN_LAYER = "apart", "in-layer"  # the program forms (see the module's docstring)
 ROUTED_PREFIX = "ffn.experts."
@@ -123,11 +125,19 @@ def build_programs(config: DeepSeekV4Config, packed: PackedLayout, max_seq: int,
     cache_names: dict[str, tuple[str, ...]] = {}
     weight_names: dict[str, tuple[str, ...]] = {}
 
-    def add(name: str, factory: str, captures: dict, inputs_for, slotted: bool = False) -> None:
-        """Both modes of a program; a `slotted` one reads caches of every slot, and learns its mode."""
+    # where the routed experts' native products are built (`experts.native`), so are the dense ones of
+    # the programs of few rows: a decode step's layers and the head (`ops.few_rows`)
+    native_dense = apart and cxx() is not None
+
+    def add(name: str, factory: str, captures: dict, inputs_for, slotted: bool = False,
+            few: tuple[str, ...] = ()) -> None:
+        """Both modes of a program; a `slotted` one reads caches of every slot, and learns its mode;
+        in the modes `few`, its rows are few (its dense products native, where built)."""
         for mode in MODES:
             rows = tokens_dim if mode == PREFILL else rows_dim
             mode_captures = {"prefill": mode == PREFILL} if slotted else {}
+            if native_dense and mode in few:
+                mode_captures["native_dense"] = True
             specs[f"{name}.{mode}"] = ProgramSpec(
                 f"{name}.{mode}", f"{FNS}:{factory}", inputs_for(rows.name),
                 dims=(rows, slots_dim) if slotted else (rows,),
@@ -163,7 +173,7 @@ def build_programs(config: DeepSeekV4Config, packed: PackedLayout, max_seq: int,
                     **({"experts_apart": True} if apart else {})}
         add(v.name, "layer", captures,
             lambda t, w=w, cache_specs=cache_specs: (*act(t), *cache_specs, *weights("w.", w, sorted(w))),
-            slotted=True)
+            slotted=True, few=(DECODE,))
     if apart:
         # rows of one rank's experts: a prefill's tokens (alone in its step), or every rank's decode rows
         rows = DynamicDim("M", 1, max(max_seq, packed.ranks * MAX_DECODE_ROWS))
@@ -181,7 +191,7 @@ def build_programs(config: DeepSeekV4Config, packed: PackedLayout, max_seq: int,
             EXPERTS_PICKED, f"{FNS}:experts", (*head, *weights("w.", expert_shapes, weight_names[EXPERTS_PROGRAM])),
             dims=(rows,), layout=layout, model_dims=dims,
             captures={"dims": dims, "weight_names": list(weight_names[EXPERTS_PROGRAM]), "picked": True, **finish})
-        if cxx() is not None:  # built from C++ source: a host with no compiler groups with the eager decode
+        if native_dense:  # built from C++ source: a host with no compiler groups with the eager decode
             specs[EXPERTS_NATIVE] = replace(specs[EXPERTS_PICKED], name=EXPERTS_NATIVE, captures={
                 "dims": dims, "weight_names": list(weight_names[EXPERTS_PROGRAM]), "native": True, **finish})
 
@@ -190,7 +200,7 @@ def build_programs(config: DeepSeekV4Config, packed: PackedLayout, max_seq: int,
     add("embed", "embed", {}, lambda t: (TensorSpec("tokens", "int64", (t,)), emb_spec))
     weight_names["head"] = TOP_HEAD
     add("head", "head", {"weight_names": list(TOP_HEAD)},
-        lambda t: (TensorSpec("x", "float32", (t, d.hc, d.hidden)), *weights("", top, TOP_HEAD)))
+        lambda t: (TensorSpec("x", "float32", (t, d.hc, d.hidden)), *weights("", top, TOP_HEAD)), few=MODES)
     if config.num_nextn_predict_layers:
         mtp = shapes["mtp.0"]
         weight_names["mtp.input"] = MTP_INPUT

@@ -115,9 +115,9 @@ def program_key(spec: ProgramSpec, backend: str, device: str = "cpu") -> Key:
                    *toolchain_components(device, "aoti" if native else backend)])
 
 
-# A program whose captures say `native` is built from C++ source (`runtime.model.fp4_native`), not
+# A program whose captures say `native` is built from C++ source (`runtime.model.native`), not
 # traced: its spec's function is what runs on the eager tier, and the reference it must equal.
-NATIVE_BUILD = "runtime.model.fp4_native:build"
+NATIVE_BUILD = "runtime.model.native:build"
 
 
 def is_native(spec: ProgramSpec) -> bool:

@@ -232,7 +232,7 @@ def _cpu_flags() -> list[str] | str:
 
 def cxx() -> str | None:
     """The C++ compiler Inductor would use (CXX, else g++/clang++/c++ on the PATH), None if none:
-    what builds every compiled program, `runtime.model.fp4_native`'s too."""
+    what builds every compiled program, `runtime.model.native`'s too."""
     return os.environ.get("CXX") or next((c for c in ("g++", "clang++", "c++") if shutil.which(c)), None)
 
 

@@ -1,4 +1,4 @@
-"""The FP4 products built natively (`runtime.model.fp4_native`): `experts.native`'s compiled form,
+"""The FP4 products built natively (`runtime.model.native`): `experts.native`'s compiled form,
 built from C++ source through the kernel cache and loaded from the verified bytes; its fused
 products the eager products' to float32 rounding."""
 
@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.model import fp4_native, ops
+from runtime.model import ops
 from runtime.model.dims import Dims
 from runtime.model.moe import _expert_tensors
+from runtime.model.native import ISA_AVX2, ISA_BEST, ISA_SCALAR, Native, build, load
 from runtime.programs.build import ARTIFACT, prepare
 from runtime.programs.catalog import EXPERTS_NATIVE, EXPERTS_PICKED, build_programs
 from runtime.programs.spec import build_function, program_key
@@ -22,16 +23,16 @@ MAX_SEQ = 64
 @pytest.fixture(scope="module")
 def library(tmp_path_factory) -> bytes:
     out = tmp_path_factory.mktemp("fp4") / "fp4.so"
-    fp4_native.build(out)
+    build(out)
     return out.read_bytes()
 
 
-@pytest.fixture(params=[fp4_native.ISA_SCALAR, fp4_native.ISA_AVX2, fp4_native.ISA_BEST], ids=["c", "avx2", "best"])
-def native(library, request) -> fp4_native.Native:
+@pytest.fixture(params=[ISA_SCALAR, ISA_AVX2, ISA_BEST], ids=["c", "avx2", "best"])
+def native(library, request) -> Native:
     """Each of the library's paths this cpu has (a cap above the cpu's runs what it has)."""
-    native = fp4_native.load(library)
-    native.isa = request.param
-    return native
+    lib = load(library)
+    lib.isa = request.param
+    return lib
 
 
 def _random(shape_in: int, shape_out: int, group: int, gen, low: int = 0, high: int = 241):
@@ -135,7 +136,92 @@ def test_experts_natives_key_holds_its_source_and_the_compiler_whatever_the_back
     spec = build_programs(config, layout, MAX_SEQ).specs[EXPERTS_NATIVE]
     for backend in ("export", "aoti"):
         key = program_key(spec, backend).as_dict()
-        assert "source:runtime.model.fp4_native.SOURCE" in key and "source:runtime.model.fp4_native.FLAGS" in key
+        assert "source:runtime.model.native.SOURCE" in key and "source:runtime.model.native.FLAGS" in key
         assert "compiler" in key
     a, b = program_key(spec, "export"), program_key(spec, "aoti")
     assert {c.component for c in diff(a, b)} == {"backend"}
+
+
+def _fp8(rows_in: int, cols: int, block: int, gen, low: int = 118, high: int = 128):
+    """Random FP8 bytes (no NaN: 0x7f, 0xff) [in, cols] and E8M0 scales [in/block, cols/block]."""
+    q = torch.randint(0, 127, (rows_in, cols), dtype=torch.uint8, generator=gen)
+    q |= torch.randint(0, 2, q.shape, dtype=torch.uint8, generator=gen) << 7
+    scale = torch.randint(low, high, (rows_in // block, cols // block), dtype=torch.uint8, generator=gen)
+    return q.view(torch.float8_e4m3fn), scale
+
+
+def test_the_dense_product_is_the_eager_product_and_a_rows_sums_never_depend_on_its_pass(native):
+    """FP8 weights with their block scales and BF16 ones, whole tiles and a column tail, 1 to 19
+    rows (several passes, a short last one): x @ the eagerly dequantised weight to float32
+    rounding, and each row's numbers the same alone as among others."""
+    gen = torch.Generator().manual_seed(7)
+    cases = [(*_fp8(256, 96, 32, gen), "fp8"), (*_fp8(128, 256, 128, gen), "fp8"), (*_fp8(64, 64, 32, gen), "fp8"),
+             (torch.randn(96, 80, generator=gen).bfloat16(), None, "bf16"),
+             (torch.randn(64, 40, generator=gen).bfloat16(), None, "bf16")]
+    for w, scale, kind in cases:
+        stored = {"w.weight": w} if scale is None else {"w.qweight": w, "w.qscale": scale}
+        want_w = ops.weight(stored, "w")
+        for rows in (1, 2, 3, 8, 9, 19):
+            x = torch.randn(rows, w.shape[0], generator=gen)
+            got = native.dense(x, w, scale)
+            assert got is not None and got.shape == (rows, w.shape[1]), kind
+            assert _rel(got, x @ want_w) < 1e-5, (kind, rows)
+            assert torch.equal(native.dense(x[-1:], w, scale), got[-1:])
+
+
+def test_every_dense_weight_is_the_eager_dequantisations_number_exactly(native):
+    """Identity rows pick the weight's rows out: every FP8 byte but NaN's, subnormals included,
+    times E8M0 scales 0, 1, 127 and 240, and BF16 values, bit for bit the eager dequantisation's."""
+    every = torch.cat([torch.arange(0, 127), torch.arange(128, 255)]).to(torch.uint8)  # 254 bytes
+    q = every[torch.arange(32 * 64) % every.numel()].reshape(32, 64).view(torch.float8_e4m3fn)
+    eye = torch.eye(32)
+    for s in (0, 1, 127, 240):
+        scale = torch.full((1, 2), s, dtype=torch.uint8)
+        assert torch.equal(native.dense(eye, q, scale), ops.weight({"w.qweight": q, "w.qscale": scale}, "w"))
+    b = torch.randn(32, 48).bfloat16()
+    assert torch.equal(native.dense(eye, b), b.float())
+
+
+def test_the_dense_product_refuses_what_it_cannot_read(native):
+    gen = torch.Generator().manual_seed(8)
+    q, scale = _fp8(64, 64, 32, gen)
+    x = torch.randn(2, 64, generator=gen)
+    assert native.dense(x, q, scale) is not None
+    odd_q, odd_scale = _fp8(64, 48, 16, gen)  # a scale block of 16 columns splits a tile
+    for args in ((x, q, None), (x, q, scale.float()), (x, q, scale.repeat(1, 2)[:, :3]), (x, q, scale[:1].expand(3, 2)), (x, q, scale.t()),
+                 (x, odd_q, odd_scale), (x[:, :32], q, scale), (x.double(), q, scale),
+                 (x, q.view(torch.uint8), scale), (x, torch.randn(64, 64), None),
+                 (x, torch.randn(64, 64).bfloat16(), scale), (x[0], q, scale)):
+        assert native.dense(*args) is None
+
+
+def test_a_program_of_few_rows_multiplies_natively_where_the_native_products_are_built(tiny_packed, library):
+    """The catalog marks the decode layers and the head (not a prefill layer); traced, each of their
+    FP8 and BF16 products is one `dsv4::dense` call, which runs the native products once they are
+    loaded and the eager dequantisation before: the same numbers to float32 rounding."""
+    from runtime.programs.build import export_program
+
+    config, layout, weights = tiny_packed
+    specs = build_programs(config, layout, MAX_SEQ).specs
+    marked = {n for n, s in specs.items() if (s.captures or {}).get("native_dense")}
+    assert marked == {n for n in specs if n.startswith("head.") or (n.startswith("layer.") and n.endswith(".decode"))}
+
+    def dense_calls(name: str) -> int:
+        graph = export_program(specs[name]).graph_module
+        return sum(1 for m in graph.modules() if isinstance(m, torch.fx.GraphModule)
+                   for node in m.graph.nodes if node.target is torch.ops.dsv4.dense.default)
+
+    decode = next(n for n in marked if n.startswith("layer."))
+    assert dense_calls(decode) > 0 and dense_calls("head.decode") == 1
+    assert dense_calls(decode.replace(".decode", ".prefill")) == 0
+    top = weights["top"]
+    x = torch.randn(3, config.hidden_size)
+    before = ops._native_dense  # what this process loaded so far (other tests' programs)
+    try:
+        ops.use_native(None)
+        eager = ops.dense(x, top["head.weight"], None)
+        assert _rel(eager, x @ top["head.weight"].float()) < 1e-6
+        ops.use_native(load(library))
+        assert _rel(ops.dense(x, top["head.weight"], None), eager) < 1e-5
+    finally:
+        ops.use_native(before)
