@@ -451,19 +451,19 @@ def compiler() -> str:
 
     found = cxx()
     if found is None:
-        raise RuntimeError("no C++ compiler (CXX, g++, clang++) to build the FP4 products")
+        raise RuntimeError("no C++ compiler (CXX, g++, clang++) to build the native products")
     return found
 
 
 def build(out: Path) -> None:
     """Compile SOURCE into the shared library `out`."""
-    with tempfile.TemporaryDirectory(prefix="dsv4-fp4-") as tmp:
-        src = Path(tmp) / "fp4.cpp"
+    with tempfile.TemporaryDirectory(prefix="dsv4-native-") as tmp:
+        src = Path(tmp) / "native.cpp"
         src.write_text(SOURCE)
         done = subprocess.run([compiler(), *FLAGS, str(src), "-o", str(out)], capture_output=True, text=True,
                               timeout=300, stdin=subprocess.DEVNULL)
     if done.returncode != 0:
-        raise RuntimeError(f"the FP4 decode did not compile ({platform.machine()}): {done.stderr.strip()[-2000:]}")
+        raise RuntimeError(f"the native products did not compile ({platform.machine()}): {done.stderr.strip()[-2000:]}")
 
 
 # the instruction sets a `Native` may use, at most (the library picks what the cpu has below it)
@@ -519,7 +519,6 @@ class Native:
                           torch.get_num_threads(), self.isa)
         return out
 
-
     def dense(self, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor | None:
         """x [rows, in] @ w [in, out] for a BF16 weight, or an FP8 (e4m3) one with its E8M0 block
         scales [in / bi, out / bo] (bo a multiple of DENSE_TILE), every weight read once from memory
@@ -553,7 +552,7 @@ DENSE_TILE = 32  # the columns of a tile of `dsv4_dense` (its DENSE_TILE): an FP
 def load(data: bytes) -> Native:
     """The library from verified bytes: written to a private (0600) temp file only while it is
     dlopened, never loaded from a path that could change since (as `build._load_aoti`)."""
-    with tempfile.NamedTemporaryFile(prefix="dsv4-fp4-", suffix=".so") as f:
+    with tempfile.NamedTemporaryFile(prefix="dsv4-native-", suffix=".so") as f:
         f.write(data)
         f.flush()
         return Native(ctypes.CDLL(f.name, mode=ctypes.RTLD_LOCAL))
