@@ -50,7 +50,7 @@ from runtime.model.dims import Dims
 from runtime.model.moe import moe, route, routed, shared_expert
 from runtime.model.ops import (
     NORM_EPS,
-    NativeFP4,
+    NativeProducts,
     hc_head,
     hc_post,
     hc_pre,
@@ -94,7 +94,7 @@ def ffn_out(parts: tuple[torch.Tensor, ...], routed: torch.Tensor) -> torch.Tens
 
 def experts(d: Dims, w: dict[str, torch.Tensor], h: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
             expert_base: torch.Tensor | None, picked: bool | None = None,
-            native: NativeFP4 | None = None) -> torch.Tensor:
+            native: NativeProducts | None = None) -> torch.Tensor:
     """This rank's routed experts over rows from any rank (their choices of other ranks'
     experts weigh 0 here): each row's share of its routed sum (`expert_base` None: one rank
     holding every expert); `picked`: only that way; `native`: the FP4 products (`moe.routed`)."""

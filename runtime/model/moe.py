@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from runtime.model.dims import Dims
 from runtime.model.ops import (
     MAX_EXPERT_CHUNKS,
-    NativeFP4,
+    NativeProducts,
     chunk_units,
     fp4_rows,
     fusing,
@@ -60,7 +60,7 @@ def _experts_dense(d: Dims, experts: dict[str, torch.Tensor], h: torch.Tensor, i
 
 
 def _experts_grouped(d: Dims, experts: dict[str, torch.Tensor], h: torch.Tensor, idx: torch.Tensor,
-                     weights: torch.Tensor, native: NativeFP4 | None = None) -> torch.Tensor:
+                     weights: torch.Tensor, native: NativeProducts | None = None) -> torch.Tensor:
     """Each expert over only the rows that picked it, its weights dequantised once: the routing's
     FLOPs (top-k of E: k/E of the dense path's) and each used expert decoded once (the picked path
     decodes it once per pick). Row counts per expert are data read back to the host, so this runs
@@ -93,7 +93,7 @@ def _experts_grouped(d: Dims, experts: dict[str, torch.Tensor], h: torch.Tensor,
 
 
 def _grouped_native(d: Dims, experts: dict[str, torch.Tensor], x: torch.Tensor, counts: list[int],
-                    native: NativeFP4) -> torch.Tensor | None:
+                    native: NativeProducts) -> torch.Tensor | None:
     """`expert_ffn` of every used expert over its rows (x: each expert's rows together, in expert
     order, `counts` of each) in three native calls, one a weight, each one parallel loop over every
     expert's column tiles (threads take the next as they free up, whatever each expert's rows);
@@ -185,7 +185,7 @@ def picks_few(rows, topk, experts, fused: bool = False, expert_weights: int = 0)
 
 def routed(d: Dims, w: dict[str, torch.Tensor], h: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
            expert_base: torch.Tensor | None = None, picked: bool | None = None,
-           native: NativeFP4 | None = None) -> torch.Tensor:
+           native: NativeProducts | None = None) -> torch.Tensor:
     """Routed experts of rows h [M, D] with their choices idx/weights [M, k]. Run eagerly on the
     cpu: each expert over the rows that picked it (`_experts_grouped`, at most the picked path's
     work at every row count). Traced (a program holds static shapes), or eagerly on an

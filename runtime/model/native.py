@@ -263,7 +263,7 @@ ISA_SCALAR, ISA_AVX2, ISA_BEST = 0, 1, 2
 
 
 class Native:
-    """`ops.NativeFP4` through the library loaded from verified bytes: a layer's routed experts'
+    """`ops.NativeProducts` through the library loaded from verified bytes: a layer's routed experts'
     stacked weights (packed [experts, in/2, out], scale [experts, in/group, out], on the cpu,
     columns contiguous); anything else None, left to the eager way."""
 

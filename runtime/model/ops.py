@@ -47,14 +47,19 @@ def fusing() -> bool:
     return torch.compiler.is_compiling() and not _interpreted
 
 
-class NativeFP4(Protocol):
-    """FP4 products compiled natively (`runtime.model.native`), for the grouped experts
-    (`moe._experts_grouped`)."""
+class NativeProducts(Protocol):
+    """The products compiled natively (`runtime.model.native`): the grouped experts' FP4
+    (`moe._experts_grouped`), and the dense FP8 and BF16 weights of the programs of few rows
+    (`dsv4::dense`), widened in registers where they multiply."""
 
     def grouped(self, x: torch.Tensor, ids: Sequence[int], starts: Sequence[int], packed: torch.Tensor,
                 scale: torch.Tensor) -> torch.Tensor | None:
         """Each expert ids[k]'s rows x[starts[k]:starts[k + 1]] times its weight of the stacks
         (packed, scale) [experts, …], fused; None where it does not serve."""
+
+    def dense(self, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor | None:
+        """x [rows, in] @ w [in, out] (FP8 with its E8M0 block scales, or BF16); None where it
+        does not serve."""
 
 
 def weight(w: dict[str, torch.Tensor], name: str) -> torch.Tensor:
@@ -257,22 +262,13 @@ def _op(schema: str, impl: Any) -> None:
 _op("matmul(Tensor x, Tensor w) -> Tensor", matmul)
 
 
-class NativeDense(Protocol):
-    """Dense products compiled natively (`runtime.model.native`): FP8 and BF16 weights widened in
-    registers where they multiply."""
-
-    def dense(self, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor | None:
-        """x [rows, in] @ w [in, out] (FP8 with its E8M0 block scales, or BF16); None where it
-        does not serve."""
-
-
 # The native products this process loaded (from the kernel cache's verified bytes: `experts.native`,
 # `runtime.programs.build`), which `dsv4::dense` runs; None before, or where none is built.
-_native_dense: NativeDense | None = None
+_native_dense: NativeProducts | None = None
 _few_rows = threading.local()  # per thread: tracing a program of few rows (`few_rows`)
 
 
-def use_native(native: NativeDense | None) -> None:
+def use_native(native: NativeProducts | None) -> None:
     global _native_dense
     _native_dense = native
 
