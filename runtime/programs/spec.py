@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from types import FunctionType, ModuleType
 from typing import Any
 
+from runtime.programs import source_memo
 from runtime.programs.source_hash import source_components
 from runtime.programs.toolchain import toolchain_components
 from store.errors import UserError
@@ -111,8 +112,13 @@ def program_key(spec: ProgramSpec, backend: str, device: str = "cpu") -> Key:
     if spec.captures is not None:
         config.append(("captures", dict(spec.captures)))
     native = is_native(spec)  # compiled from its own C++ source by the C++ compiler, whatever the backend
-    return Key.of([*config, *source_components(spec.fn), *(source_components(NATIVE_BUILD) if native else ()),
+    return Key.of([*config, *_sources(spec.fn), *(_sources(NATIVE_BUILD) if native else ()),
                    *toolchain_components(device, "aoti" if native else backend)])
+
+
+def _sources(fn: Callable[..., Any] | str) -> list[tuple[str, str]]:
+    """A program function's source components; a named one's remembered across processes."""
+    return source_memo.source_components(fn) if isinstance(fn, str) else source_components(fn)
 
 
 # A program whose captures say `native` is built from C++ source (`runtime.model.native`), not
