@@ -195,8 +195,9 @@ def test_the_dense_product_refuses_what_it_cannot_read(native):
         assert native.dense(*args) is None
 
 
-def test_a_program_of_few_rows_multiplies_natively_where_the_native_products_are_built(tiny_packed, library):
-    """The catalog marks the decode layers and the head (not a prefill layer); traced, each of their
+def test_every_layer_program_and_the_head_multiply_natively_where_the_native_products_are_built(tiny_packed,
+                                                                                                 library):
+    """The catalog marks every layer program (prefill and decode), the head and the MTP input; traced, each of their
     FP8 and BF16 products is one `dsv4::dense` call, which runs the native products once they are
     loaded and the eager dequantisation before: the same numbers to float32 rounding."""
     from runtime.programs.build import export_program
@@ -204,16 +205,16 @@ def test_a_program_of_few_rows_multiplies_natively_where_the_native_products_are
     config, layout, weights = tiny_packed
     specs = build_programs(config, layout, MAX_SEQ).specs
     marked = {n for n, s in specs.items() if (s.captures or {}).get("native_dense")}
-    assert marked == {n for n in specs if n.startswith("head.") or (n.startswith("layer.") and n.endswith(".decode"))}
+    assert marked == {n for n in specs if n.startswith(("head.", "layer.", "mtp.input."))}
 
     def dense_calls(name: str) -> int:
         graph = export_program(specs[name]).graph_module
         return sum(1 for m in graph.modules() if isinstance(m, torch.fx.GraphModule)
                    for node in m.graph.nodes if node.target is torch.ops.dsv4.dense.default)
 
-    decode = next(n for n in marked if n.startswith("layer."))
+    decode = next(n for n in marked if n.startswith("layer.") and n.endswith(".decode"))
     assert dense_calls(decode) > 0 and dense_calls("head.decode") == 1
-    assert dense_calls(decode.replace(".decode", ".prefill")) == 0
+    assert dense_calls(decode.replace(".decode", ".prefill")) == dense_calls(decode)
     top = weights["top"]
     x = torch.randn(3, config.hidden_size)
     before = ops._native_dense  # what this process loaded so far (other tests' programs)
@@ -225,3 +226,36 @@ def test_a_program_of_few_rows_multiplies_natively_where_the_native_products_are
         assert _rel(ops.dense(x, top["head.weight"], None), eager) < 1e-5
     finally:
         ops.use_native(before)
+
+
+class _Counting:
+    """Native products that count the products asked of them (the eager result, so any is right)."""
+
+    dense_rows = 4
+
+    def __init__(self):
+        self.asked: list[int] = []
+
+    def dense(self, x, w, scale=None):
+        self.asked.append(x.shape[0])
+        return ops.matmul(x, ops.weight({"w.qweight": w, "w.qscale": scale}, "w"))
+
+
+def test_more_rows_than_the_native_product_is_faster_for_multiply_the_widened_weight(monkeypatch):
+    """`dsv4::dense` asks the native products for up to their `dense_rows` rows (a prefill's few);
+    beyond, a GEMM of the widened weight (faster there), column chunks of a large weight at a time."""
+    gen = torch.Generator().manual_seed(9)
+    q, scale = _fp8(256, 96, 32, gen)
+    counting = _Counting()
+    monkeypatch.setattr(ops, "_native_dense", counting)
+    want = ops.weight({"w.qweight": q, "w.qscale": scale}, "w")
+    for rows in (1, 4, 5, 40):
+        x = torch.randn(rows, 256, generator=gen)
+        assert _rel(torch.ops.dsv4.dense(x, q, scale), x @ want) < 1e-5
+    assert counting.asked == [1, 4]
+    monkeypatch.setattr(ops, "CHUNK_ELEMENTS", 256 * 32)  # a weight over it: 32 columns at a time
+    widths, real = [], ops.matmul
+    monkeypatch.setattr(ops, "matmul", lambda a, b: widths.append(b.shape[1]) or real(a, b))
+    x = torch.randn(9, 256, generator=gen)
+    assert _rel(torch.ops.dsv4.dense(x, q, scale), x @ want) < 1e-5
+    assert widths == [32, 32, 32]

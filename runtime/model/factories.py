@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from runtime.model import forward as model
 from runtime.model.dims import Dims
-from runtime.model.ops import few_rows
+from runtime.model.ops import dense_calls
 
 
 def layer(dims: dict, kind: str, ratio: int, hash_routed: bool, cache_names: list[str],
@@ -19,13 +19,13 @@ def layer(dims: dict, kind: str, ratio: int, hash_routed: bool, cache_names: lis
     """With `experts_apart`, the program holds no routed expert: it returns the block's FFN parts
     (`model.FFN_PARTS`: the routed experts' input rows and choices among them) before the new
     cache rows, and the `experts` programs compute the routed sum (of every expert owner, with
-    several ranks). `native_dense`: its FP8 and BF16 products go native (`ops.few_rows`)."""
+    several ranks). `native_dense`: its FP8 and BF16 products are `dsv4::dense` calls (`ops.dense_calls`)."""
     def layer_program(x, tokens, positions, slots, starts, *rest):
         nc = len(cache_names)
         cache = dict(zip(cache_names, rest[:nc], strict=True))
         w = dict(zip(weight_names, rest[nc:], strict=True))
         rows = model.Rows(positions, slots, starts)
-        with few_rows(native_dense):
+        with dense_calls(native_dense):
             out, new = model.block(Dims(**dims), kind, ratio, hash_routed, w, x, tokens, rows, cache, prefill,
                                    experts_apart)
         return (*(out if experts_apart else (out,)), *(new[n] for n in cache_names))
@@ -66,15 +66,16 @@ def embed(dims: dict) -> Callable:
 
 def head(dims: dict, weight_names: list[str], native_dense: bool = False) -> Callable:
     def head_program(x, *weights):
-        with few_rows(native_dense):
+        with dense_calls(native_dense):
             return model.head(Dims(**dims), dict(zip(weight_names, weights, strict=True)), x)
 
     return head_program
 
 
-def mtp_input(dims: dict, weight_names: list[str]) -> Callable:
+def mtp_input(dims: dict, weight_names: list[str], native_dense: bool = False) -> Callable:
     def mtp_input_program(next_tokens, h, embed_weight, *weights):
         w = dict(zip(weight_names, weights, strict=True))
-        return model.mtp_input(Dims(**dims), w, embed_weight[next_tokens], h)
+        with dense_calls(native_dense):
+            return model.mtp_input(Dims(**dims), w, embed_weight[next_tokens], h)
 
     return mtp_input_program

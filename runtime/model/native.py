@@ -1,7 +1,7 @@
 """The products compiled natively, each weight byte decoded in registers into the rows' sums, never
 a float weight: a layer's routed experts (FP4, every used expert of a layer in one call a weight:
-`Native.grouped`), and the dense FP8 and BF16 weights of the programs of few rows (`Native.dense`,
-through `dsv4::dense`: `runtime.model.ops.few_rows`; its C++ in `runtime.model.native_dense`).
+`Native.grouped`), and the dense FP8 and BF16 weights of the programs, at few rows (`Native.dense`,
+through `dsv4::dense`: `runtime.model.ops.dense_calls`; its C++ in `runtime.model.native_dense`).
 
 Run eagerly, the decode alone takes several whole-tensor passes (`ops.fp4_weight`: about 300 us
 for small's `[1024, 512]` expert weight on a Sapphire Rapids host, 2 threads); compiled by
@@ -260,6 +260,14 @@ def build(out: Path) -> None:
 
 # the instruction sets a `Native` may use, at most (the library picks what the cpu has below it)
 ISA_SCALAR, ISA_AVX2, ISA_BEST = 0, 1, 2
+# The most rows `dsv4_dense` takes, by the instruction set it runs: it reads the weight once per
+# pass of rows (8 rows a pass with AVX-512, 2 with AVX2), so from some rows on a GEMM of the
+# widened weight is the faster (`ops.dense` runs that then). A [1024, 512] FP8 weight on 2 AMD
+# (AVX2) cores, native against the eager widening + oneDNN GEMM, ms: 0.33 / 0.76 at 6 rows, 0.64
+# / 0.65 at 16, 2.0 / 1.2 at 32, 12.0 / 2.9 at 256; on Sapphire Rapids (AVX-512) the GEMM won from
+# about 32 rows.
+DENSE_MAX_ROWS = {ISA_SCALAR: 4, ISA_AVX2: 16, ISA_BEST: 32}
+_TORCH_ISA = {"AVX512": ISA_BEST, "AVX2": ISA_AVX2}  # torch.backends.cpu.get_cpu_capability()'s names
 
 
 class Native:
@@ -279,6 +287,12 @@ class Native:
         self._dense.argtypes = [ptr, i64, i64, ptr, i64, ctypes.c_int, ptr, i64, i64, i64, ptr, i64, ctypes.c_int,
                                 ctypes.c_int]
         self.isa = ISA_BEST
+        self._cpu_isa = _TORCH_ISA.get(torch.backends.cpu.get_cpu_capability(), ISA_SCALAR)
+
+    @property
+    def dense_rows(self) -> int:
+        """The most rows `dense` is the faster way for here (`DENSE_MAX_ROWS` of the instruction set it runs)."""
+        return DENSE_MAX_ROWS[min(self.isa, self._cpu_isa)]
 
     @staticmethod
     def _takes(packed: torch.Tensor, scale: torch.Tensor) -> bool:

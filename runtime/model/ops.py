@@ -61,6 +61,10 @@ class NativeProducts(Protocol):
         """x [rows, in] @ w [in, out] (FP8 with its E8M0 block scales, or BF16); None where it
         does not serve."""
 
+    @property
+    def dense_rows(self) -> int:
+        """Up to how many rows `dense` is faster than a GEMM of the widened weight."""
+
 
 def weight(w: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     """A matmul weight [.., in, out] as float32: a packed one dequantised per block from the
@@ -265,7 +269,7 @@ _op("matmul(Tensor x, Tensor w) -> Tensor", matmul)
 # The native products this process loaded (from the kernel cache's verified bytes: `experts.native`,
 # `runtime.programs.build`), which `dsv4::dense` runs; None before, or where none is built.
 _native_dense: NativeProducts | None = None
-_few_rows = threading.local()  # per thread: tracing a program of few rows (`few_rows`)
+_dense_calls = threading.local()  # per thread: tracing a program whose dense products are calls (`dense_calls`)
 
 
 def use_native(native: NativeProducts | None) -> None:
@@ -274,44 +278,47 @@ def use_native(native: NativeProducts | None) -> None:
 
 
 @contextlib.contextmanager
-def few_rows(on: bool = True) -> Iterator[None]:
-    """Trace (or run) a program of few rows — a decode step's, the head's: traced on the cpu, its
-    FP8 and BF16 products are `dsv4::dense` calls, which multiply natively once the native products
-    are loaded. A program dequantising such a weight in its graph writes it whole as float32 and
-    reads it back for every product; natively each byte is read once (small, one row: a `[1024,
-    1024]` FP8 weight 135 us against 3.1 ms eager, the BF16 head 1.4 ms against 10.5 compiled). From
-    some 32 rows up a GEMM of the float weight is the faster: prefill programs keep it."""
-    before = getattr(_few_rows, "on", False)
-    _few_rows.on = on
+def dense_calls(on: bool = True) -> Iterator[None]:
+    """Trace a program whose FP8 and BF16 products are `dsv4::dense` calls (traced on the cpu),
+    which multiply natively up to the native products' `dense_rows` once they are loaded, else
+    widen the weight eagerly for a GEMM. A program dequantising such a weight in its graph writes it
+    whole as float32 and reads it back for every product, whatever its rows: natively each byte is
+    read once (small, one row: a `[1024, 1024]` FP8 weight 135 us against 3.1 ms eager, the BF16
+    head 1.4 ms against 10.5 compiled); and at many rows inductor's widening in the graph was no
+    faster than the eager one (a `[1024, 512]` FP8 weight at 256 rows, 2 AMD cores: 2.6 ms against
+    2.9; at 32 rows 1.9 against 1.2). A 6-token prompt's prefill of `small` took 0.23 s, 0.16 of
+    it widening every layer's weights."""
+    before = getattr(_dense_calls, "on", False)
+    _dense_calls.on = on
     try:
         yield
     finally:
-        _few_rows.on = before
+        _dense_calls.on = before
 
 
 def dense(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     """x @ w (FP8 with its block scales, or BF16), natively if the native products are loaded and
     take it, else dequantised eagerly: what `dsv4::dense` runs."""
     native = _native_dense
-    out = native.dense(x, w, scale) if native is not None else None
+    out = native.dense(x, w, scale) if native is not None and x.shape[0] <= native.dense_rows else None
     if out is not None:
         return out
-    return matmul(x, weight({"w.weight": w} if scale is None else {"w.qweight": w, "w.qscale": scale}, "w"))
+    return linear({"w.weight": w} if scale is None else {"w.qweight": w, "w.qscale": scale}, "w", x)
 
 
 _op("dense(Tensor x, Tensor w, Tensor? scale) -> Tensor", dense)
 
 
 def _dense_here(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Is this product a `dsv4::dense` call: traced in a program of few rows, on the cpu, of an FP8
-    or a BF16 weight?"""
-    return (getattr(_few_rows, "on", False) and torch.compiler.is_compiling() and x.is_cpu and x.dim() == 2
+    """Is this product a `dsv4::dense` call: traced in a program of `dense_calls`, on the cpu, of an
+    FP8 or a BF16 weight?"""
+    return (getattr(_dense_calls, "on", False) and torch.compiler.is_compiling() and x.is_cpu and x.dim() == 2
             and w.dim() == 2 and w.dtype in (torch.float8_e4m3fn, torch.bfloat16))
 
 
 def linear(w: dict[str, torch.Tensor], name: str, x: torch.Tensor) -> torch.Tensor:
     """x @ W for a packed or a float weight, both stored [in, out]; a large one by column chunks;
-    in a program of few rows, an FP8 or BF16 one through `dsv4::dense` (`few_rows`)."""
+    in a program of `dense_calls`, an FP8 or BF16 one through `dsv4::dense`."""
     q, scale = w.get(name + ".qweight"), w.get(name + ".qscale")
     stored = w[name + ".weight"] if q is None else q
     if _dense_here(x, stored):

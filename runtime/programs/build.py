@@ -199,7 +199,7 @@ def _load(spec: ProgramSpec, backend: str, data: bytes) -> Callable[..., Any]:
         from runtime.model import native
 
         products = native.load(data)
-        use_native(products)  # the dense products of the programs of few rows run them too (`ops.few_rows`)
+        use_native(products)  # the programs' dense products at few rows run them too (`ops.dense_calls`)
         return functools.partial(build_function(spec), fp4=products)
     if backend == "export":
         return torch.export.load(io.BytesIO(data)).module()

@@ -13,9 +13,9 @@ put them back together: `runtime.programs.calls`, which runs more rows than it s
 expert over its own rows: a shape that depends on the routing, which no static program holds;
 there, on the cpu, `experts.native`: that eager function given the FP4 products compiled from C++).
 `ROUTED_IN_LAYER`, each layer program with its routed experts inside, is the form before, kept as
-`dsv4 bench compile`'s baseline. Where `experts.native` is built, the programs of few rows (decode
-layers, the head) say `native_dense`: their FP8 and BF16 products run on its library too
-(`runtime.model.ops.few_rows`).
+`dsv4 bench compile`'s baseline. Where `experts.native` is built, the programs with FP8 and BF16
+products (the layers, the head, the MTP input) say `native_dense`: each such product is a
+`dsv4::dense` call, which runs on its library at few rows (`runtime.model.ops.dense_calls`).
 """
 
 from __future__ import annotations
@@ -126,17 +126,17 @@ def build_programs(config: DeepSeekV4Config, packed: PackedLayout, max_seq: int,
     weight_names: dict[str, tuple[str, ...]] = {}
 
     # where the routed experts' native products are built (`experts.native`), so are the dense ones of
-    # the programs of few rows: a decode step's layers and the head (`ops.few_rows`)
+    # the programs' FP8 and BF16 products (`ops.dense_calls`)
     native_dense = apart and cxx() is not None
 
     def add(name: str, factory: str, captures: dict, inputs_for, slotted: bool = False,
-            few: tuple[str, ...] = ()) -> None:
+            dense: bool = False) -> None:
         """Both modes of a program; a `slotted` one reads caches of every slot, and learns its mode;
-        in the modes `few`, its rows are few (its dense products native, where built)."""
+        a `dense` one has FP8 or BF16 products (`dsv4::dense` calls, where native ones are built)."""
         for mode in MODES:
             rows = tokens_dim if mode == PREFILL else rows_dim
             mode_captures = {"prefill": mode == PREFILL} if slotted else {}
-            if native_dense and mode in few:
+            if native_dense and dense:
                 mode_captures["native_dense"] = True
             specs[f"{name}.{mode}"] = ProgramSpec(
                 f"{name}.{mode}", f"{FNS}:{factory}", inputs_for(rows.name),
@@ -173,7 +173,7 @@ def build_programs(config: DeepSeekV4Config, packed: PackedLayout, max_seq: int,
                     **({"experts_apart": True} if apart else {})}
         add(v.name, "layer", captures,
             lambda t, w=w, cache_specs=cache_specs: (*act(t), *cache_specs, *weights("w.", w, sorted(w))),
-            slotted=True, few=(DECODE,))
+            slotted=True, dense=True)
     if apart:
         # rows of one rank's experts: a prefill's tokens (alone in its step), or every rank's decode rows
         rows = DynamicDim("M", 1, max(max_seq, packed.ranks * MAX_DECODE_ROWS))
@@ -200,13 +200,13 @@ def build_programs(config: DeepSeekV4Config, packed: PackedLayout, max_seq: int,
     add("embed", "embed", {}, lambda t: (TensorSpec("tokens", "int64", (t,)), emb_spec))
     weight_names["head"] = TOP_HEAD
     add("head", "head", {"weight_names": list(TOP_HEAD)},
-        lambda t: (TensorSpec("x", "float32", (t, d.hc, d.hidden)), *weights("", top, TOP_HEAD)), few=MODES)
+        lambda t: (TensorSpec("x", "float32", (t, d.hc, d.hidden)), *weights("", top, TOP_HEAD)), dense=True)
     if config.num_nextn_predict_layers:
         mtp = shapes["mtp.0"]
         weight_names["mtp.input"] = MTP_INPUT
         add("mtp.input", "mtp_input", {"weight_names": list(MTP_INPUT)},
             lambda t: (TensorSpec("next_tokens", "int64", (t,)), TensorSpec("h", "float32", (t, d.hc, d.hidden)),
-                       emb_spec, *weights("", mtp, MTP_INPUT)))
+                       emb_spec, *weights("", mtp, MTP_INPUT)), dense=True)
         # the MTP head is the model head over MTP's own hc_head/norm and the shared head.weight
     return ModelPrograms(d, specs, variants, cache_names, weight_names, parallel, routed)
 
