@@ -260,9 +260,9 @@ def build(out: Path) -> None:
 
 # the instruction sets a `Native` may use, at most (the library picks what the cpu has below it)
 ISA_SCALAR, ISA_AVX2, ISA_BEST = 0, 1, 2
-# The most rows `dsv4_dense` takes, by the instruction set it runs: it reads the weight once per
-# pass of rows (8 rows a pass with AVX-512, 2 with AVX2), so from some rows on a GEMM of the
-# widened weight is the faster (`ops.dense` runs that then). A [1024, 512] FP8 weight on 2 AMD
+# The most rows `ops.dense` asks of `dsv4_dense`, by the instruction set it runs: that reads the
+# weight once per pass of rows (8 rows a pass with AVX-512, 2 with AVX2), so from some rows on a
+# GEMM of the widened weight is the faster (`ops.dense` runs that then). A [1024, 512] FP8 weight on 2 AMD
 # (AVX2) cores, native against the eager widening + oneDNN GEMM, ms: 0.33 / 0.76 at 6 rows, 0.64
 # / 0.65 at 16, 2.0 / 1.2 at 32, 12.0 / 2.9 at 256; on Sapphire Rapids (AVX-512) the GEMM won from
 # about 32 rows.

@@ -297,8 +297,9 @@ def dense_calls(on: bool = True) -> Iterator[None]:
 
 
 def dense(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    """x @ w (FP8 with its block scales, or BF16), natively if the native products are loaded and
-    take it, else dequantised eagerly: what `dsv4::dense` runs."""
+    """x @ w (FP8 with its block scales, or BF16), natively if the native products are loaded,
+    take it and are the faster at these rows (`dense_rows`), else dequantised eagerly for a GEMM
+    (`linear`: a large weight a few columns at a time): what `dsv4::dense` runs."""
     native = _native_dense
     out = native.dense(x, w, scale) if native is not None and x.shape[0] <= native.dense_rows else None
     if out is not None:

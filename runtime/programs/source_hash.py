@@ -187,6 +187,7 @@ def _load(name: str, path: Path) -> _Module | None:
     try:
         st = os.stat(path)
     except OSError:
+        _note("files", str(path), "")
         return None
     module = _parse(name, str(path), st.st_mtime_ns, st.st_ctime_ns, st.st_size)
     _note("files", str(path), module.digest if module is not None else "")
