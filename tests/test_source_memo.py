@@ -99,8 +99,8 @@ def test_a_module_lookup_answering_otherwise_computes_them_again(project, monkey
     assert [n for n, _ in again] == ["source:memopkg.a.f", "source:memopkg.b.g"]
 
 
-@pytest.mark.parametrize("bad", ["garbage", "fifo", "other python", "wrong types"])
-def test_a_memo_that_is_not_this_versions_is_ignored_and_rewritten(project, monkeypatch, bad):
+@pytest.mark.parametrize("bad", ["garbage", "fifo", "other python", "wrong types", "others may write", "a link"])
+def test_a_memo_not_of_this_version_or_not_trusted_is_ignored_and_rewritten(project, monkeypatch, bad):
     expected = source_memo.source_components("memopkg.a:f")
     memo = state_dir() / source_memo.MEMO_FILE
     raw = memo.read_text()
@@ -111,14 +111,21 @@ def test_a_memo_that_is_not_this_versions_is_ignored_and_rewritten(project, monk
         os.mkfifo(memo)  # never opened blocking
     elif bad == "other python":
         memo.write_text(raw.replace('"python": ', '"python": "2.7 ', 1))
-    else:
+    elif bad == "wrong types":
         memo.write_text(raw.replace('"components": [[', '"components": [[7, ', 1))
+    elif bad == "others may write":  # what it says picks compiled code: trusted as a cache root is
+        memo.write_text(raw)
+        memo.chmod(0o666)
+    else:
+        (memo.parent / "elsewhere.json").write_text(raw)
+        memo.symlink_to(memo.parent / "elsewhere.json")
     new_process()
     computed = computations(monkeypatch)
     assert source_memo.source_components("memopkg.a:f") == expected
     assert computed == ["memopkg.a:f"]
     new_process()
-    assert source_memo.recall("memopkg.a:f") == expected  # the computation wrote it anew
+    assert source_memo.recall("memopkg.a:f") == expected  # the computation wrote it anew, private
+    assert memo.is_file() and not memo.is_symlink() and memo.stat().st_mode & 0o777 == 0o600
 
 
 def test_a_unit_that_cannot_be_read_is_never_remembered(project):

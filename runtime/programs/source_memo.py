@@ -9,13 +9,16 @@ small file in the state dir, by the function's "module:qualname" and under this 
 holds, so a changed byte in any file they came from, or a module that appeared or went, computes
 them again. The file is a cache: missing, unreadable, malformed or of another version, it is
 ignored and rewritten; a state dir that cannot be written costs the computation next time, never
-the plan.
+the plan. What it says chooses which compiled programs a launch loads, so it is trusted as a
+kernel cache's root is: read only when it is a regular file of this user's (opened without
+following a link) that nobody else may write, and written private (0600).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import stat
 import sys
 import threading
 from typing import Any
@@ -24,6 +27,7 @@ from runtime.programs.source_hash import Trace, traced_components
 from store import safeio
 from store.atomic import write_bytes_atomic
 from store.fingerprint import UNKNOWN
+from store.kernel_cache.trust import ownership_problem
 from store.paths import state_dir
 
 MEMO_FILE = "source-components.json"
@@ -65,11 +69,11 @@ def remember(root: str, trace: Trace, components: list[tuple[str, str]]) -> None
         roots[root] = {"files": trace.files, "lookups": trace.lookups, "components": [list(c) for c in components]}
         while len(roots) > MAX_ROOTS:
             roots.pop(next(iter(roots)))
-        data = json.dumps({"v": VERSION, "python": sys.version, "roots": roots}, sort_keys=True).encode()
+        data = json.dumps({"v": VERSION, "python": sys.version, "roots": roots}).encode()  # in their order
         path = state_dir() / MEMO_FILE
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            write_bytes_atomic(path, data)
+            write_bytes_atomic(path, data, mode=0o600)
         except OSError:
             pass
 
@@ -78,17 +82,22 @@ def _roots() -> dict[str, Any]:
     """The file's entries (insertion order: oldest first), or {} for anything but this version's."""
     path = state_dir() / MEMO_FILE
     try:
-        st = os.stat(path)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return {}
-    identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-    cached = _read_cache.get(str(path))
-    if cached is not None and cached[0] == identity:
-        return cached[1]
     try:
-        raw = json.loads(safeio.read_regular(path, MAX_BYTES))
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or ownership_problem(st) is not None:
+            return {}
+        identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        cached = _read_cache.get(str(path))
+        if cached is not None and cached[0] == identity:
+            return cached[1]
+        raw = json.loads(safeio.read_fd(fd, MAX_BYTES))
     except (OSError, ValueError):
         return {}
+    finally:
+        os.close(fd)
     roots = raw.get("roots") if isinstance(raw, dict) and raw.get("v") == VERSION \
         and raw.get("python") == sys.version else None
     roots = roots if isinstance(roots, dict) else {}
