@@ -13,6 +13,7 @@ import errno
 import json
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -106,16 +107,17 @@ def tail_lines(path: str | Path, cap: int) -> list[str]:
     return lines[1:] if start and lines else lines
 
 
-def read_record(path: str | Path, cap: int) -> Any:
+def read_record(path: str | Path, cap: int, accept: Callable[[os.stat_result], bool] | None = None) -> Any:
     """The JSON value of a small record file (a regular file, not a link, at most `cap` bytes,
-    opened without blocking); None for anything else or anything unreadable."""
+    opened without blocking, and one `accept` takes by its opened fd's stat); None for anything
+    else or anything unreadable."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return None
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > cap:
+        if not stat.S_ISREG(st.st_mode) or st.st_size > cap or (accept is not None and not accept(st)):
             return None
         return json.loads(os.read(fd, cap))
     except (OSError, ValueError):

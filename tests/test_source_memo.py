@@ -41,7 +41,6 @@ def new_process() -> None:
     for cached in (source_hash._module_file, source_hash._parse, source_hash._digest_of):
         cached.cache_clear()
     source_hash._UNITS.clear()
-    source_memo._read_cache.clear()
 
 
 def computations(monkeypatch) -> list[str]:

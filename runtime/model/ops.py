@@ -49,7 +49,7 @@ def fusing() -> bool:
 
 class NativeProducts(Protocol):
     """The products compiled natively (`runtime.model.native`): the grouped experts' FP4
-    (`moe._experts_grouped`), and the dense FP8 and BF16 weights of the programs of few rows
+    (`moe._experts_grouped`), and the programs' dense FP8 and BF16 weights at few rows
     (`dsv4::dense`), widened in registers where they multiply."""
 
     def grouped(self, x: torch.Tensor, ids: Sequence[int], starts: Sequence[int], packed: torch.Tensor,

@@ -41,7 +41,7 @@ class _Module:
     name: str
     defs: dict[str, ast.AST]  # top-level def / class / assigned name → its statement
     imports: dict[str, tuple[str, str | None]]  # local name → (module, attribute or None)
-    digest: str = ""  # sha256 of the file's bytes, what a remembered computation is checked by
+    digest: str  # sha256 of the file's bytes, what a remembered computation is checked by
 
 
 @dataclass

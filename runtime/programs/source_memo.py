@@ -17,8 +17,6 @@ following a link) that nobody else may write, and written private (0600).
 from __future__ import annotations
 
 import json
-import os
-import stat
 import sys
 import threading
 from typing import Any
@@ -36,7 +34,6 @@ MAX_BYTES = 8 << 20  # a few hundred functions' traces; anything larger is not o
 MAX_ROOTS = 256  # the oldest go first beyond this
 
 _lock = threading.Lock()
-_read_cache: dict[str, Any] = {}  # path → (stat identity, roots): the file parsed once per change
 
 
 def source_components(root: str) -> list[tuple[str, str]]:
@@ -80,29 +77,10 @@ def remember(root: str, trace: Trace, components: list[tuple[str, str]]) -> None
 
 def _roots() -> dict[str, Any]:
     """The file's entries (insertion order: oldest first), or {} for anything but this version's."""
-    path = state_dir() / MEMO_FILE
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return {}
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or ownership_problem(st) is not None:
-            return {}
-        identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-        cached = _read_cache.get(str(path))
-        if cached is not None and cached[0] == identity:
-            return cached[1]
-        raw = json.loads(safeio.read_fd(fd, MAX_BYTES))
-    except (OSError, ValueError):
-        return {}
-    finally:
-        os.close(fd)
+    raw = safeio.read_record(state_dir() / MEMO_FILE, MAX_BYTES, lambda st: ownership_problem(st) is None)
     roots = raw.get("roots") if isinstance(raw, dict) and raw.get("v") == VERSION \
         and raw.get("python") == sys.version else None
-    roots = roots if isinstance(roots, dict) else {}
-    _read_cache[str(path)] = (identity, roots)
-    return roots
+    return roots if isinstance(roots, dict) else {}
 
 
 def _strings(value: Any) -> dict[str, str] | None:
