@@ -8,6 +8,11 @@ the same checkpoint (the preset's embedded default):
 - bytes: the routed experts' and the whole layout's, against the checkpoint's tensors;
 - the eager engine: a single-sequence decode step after a 200-token prompt (median of 30) and
   a 256-token prefill (tokens/s, best of 3); greedy tokens of both, which must be equal;
+- the eager tier once `experts.native` is built (a launch's first compile: what serves while the
+  other programs compile, `runtime.programs.pool.compile_order`): the same decode step with the
+  native products loaded, FP8 and BF16 products natively for both packers, the routed experts
+  natively where they are FP4 (packer 3; packer 2's int8 experts have none). Reported, no
+  target: the eager step above is the issue's, the torch ops alone (a host with no compiler);
 - every timing alternates the packers run by run, so the machine's drift falls on both;
 - compiled (inductor, the compiler AOTInductor runs for the programs): one layer's routed
   experts, the picked path (decode: 1 and 16 rows) and the dense path (prefill: 256 rows).
@@ -18,10 +23,11 @@ prefill ≥ 0.9× (issue 24), the compiled dense path ≥ 0.95× (issue 37). Rep
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 DECODE_TARGET, PREFILL_TARGET, DENSE_TARGET = 1.0, 0.9, 0.95
@@ -75,9 +81,42 @@ def _engine_figures(config: Any, layout: Any, views: dict[str, Any]) -> dict[str
     prompt = torch.arange(PREFILL_TOKENS) % config.vocab_size
     prefill = _alternating({name: functools.partial(lambda w: Engine(programs, w).forward(prompt), w)
                             for name, w in views.items()}, 3)
-    return {name: {"decode_step_s": statistics.median(steps[name]),
-                   "prefill_tokens_per_s": PREFILL_TOKENS / min(prefill[name]),
-                   "greedy": list(Engine(programs, w).generate([5, 6, 7], 16))} for name, w in views.items()}
+    out = {name: {"decode_step_s": statistics.median(steps[name]),
+                  "prefill_tokens_per_s": PREFILL_TOKENS / min(prefill[name]),
+                  "greedy": list(Engine(programs, w).generate([5, 6, 7], 16))} for name, w in views.items()}
+    with _eager_tier_native(programs) as runners:  # last: the native products, once loaded, serve every product
+        if runners is not None:
+            engines = {name: Engine(programs, w, runners=runners) for name, w in views.items()}
+            for engine in engines.values():
+                engine.forward(torch.arange(PROMPT) % config.vocab_size)
+            steps = _alternating({name: step(e) for name, e in engines.items()}, STEPS)
+            for name in views:
+                out[name]["decode_step_native_s"] = statistics.median(steps[name])
+    return out
+
+
+@contextlib.contextmanager
+def _eager_tier_native(programs: Any) -> Iterator[Any]:
+    """The eager tier's runners once `experts.native` is compiled and loaded (built by the launch's
+    own code, uncached), every other program eager; None where it is not built (no C++ compiler).
+    The native products serve this process's eager products while it lasts."""
+    from runtime.model.ops import use_native
+    from runtime.programs.build import prepare
+    from runtime.programs.calls import engine_runners
+    from runtime.programs.catalog import EXPERTS_NATIVE
+    from runtime.programs.tiers import COMPILED, EAGER, TieredRunners
+
+    if EXPERTS_NATIVE not in programs.specs:
+        yield None
+        return
+    runners = {name: prepare(spec, cache=None, backend="eager").run for name, spec in programs.specs.items()}
+    tiers = dict.fromkeys(runners, EAGER)
+    try:
+        runners[EXPERTS_NATIVE] = prepare(programs.specs[EXPERTS_NATIVE], cache=None, backend="aoti").run
+        tiers[EXPERTS_NATIVE] = COMPILED
+        yield engine_runners(programs, TieredRunners(runners, tiers))
+    finally:
+        use_native(None)
 
 
 def _compiled_experts(config: Any, layers: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
@@ -141,9 +180,12 @@ def measure(preset: str, log: Callable[[str], None] = print) -> dict[str, Any]:
 
 def ratios(r: dict[str, Any]) -> dict[str, float]:
     """Packer 3's speed ÷ packer 2's (above 1 is faster): the eager decode step, compiled picked
-    experts at 1 and 16 rows, the dense path at 256."""
+    experts at 1 and 16 rows, the dense path at 256; and the eager tier's step with the native
+    products loaded, where they are built."""
     old, new = r["packer 2"], r["packer 3"]
     out = {"eager_step": old["decode_step_s"] / new["decode_step_s"]}
+    if "decode_step_native_s" in new:
+        out["eager_step_native"] = old["decode_step_native_s"] / new["decode_step_native_s"]
     for key, rows in (("picked_1", "1"), ("picked_16", "16"), (f"dense_{PREFILL_TOKENS}", str(PREFILL_TOKENS))):
         out[key] = old["compiled_experts_s"][rows] / new["compiled_experts_s"][rows]
     return out
@@ -171,6 +213,8 @@ def main(preset: str = "small", json_output: bool = False) -> int:
         row("routed experts (MiB)", old["expert_bytes"] / gib, new["expert_bytes"] / gib, "{:,.1f}", False),
         row("eager decode step (ms)", old["decode_step_s"] * 1e3, new["decode_step_s"] * 1e3, "{:.2f}", False,
             DECODE_TARGET),
+        *([row("eager tier, native products (ms)", old["decode_step_native_s"] * 1e3,
+               new["decode_step_native_s"] * 1e3, "{:.2f}", False)] if "decode_step_native_s" in new else []),
         row("eager prefill (tokens/s)", old["prefill_tokens_per_s"], new["prefill_tokens_per_s"], "{:.0f}", True,
             PREFILL_TARGET),
     ]

@@ -16,7 +16,7 @@ from runtime.launch.plan import model_programs
 from runtime.launch.spec import LaunchSpec
 from runtime.programs.build import prepare
 from runtime.programs.calls import engine_runners
-from runtime.programs.pool import CompilePool
+from runtime.programs.pool import CompilePool, compile_order
 from runtime.programs.spec import ProgramSpec, build_function
 from runtime.programs.tiers import COMPILED, EAGER, TieredRunners
 from store.kernel_cache import KernelCache
@@ -93,6 +93,18 @@ def test_stopping_a_pool_kills_its_workers_and_leaves_no_staging(tmp_path):
     assert {c.pid for c in psutil.Process().children(recursive=True)} <= before
     base = tmp_path / "kc" / "v1" / "slow"
     assert not base.exists() or not [p for p in base.iterdir() if p.name.startswith(".")]
+
+
+def test_the_native_programs_compile_first_then_the_longest():
+    """A cold launch's eager tier runs its products natively from the moment `experts.native` is in:
+    it goes first, whatever the seconds last recorded; the rest longest first (the pool's wall)."""
+    from dataclasses import replace
+
+    base = sp.spec()
+    specs = [replace(base, name="short"), replace(base, name="long"),
+             replace(base, name="experts.native", captures={"native": True}), replace(base, name="never")]
+    history = {"short": (5.0, 0), "long": (90.0, 0), "experts.native": (1.2, 0)}
+    assert [s.name for s in compile_order(specs, history)] == ["experts.native", "long", "short", "never"]
 
 
 def test_a_killed_worker_fails_its_program_naming_the_signal(tmp_path):

@@ -259,3 +259,28 @@ def test_more_rows_than_the_native_product_is_faster_for_multiply_the_widened_we
     x = torch.randn(9, 256, generator=gen)
     assert _rel(torch.ops.dsv4.dense(x, q, scale), x @ want) < 1e-5
     assert widths == [32, 32, 32]
+
+
+def test_the_eager_tier_multiplies_natively_once_the_native_products_are_loaded(monkeypatch):
+    """Run eagerly (the eager tier, standing in for programs that still compile), an FP8 or BF16
+    product on the cpu of up to `dense_rows` rows goes to the native products once a launch has
+    loaded them (`experts.native`), as the compiled programs' do; before, and beyond those rows,
+    the widened weight. FP4 experts go their own way (`moe._experts_grouped`)."""
+    gen = torch.Generator().manual_seed(3)
+    q, scale = _fp8(128, 64, 32, gen)
+    bf16 = torch.randn(128, 48, generator=gen).bfloat16()
+    want = ops.weight({"w.qweight": q, "w.qscale": scale}, "w")
+    counting = _Counting()
+    for loaded in (None, counting):
+        monkeypatch.setattr(ops, "_native_dense", loaded)
+        for rows in (1, 4, 5):
+            x = torch.randn(rows, 128, generator=gen)
+            assert _rel(ops.linear({"w.qweight": q, "w.qscale": scale}, "w", x), x @ want) < 1e-5
+        assert counting.asked == ([] if loaded is None else [1, 4])
+    counting.dense = lambda x, w, scale=None: counting.asked.append(("bf16", x.shape[0])) or x @ w.float()
+    x = torch.randn(2, 128, generator=gen)
+    assert _rel(ops.linear({"w.weight": bf16}, "w", x), x @ bf16.float()) < 1e-6
+    assert counting.asked[-1] == ("bf16", 2)
+    packed = torch.randint(0, 256, (64, 48), dtype=torch.uint8, generator=gen)
+    ops.linear({"w.qweight": packed, "w.qscale": torch.full((4, 48), 127, dtype=torch.uint8)}, "w", x)
+    assert counting.asked[-1] == ("bf16", 2)  # an FP4 weight: not asked here
