@@ -54,12 +54,13 @@ def _grouped_args(counts: list[int]) -> tuple[list[int], list[int]]:
 
 
 def test_the_grouped_product_is_each_experts_eager_product_and_a_rows_sums_never_depend_on_its_pass(native):
-    """Every used expert's rows (1 to 40: several passes of rows, uneven ones) times its own weight
-    of the stacks, whole tiles and a column tail: each expert's x @ W to float32 rounding. A row's
-    numbers are the same alone as among others (every path sums each row on its own, in one
-    order): a request's tokens do not depend on who shares its step."""
+    """Every used expert's rows (1 to 40: several passes of rows, uneven ones; with AVX2 from 7 rows
+    on through a decoded panel, 640 inputs over three) times its own weight of the stacks, whole
+    tiles and a column tail: each expert's x @ W to float32 rounding. A row's numbers are the same
+    alone as among others (every path sums each row on its own, in one order): a request's tokens
+    do not depend on who shares its step."""
     gen = torch.Generator().manual_seed(5)
-    for rows_in, cols, group in ((256, 64, 32), (128, 20, 32), (64, 40, 16)):
+    for rows_in, cols, group in ((256, 64, 32), (128, 20, 32), (64, 40, 16), (640, 48, 32)):
         stacks = [_random(rows_in, cols, group, gen, 118, 128) for _ in range(6)]
         packed, scale = torch.stack([p for p, _ in stacks]), torch.stack([q for _, q in stacks])
         counts = [3, 0, 40, 1, 17, 0]
