@@ -153,8 +153,9 @@ def _fp8(rows_in: int, cols: int, block: int, gen, low: int = 118, high: int = 1
 
 def test_the_dense_product_is_the_eager_product_and_a_rows_sums_never_depend_on_its_pass(native):
     """FP8 weights with their block scales and BF16 ones, whole tiles and a column tail, 1 to 19
-    rows (several passes, a short last one): x @ the eagerly dequantised weight to float32
-    rounding, and each row's numbers the same alone as among others."""
+    rows (several passes, a short last one; with AVX2 from 4 rows on through decoded panels, 64
+    weight rows each): x @ the eagerly dequantised weight to float32 rounding, and each row's
+    numbers the same alone as among others."""
     gen = torch.Generator().manual_seed(7)
     cases = [(*_fp8(256, 96, 32, gen), "fp8"), (*_fp8(128, 256, 128, gen), "fp8"), (*_fp8(64, 64, 32, gen), "fp8"),
              (torch.randn(96, 80, generator=gen).bfloat16(), None, "bf16"),
@@ -194,6 +195,9 @@ def test_the_dense_product_refuses_what_it_cannot_read(native):
                  (x, q.view(torch.uint8), scale), (x, torch.randn(64, 64), None),
                  (x, torch.randn(64, 64).bfloat16(), scale), (x[0], q, scale)):
         assert native.dense(*args) is None
+    narrow = torch.randn(64, 16).bfloat16()  # no whole tile: column by column, fine at a few rows only
+    assert native.dense(torch.randn(4, 64), narrow) is not None
+    assert native.dense(torch.randn(5, 64), narrow) is None
 
 
 def test_every_layer_program_and_the_head_multiply_natively_where_the_native_products_are_built(tiny_packed,

@@ -209,6 +209,23 @@ static void panel_pass_avx2(const float *x, int64_t in, const float *panel, int6
     }
 }
 
+/* every row of x [rows, in] (from its input k0: x points there) over a panel of kn inputs, into
+   out [rows, cols] (from the panel's column: out points there), 4 rows a pass */
+__attribute__((target("avx2,fma")))
+static void panel_rows_avx2(const float *x, int64_t rows, int64_t in, const float *panel, int64_t kn, float *out,
+                            int64_t cols, int first) {
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+        const float *xr = x + r0 * in;
+        float *outr = out + r0 * cols;
+        switch (rows - r0 < 4 ? rows - r0 : 4) {
+            case 1: panel_pass_avx2<1>(xr, in, panel, kn, outr, cols, first); break;
+            case 2: panel_pass_avx2<2>(xr, in, panel, kn, outr, cols, first); break;
+            case 3: panel_pass_avx2<3>(xr, in, panel, kn, outr, cols, first); break;
+            default: panel_pass_avx2<4>(xr, in, panel, kn, outr, cols, first); break;
+        }
+    }
+}
+
 __attribute__((target("avx2,fma")))
 static void panel_avx2(const float *x, int64_t rows, const uint8_t *packed, int64_t ld_packed, const uint8_t *scale,
                        int64_t ld_scale, float *out, int64_t half, int64_t cols, int64_t group, int64_t o) {
@@ -228,16 +245,7 @@ static void panel_avx2(const float *x, int64_t rows, const uint8_t *packed, int6
             _mm256_store_ps(p + 16, h0);
             _mm256_store_ps(p + 24, h1);
         }
-        for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-            const float *xr = x + r0 * in + k0;
-            float *outr = out + r0 * cols + o;
-            switch (rows - r0 < 4 ? rows - r0 : 4) {
-                case 1: panel_pass_avx2<1>(xr, in, panel, kn, outr, cols, k0 == 0); break;
-                case 2: panel_pass_avx2<2>(xr, in, panel, kn, outr, cols, k0 == 0); break;
-                case 3: panel_pass_avx2<3>(xr, in, panel, kn, outr, cols, k0 == 0); break;
-                default: panel_pass_avx2<4>(xr, in, panel, kn, outr, cols, k0 == 0); break;
-            }
-        }
+        panel_rows_avx2(x + k0, rows, in, panel, kn, out + o, cols, k0 == 0);
     }
 }
 #endif
@@ -338,13 +346,14 @@ def build(out: Path) -> None:
 
 # the instruction sets a `Native` may use, at most (the library picks what the cpu has below it)
 ISA_SCALAR, ISA_AVX2, ISA_BEST = 0, 1, 2
-# The most rows `ops.dense` asks of `dsv4_dense`, by the instruction set it runs: that reads the
-# weight once per pass of rows (8 rows a pass with AVX-512, 2 with AVX2), so from some rows on a
-# GEMM of the widened weight is the faster (`ops.dense` runs that then). A [1024, 512] FP8 weight on 2 AMD
-# (AVX2) cores, native against the eager widening + oneDNN GEMM, ms: 0.33 / 0.76 at 6 rows, 0.64
-# / 0.65 at 16, 2.0 / 1.2 at 32, 12.0 / 2.9 at 256; on Sapphire Rapids (AVX-512) the GEMM won from
-# about 32 rows.
-DENSE_MAX_ROWS = {ISA_SCALAR: 4, ISA_AVX2: 16, ISA_BEST: 32}
+# The most rows `ops.dense` asks of `dsv4_dense`, by the instruction set it runs: with AVX-512 it
+# reads the weight once per pass of 8 rows, so from some rows on a GEMM of the widened weight is the
+# faster (`ops.dense` runs that then; on Sapphire Rapids from about 32 rows). With AVX2, from 4 rows
+# on, each chunk of the weight is decoded once into a panel and every row multiplied over it
+# (`dense_panel_avx2`; 2 rows a pass in registers before). A [1024, 512] FP8 weight on 2 AMD (Zen 3)
+# cores, native against the eager widening + oneDNN GEMM, ms: 0.16 / 0.47 at 8 rows, 0.30 / 1.3 at
+# 32, 1.6 / 2.6 at 256, 3.4 / 5.0 at 512, 7.5 / 7.8 at 1024 (a [1024, 1024] one: 27 / 17 there).
+DENSE_MAX_ROWS = {ISA_SCALAR: 4, ISA_AVX2: 512, ISA_BEST: 32}
 _TORCH_ISA = {"AVX512": ISA_BEST, "AVX2": ISA_AVX2}  # torch.backends.cpu.get_cpu_capability()'s names
 
 
@@ -406,9 +415,12 @@ class Native:
     def dense(self, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor | None:
         """x [rows, in] @ w [in, out] for a BF16 weight, or an FP8 (e4m3) one with its E8M0 block
         scales [in / bi, out / bo] (bo a multiple of DENSE_TILE), every weight read once from memory
-        and widened in registers (`dsv4_dense`); None if these are not such, left to the eager way."""
+        and widened in registers (`dsv4_dense`); None if these are not such, left to the eager way —
+        so is a weight narrower than a tile at more rows than the plain C path serves (it would run
+        column by column: a `[1024, 16]` one at 256 rows took 2 ms, widened for a GEMM 0.17)."""
         if (x.dim() != 2 or w.dim() != 2 or x.dtype != torch.float32 or not (x.is_cpu and w.is_cpu)
-                or x.shape[1] != w.shape[0] or w.stride(1) != 1 or w.shape[1] == 0):
+                or x.shape[1] != w.shape[0] or w.stride(1) != 1 or w.shape[1] == 0
+                or (w.shape[1] < DENSE_TILE and x.shape[0] > DENSE_MAX_ROWS[ISA_SCALAR])):
             return None
         fp8 = w.dtype == torch.float8_e4m3fn
         if fp8:
