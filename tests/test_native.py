@@ -54,7 +54,7 @@ def _grouped_args(counts: list[int]) -> tuple[list[int], list[int]]:
 
 
 def test_the_grouped_product_is_each_experts_eager_product_and_a_rows_sums_never_depend_on_its_pass(native):
-    """Every used expert's rows (1 to 40: several passes of rows, uneven ones; with AVX2 from 7 rows
+    """Every used expert's rows (1 to 40: several passes of rows, uneven ones; with AVX2 from 5 rows
     on through a decoded panel, 640 inputs over three) times its own weight of the stacks, whole
     tiles and a column tail: each expert's x @ W to float32 rounding. A row's numbers are the same
     alone as among others (every path sums each row on its own, in one order): a request's tokens

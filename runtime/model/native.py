@@ -72,46 +72,67 @@ static int cpu_isa(void) {
 }
 
 #if defined(__x86_64__)
-/* 8 bytes of a byte row (p) and their scales (s) -> the low nibbles' and the high ones' values,
-   scaled: an 8-entry table of magnitudes in one register, the sign or-ed in */
+/* the E8M0 scales of 8 columns (s) as floats, 2^(s - 127) exactly (as `e8m0`) */
 __attribute__((target("avx2,fma")))
-static inline void decode8_avx2(const uint8_t *p, const uint8_t *s, __m256 *lo, __m256 *hi) {
-    const __m256 table = _mm256_loadu_ps(E2M1);
-    const __m256i seven = _mm256_set1_epi32(7), eight = _mm256_set1_epi32(8);
-    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+static inline __m256 scale8_avx2(const uint8_t *s) {
     __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)s));
-    __m256i bits = _mm256_blendv_epi8(_mm256_slli_epi32(e, 23), _mm256_set1_epi32(0x00400000),
-                                      _mm256_cmpeq_epi32(e, _mm256_setzero_si256()));
-    __m256 scale = _mm256_castsi256_ps(bits);
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(_mm256_slli_epi32(e, 23), _mm256_set1_epi32(0x00400000),
+                                                  _mm256_cmpeq_epi32(e, _mm256_setzero_si256())));
+}
+
+/* 8 bytes of a byte row (p), times their columns' scales (`scale8_avx2`) -> the low nibbles' values
+   and the high ones': an 8-entry table of magnitudes in one register (the permute reads an index's
+   low 3 bits only), the sign or-ed in */
+__attribute__((target("avx2,fma")))
+static inline void decode8_avx2(const uint8_t *p, __m256 scale, __m256 *lo, __m256 *hi) {
+    const __m256 table = _mm256_loadu_ps(E2M1);
+    const __m256i eight = _mm256_set1_epi32(8);
+    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
     __m256i h = _mm256_srli_epi32(b, 4);
-    __m256 vl = _mm256_permutevar8x32_ps(table, _mm256_and_si256(b, seven));
-    __m256 vh = _mm256_permutevar8x32_ps(table, _mm256_and_si256(h, seven));
-    vl = _mm256_or_ps(vl, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(b, eight), 28)));
-    vh = _mm256_or_ps(vh, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(h, eight), 28)));
+    __m256 vl = _mm256_or_ps(_mm256_permutevar8x32_ps(table, b),
+                             _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(b, eight), 28)));
+    __m256 vh = _mm256_or_ps(_mm256_permutevar8x32_ps(table, h),
+                             _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(h, eight), 28)));
     *lo = _mm256_mul_ps(vl, scale);
     *hi = _mm256_mul_ps(vh, scale);
 }
 #endif
 
-/* rows x [rows <= 8, 2 half] (contiguous) times the weight: out [rows, cols] (contiguous), for the
-   8 columns o..o+7 (o + 8 <= cols): each byte row decoded once, in registers, into all rows' sums */
+/* rows x [R <= 4, 2 half] (contiguous) times the weight: out [R, cols] (contiguous) for the 16
+   columns o..o+15, each byte row decoded once, in registers, into every row's sums (the scales once
+   a block). Two sums a row, of 8 columns each, so two chains of fused multiply-adds run at once: one
+   row's sums of 8 columns a pass waited on each FMA's latency (small's expert weights at one row,
+   32 at once on 2 AMD Zen 3 cores: 58 -> 35 us a weight; the scale's bits once a block, not once a
+   byte row, and no mask before the permute: part of it). */
 #if defined(__x86_64__)
+template <int R>
 __attribute__((target("avx2,fma")))
-static void tile_avx2(const float *x, int64_t rows, const uint8_t *packed, int64_t ld_packed, const uint8_t *scale,
-                      int64_t ld_scale, float *out, int64_t half, int64_t cols, int64_t group, int64_t o) {
-    const int64_t in = 2 * half;
-    __m256 acc[8];
-    for (int r = 0; r < 8; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < half; j++) {
-        __m256 vl, vh;
-        _mm_prefetch((const char *)(packed + (j + 16) * ld_packed + o), _MM_HINT_T0);  /* as tile_avx512 */
-        decode8_avx2(packed + j * ld_packed + o, scale + (2 * j / group) * ld_scale + o, &vl, &vh);
-        for (int64_t r = 0; r < rows; r++) {
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(x[r * in + 2 * j]), vl, acc[r]);
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(x[r * in + 2 * j + 1]), vh, acc[r]);
+static void tile_avx2(const float *x, const uint8_t *packed, int64_t ld_packed, const uint8_t *scale, int64_t ld_scale,
+                      float *out, int64_t half, int64_t cols, int64_t group, int64_t o) {
+    const int64_t in = 2 * half, per_block = group / 2;
+    __m256 acc[R][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t j0 = 0; j0 < half; j0 += per_block) {
+        const uint8_t *s = scale + (2 * j0 / group) * ld_scale + o;
+        const __m256 s0 = scale8_avx2(s), s1 = scale8_avx2(s + 8);
+        for (int64_t j = j0; j < j0 + per_block; j++) {
+            __m256 l0, h0, l1, h1;
+            _mm_prefetch((const char *)(packed + (j + 16) * ld_packed + o), _MM_HINT_T0);  /* as tile_avx512 */
+            decode8_avx2(packed + j * ld_packed + o, s0, &l0, &h0);
+            decode8_avx2(packed + j * ld_packed + o + 8, s1, &l1, &h1);
+            for (int r = 0; r < R; r++) {
+                const __m256 xl = _mm256_set1_ps(x[r * in + 2 * j]), xh = _mm256_set1_ps(x[r * in + 2 * j + 1]);
+                acc[r][0] = _mm256_fmadd_ps(xl, l0, acc[r][0]);
+                acc[r][1] = _mm256_fmadd_ps(xl, l1, acc[r][1]);
+                acc[r][0] = _mm256_fmadd_ps(xh, h0, acc[r][0]);
+                acc[r][1] = _mm256_fmadd_ps(xh, h1, acc[r][1]);
+            }
         }
     }
-    for (int64_t r = 0; r < rows; r++) _mm256_storeu_ps(out + r * cols + o, acc[r]);
+    for (int r = 0; r < R; r++) {
+        _mm256_storeu_ps(out + r * cols + o, acc[r][0]);
+        _mm256_storeu_ps(out + r * cols + o + 8, acc[r][1]);
+    }
 }
 #endif
 
@@ -184,7 +205,7 @@ static void column_scalar(const float *x, int64_t rows, const uint8_t *packed, i
    sums) left GCC two sums short of registers: spilled, half the speed. Each sum is the in-register
    one's to the bit: the same decoded values, fused multiply-adds in the same order. */
 #define PANEL_K 256
-#define PANEL_ROWS 7 /* from these rows of an expert on (fewer: the in-register pass is as fast) */
+#define PANEL_ROWS 5 /* from these rows of an expert on (fewer: the in-register pass is as fast) */
 #if defined(__x86_64__)
 template <int R>
 __attribute__((target("avx2,fma")))
@@ -237,8 +258,8 @@ static void panel_avx2(const float *x, int64_t rows, const uint8_t *packed, int6
             __m256 l0, h0, l1, h1;
             const uint8_t *s = scale + (2 * j / group) * ld_scale + o;
             _mm_prefetch((const char *)(packed + (j + 16) * ld_packed + o), _MM_HINT_T0);  /* as tile_avx512 */
-            decode8_avx2(packed + j * ld_packed + o, s, &l0, &h0);
-            decode8_avx2(packed + j * ld_packed + o + 8, s + 8, &l1, &h1);
+            decode8_avx2(packed + j * ld_packed + o, scale8_avx2(s), &l0, &h0);
+            decode8_avx2(packed + j * ld_packed + o + 8, scale8_avx2(s + 8), &l1, &h1);
             float *p = panel + 16 * (2 * j - k0);
             _mm256_store_ps(p, l0);
             _mm256_store_ps(p + 8, l1);
@@ -250,8 +271,8 @@ static void panel_avx2(const float *x, int64_t rows, const uint8_t *packed, int6
 }
 #endif
 
-/* a tile is 16 columns with AVX-512 or AVX2 (the sums of up to 16 rows a pass; of 8 rows for each
-   8 columns, or of a panel), else 8 */
+/* a tile is 16 columns with AVX-512 or AVX2 (the sums of up to 16 rows a pass with AVX-512; of up
+   to 4, or of a panel, with AVX2), else 8 */
 static int64_t tile_width(int avx512, int avx2) { return avx512 || avx2 ? 16 : 8; }
 
 /* columns o..o+width-1 (one tile) of x [rows, 2 half] (contiguous) times the weight into out
@@ -265,9 +286,9 @@ static void tile_rows(const float *x, int64_t rows, const uint8_t *packed, int64
         return;
     }
 #endif
-    /* as few passes as a pass's rows allow (16 with AVX-512, else 8), as even as they go (42 rows:
-       14, 14, 14, not 16, 16, 10): a pass of few rows costs nearly a full one */
-    const int64_t width = tile_width(avx512, avx2), per_pass = avx512 ? 16 : 8;
+    /* as few passes as a pass's rows allow (16 with AVX-512, 4 with AVX2), as even as they go (42
+       rows: 14, 14, 14, not 16, 16, 10): a pass of few rows costs nearly a full one */
+    const int64_t width = tile_width(avx512, avx2), per_pass = avx512 ? 16 : avx2 ? 4 : 8;
     const int64_t passes = (rows + per_pass - 1) / per_pass;
     for (int64_t p = 0, r0 = 0; p < passes; p++) {
         const float *xr = x + r0 * 2 * half;
@@ -280,8 +301,12 @@ static void tile_rows(const float *x, int64_t rows, const uint8_t *packed, int64
             continue;
         }
         if (avx2) {
-            tile_avx2(xr, n, packed, ld_packed, scale, ld_scale, outr, half, cols, group, o);
-            tile_avx2(xr, n, packed, ld_packed, scale, ld_scale, outr, half, cols, group, o + 8);
+            switch (n) {
+                case 1: tile_avx2<1>(xr, packed, ld_packed, scale, ld_scale, outr, half, cols, group, o); break;
+                case 2: tile_avx2<2>(xr, packed, ld_packed, scale, ld_scale, outr, half, cols, group, o); break;
+                case 3: tile_avx2<3>(xr, packed, ld_packed, scale, ld_scale, outr, half, cols, group, o); break;
+                default: tile_avx2<4>(xr, packed, ld_packed, scale, ld_scale, outr, half, cols, group, o); break;
+            }
             continue;
         }
 #endif
