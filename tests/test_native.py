@@ -266,6 +266,35 @@ def test_more_rows_than_the_native_product_is_faster_for_multiply_the_widened_we
     assert widths == [32, 32, 32]
 
 
+def test_a_grouped_output_multiplies_each_groups_own_columns_as_a_product_of_its_own(monkeypatch, library):
+    """`ops.linear_groups` (V4's grouped attention output): each group's rows times its own output
+    columns, through `linear` (so natively: one product a group, of the real library here), equal
+    to the whole dequantised weight's einsum to float32 rounding; groups that split a scale block
+    take the einsum."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 4, 64, generator=gen)  # [T, G, in]
+    q, scale = _fp8(64, 4 * 64, 32, gen)
+    stored = {"w.qweight": q, "w.qscale": scale}
+    want = torch.einsum("tgi,igo->tgo", x, ops.weight(stored, "w").reshape(64, 4, 64))
+    asked = []
+    real = load(library)
+    monkeypatch.setattr(ops, "_native_dense", real)
+    monkeypatch.setattr(real, "dense", lambda x, w, s=None, f=real.dense: asked.append(tuple(w.shape)) or f(x, w, s))
+    got = ops.linear_groups(stored, "w", x)
+    assert got.shape == (3, 4, 64) and _rel(got, want) < 1e-5
+    assert asked == [(64, 64)] * 4
+    bf16 = torch.randn(64, 4 * 64, generator=gen).bfloat16()
+    got = ops.linear_groups({"w.weight": bf16}, "w", x)
+    assert _rel(got, torch.einsum("tgi,igo->tgo", x, bf16.float().reshape(64, 4, 64))) < 1e-5
+    assert len(asked) == 8
+    q, scale = _fp8(64, 2 * 48, 32, gen)  # 48 columns a group: a scale block split
+    stored = {"w.qweight": q, "w.qscale": scale}
+    x2 = x[:, :2]
+    got = ops.linear_groups(stored, "w", x2)
+    assert _rel(got, torch.einsum("tgi,igo->tgo", x2, ops.weight(stored, "w").reshape(64, 2, 48))) < 1e-6
+    assert len(asked) == 8
+
+
 def test_the_eager_tier_multiplies_natively_once_the_native_products_are_loaded(monkeypatch):
     """Run eagerly (the eager tier, standing in for programs that still compile), an FP8 or BF16
     product on the cpu of up to `dense_rows` rows goes to the native products once a launch has

@@ -9,7 +9,7 @@ import torch
 
 from runtime.model.config import CSA, HCA, SLIDING
 from runtime.model.dims import Dims
-from runtime.model.ops import linear, rms_norm, rope, rope_inv_freq, weight
+from runtime.model.ops import linear, linear_groups, rms_norm, rope, rope_inv_freq
 
 
 def compress(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, ratio: int, overlap: bool) -> torch.Tensor:
@@ -161,7 +161,5 @@ def attention(d: Dims, w: dict[str, torch.Tensor], kind: str, ratio: int, h: tor
         start += width
     out = rope(out, positions, inv_freq, inverse=True)  # values carried their keys' rotation
     # grouped low-rank output: each of o_groups head groups has its own wo_a slice
-    k_in = d.heads * d.head_dim // d.o_groups
-    wa = weight(w, "attn.wo_a").reshape(k_in, d.o_groups, d.o_lora)
-    o = torch.einsum("tgk,kgo->tgo", out.reshape(t, d.o_groups, k_in), wa)
+    o = linear_groups(w, "attn.wo_a", out.reshape(t, d.o_groups, d.heads * d.head_dim // d.o_groups))
     return linear(w, "attn.wo_b", o.reshape(t, d.o_groups * d.o_lora)), out_rows

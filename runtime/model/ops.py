@@ -341,17 +341,40 @@ def linear(w: dict[str, torch.Tensor], name: str, x: torch.Tensor) -> torch.Tens
             return out
     i, o = stored.shape[-2:]
     i *= 2 if q is not None and q.dtype == torch.uint8 else 1  # FP4: two inputs a byte
-    block = 1 if q is None else o // scale.shape[-1]  # output columns per scale block
-    step = chunk_units(o, i, block)
+    step = chunk_units(o, i, _block_columns(w, name))
     if step >= o:
         return matmul(x, weight(w, name))
+    return torch.cat([matmul(x, weight(_columns(w, name, c, c + step), name)) for c in range(0, o, step)], dim=-1)
 
-    def columns(c: int) -> dict[str, torch.Tensor]:  # output columns c..c+step, whole scale blocks
-        if q is None:
-            return {name + ".weight": w[name + ".weight"][..., c:c + step]}
-        return {name + ".qweight": q[..., c:c + step], name + ".qscale": scale[..., c // block:(c + step) // block]}
 
-    return torch.cat([matmul(x, weight(columns(c), name)) for c in range(0, o, step)], dim=-1)
+def _block_columns(w: dict[str, torch.Tensor], name: str) -> int:
+    """Output columns per scale block of weight `name` (1 for a float one)."""
+    q = w.get(name + ".qweight")
+    return 1 if q is None else q.shape[-1] // w[name + ".qscale"].shape[-1]
+
+
+def _columns(w: dict[str, torch.Tensor], name: str, start: int, stop: int) -> dict[str, torch.Tensor]:
+    """Weight `name`'s output columns start..stop (whole scale blocks) as a weight of its own: views."""
+    q = w.get(name + ".qweight")
+    if q is None:
+        return {name + ".weight": w[name + ".weight"][..., start:stop]}
+    block = _block_columns(w, name)
+    return {name + ".qweight": q[..., start:stop], name + ".qscale": w[name + ".qscale"][..., start // block:stop // block]}
+
+
+def linear_groups(w: dict[str, torch.Tensor], name: str, x: torch.Tensor) -> torch.Tensor:
+    """x [T, G, in] times each group's own output columns of weight `name` [in, G·out] (group g:
+    columns g·out..): [T, G, out]. Each group is a `linear` of its own columns, so an FP8 or BF16
+    one is a native product where `linear`'s are (a `dsv4::dense` call traced): dequantised whole
+    in a program's graph, V4's grouped attention output (`attn.wo_a`, [512, 1024] FP8 at small)
+    was widened every step by inductor's one-value-at-a-time FP8 conversion, a fifth of a decode
+    step of small. Groups that split a scale block: dequantised whole, for one einsum."""
+    groups = x.shape[1]
+    cols = (w.get(name + ".qweight", w.get(name + ".weight"))).shape[-1]
+    per = cols // groups
+    if per % _block_columns(w, name):
+        return torch.einsum("tgi,igo->tgo", x, weight(w, name).reshape(x.shape[-1], groups, per))
+    return torch.stack([linear(_columns(w, name, g * per, (g + 1) * per), name, x[:, g]) for g in range(groups)], dim=1)
 
 
 def rope_inv_freq(d: Dims, compressed: bool, device: torch.device) -> torch.Tensor:
