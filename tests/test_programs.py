@@ -182,6 +182,20 @@ def test_aoti_package_round_trip_through_the_cache(cache):
     entry = cache.root / "v1" / "mlp" / second.fingerprint
     assert second.fingerprint == fingerprint(program_key(sp.spec(), "aoti"))
     assert (entry / ARTIFACT).stat().st_size > 0
+    # a process that loaded it and ends (as a stopped service, or a rank: its atexit handlers, then
+    # os._exit) leaves no extraction directory of the package behind
+    child = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+        import atexit, os, sys
+        from pathlib import Path
+        from runtime.programs import build
+        program = build._load_aoti(Path(sys.argv[1]).read_bytes())
+        print("\\n".join(str(p) for p in build._EXTRACTED if p.is_dir()), flush=True)
+        atexit._run_exitfuncs()
+        os._exit(0)
+    """), str(entry / ARTIFACT)], capture_output=True, text=True, timeout=120)
+    made = child.stdout.split()
+    assert child.returncode == 0 and made, child.stderr[-2000:]
+    assert not [p for p in made if Path(p).exists()]
 
 
 def test_programs_compile_from_the_signature_with_weights_as_inputs():
