@@ -189,7 +189,7 @@ def test_aoti_package_round_trip_through_the_cache(cache):
         from pathlib import Path
         from runtime.programs import build
         program = build._load_aoti(Path(sys.argv[1]).read_bytes())
-        print("\\n".join(str(p) for p in build._EXTRACTED if p.is_dir()), flush=True)
+        print("\\n".join(str(p) for p in build._mapped_extractions() if p.is_dir()), flush=True)
         atexit._run_exitfuncs()
         os._exit(0)
     """), str(entry / ARTIFACT)], capture_output=True, text=True, timeout=120)

@@ -276,7 +276,8 @@ static void panel_avx2(const float *x, int64_t rows, const uint8_t *packed, int6
 static int64_t tile_width(int avx512, int avx2) { return avx512 || avx2 ? 16 : 8; }
 
 /* columns o..o+width-1 (one tile) of x [rows, 2 half] (contiguous) times the weight into out
-   [rows, cols] (contiguous), `width` rows' sums at a time (each pass decodes the bytes again) */
+   [rows, cols] (contiguous): a pass of rows at a time (each pass decodes the bytes again), or with
+   AVX2 from PANEL_ROWS rows on, one panel at a time */
 static void tile_rows(const float *x, int64_t rows, const uint8_t *packed, int64_t ld_packed, const uint8_t *scale,
                       int64_t ld_scale, float *out, int64_t half, int64_t cols, int64_t group, int64_t o, int avx512,
                       int avx2) {

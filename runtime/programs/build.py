@@ -221,61 +221,55 @@ def _load_aoti(data: bytes) -> Callable[..., Any]:
     import torch
 
     loader_class = getattr(getattr(torch._C, "_aoti", None), "AOTIModelPackageLoader", None)
-    before = _mapped_extractions()
-    try:
-        if loader_class is not None:
-            with tempfile.NamedTemporaryFile(prefix="dsv4-program-", suffix=".pt2") as f:
-                f.write(data)
-                f.flush()
-                try:  # (path, model name, run single-threaded, runners, device index: -1 the current)
-                    return _AotiProgram(loader_class(f.name, "model", False, 1, -1))
-                except TypeError:  # another torch's signature (the GPU hosts run their own torch)
-                    pass
-        return torch._inductor.aoti_load_package(io.BytesIO(data))  # the public (slower) loader
-    finally:
-        _remove_at_exit(_mapped_extractions() - before)
+    _remove_extractions_at_exit()
+    if loader_class is not None:
+        with tempfile.NamedTemporaryFile(prefix="dsv4-program-", suffix=".pt2") as f:
+            f.write(data)
+            f.flush()
+            try:  # (path, model name, run single-threaded, runners, device index: -1 the current)
+                return _AotiProgram(loader_class(f.name, "model", False, 1, -1))
+            except TypeError:  # another torch's signature (the GPU hosts run their own torch)
+                pass
+    return torch._inductor.aoti_load_package(io.BytesIO(data))  # the public (slower) loader
 
 
 # The package loader extracts each package into a directory of its own under the temp dir
 # (`aotinductor_XXXXXX`: the shared library it maps, its sources) and removes it when the loaded
 # program is destroyed — which a process that ends never does: every `dsv4 serve` stopped left its
-# programs' directories behind (small: 17 of them, 44 MB, a stop). This process removes the ones
-# its own loads made, known by the library it mapped from each, when it ends (atexit: a SIGTERM'd
-# service, and each rank before its `os._exit`, run those). A killed process still leaves them.
-_EXTRACTED: set[Path] = set()
+# programs' directories behind (small: 17 of them, 44 MB, a stop). So a process that loaded one
+# removes, when it ends (atexit: a SIGTERM'd service, and each rank before its `os._exit`, run
+# those), the extraction directories of the libraries it still has mapped: its own loads', no one
+# else's. Read once, at the end: reading /proc/self/maps costs about a millisecond. A killed
+# process still leaves them.
 _EXTRACTION = re.compile(r"aotinductor_[A-Za-z0-9]{6}")
+
+
+@functools.cache
+def _remove_extractions_at_exit() -> None:
+    atexit.register(_remove_extractions)
 
 
 def _mapped_extractions() -> set[Path]:
     """The package loader's extraction directories whose files this process has mapped."""
     try:
         maps = Path("/proc/self/maps").read_text()
-    except OSError:  # not Linux: nothing tracked, nothing removed
+    except OSError:  # not Linux: nothing found, nothing removed
         return set()
     found = set()
-    for line in maps.splitlines():
+    for line in (line for line in maps.splitlines() if "aotinductor_" in line):
         parts = line.split(maxsplit=5)
-        if len(parts) < 6 or "aotinductor_" not in parts[5]:
-            continue
-        path = Path(parts[5])
-        for parent in path.parents:
+        for parent in Path(parts[-1]).parents if len(parts) == 6 else ():
             if _EXTRACTION.fullmatch(parent.name):
                 found.add(parent)
                 break
     return found
 
 
-def _remove_at_exit(extracted: set[Path]) -> None:
-    if extracted and not _EXTRACTED:
-        atexit.register(_remove_extractions)
-    _EXTRACTED.update(extracted)
-
-
 def _remove_extractions() -> None:
-    """Remove the extraction directories this process's loads made (the libraries stay mapped)."""
-    for path in sorted(_EXTRACTED):
+    """Remove the extraction directories of the programs this process still has mapped: at its
+    end (their libraries stay mapped until it is gone)."""
+    for path in sorted(_mapped_extractions()):
         shutil.rmtree(path, ignore_errors=True)
-    _EXTRACTED.clear()
 
 
 class _AotiProgram:
