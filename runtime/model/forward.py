@@ -47,17 +47,9 @@ import torch
 from runtime.model.attention import Rows, attention
 from runtime.model.config import CSA, HCA, SLIDING
 from runtime.model.dims import Dims
+from runtime.model.hyper_connections import hc_head, hc_post, hc_pre
 from runtime.model.moe import moe, route, routed, shared_expert
-from runtime.model.ops import (
-    NORM_EPS,
-    NativeProducts,
-    hc_head,
-    hc_post,
-    hc_pre,
-    linear,
-    rms_norm,
-    weight,
-)
+from runtime.model.ops import NORM_EPS, NativeProducts, linear, rms_norm, weight
 
 __all__ = ["FFN_PARTS", "KINDS", "NORM_EPS", "ROUTED_INPUT", "Rows", "block", "embed", "experts", "ffn_out", "head",
            "mtp_input", "weight"]
