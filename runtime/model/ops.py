@@ -116,7 +116,7 @@ def fp4_weight(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         s = torch.exp2(scale.float() - 127.0)
         values = e2m1_values(packed).reshape(*lead, gi, 2 * half // gi, o)
         return (values * s.reshape(*lead, gi, 1, o)).reshape(*lead, 2 * half, o)
-    s = torch.exp2(scale.float() - (127.0 - FP16_CODE_EXP)).reshape(*lead, gi, 1, o)
+    s = _code_scales(scale).reshape(*lead, gi, 1, o)
     values = _fp4_float16(packed).float().reshape(*lead, gi, 2 * half // gi, o)
     values = values * s if torch.compiler.is_compiling() else values.mul_(s)
     return values.reshape(*lead, 2 * half, o)
@@ -128,6 +128,11 @@ def fp4_weight(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 # every product exact while the scale is below 2^114 (E8M0 byte < 241); a weight beyond that
 # overflows float32 at its first product anyway.
 FP16_CODE_EXP = 14
+
+
+def _code_scales(scale: torch.Tensor) -> torch.Tensor:
+    """E8M0 scale bytes → float32 factors of `_fp4_float16`'s codes: 2^(byte - 127 + FP16_CODE_EXP)."""
+    return torch.exp2(scale - (127.0 - FP16_CODE_EXP))
 
 
 def _fp4_float16(packed: torch.Tensor) -> torch.Tensor:
@@ -344,22 +349,16 @@ def linear(w: dict[str, torch.Tensor], name: str, x: torch.Tensor) -> torch.Tens
     i *= 2 if fp4 else 1  # FP4: two inputs a byte
     # eagerly only, asked first: a traced row count compared here would become a guard on it
     few = fp4 and not torch.compiler.is_compiling() and x.dim() == stored.dim() == 2 and x.shape[0] <= FP4_BLOCK_ROWS
-    product = fp4_blocks if few else _dequantised_product
+    product = fp4_blocks if few else lambda w, name, x: matmul(x, weight(w, name))
     step = chunk_units(o, i, _block_columns(w, name))
     if step >= o:
         return product(w, name, x)
     return torch.cat([product(_columns(w, name, c, c + step), name, x) for c in range(0, o, step)], dim=-1)
 
 
-def _dequantised_product(w: dict[str, torch.Tensor], name: str, x: torch.Tensor) -> torch.Tensor:
-    return matmul(x, weight(w, name))
-
-
-# Up to how many rows `fp4_blocks` multiplies an FP4 weight eagerly: a decode step's (one row an
-# expert for one sequence, a few for eight). Small's experts, 40 weights in turn, 2 AMD cores,
-# against the dequantised product: 1.2-1.8× at 1-4 rows; from 6 rows the gain shrinks (1.07-1.5×)
-# and some runs of [512, 1024] were 2-4× slower at 6 and 16 rows (not reproduced in others: left
-# to the whole weight's GEMM).
+# Up to how many rows `fp4_blocks` multiplies an FP4 weight eagerly (a decode step's rows of an
+# expert). Small's experts, 2 AMD cores, against the dequantised product: 1.2-1.8× at 1-4 rows; from
+# 6 rows less (1.07-1.5×), and some runs of [512, 1024] 2-4× slower at 6 and 16 rows (not reproduced).
 FP4_BLOCK_ROWS = 4
 
 
@@ -368,15 +367,14 @@ def fp4_blocks(w: dict[str, torch.Tensor], name: str, x: torch.Tensor) -> torch.
     for few rows: each block of g inputs times its codes' values unscaled (`_fp4_float16`, one
     batched matmul, a block a batch), then each block's sums [in/g, rows, out] scaled and added. The
     scale multiplies those sums, not every weight: one float32 pass over the weight fewer than
-    dequantising it whole (`fp4_weight`): the eager decode step of torch ops alone, small, 2 AMD
-    cores, 0.89-0.91× packer 2's int8 experts → 0.92-0.97× (`dsv4 bench packing`; 1.04-1.1× in
-    the machine's slower minutes, when memory traffic weighs more). The sums are the same products
+    dequantising it whole (`fp4_weight`): small's eager decode step of torch ops alone, 2 AMD cores,
+    0.89-0.91× packer 2's int8 experts → 0.92-0.97× (`dsv4 bench packing`). The same products
     added in another order: within float32's rounding of the whole weight's product."""
     q, scale = w[name + ".qweight"], w[name + ".qscale"]
     blocks, o = scale.shape
     codes = _fp4_float16(q).float().reshape(blocks, -1, o)  # value · 2^-FP16_CODE_EXP
     sums = torch.bmm(x.reshape(x.shape[0], blocks, -1).transpose(0, 1), codes)  # [in/g, rows, out]
-    return sums.mul_(torch.exp2(scale - (127.0 - FP16_CODE_EXP)).unsqueeze(1)).sum(0)  # bytes - float: float32
+    return sums.mul_(_code_scales(scale).unsqueeze(1)).sum(0)
 
 
 def _block_columns(w: dict[str, torch.Tensor], name: str) -> int:
