@@ -79,17 +79,15 @@ def _experts_grouped(d: Dims, experts: dict[str, torch.Tensor], h: torch.Tensor,
     counts = torch.bincount(by_expert, minlength=n).tolist()
     rows, gates = pairs // k, weights.reshape(-1)[pairs]
     out = torch.zeros(h.shape[0], h.shape[1], dtype=torch.promote_types(h.dtype, weights.dtype), device=h.device)
-    if native is not None and (y := _grouped_native(d, experts, h.index_select(0, rows), counts, native)) is not None:
+    x = h.index_select(0, rows)  # each pair's row, expert by expert
+    if native is not None and (y := _grouped_native(d, experts, x, counts, native)) is not None:
         return out.index_add_(0, rows, y * gates[:, None])  # each row's sum in expert order, as below
-    start = 0
+    ys, start = [], 0
     for e, count in enumerate(counts):
-        if not count:
-            continue
-        these = rows[start:start + count]
-        y = expert_ffn(d, {name: t[e] for name, t in experts.items()}, h.index_select(0, these))
-        out.index_add_(0, these, y * gates[start:start + count, None])
-        start += count
-    return out
+        if count:
+            ys.append(expert_ffn(d, {name: t[e] for name, t in experts.items()}, x[start:start + count]))
+            start += count
+    return out.index_add_(0, rows, torch.cat(ys) * gates[:, None]) if ys else out
 
 
 def _grouped_native(d: Dims, experts: dict[str, torch.Tensor], x: torch.Tensor, counts: list[int],

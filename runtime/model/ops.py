@@ -8,7 +8,7 @@ import contextlib
 import functools
 import math
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -331,25 +331,36 @@ def _native_product(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None
 
 def linear(w: dict[str, torch.Tensor], name: str, x: torch.Tensor) -> torch.Tensor:
     """x @ W for a packed or a float weight, both stored [in, out]; a large one by column chunks.
-    An FP8 or BF16 one on the cpu: traced in a program of `dense_calls`, a `dsv4::dense` call; run
-    eagerly (the eager tier, or that call), natively at few rows once the native products are
-    loaded (`experts.native`, which a launch compiles first: `runtime.programs.pool.compile_order`).
-    The eager tier's decode step of `small`, one sequence, 2 AMD cores: 157 ms, 79 with them
-    (`dsv4 bench packing`)."""
-    q, scale = w.get(name + ".qweight"), w.get(name + ".qscale")
+    FP4 eagerly at few rows: block by block (`fp4_blocks`). FP8 or BF16 on the cpu: traced in a
+    program of `dense_calls`, a `dsv4::dense` call; run eagerly, natively at few rows once the
+    native products are loaded (`experts.native`, which a launch compiles first). The eager tier's
+    decode step of `small`, one sequence, 2 AMD cores: 157 ms, 79 with them (`dsv4 bench packing`)."""
+    q = w.get(name + ".qweight")
+    if q is not None and q.dtype == torch.uint8:  # FP4: two inputs a byte
+        # eagerly only, asked first: a traced row count compared here would become a guard on it
+        few = not torch.compiler.is_compiling() and x.dim() == q.dim() == 2 and x.shape[0] <= FP4_BLOCK_ROWS
+        return _by_columns(fp4_blocks if few else _dequantised, w, name, x, 2 * q.shape[-2], q.shape[-1])
     stored = w[name + ".weight"] if q is None else q
     if x.is_cpu and x.dim() == 2 and stored.dim() == 2 and stored.dtype in (torch.float8_e4m3fn, torch.bfloat16):
+        scale = w.get(name + ".qscale")
         if torch.compiler.is_compiling():
             if getattr(_dense_calls, "on", False):
                 return torch.ops.dsv4.dense(x, stored, scale)
         elif (out := _native_product(x, stored, scale)) is not None:
             return out
-    i, o = stored.shape[-2:]
-    fp4 = q is not None and q.dtype == torch.uint8
-    i *= 2 if fp4 else 1  # FP4: two inputs a byte
-    # eagerly only, asked first: a traced row count compared here would become a guard on it
-    few = fp4 and not torch.compiler.is_compiling() and x.dim() == stored.dim() == 2 and x.shape[0] <= FP4_BLOCK_ROWS
-    product = fp4_blocks if few else lambda w, name, x: matmul(x, weight(w, name))
+    return _by_columns(_dequantised, w, name, x, *stored.shape[-2:])
+
+
+def _dequantised(w: dict[str, torch.Tensor], name: str, x: torch.Tensor) -> torch.Tensor:
+    return matmul(x, weight(w, name))
+
+
+def _by_columns(product: Callable[..., torch.Tensor], w: dict[str, torch.Tensor], name: str, x: torch.Tensor,
+                i: int, o: int) -> torch.Tensor:
+    """product(w, name, x), weight `name` [i, o] values: whole where a float copy fits CHUNK_ELEMENTS
+    (no chunk arithmetic: a decode step of `small` makes ~400 such calls), else by column chunks."""
+    if i * o <= CHUNK_ELEMENTS:
+        return product(w, name, x)
     step = chunk_units(o, i, _block_columns(w, name))
     if step >= o:
         return product(w, name, x)
