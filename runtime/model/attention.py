@@ -9,7 +9,8 @@ import torch
 
 from runtime.model.config import CSA, HCA, SLIDING
 from runtime.model.dims import Dims
-from runtime.model.ops import linear, linear_groups, rms_norm, rope, rope_inv_freq
+from runtime.model.ops import linear, linear_groups, rms_norm
+from runtime.model.rope import rope, rope_inv_freq
 
 
 def compress(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, ratio: int, overlap: bool) -> torch.Tensor:

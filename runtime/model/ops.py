@@ -1,19 +1,17 @@
-"""The model's building blocks: norms, dequantising matmul weights, RoPE, and the
-hyper-connections (Sinkhorn mixing) around every block. See `runtime.model.forward` for the
-conventions these follow."""
+"""The model's building blocks: norms and the matmuls of packed (FP8, FP4) and float weights,
+dequantised or native. See `runtime.model.forward` for the conventions these follow; RoPE is
+`runtime.model.rope`, the hyper-connections `runtime.model.hyper_connections`."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
 
-from runtime.model.dims import Dims
 from runtime.programs.toolchain import cpu_vendor
 
 NORM_EPS = 1e-6
@@ -357,10 +355,8 @@ def _dequantised(w: dict[str, torch.Tensor], name: str, x: torch.Tensor) -> torc
 
 def _by_columns(product: Callable[..., torch.Tensor], w: dict[str, torch.Tensor], name: str, x: torch.Tensor,
                 i: int, o: int) -> torch.Tensor:
-    """product(w, name, x), weight `name` [i, o] values: whole where a float copy fits CHUNK_ELEMENTS
-    (no chunk arithmetic: a decode step of `small` makes ~400 such calls), else by column chunks."""
-    if i * o <= CHUNK_ELEMENTS:
-        return product(w, name, x)
+    """product(w, name, x), weight `name` [i, o] values: whole where a float copy fits a chunk,
+    else a few output columns (whole scale blocks) at a time."""
     step = chunk_units(o, i, _block_columns(w, name))
     if step >= o:
         return product(w, name, x)
@@ -378,9 +374,8 @@ def fp4_blocks(w: dict[str, torch.Tensor], name: str, x: torch.Tensor) -> torch.
     for few rows: each block of g inputs times its codes' values unscaled (`_fp4_float16`, one
     batched matmul, a block a batch), then each block's sums [in/g, rows, out] scaled and added. The
     scale multiplies those sums, not every weight: one float32 pass over the weight fewer than
-    dequantising it whole (`fp4_weight`): small's eager decode step of torch ops alone, 2 AMD cores,
-    0.89-0.91× packer 2's int8 experts → 0.92-0.97× (`dsv4 bench packing`). The same products
-    added in another order: within float32's rounding of the whole weight's product."""
+    dequantising it whole (`fp4_weight`; what it bought: README, "On-disk formats"). The same
+    products added in another order: within float32's rounding of the whole weight's product."""
     q, scale = w[name + ".qweight"], w[name + ".qscale"]
     blocks, o = scale.shape
     codes = _fp4_float16(q).float().reshape(blocks, -1, o)  # value · 2^-FP16_CODE_EXP
@@ -416,43 +411,3 @@ def linear_groups(w: dict[str, torch.Tensor], name: str, x: torch.Tensor) -> tor
     if per % _block_columns(w, name):
         return torch.einsum("tgi,igo->tgo", x, weight(w, name).reshape(x.shape[-1], groups, per))
     return torch.stack([linear(_columns(w, name, g * per, (g + 1) * per), name, x[:, g]) for g in range(groups)], dim=1)
-
-
-def rope_inv_freq(d: Dims, compressed: bool, device: torch.device) -> torch.Tensor:
-    """Inverse frequencies [rope_dim / 2] on `device` (the positions' own: a constant made on
-    the cpu would not meet cuda tensors): plain `rope_theta` on sliding layers; on compressed
-    layers `compress_rope_theta`, with YaRN's ramp between extrapolated and interpolated
-    frequencies when the config asks for it (cos/sin are not rescaled: V4 uses no mscale)."""
-    dim = d.rope_dim
-    base = d.compress_rope_theta if compressed else d.rope_theta
-    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim)
-    inv = 1.0 / pos_freqs
-    if not compressed or d.rope_factor == 1.0:
-        return inv
-
-    def correction_dim(rotations: float) -> float:
-        return dim * math.log(d.rope_original_max / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-    low = max(math.floor(correction_dim(d.rope_beta_fast)), 0)
-    high = min(math.ceil(correction_dim(d.rope_beta_slow)), dim - 1)
-    if low == high:
-        high += 0.001
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
-    keep = 1 - ramp  # 1: extrapolate (high frequencies), 0: interpolate (low frequencies)
-    return (1.0 / (d.rope_factor * pos_freqs)) * (1 - keep) + inv * keep
-
-
-def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """Rotate adjacent pairs (2i, 2i+1) of the trailing 2·len(inv_freq) channels by
-    position·inv_freq[i] (the inverse rotation with `inverse`); x [S, D] or [S, H, D]."""
-    half = inv_freq.shape[0]
-    ang = positions.float()[:, None] * inv_freq[None, :]  # [S, half]
-    ang = ang.reshape(ang.shape[0], *([1] * (x.dim() - 2)), half)  # broadcast over heads
-    cos, sin = ang.cos(), ang.sin()
-    if inverse:
-        sin = -sin
-    keep, r = x[..., : x.shape[-1] - 2 * half], x[..., x.shape[-1] - 2 * half:]
-    r = r.reshape(*r.shape[:-1], half, 2)
-    r0, r1 = r[..., 0], r[..., 1]
-    rotated = torch.stack((r0 * cos - r1 * sin, r0 * sin + r1 * cos), dim=-1).flatten(-2)
-    return torch.cat((keep, rotated), dim=-1)
