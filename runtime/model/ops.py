@@ -136,13 +136,15 @@ def _code_scales(scale: torch.Tensor) -> torch.Tensor:
     overflows float32 at its first product (see FP16_CODE_EXP)."""
     if torch.compiler.is_compiling():
         return torch.exp2(scale - (127.0 - FP16_CODE_EXP))
-    return torch.add(_code_exponent(scale.device), scale, alpha=1 << 23).view(torch.float32)
+    code_exponent = _int_constant((FP16_CODE_EXP << 23,), torch.int32, scale.device)  # in float32's exponent field
+    return torch.add(code_exponent, scale, alpha=1 << 23).view(torch.float32)
 
 
 @functools.cache
-def _code_exponent(device: torch.device) -> torch.Tensor:
-    """FP16_CODE_EXP in float32's exponent field, [1] int32: a tensor, so the bytes widen in the add."""
-    return torch.tensor([FP16_CODE_EXP << 23], dtype=torch.int32, device=device)
+def _int_constant(values: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small integer constant on `device`, made once: a tensor, not a number, so the bytes it
+    meets widen to its dtype in the same pass."""
+    return torch.tensor(values, dtype=dtype, device=device)
 
 
 def _fp4_float16(packed: torch.Tensor) -> torch.Tensor:
@@ -154,23 +156,20 @@ def _fp4_float16(packed: torch.Tensor) -> torch.Tensor:
     own passes (six): one layer's routed experts of `small` at one row 3.9-4.2 ms against
     4.2-4.5, the eager decode step 0.91-0.94× packer 2's int8 form against 0.87-0.90 (2 AMD cores,
     old and new code back to back)."""
-    if torch.compiler.is_compiling():  # no cached shifts tensor made in a trace (a fake one)
+    if torch.compiler.is_compiling():  # no cached constant made in a trace (a fake one)
         w = packed.view(torch.int8).to(torch.int16)  # sign-extended: bits 8-15 repeat bit 7
         halves = [((w << 12) >> 3) & CODE_BITS, (w << 5) & CODE_BITS]
         return torch.stack(halves, dim=-2).view(torch.float16)
     # the bytes widen to int16 in the shift (the shifts' dtype); shifted 8 or 12 up, whatever
     # the widening put in bits 8-15 leaves the int16
-    out = torch.bitwise_left_shift(packed.unsqueeze(-2), _nibble_signs_up(packed.device))
+    out = torch.bitwise_left_shift(packed.unsqueeze(-2), _int_constant(NIBBLE_SIGNS_UP, torch.int16, packed.device))
     out >>= 3
     out &= CODE_BITS
     return out.view(torch.float16)
 
 
-@functools.cache
-def _nibble_signs_up(device: torch.device) -> torch.Tensor:
-    """The shifts taking the low nibble's sign (bit 3) and the high one's (bit 7) to bit 15, [2, 1]
-    int16: a tensor, not a number, so the bytes widen to int16 in the same pass."""
-    return torch.tensor([[12], [8]], dtype=torch.int16, device=device)
+# the shifts taking the low nibble's sign (bit 3) and the high one's (bit 7) to bit 15, [2, 1]
+NIBBLE_SIGNS_UP = ((12,), (8,))
 
 
 # 0x8E00 as an int16: float16's sign bit, its exponent's two low bits, its top mantissa bit
