@@ -92,7 +92,12 @@ def test_few_rows_multiply_an_fp4_weight_block_by_block(monkeypatch):
             assert ((got - exact).abs().max() / exact.abs().max()).item() < 1e-5
     few = ops.FP4_BLOCK_ROWS
     assert calls == [1, 3, few, 1, 1, 3, 3, few, few]  # none of FP4_BLOCK_ROWS + 1 rows
-    # the codes' scale factors, eagerly as float32 bits: exactly 2^(byte - 127 + 14) up to 241
+
+
+def test_eager_code_scales_equal_exp2():
+    """The codes' scale factors, eagerly as float32 bits: exactly 2^(byte - 127 + 14) up to 241."""
+    from runtime.model import ops
+
     every = torch.arange(242, dtype=torch.uint8)
     assert torch.equal(ops._code_scales(every), torch.exp2(every - (127.0 - ops.FP16_CODE_EXP)))
 
