@@ -2,12 +2,13 @@
 
 The baseline is transformers' `DeepseekV4ForCausalLM` (bench/hf_peer.py: float32, the
 checkpoint dequantised by our code, KV cache on, greedy); the service is a real `dsv4 serve`
-of the same checkpoint on loopback (`--backend`, default export; programs from the user's kernel
-cache, compiled on the first run). Same prompts (PROMPT_TOKENS tokens each, all of one length so
-the peer's batch needs no padding), NEW_TOKENS greedy tokens, 1 request and CONCURRENT at once:
-the service gets them as streamed /v1/completions (`ignore_eos`), the peer as one `generate` of
-a batch. Both run on the same torch threads, never at the same time: after a warm-up of every
-shape, the sides take turns REPEATS times, and each side's run of median decode tokens/s counts.
+of the same checkpoint on loopback (`--backend`, default aoti: the service's own on the cpu;
+programs from the user's kernel cache, compiled on the first run). Same prompts (PROMPT_TOKENS
+tokens each, all of one length so the peer's batch needs no padding), NEW_TOKENS greedy tokens,
+1 request and CONCURRENT at once: the service gets them as streamed /v1/completions
+(`ignore_eos`), the peer as one `generate` of a batch. Both run on the same torch threads, never
+at the same time: after a warm-up of every shape, the sides take turns REPEATS times, and each
+side's run of median decode tokens/s counts.
 A first token is one step, which this machine's speed (it swings by up to 1.6x within minutes)
 moves as much as any change to it: each side's time to first token is the median of its runs'
 and of TTFT_ROUNDS more first tokens alone (the service: a one-token request; the peer: a
@@ -224,7 +225,7 @@ def step_split(engine: Any, spent: dict[str, float], batch: list[list[int]], new
             "engine step": step_s / steps, "sampling": sample_s / steps}
 
 
-def measure(preset: str = "tiny", backend: str = "export", prompt_tokens: int = PROMPT_TOKENS,
+def measure(preset: str = "tiny", backend: str = "aoti", prompt_tokens: int = PROMPT_TOKENS,
             new_tokens: int = NEW_TOKENS, concurrent: int = CONCURRENT, repeats: int = REPEATS,
             ttft_rounds: int = TTFT_ROUNDS, model: Path | None = None,
             log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -361,7 +362,7 @@ def tables(r: dict[str, Any]) -> list[tuple[str, list[str], list[list]]]:
     return [main, split]
 
 
-def main(preset: str = "tiny", backend: str = "export", json_output: bool = False,
+def main(preset: str = "tiny", backend: str = "aoti", json_output: bool = False,
          prompt_tokens: int = PROMPT_TOKENS, new_tokens: int = NEW_TOKENS) -> int:
     import sys
 

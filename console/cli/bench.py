@@ -258,8 +258,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     peer.add_argument("--preset", choices=("tiny", "small", "medium"), default="tiny",
                       help="synthetic checkpoint (default %(default)s; made on first use)")
-    peer.add_argument("--backend", choices=("export", "aoti", "eager"), default="export",
-                      help="program backend of the service (default %(default)s; compiled on the first run)")
+    peer.add_argument("--backend", choices=("aoti", "export", "eager"), default="aoti",
+                      help="program backend of the service (default %(default)s, as `dsv4 serve` on the cpu; "
+                      "compiled on the first run)")
     peer.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS, metavar="N",
                       help="tokens of each prompt (default %(default)s)")
     peer.add_argument("--new-tokens", type=int, default=NEW_TOKENS, metavar="N",
