@@ -1,7 +1,7 @@
-"""`dsv4 bench packing`: packer 3 (FP4 experts kept two e2m1 codes a byte) against packer 2's
+"""`dsv4 bench packing`: packer 4 (FP4 experts kept two e2m1 codes a byte) against packer 2's
 layout (FP4 widened to one int8 a value, the doubled code), side by side in one process.
 
-Packer 2's tensors are rebuilt in memory from packer 3's — each code doubled into an int8, its
+Packer 2's tensors are rebuilt in memory from packer 4's — each code doubled into an int8, its
 block scale one lower: exactly the bytes packer 2 wrote — so both run the same model code on
 the same checkpoint (the preset's embedded default):
 
@@ -11,7 +11,7 @@ the same checkpoint (the preset's embedded default):
 - the eager tier once `experts.native` is built (a launch's first compile: what serves while the
   other programs compile, `runtime.programs.pool.compile_order`): the same decode step with the
   native products loaded, FP8 and BF16 products natively for both packers, the routed experts
-  natively where they are FP4 (packer 3; packer 2's int8 experts have none). Reported, no
+  natively where they are FP4 (packer 4; packer 2's int8 experts have none). Reported, no
   target: the eager step above is the issue's, the torch ops alone (a host with no compiler);
 - every timing alternates the packers run by run, so the machine's drift falls on both;
 - compiled (inductor, the compiler AOTInductor runs for the programs): one layer's routed
@@ -160,10 +160,10 @@ def measure(preset: str, log: Callable[[str], None] = print) -> dict[str, Any]:
     layout = PackedLayout(config)
     ckpt = Checkpoint.open(model)
     try:
-        packed3 = pack_in_memory(ckpt, layout)
+        packed4 = pack_in_memory(ckpt, layout)
     finally:
         ckpt.close()
-    tensors = {"packer 2": widen_to_packer2(layout, packed3), "packer 3": packed3}
+    tensors = {"packer 2": widen_to_packer2(layout, packed4), "packer 4": packed4}
     views = {name: packed_views(layout, t) for name, t in tensors.items()}
     result: dict[str, Any] = {"preset": preset, "checkpoint_bytes": layout.checkpoint_bytes()}
     for name, t in tensors.items():
@@ -179,10 +179,10 @@ def measure(preset: str, log: Callable[[str], None] = print) -> dict[str, Any]:
 
 
 def ratios(r: dict[str, Any]) -> dict[str, float]:
-    """Packer 3's speed ÷ packer 2's (above 1 is faster): the eager decode step, compiled picked
+    """Packer 4's speed ÷ packer 2's (above 1 is faster): the eager decode step, compiled picked
     experts at 1 and 16 rows, the dense path at 256; and the eager tier's step with the native
     products loaded, where they are built."""
-    old, new = r["packer 2"], r["packer 3"]
+    old, new = r["packer 2"], r["packer 4"]
     out = {"eager_step": old["decode_step_s"] / new["decode_step_s"]}
     if "decode_step_native_s" in new:
         out["eager_step_native"] = old["decode_step_native_s"] / new["decode_step_native_s"]
@@ -195,7 +195,7 @@ def main(preset: str = "small", json_output: bool = False) -> int:
     from bench.report import print_json, print_table
 
     r = measure(preset, log=(lambda s: None) if json_output else print)
-    old, new = r["packer 2"], r["packer 3"]
+    old, new = r["packer 2"], r["packer 4"]
     if json_output:
         print_json({**r, "ratios": ratios(r)})
         return 0
@@ -223,6 +223,6 @@ def main(preset: str = "small", json_output: bool = False) -> int:
         rows.append(row(f"compiled experts, {rows_n} rows, {path} (ms)", old["compiled_experts_s"][rows_n] * 1e3,
                         new["compiled_experts_s"][rows_n] * 1e3, "{:.3f}", False, target))
     rows.append(["greedy tokens equal", "", "", "", "", "yes" if old["greedy"] == new["greedy"] else "NO"])
-    print_table(f"packer 2 (FP4 as int8) vs packer 3 (FP4 packed), {r['preset']} — ratio: 3 against 2",
-                ["figure", "packer 2", "packer 3", "ratio", "target", ""], rows)
+    print_table(f"packer 2 (FP4 as int8) vs packer 4 (FP4 packed), {r['preset']} — ratio: 4 against 2",
+                ["figure", "packer 2", "packer 4", "ratio", "target", ""], rows)
     return 0

@@ -29,7 +29,7 @@ in its PSS whatever the weights.
 
 Last, the per-page cost of mapping the hot sidecar in this process (mmap read-only, touch one
 byte per 4 KiB page, best of 3), projected onto V4-Flash: each rank maps the shared weights and
-1/N of the routed experts, from V4-Flash's packed layout (its real tensor shapes), packer 3's
+1/N of the routed experts, from V4-Flash's packed layout (its real tensor shapes), packer 4's
 (FP4 two codes a byte) beside packer 2's (FP4 one int8 a value). Ratios are against N = 1 of the same run; nothing is
 asserted but the pass/miss of the memory target is printed.
 
@@ -97,9 +97,9 @@ def v4_flash_projection(per_page_s: float, expert_share: float, sidecar_bytes: i
     return rows
 
 
-def v4_flash_expert_share(packer: int = 3) -> tuple[float, int]:
+def v4_flash_expert_share(packer: int = 4) -> tuple[float, int]:
     """The routed experts' share of V4-Flash's packed layout, and that layout's size in bytes:
-    this packer's (3), or packer 2's, whose FP4 codes took a byte each (twice the bytes)."""
+    this packer's (4; 3's bytes were as many), or packer 2's, whose FP4 codes took a byte each (twice the bytes)."""
     from runtime.model.config import from_dict
     from runtime.synth.checkpoint import V4_FLASH
     from runtime.weights.layout import EXPERTS, PackedLayout
@@ -214,7 +214,7 @@ def measure(preset: str, backend: str, ranks: Sequence[int], progress: Callable[
         progress(f"page-mapping cost of {path.name} …")
         cost = page_cost(path)
     v4 = {}
-    for packer in (2, 3):
+    for packer in (2, 4):
         share, layout_bytes = v4_flash_expert_share(packer)
         v4[f"packer{packer}"] = {"expert_share": share, "sidecar_bytes": layout_bytes,
                                  "rows": v4_flash_projection(cost["per_page_s"], share, layout_bytes)}
@@ -364,12 +364,12 @@ def _print(result: dict[str, Any]) -> None:
                 ["N", "run", "rank", *PHASES, "start → ready"], phase_rows)
 
     cost, v4 = result["page_cost"], result["v4_flash"]
-    old, new = v4["packer2"], v4["packer3"]
+    old, new = v4["packer2"], v4["packer4"]
     print_table(f"mapping cost per rank at V4-Flash scale: packer 2's {old['sidecar_bytes'] / (1 << 30):.1f} GiB "
-                f"sidecar vs packer 3's {new['sidecar_bytes'] / (1 << 30):.1f} GiB (routed experts "
+                f"sidecar vs packer 4's {new['sidecar_bytes'] / (1 << 30):.1f} GiB (routed experts "
                 f"{new['expert_share']:.1%}), {cost['per_page_s'] * 1e9:.0f} ns a page",
-                ["N", "GiB / rank (2)", "GiB / rank (3)", "M pages (2)", "M pages (3)", "s / rank (2)",
-                 "s / rank (3)", "3 vs 2"],
+                ["N", "GiB / rank (2)", "GiB / rank (4)", "M pages (2)", "M pages (4)", "s / rank (2)",
+                 "s / rank (4)", "4 vs 2"],
                 [[a["ranks"], f"{a['bytes'] / (1 << 30):.1f}", f"{b['bytes'] / (1 << 30):.1f}",
                   f"{a['pages'] / 1e6:.1f}", f"{b['pages'] / 1e6:.1f}", f"{a['seconds']:.1f}", f"{b['seconds']:.1f}",
                   f"{b['pages'] / a['pages']:.2f}×"] for a, b in zip(old["rows"], new["rows"], strict=True)])

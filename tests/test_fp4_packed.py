@@ -1,5 +1,6 @@
-"""Packer version 3: FP4 experts stay packed (two e2m1 codes a byte), so the sidecar is the
-checkpoint's size, and its size is known from the layout before anything is packed."""
+"""Packer versions 3 and 4: FP4 experts stay packed (two e2m1 codes a byte; 4 places their bits for
+the eager decode), so the sidecar is the checkpoint's size, and its size is known from the layout
+before anything is packed."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from runtime.model.tensors import FP4, all_params
 from runtime.synth.checkpoint import V4_FLASH, preset_config_dict
 from runtime.weights import prepack as prepack_module
 from runtime.weights.layout import EXPERTS, PackedLayout
+from runtime.weights.pack import serving_fp4
 from store.quant import fp4_codes_to_float, unpack_fp4
 
 SIZE_TARGET = 1.02  # issue 24: sidecar bytes ≤ 1.02 × checkpoint bytes
@@ -26,10 +28,13 @@ SIZE_TARGET = 1.02  # issue 24: sidecar bytes ≤ 1.02 × checkpoint bytes
 def test_e2m1_decode_of_every_byte_is_the_value_table():
     """Both decodes of the programs — the float16 bit patterns run eagerly or op by op, and the
     arithmetic a traced program compiles — agree with the checkpoint reader's nibble-by-nibble
-    decode for all 256 bytes, in the packed orientation [in/2, out]: byte j holds inputs 2j (low
-    nibble) and 2j+1 (high)."""
-    every = torch.arange(256, dtype=torch.uint8).reshape(1, 256)
-    want = fp4_codes_to_float(unpack_fp4(every.view(torch.int8).reshape(256, 1))).t()  # [2, 256]
+    decode for all 256 checkpoint bytes once the packer has placed their bits (`serving_fp4`), in
+    the packed orientation [in/2, out]: byte j holds inputs 2j (the checkpoint's low nibble) and
+    2j+1 (high)."""
+    checkpoint = torch.arange(256, dtype=torch.uint8).reshape(1, 256)
+    want = fp4_codes_to_float(unpack_fp4(checkpoint.view(torch.int8).reshape(256, 1))).t()  # [2, 256]
+    every = serving_fp4(checkpoint)
+    assert sorted(every.flatten().tolist()) == list(range(256))  # a bijection: the same bytes, bits moved
 
     class Decode(torch.nn.Module):
         def forward(self, packed):
@@ -48,7 +53,10 @@ def test_e2m1_decode_of_every_byte_is_the_value_table():
                "aten.gather.default"}
     assert "aten.view.dtype" in ops(op_by_op) and "aten.view.dtype" not in ops(fused)
     assert not lookups & (ops(op_by_op) | ops(fused))
-    assert e2m1_values(torch.tensor([[0x67], [0xA0]], dtype=torch.uint8)).flatten().tolist() == [6.0, 4.0, 0.0, -1.0]
+    # checkpoint 0x67 (low code 7, high 6) and 0xA0 (low 0, high 0xA: -1): magnitudes in bits 0-2 and
+    # 3-5, signs in 6 and 7
+    assert serving_fp4(torch.tensor([0x67, 0xA0], dtype=torch.uint8)).tolist() == [0b00110111, 0b10010000]
+    assert e2m1_values(torch.tensor([[0x37], [0x90]], dtype=torch.uint8)).flatten().tolist() == [6.0, 4.0, 0.0, -1.0]
 
 
 def test_a_traced_program_multiplies_the_packed_bytes_as_the_eager_path_does():

@@ -6,7 +6,14 @@ import torch
 from runtime.model.config import load_config
 from runtime.model.forward import weight
 from runtime.model.tensors import all_params
-from runtime.weights.pack import RULES, PackedLayout, dequantize, pack_in_memory, rule_for
+from runtime.weights.pack import (
+    RULES,
+    PackedLayout,
+    dequantize,
+    pack_in_memory,
+    rule_for,
+    serving_fp4,
+)
 from store.checkpoint import Checkpoint
 
 
@@ -48,14 +55,15 @@ def _unpacked(tensors, slot):
 def test_packed_blocks_are_the_checkpoint_weight_exactly(packed, name, qdtype, block):
     """No requantisation: the packed codes with their E8M0 block scales dequantise to exactly
     the checkpoint's float weight; the bytes are the checkpoint's, transposed whole (FP4: two
-    codes a byte, as stored, so [in/2, out])."""
+    codes a byte, so [in/2, out], their bits placed by `serving_fp4`)."""
     ck, config, layout, tensors = packed
     p = next(p for p in all_params(config) if p.name == name)
     q, scale = _unpacked(tensors, layout.slots[name])
     assert q.dtype == qdtype and scale.dtype == torch.uint8
     inputs = q.shape[0] * (2 if qdtype == torch.uint8 else 1)
     assert scale.shape == (inputs // block[0], q.shape[1] // block[1])
-    assert torch.equal(q.view(torch.uint8), ck.read(name).view(torch.uint8).t())
+    stored = ck.read(name).view(torch.uint8).t()
+    assert torch.equal(q.view(torch.uint8), serving_fp4(stored) if qdtype == torch.uint8 else stored)
     assert torch.equal(scale, ck.read(p.scale_name).view(torch.uint8).t())
     back = weight({"m.qweight": q, "m.qscale": scale}, "m").t()
     assert torch.equal(back, dequantize(ck, config, p))

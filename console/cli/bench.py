@@ -209,8 +209,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     packing = sub.add_parser(
         "packing",
-        help="packer 3 (FP4 two codes a byte) vs packer 2's layout (FP4 as int8): bytes, decode, prefill",
-        description="In one process on one checkpoint: packer 3's tensors and packer 2's rebuilt from "
+        help="packer 4 (FP4 two codes a byte) vs packer 2's layout (FP4 as int8): bytes, decode, prefill",
+        description="In one process on one checkpoint: packer 4's tensors and packer 2's rebuilt from "
         "them in memory (exact), run by the same model code: the packed bytes against the checkpoint's, "
         "eager decode-step time and prefill tokens/s, greedy tokens (equal), and one layer's routed "
         "experts compiled by inductor (picked path at 1 and 16 rows, dense at 256). Targets: decode "

@@ -41,19 +41,18 @@ static inline __m256 scale8_avx2(const uint8_t *s) {
                                                   _mm256_cmpeq_epi32(e, _mm256_setzero_si256())));
 }
 
-/* 8 bytes of a byte row (p), times their columns' scales (`scale8_avx2`) -> the low nibbles' values
-   and the high ones': an 8-entry table of magnitudes in one register (the permute reads an index's
-   low 3 bits only), the sign or-ed in */
+/* 8 bytes of a byte row (p), times their columns' scales (`scale8_avx2`) -> the even inputs' values
+   and the odd ones' (the serving byte: magnitudes in bits 0-2 and 3-5, signs in 6 and 7,
+   `runtime.weights.pack.serving_fp4`): an 8-entry table of magnitudes in one register (the permute
+   reads an index's low 3 bits only), the sign bit moved to float's and or-ed in */
 __attribute__((target("avx2,fma")))
 static inline void decode8_avx2(const uint8_t *p, __m256 scale, __m256 *lo, __m256 *hi) {
     const __m256 table = _mm256_loadu_ps(E2M1);
-    const __m256i eight = _mm256_set1_epi32(8);
     __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-    __m256i h = _mm256_srli_epi32(b, 4);
     __m256 vl = _mm256_or_ps(_mm256_permutevar8x32_ps(table, b),
-                             _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(b, eight), 28)));
-    __m256 vh = _mm256_or_ps(_mm256_permutevar8x32_ps(table, h),
-                             _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(h, eight), 28)));
+                             _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x40)), 25)));
+    __m256 vh = _mm256_or_ps(_mm256_permutevar8x32_ps(table, _mm256_srli_epi32(b, 3)),
+                             _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24)));
     *lo = _mm256_mul_ps(vl, scale);
     *hi = _mm256_mul_ps(vh, scale);
 }
@@ -109,7 +108,7 @@ __attribute__((target("avx512f")))
 static void tile_avx512(const float *x, const uint8_t *packed, int64_t ld_packed, const uint8_t *scale,
                         int64_t ld_scale, float *out, int64_t half, int64_t cols, int64_t group, int64_t o) {
     const __m512 table = _mm512_loadu_ps(E2M1);
-    const __m512i fifteen = _mm512_set1_epi32(15), tiny = _mm512_set1_epi32(0x00400000);
+    const __m512i seven = _mm512_set1_epi32(7), tiny = _mm512_set1_epi32(0x00400000);
     const int64_t in = 2 * half, per_block = group / 2;
     __m512 acc[R];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
@@ -120,8 +119,11 @@ static void tile_avx512(const float *x, const uint8_t *packed, int64_t ld_packed
         for (int64_t j = j0; j < j0 + per_block; j++) {
             _mm_prefetch((const char *)(packed + (j + 16) * ld_packed + o), _MM_HINT_T0);
             __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(packed + j * ld_packed + o)));
-            __m512 vl = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(b, fifteen), table), sc);
-            __m512 vh = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table), sc);
+            /* the table's index (the permute reads its low 4 bits): magnitude in bits 0-2, sign in 3;
+               bit by bit, `seven ? magnitude's source : sign's source` (ternary logic 0xCA) */
+            __m512i b3 = _mm512_srli_epi32(b, 3), b4 = _mm512_srli_epi32(b, 4);
+            __m512 vl = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_ternarylogic_epi32(seven, b, b3, 0xCA), table), sc);
+            __m512 vh = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_ternarylogic_epi32(seven, b3, b4, 0xCA), table), sc);
             for (int r = 0; r < R; r++) {
                 acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * in + 2 * j]), vl, acc[r]);
                 acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * in + 2 * j + 1]), vh, acc[r]);
@@ -151,8 +153,8 @@ static void column_scalar(const float *x, int64_t rows, const uint8_t *packed, i
         for (int64_t j = 0; j < half; j++) {
             uint8_t b = packed[j * ld_packed + o];
             float sc = e8m0(scale[(2 * j / group) * ld_scale + o]);
-            acc += x[r * in + 2 * j] * (E2M1[b & 15] * sc);
-            acc += x[r * in + 2 * j + 1] * (E2M1[b >> 4] * sc);
+            acc += x[r * in + 2 * j] * (E2M1[(b & 7) | ((b >> 3) & 8)] * sc);
+            acc += x[r * in + 2 * j + 1] * (E2M1[((b >> 3) & 7) | ((b >> 4) & 8)] * sc);
         }
         out[r * cols + o] = acc;
     }

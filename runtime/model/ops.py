@@ -8,7 +8,7 @@ import contextlib
 import functools
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -136,39 +136,52 @@ def _code_scales(scale: torch.Tensor) -> torch.Tensor:
     overflows float32 at its first product (see FP16_CODE_EXP)."""
     if torch.compiler.is_compiling():
         return torch.exp2(scale - (127.0 - FP16_CODE_EXP))
-    code_exponent = _int_constant((FP16_CODE_EXP << 23,), torch.int32, scale.device)  # in float32's exponent field
-    return torch.add(code_exponent, scale, alpha=1 << 23).view(torch.float32)
+    return torch.add(_fp4_constants(scale.device).code_exponent, scale, alpha=1 << 23).view(torch.float32)
+
+
+class _Fp4Constants(NamedTuple):
+    """The eager FP4 decode's integer operands, as tensors of the dtype they meet: a Python number
+    costs its op a conversion to a tensor first (~4 µs, of an eager product's ~45 at tiny sizes;
+    small's decode step runs 132 products)."""
+
+    codes_up: torch.Tensor  # int16 [2, 1]: `CODES_UP`
+    code_bits: torch.Tensor  # int16, 0-dim: `CODE_BITS`
+    # int32 [1], float32's exponent field of 2^FP16_CODE_EXP: one element, not 0-dim, so the
+    # scale bytes it meets widen to int32 (a 0-dim tensor would leave the sum uint8)
+    code_exponent: torch.Tensor
 
 
 @functools.cache
-def _int_constant(values: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small integer constant on `device`, made once: a tensor, not a number, so the bytes it
-    meets widen to its dtype in the same pass."""
-    return torch.tensor(values, dtype=dtype, device=device)
+def _fp4_constants(device: torch.device) -> _Fp4Constants:
+    """`_Fp4Constants` on `device`, made once (never in a trace: there a constant is a fake one)."""
+    i16 = {"dtype": torch.int16, "device": device}
+    return _Fp4Constants(torch.tensor(CODES_UP, **i16), torch.tensor(CODE_BITS, **i16),
+                         torch.tensor((FP16_CODE_EXP << 23,), dtype=torch.int32, device=device))
 
 
 def _fp4_float16(packed: torch.Tensor) -> torch.Tensor:
-    """FP4 bytes [.., in/2, out] → float16 [.., in/2, 2, out] (low nibble's code, then the high
-    one's) holding value · 2^-14, in integer shifts and masks of the bytes: no table, so no index
-    copy. Eagerly, both halves at once in one buffer, three passes: each nibble's sign shifted to
-    bit 15 (the low one 12 up, the high one 8), then both shifted 3 down (code bits to 9-11, the
-    sign copied into 12-14) and masked. Against each half written by its own passes (six): one
-    layer's routed experts of `small` at one row 3.9-4.2 ms against 4.2-4.5, the eager decode step
-    0.91-0.94× packer 2's int8 form against 0.87-0.90 (2 AMD cores, old and new code back to back)."""
+    """FP4 bytes [.., in/2, out] (`runtime.weights.pack.serving_fp4`'s) → float16 [.., in/2, 2, out]
+    (the even input's code, then the odd one's) holding value · 2^-14, in a shift and a mask of the
+    bytes: no table, so no index copy. The bytes are read as int8, so widening to int16 repeats bit
+    7 (the odd code's sign) in bits 8-15; shifted 9 up, the even code's bits land in 9-11 and its
+    sign (bit 6) in 15, shifted 6 up the odd code's in 9-11 and a copy of its sign in 15; the mask
+    keeps those. Eagerly both halves at once in one buffer, two passes over it: the checkpoint's
+    nibble order took three (a shift further up, then 3 down, so both signs reach bit 15), 14% of
+    each eager product of small's experts at one row (2 AMD cores: [1024, 512] 217 -> 186 us)."""
     if torch.compiler.is_compiling():  # no cached constant made in a trace (a fake one)
-        w = packed.view(torch.int8).to(torch.int16)  # sign-extended: bits 8-15 repeat bit 7
-        halves = [((w << 12) >> 3) & CODE_BITS, (w << 5) & CODE_BITS]
+        w = packed.view(torch.int8).to(torch.int16)
+        halves = [(w << shift) & CODE_BITS for (shift,) in CODES_UP]
         return torch.stack(halves, dim=-2).view(torch.float16)
-    # the bytes widen to int16 in the shift (the shifts' dtype); shifted 8 or 12 up, whatever
-    # the widening put in bits 8-15 leaves the int16
-    out = torch.bitwise_left_shift(packed.unsqueeze(-2), _int_constant(NIBBLE_SIGNS_UP, torch.int16, packed.device))
-    out >>= 3
-    out &= CODE_BITS
+    # the bytes widen to int16 in the shift (the shifts' dtype)
+    c = _fp4_constants(packed.device)
+    out = torch.bitwise_left_shift(packed.view(torch.int8).unsqueeze(-2), c.codes_up)
+    out &= c.code_bits
     return out.view(torch.float16)
 
 
-# the shifts taking the low nibble's sign (bit 3) and the high one's (bit 7) to bit 15, [2, 1]
-NIBBLE_SIGNS_UP = ((12,), (8,))
+# the shifts taking the even input's code (bits 0-2) and the odd one's (bits 3-5) to float16's
+# bits 9-11, [2, 1]; each takes its sign (bit 6, bit 7 repeated) to bit 15
+CODES_UP = ((9,), (6,))
 
 
 # 0x8E00 as an int16: float16's sign bit, its exponent's two low bits, its top mantissa bit
@@ -176,32 +189,41 @@ CODE_BITS = -0x7200
 
 
 def e2m1_values(packed: torch.Tensor) -> torch.Tensor:
-    """FP4 bytes [.., in/2, out] (byte j of a column: inputs 2j and 2j+1, low nibble first) →
-    their values [.., in, out] as float32.
+    """FP4 bytes [.., in/2, out] (byte j of a column: inputs 2j and 2j+1, as
+    `runtime.weights.pack.serving_fp4` places their bits) → their values [.., in, out] as float32.
 
     Two ways to the same numbers, one per executor. Run eagerly (or op by op), the codes' float16
     bit patterns (`_fp4_float16`): a few whole-tensor integer passes. Traced for a compiler, the
-    codes decoded in integers (sign, 2-bit exponent e, 1-bit mantissa m: 2|v| = m if e = 0, else
-    (2 + m)·2^(e-1)) through a broadcast shift: inductor fuses that into the kernel that
-    multiplies, vectorised along the outputs, with no codes buffer."""
+    codes decoded in integers (`_e2m1`) through broadcast shifts and masks: inductor fuses that into
+    the kernel that multiplies, vectorised along the outputs, with no codes buffer."""
     *lead, half, o = packed.shape
     if not fusing():
         return (_fp4_float16(packed).float() * 2.0 ** FP16_CODE_EXP).reshape(*lead, 2 * half, o)
-    shift = torch.arange(2, dtype=torch.int32, device=packed.device).reshape(2, 1) * 4
-    return _e2m1(((packed.to(torch.int32).unsqueeze(-2) >> shift) & 15).reshape(*lead, 2 * half, o))
+    b = packed.to(torch.int32).unsqueeze(-2)
+    which = torch.arange(2, dtype=torch.int32, device=packed.device).reshape(2, 1)  # even, odd
+    # shifted by CODES_AT, masked by SIGNS_AT: made from an arange, as the nibbles' shift was
+    return _e2m1(b >> which * CODES_AT[1], b & (SIGNS_AT[0] << which)).reshape(*lead, 2 * half, o)
 
 
-def _e2m1(codes: torch.Tensor) -> torch.Tensor:
-    """e2m1 codes (int32, 0..15) → values, in integer shifts only (no exp2, no table)."""
-    m, e = codes & 1, (codes >> 1) & 3
+# where a serving FP4 byte (`runtime.weights.pack.serving_fp4`) holds each code's three bits (the
+# even input's, the odd one's), and each one's sign bit
+CODES_AT = (0, 3)
+SIGNS_AT = (0x40, 0x80)
+
+
+def _e2m1(code: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
+    """e2m1 codes (int32; the low three bits: 2-bit exponent e, 1-bit mantissa m; other bits
+    ignored) and their signs (nonzero: negative) → values, in integer shifts only (no exp2, no
+    table): 2|v| = m if e = 0, else (2 + m)·2^(e-1)."""
+    m, e = code & 1, (code >> 1) & 3
     doubled = torch.where(e == 0, m, ((m + 2) << e) >> 1)  # 2|v|
-    return torch.where(codes >= 8, -doubled, doubled).float() * 0.5
+    return torch.where(sign != 0, -doubled, doubled).float() * 0.5
 
 
 def fp4_rows(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [.., in] times FP4 weights of its own (packed [.., in/2, out], E8M0 scale [.., in/g, out])
     → [.., out], for a traced program: each byte is read once and both its codes are decoded and
-    multiplied where they are used (the even input by the low nibble, the odd by the high), summed
+    multiplied where they are used (the even input by the even code, the odd by the odd), summed
     within each scale block, and only each block's sum multiplied by its scale (one multiply per
     block, not per weight: 1.75× packer 2's int8 form at one row, compiled, where scaling every
     weight was 1.08×). One fused kernel, vectorised along the outputs, with no weight buffer."""
@@ -209,7 +231,8 @@ def fp4_rows(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torc
     gi = scale.shape[-2]
     b = packed.to(torch.int32).reshape(*lead, gi, half // gi, o)
     pairs = x.reshape(*x.shape[:-1], gi, half // gi, 2)
-    block = (pairs[..., 0, None] * _e2m1(b & 15) + pairs[..., 1, None] * _e2m1(b >> 4)).sum(-2)  # [.., in/g, out]
+    even, odd = (_e2m1(b >> at, b & sign) for at, sign in zip(CODES_AT, SIGNS_AT, strict=True))
+    block = (pairs[..., 0, None] * even + pairs[..., 1, None] * odd).sum(-2)  # [.., in/g, out]
     return (block * torch.exp2(scale.float() - 127.0)).sum(-2)
 
 
@@ -367,6 +390,8 @@ def _by_columns(product: Callable[..., torch.Tensor], w: dict[str, torch.Tensor]
                 i: int, o: int) -> torch.Tensor:
     """product(w, name, x), weight `name` [i, o] values: whole where a float copy fits a chunk,
     else a few output columns (whole scale blocks) at a time."""
+    if i * o <= CHUNK_ELEMENTS:  # fits one chunk (what `chunk_units` would say, in one product)
+        return product(w, name, x)
     step = chunk_units(o, i, _block_columns(w, name))
     if step >= o:
         return product(w, name, x)

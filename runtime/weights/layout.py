@@ -2,10 +2,11 @@
 dtype and shape a config implies. The launch plan, the program keys and the sidecar contract
 are computed from it in processes that never import torch; `runtime.weights.pack` applies it.
 
-Quantised weights keep the checkpoint's bytes (QUANT), in the matmul layout: `<family>.qweight`
-holds FP8 weights as stored (F8_E4M3, [.., in, out]) and FP4 weights packed as stored, two e2m1
-codes a byte, low nibble first (U8, [.., in/2, out]: the checkpoint's bytes transposed whole, so
-byte j of column o holds inputs 2j and 2j+1); `<family>.qscale` [.., in/block_in, out/block_out]
+Quantised weights keep the checkpoint's codes (QUANT), in the matmul layout: `<family>.qweight`
+holds FP8 weights as stored (F8_E4M3, [.., in, out]) and FP4 weights packed, two e2m1 codes a
+byte (U8, [.., in/2, out]: the checkpoint's bytes transposed whole, so byte j of column o holds
+inputs 2j and 2j+1; their bits placed for serving: magnitudes in bits 0-2 and 3-5, signs in 6 and 7,
+`runtime.weights.pack.serving_fp4`); `<family>.qscale` [.., in/block_in, out/block_out]
 the checkpoint's E8M0 block scales as bytes (U8). Nothing is widened, so the packed layout is
 the checkpoint's size (`family_bytes` says so per family). The programs dequantise where they
 multiply: W = value(q) · 2^(qscale - 127) per block. [.., in/2, out] rather than the
@@ -27,9 +28,12 @@ from runtime.model.config import ConfigError, DeepSeekV4Config
 from runtime.model.tensors import BF16, F32, FP4, FP8, I64, Param, params_by_group, stored_tensors
 from store.checkpoint import DTYPE_SIZES
 
-PACKER_VERSION = "3"
+# 4: FP4 bytes with their bits placed for serving (3 kept the checkpoint's nibbles; 2 widened each
+# code to an int8)
+PACKER_VERSION = "4"
 PACK_FORMAT = "dsv4-packed"
-PACK_LAYOUT = {"quant": "fp8 as stored, fp4 as stored (e2m1 pairs, low nibble first; in/2,out); e8m0 block scales",
+PACK_LAYOUT = {"quant": "fp8 as stored, fp4 e2m1 pairs (magnitudes bits 0-2 even, 3-5 odd; signs 6 even, 7 odd;"
+                        " in/2,out); e8m0 block scales",
                "matmul": "in,out", "experts": "rank-major",
                "groups": ["all", "csa", "hca", "hash", "bias"]}
 

@@ -5,13 +5,13 @@ group the family is stacked in. It is also the sidecar's tensor-name contract: `
 every packed name, dtype and shape from it and the config, before any weight is read.
 
 Layout (PACK_LAYOUT, recorded in the sidecar key):
-- FP8 / FP4 weights keep the checkpoint's bytes: `<family>.qweight` in the matmul layout (x @ W)
-  holds FP8 as stored [.., in, out] and FP4 packed as stored [.., in/2, out] (the checkpoint's
-  bytes transposed whole: each byte two e2m1 codes of neighbouring inputs, low nibble first),
-  `<family>.qscale` [.., in/block, out/block] the E8M0 block scales as bytes. The programs
-  dequantise where they multiply; nothing is requantised or widened, so the packed model is
-  the checkpoint's model at the checkpoint's size (tests: packed logits equal the float
-  reference to float rounding).
+- FP8 / FP4 weights keep the checkpoint's codes: `<family>.qweight` in the matmul layout (x @ W)
+  holds FP8 as stored [.., in, out] and FP4 packed [.., in/2, out] (the checkpoint's bytes
+  transposed whole: each byte two e2m1 codes of neighbouring inputs, their bits placed for the
+  eager decode by `serving_fp4`), `<family>.qscale` [.., in/block, out/block] the E8M0 block
+  scales as bytes. The programs dequantise where they multiply; nothing is requantised or
+  widened, so the packed model is the checkpoint's model at the checkpoint's size (tests: packed
+  logits equal the float reference to float rounding).
 - bf16/fp32 matrices used as matmuls are transposed to [in, out]; norms and vectors are kept.
 - Per-layer tensors are stacked on a leading axis per group: `layers.*` (all main layers),
   `layers.csa.*` / `layers.hca.*` (compressed layers of that kind), `layers.hash.*` (tid2eid,
@@ -65,14 +65,26 @@ def dequantize(ckpt: Checkpoint, config: DeepSeekV4Config, p: Param) -> torch.Te
 
 def pack_quant(ckpt: Checkpoint, p: Param) -> tuple[torch.Tensor, torch.Tensor]:
     """A block-quantised parameter as (qweight [in, out] — FP4: [in/2, out] —, qscale [in/block,
-    out/block] E8M0 bytes): the checkpoint's bytes unchanged, transposed whole (so a byte's two
-    FP4 codes stay neighbouring inputs)."""
+    out/block] E8M0 bytes): the checkpoint's bytes transposed whole (so a byte's two FP4 codes stay
+    neighbouring inputs), FP4's bits placed for serving (`serving_fp4`)."""
     scale = ckpt.read(p.scale_name).view(torch.uint8)
     if p.fmt == FP8:
         return ckpt.read(p.name).t().contiguous(), scale.t().contiguous()
     if p.fmt == FP4:
-        return ckpt.read(p.name).view(torch.uint8).t().contiguous(), scale.t().contiguous()
+        return serving_fp4(ckpt.read(p.name).view(torch.uint8).t().contiguous()), scale.t().contiguous()
     raise ValueError(f"{p.name}: {p.fmt} is not a block-quantised format")
+
+
+def serving_fp4(b: torch.Tensor) -> torch.Tensor:
+    """FP4 bytes as the checkpoint stores them (uint8: the even input's e2m1 code in bits 0-3, the
+    odd one's in 4-7, each sign its top bit) → the same codes as the serving layout holds them:
+    the even code's three bits of magnitude in bits 0-2, the odd one's in 3-5, the even sign in
+    bit 6, the odd in 7 (`PACK_LAYOUT`). Same bytes, same numbers, bits moved so that the eager
+    decode takes one shift and one mask a byte (`ops._fp4_float16`); every decoder reads this
+    order."""
+    # the even code's magnitude and the odd one's sign stay; the odd magnitude (bits 4-6) moves
+    # to 3-5, the even sign (bit 3) to 6 (a uint8 shift drops what passes bit 7)
+    return (b & 0x87) | ((b >> 1) & 0x38) | ((b << 3) & 0x40)
 
 
 def pack_param(ckpt: Checkpoint, config: DeepSeekV4Config, p: Param, rule: Rule) -> tuple[torch.Tensor, ...]:
