@@ -12,6 +12,7 @@ state dir; the sidecar's cold policy compares it with the time a repack would ta
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import json
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from store import atomic, paths
+from store.chunked_read import chunks
 
 log = logging.getLogger(__name__)
 
@@ -309,19 +311,17 @@ def warm(
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         if willneed:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-        buf = bytearray(chunk)
-        view = memoryview(buf)
         done, start = 0, time.monotonic()
-        while done < size:
-            n = os.preadv(fd, [view[: min(chunk, size - done)]], done)
-            if n == 0:  # truncated under us: warm what is there
-                break
-            if sink is not None:
-                sink(done, view[:n])
-            done += n
-            if progress is not None:
-                elapsed = time.monotonic() - start
-                progress(done, size, done / elapsed if elapsed > 0 else 0.0)
+        # truncated under us: warm what is there. With a sink, the next chunk is read while it
+        # sees this one (`chunked_read`).
+        with contextlib.closing(chunks(fd, 0, size, chunk, ahead=sink is not None)) as reads:
+            for view in reads:
+                if sink is not None:
+                    sink(done, view)
+                done += len(view)
+                if progress is not None:
+                    elapsed = time.monotonic() - start
+                    progress(done, size, done / elapsed if elapsed > 0 else 0.0)
         seconds = time.monotonic() - start
         after = residency(fd)
     finally:

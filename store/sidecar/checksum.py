@@ -4,11 +4,13 @@ The header check (format.sound_header) proves the layout; only these prove the b
 zeroed or flipped data region maps and validates fine and serves garbage, so the writer
 records one checksum per CHUNK_BYTES of data (hashed by reading the data back once written)
 and `verify` / `warm --verify` check every chunk and name the tensors of a bad one.
-xxh3 runs at memory speed (~8 GB/s here), so verifying a hot sidecar costs about a read.
+xxh3 runs at memory speed (~8 GB/s here), and each chunk is hashed while the next is read
+(`store.chunked_read`), so verifying a hot sidecar costs about a read.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,6 +19,7 @@ from pathlib import Path
 import xxhash
 
 from store import safeio
+from store.chunked_read import chunks
 from store.sidecar.format import Header, sound_header
 
 ALGORITHM = "xxh3_64"
@@ -69,14 +72,13 @@ class _Chunker:
 def compute(fd: int, data_start: int, data_bytes: int) -> dict[str, str]:
     """The checksum metadata of the data region of the open file `fd`."""
     chunker = _Chunker(CHUNK_BYTES)
-    buf = memoryview(bytearray(READ_BYTES))
     done = 0
-    while done < data_bytes:
-        n = os.preadv(fd, [buf[: min(READ_BYTES, data_bytes - done)]], data_start + done)
-        if n == 0:
-            raise OSError(f"file ends {data_bytes - done} bytes early while hashing")
-        chunker.feed(buf[:n])
-        done += n
+    with contextlib.closing(chunks(fd, data_start, data_bytes, READ_BYTES, ahead=True)) as reads:
+        for view in reads:
+            chunker.feed(view)
+            done += len(view)
+    if done < data_bytes:
+        raise OSError(f"file ends {data_bytes - done} bytes early while hashing")
     return {SCHEME_KEY: f"{ALGORITHM}:{CHUNK_BYTES}", DIGESTS_KEY: "".join(chunker.finish())}
 
 
@@ -189,16 +191,14 @@ def verify_file(path: Path | str, progress: Progress | None = None) -> VerifyRes
             return check.result()
         size = os.fstat(fd).st_size
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        buf = memoryview(bytearray(READ_BYTES))
         done = 0
-        while done < size:
-            n = os.preadv(fd, [buf[: min(READ_BYTES, size - done)]], done)
-            if n == 0:  # truncated under us: the unread chunks count as bad
-                break
-            check.feed(done, buf[:n])
-            done += n
-            if progress is not None:
-                progress(done, size)
+        # truncated under us: the unread chunks count as bad
+        with contextlib.closing(chunks(fd, 0, size, READ_BYTES, ahead=True)) as reads:
+            for view in reads:
+                check.feed(done, view)
+                done += len(view)
+                if progress is not None:
+                    progress(done, size)
         return check.result()
     finally:
         os.close(fd)
