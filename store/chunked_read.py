@@ -24,7 +24,7 @@ def chunks(fd: int, start: int, size: int, chunk: int, *, ahead: bool = False) -
     early where the file does (truncated under us: the caller sees fewer bytes than `size`). Each
     view is valid until the next one is asked for. `ahead`: a thread reads the next chunk while
     the caller works on this one; close the generator (`contextlib.closing`) before closing `fd`,
-    which stops the thread. A read's OSError is raised here either way."""
+    which stops the thread. A read's error (OSError) is raised here either way."""
     return _ahead(fd, start, size, chunk) if ahead else _in_turn(fd, start, size, chunk)
 
 
@@ -41,7 +41,7 @@ def _in_turn(fd: int, start: int, size: int, chunk: int) -> Iterator[memoryview]
 
 def _ahead(fd: int, start: int, size: int, chunk: int) -> Iterator[memoryview]:
     free: queue.SimpleQueue = queue.SimpleQueue()  # buffers to read into; None: stop
-    ready: queue.SimpleQueue = queue.SimpleQueue()  # (buffer, bytes), None at the end, or an OSError
+    ready: queue.SimpleQueue = queue.SimpleQueue()  # (buffer, bytes), None at the end, or an error
     for _ in range(AHEAD_BUFFERS):
         free.put(memoryview(bytearray(chunk)))
 
@@ -55,14 +55,14 @@ def _ahead(fd: int, start: int, size: int, chunk: int) -> Iterator[memoryview]:
                 ready.put((buf, n))
                 done += n
             ready.put(None)
-        except OSError as e:
+        except BaseException as e:  # passed on, whatever it is: the caller must never wait for nothing
             ready.put(e)
 
     reader = threading.Thread(target=read, name="read-ahead", daemon=True)
     reader.start()
     try:
         while (got := ready.get()) is not None:
-            if isinstance(got, OSError):
+            if isinstance(got, BaseException):
                 raise got
             buf, n = got
             yield buf[:n]

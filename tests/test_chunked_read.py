@@ -70,6 +70,12 @@ def test_a_read_error_is_raised_to_the_caller(tmp_path, ahead):
     assert not _readers()
 
 
+def test_any_error_in_the_reading_thread_reaches_the_caller():
+    with pytest.raises(TypeError):  # not an fd: raised in the thread, which must not leave the caller waiting
+        _read("not an fd", 0, 10 * CHUNK, ahead=True)  # type: ignore[arg-type]
+    assert not _readers()
+
+
 def test_stopping_early_stops_the_reading_thread(blob):
     _, fd = blob
     reads = chunks(fd, 0, 10 * CHUNK, CHUNK, ahead=True)
