@@ -78,36 +78,14 @@ def test_a_traced_program_multiplies_the_packed_bytes_as_the_eager_path_does():
     assert ((got - want).norm() / want.norm()).item() < 1e-6
 
 
-def test_few_rows_multiply_an_fp4_weight_block_by_block(monkeypatch):
-    """Eagerly, up to FP4_BLOCK_ROWS rows times an FP4 weight go block by block (`fp4_blocks`:
-    each scale block's codes unscaled, its sums scaled), more rows through the whole dequantised
-    weight; both equal the product with `weight`'s float32 copy within float32's rounding, a
-    weight split into column chunks (a float copy over CHUNK_ELEMENTS) included, its chunks'
-    scale columns their own."""
-    from runtime.model import ops
-
-    gen = torch.Generator().manual_seed(5)
-    calls = []
-    blocks = ops.fp4_blocks
-    monkeypatch.setattr(ops, "fp4_blocks", lambda w, n, x: calls.append(x.shape[0]) or blocks(w, n, x))
-    for inputs, outputs in ((256, 96), (2048, 1024)):  # 2 M weights: two column chunks
-        w = {"m.qweight": torch.randint(0, 256, (inputs // 2, outputs), dtype=torch.uint8, generator=gen),
-             "m.qscale": torch.randint(118, 136, (inputs // 32, outputs), dtype=torch.uint8, generator=gen)}
-        want = ops.weight(w, "m")
-        for rows in (1, 3, ops.FP4_BLOCK_ROWS, ops.FP4_BLOCK_ROWS + 1):
-            x = torch.randn(rows, inputs, generator=gen)
-            got, exact = ops.linear(w, "m", x), x.double() @ want.double()
-            assert ((got - exact).abs().max() / exact.abs().max()).item() < 1e-5
-    few = ops.FP4_BLOCK_ROWS
-    assert calls == [1, 3, few, 1, 1, 3, 3, few, few]  # none of FP4_BLOCK_ROWS + 1 rows
-
-
 def test_eager_code_scales_equal_exp2():
-    """The codes' scale factors, eagerly as float32 bits: exactly 2^(byte - 127 + 14) up to 241."""
+    """The codes' scale factors, eagerly as float32 bits: exactly 2^(byte - 127 + code_exp) up to
+    254 - code_exp, FP4's codes (2^-14) and FP8's (2^-8)."""
     from runtime.model import ops
 
-    every = torch.arange(242, dtype=torch.uint8)
-    assert torch.equal(ops._code_scales(every), torch.exp2(every - (127.0 - ops.FP16_CODE_EXP)))
+    for code_exp in (ops.FP16_CODE_EXP, ops.FP8_CODE_EXP):
+        every = torch.arange(255 - code_exp, dtype=torch.uint8)
+        assert torch.equal(ops._code_scales(every, code_exp), torch.exp2(every - (127.0 - code_exp)))
 
 
 @pytest.mark.parametrize("case", ["tiny", "small", "medium", "v4-flash"])

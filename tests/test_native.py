@@ -248,7 +248,8 @@ class _Counting:
 
 def test_more_rows_than_the_native_product_is_faster_for_multiply_the_widened_weight(monkeypatch):
     """`dsv4::dense` asks the native products for up to their `dense_rows` rows (a prefill's few);
-    beyond, a GEMM of the widened weight (faster there), column chunks of a large weight at a time."""
+    beyond, eagerly: block by block up to FP8_BLOCK_ROWS (`fp8_blocks`), past them a GEMM of the
+    widened weight (faster there), column chunks of a large weight at a time."""
     gen = torch.Generator().manual_seed(9)
     q, scale = _fp8(256, 96, 32, gen)
     counting = _Counting()
@@ -261,7 +262,7 @@ def test_more_rows_than_the_native_product_is_faster_for_multiply_the_widened_we
     monkeypatch.setattr(ops, "CHUNK_ELEMENTS", 256 * 32)  # a weight over it: 32 columns at a time
     widths, real = [], ops.matmul
     monkeypatch.setattr(ops, "matmul", lambda a, b: widths.append(b.shape[1]) or real(a, b))
-    x = torch.randn(9, 256, generator=gen)
+    x = torch.randn(ops.FP8_BLOCK_ROWS + 1, 256, generator=gen)
     assert _rel(torch.ops.dsv4.dense(x, q, scale), x @ want) < 1e-5
     assert widths == [32, 32, 32]
 

@@ -71,7 +71,7 @@ def test_fp4_rejects_bad_group():
 
 
 def test_eager_fp8_decode_is_torchs_conversion_for_every_byte():
-    """`ops.fp8_float` (integer passes, for the eager engine) against torch's own conversion: every
+    """`ops.fp8_float` (a shift and a mask to float16's bits, for the eager engine) against torch's own conversion: every
     byte but the two NaNs exact (subnormals and ±0 included), on a strided view too (a weight's
     column chunk); NaN bytes read ±480, as the native products read them; `weight` dequantises
     with it the same numbers."""
@@ -91,3 +91,44 @@ def test_eager_fp8_decode_is_torchs_conversion_for_every_byte():
     w = ops.weight({"w.qweight": q, "w.qscale": scale}, "w")
     want = q.float() * torch.exp2(scale.float() - 127).repeat_interleave(32, 0).repeat_interleave(8, 1)
     assert torch.equal(w, want)
+
+
+
+def _fp4_weight(inputs, outputs, gen):
+    return {"m.qweight": torch.randint(0, 256, (inputs // 2, outputs), dtype=torch.uint8, generator=gen),
+            "m.qscale": torch.randint(118, 136, (inputs // 32, outputs), dtype=torch.uint8, generator=gen)}
+
+
+def _fp8_weight(inputs, outputs, gen):  # every byte, subnormals and NaNs included
+    q = torch.randint(0, 256, (inputs, outputs), dtype=torch.uint8, generator=gen).view(torch.float8_e4m3fn)
+    return {"m.qweight": q,
+            "m.qscale": torch.randint(110, 140, (inputs // 128, outputs // 128), dtype=torch.uint8, generator=gen)}
+
+
+@pytest.mark.parametrize(("blocks", "most", "make", "shapes"), [
+    ("fp4_blocks", "FP4_BLOCK_ROWS", _fp4_weight, ((256, 96), (2048, 1024))),
+    ("fp8_blocks", "FP8_BLOCK_ROWS", _fp8_weight, ((256, 384), (1024, 2048))),
+], ids=["fp4", "fp8"])
+def test_few_rows_multiply_a_packed_weight_block_by_block(monkeypatch, blocks, most, make, shapes):
+    """Eagerly (FP8: on the cpu, no native products loaded), up to FP4_BLOCK_ROWS / FP8_BLOCK_ROWS
+    rows times a packed weight go block by block (`fp4_blocks`, `fp8_blocks`: each scale block's
+    codes unscaled, its sums scaled), more rows through the whole dequantised weight; both equal
+    the product with `weight`'s float32 copy within float32's rounding, a weight split into column
+    chunks (a float copy over CHUNK_ELEMENTS: the second shape, two chunks) included, its chunks'
+    scale columns their own."""
+    from runtime.model import ops
+
+    monkeypatch.setattr(ops, "_native_dense", None)  # as other tests' programs may have left them loaded
+    gen = torch.Generator().manual_seed(5)
+    calls = []
+    real = getattr(ops, blocks)
+    monkeypatch.setattr(ops, blocks, lambda w, n, x: calls.append(x.shape[0]) or real(w, n, x))
+    few = getattr(ops, most)
+    for inputs, outputs in shapes:
+        w = make(inputs, outputs, gen)
+        want = ops.weight(w, "m")
+        for rows in (1, 3, few, few + 1):
+            x = torch.randn(rows, inputs, generator=gen)
+            got, exact = ops.linear(w, "m", x), x.double() @ want.double()
+            assert ((got - exact).abs().max() / exact.abs().max()).item() < 1e-5
+    assert calls == [1, 3, few, 1, 1, 3, 3, few, few]  # none of few + 1 rows

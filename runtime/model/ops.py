@@ -78,29 +78,35 @@ def weight(w: dict[str, torch.Tensor], name: str) -> torch.Tensor:
         return fp4_weight(q, e)
     *lead, i, o = q.shape
     gi, go = e.shape[-2], e.shape[-1]
+    if q.dtype == torch.float8_e4m3fn and q.is_cpu and not torch.compiler.is_compiling():
+        values = _fp8_float16(q).float().view(*lead, gi, i // gi, go, o // go)  # value · 2^-8
+        return values.mul_(_code_scales(e, FP8_CODE_EXP).reshape(*lead, gi, 1, go, 1)).view(*lead, i, o)
     scale = torch.exp2(e.float() - 127.0).reshape(*lead, gi, 1, go, 1)
-    eager_fp8 = q.dtype == torch.float8_e4m3fn and q.is_cpu and not torch.compiler.is_compiling()
-    values = fp8_float(q) if eager_fp8 else q.float()
-    return (values.reshape(*lead, gi, i // gi, go, o // go) * scale).reshape(*lead, i, o)
-
-
-# float32's bits of e4m3's exponent and mantissa, in place (`fp8_float`): as a float32 they are its
-# value times 2^-120, subnormals included (float32's own subnormals: exact while they are kept,
-# torch's default; `torch.set_flush_denormal(True)` would zero them)
-FP8_UNBIAS = 2.0 ** 120
-SIGN_BIT = -(1 << 31)
+    return (q.float().reshape(*lead, gi, i // gi, go, o // go) * scale).reshape(*lead, i, o)
 
 
 def fp8_float(q: torch.Tensor) -> torch.Tensor:
-    """FP8 e4m3 → float32, eagerly, in four integer passes and a multiply: torch's own conversion
-    on the cpu runs one value at a time (a [1024, 512] weight: 1.45 ms, this way 0.37; an eager decode
-    step of `small` spent two thirds of its time there). The byte, sign-extended: the sign is
-    bit 31, and the exponent and mantissa, shifted 20 up, are float32's top bits of both. The NaN
-    bytes (0x7F, 0xFF) read as ±480, as in the native products."""
-    b = q.view(torch.int8).to(torch.int32)
-    sign = b & SIGN_BIT
-    bits = b.bitwise_and_(0x7F).bitwise_left_shift_(20).bitwise_or_(sign)
-    return bits.view(torch.float32).mul_(FP8_UNBIAS)
+    """FP8 e4m3 → float32 (eagerly: torch's own conversion on the cpu runs one value at a time). The
+    NaN bytes (0x7F, 0xFF) read as ±480, as in the native products."""
+    return _fp8_float16(q).float().mul_(2.0 ** FP8_CODE_EXP)
+
+
+# `_fp8_float16` writes each e4m3 value · 2^-FP8_CODE_EXP: e4m3's 4-bit exponent (bias 7) placed in
+# the low bits of float16's 5-bit one (bias 15), its 3 mantissa bits as float16's top ones, is
+# exactly that, subnormals (exponent 0) included; a scale of 2^(byte - 127 + 8) makes it whole.
+FP8_CODE_EXP = 8
+
+
+def _fp8_float16(q: torch.Tensor) -> torch.Tensor:
+    """FP8 e4m3 [..] → float16 [..] holding value · 2^-8, eagerly, in a shift and a mask: the byte
+    read as int8 widens to int16 in the shift (7 up: exponent and mantissa to bits 7-13, the sign
+    repeated into 14 and 15), the mask keeps the sign in 15 and clears 14. Then one widening to
+    float32, where the int32 route took four integer passes and a multiply (each over 4 bytes a
+    value): a `[1024, 1024]` weight, 2 AMD cores, 1.15 ms dequantised for one row before, 0.58 now."""
+    c = _decode_constants(q.device)
+    out = torch.bitwise_left_shift(q.view(torch.int8), c.fp8_up)
+    out &= c.fp8_bits
+    return out.view(torch.float16)
 
 
 def fp4_weight(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -114,7 +120,7 @@ def fp4_weight(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         s = torch.exp2(scale.float() - 127.0)
         values = e2m1_values(packed).reshape(*lead, gi, 2 * half // gi, o)
         return (values * s.reshape(*lead, gi, 1, o)).reshape(*lead, 2 * half, o)
-    s = _code_scales(scale).reshape(*lead, gi, 1, o)
+    s = _code_scales(scale, FP16_CODE_EXP).reshape(*lead, gi, 1, o)
     values = _fp4_float16(packed).float().reshape(*lead, gi, 2 * half // gi, o)
     values = values * s if torch.compiler.is_compiling() else values.mul_(s)
     return values.reshape(*lead, 2 * half, o)
@@ -128,35 +134,49 @@ def fp4_weight(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 FP16_CODE_EXP = 14
 
 
-def _code_scales(scale: torch.Tensor) -> torch.Tensor:
-    """E8M0 scale bytes → float32 factors of `_fp4_float16`'s codes: 2^(byte - 127 + FP16_CODE_EXP).
-    Eagerly as float32 bits, byte + FP16_CODE_EXP the exponent field: one integer pass (`exp2`
-    takes two, a float copy of the bytes first; small's routed experts of a decode step: 1-2 ms).
-    Bytes above 241 wrap to ±0 or a tiny factor where `exp2` gives inf: either way such a weight
-    overflows float32 at its first product (see FP16_CODE_EXP)."""
+def _code_scales(scale: torch.Tensor, code_exp: int) -> torch.Tensor:
+    """E8M0 scale bytes → float32 factors of codes held as value · 2^-code_exp (`_fp4_float16`'s,
+    `_fp8_float16`'s): 2^(byte - 127 + code_exp). Eagerly as float32 bits, byte + code_exp the
+    exponent field: one integer pass (`exp2` takes two, a float copy of the bytes first; small's
+    routed experts of a decode step: 1-2 ms). Bytes above 254 - code_exp wrap to ±0 or a tiny
+    factor where `exp2` gives inf: either way such a weight overflows float32 at its first product
+    (see FP16_CODE_EXP)."""
     if torch.compiler.is_compiling():
-        return torch.exp2(scale - (127.0 - FP16_CODE_EXP))
-    return torch.add(_fp4_constants(scale.device).code_exponent, scale, alpha=1 << 23).view(torch.float32)
+        return torch.exp2(scale - (127.0 - code_exp))
+    c = _decode_constants(scale.device)
+    exponent = {FP16_CODE_EXP: c.fp4_exponent, FP8_CODE_EXP: c.fp8_exponent}[code_exp]
+    return torch.add(exponent, scale, alpha=1 << 23).view(torch.float32)
 
 
-class _Fp4Constants(NamedTuple):
-    """The eager FP4 decode's integer operands, as tensors of the dtype they meet: a Python number
-    costs its op a conversion to a tensor first (~4 µs, of an eager product's ~45 at tiny sizes;
-    small's decode step runs 132 products)."""
+class _DecodeConstants(NamedTuple):
+    """The eager FP4 and FP8 decodes' integer operands, as tensors of the dtype they meet: a Python
+    number costs its op a conversion to a tensor first (~4 µs, of an eager product's ~45 at tiny
+    sizes; small's decode step runs 132 products). One element, not 0-dim, where an operand must
+    widen the bytes it meets (a 0-dim tensor would leave the result uint8 or int8)."""
 
     codes_up: torch.Tensor  # int16 [2, 1]: `CODES_UP`
     code_bits: torch.Tensor  # int16, 0-dim: `CODE_BITS`
-    # int32 [1], float32's exponent field of 2^FP16_CODE_EXP: one element, not 0-dim, so the
-    # scale bytes it meets widen to int32 (a 0-dim tensor would leave the sum uint8)
-    code_exponent: torch.Tensor
+    fp8_up: torch.Tensor  # int16 [1]: FP8_UP
+    fp8_bits: torch.Tensor  # int16, 0-dim: FP8_BITS
+    # int32 [1]: float32's exponent field of 2^FP16_CODE_EXP, of 2^FP8_CODE_EXP
+    fp4_exponent: torch.Tensor
+    fp8_exponent: torch.Tensor
+
+
+# the shift taking e4m3's exponent and mantissa (bits 0-6) to float16's bits 7-13, and the mask
+# keeping them and the sign (0xBF80 as an int16)
+FP8_UP = 7
+FP8_BITS = -0x4080
 
 
 @functools.cache
-def _fp4_constants(device: torch.device) -> _Fp4Constants:
-    """`_Fp4Constants` on `device`, made once (never in a trace: there a constant is a fake one)."""
+def _decode_constants(device: torch.device) -> _DecodeConstants:
+    """`_DecodeConstants` on `device`, made once (never in a trace: there a constant is a fake one)."""
     i16 = {"dtype": torch.int16, "device": device}
-    return _Fp4Constants(torch.tensor(CODES_UP, **i16), torch.tensor(CODE_BITS, **i16),
-                         torch.tensor((FP16_CODE_EXP << 23,), dtype=torch.int32, device=device))
+    i32 = {"dtype": torch.int32, "device": device}
+    return _DecodeConstants(torch.tensor(CODES_UP, **i16), torch.tensor(CODE_BITS, **i16),
+                            torch.tensor((FP8_UP,), **i16), torch.tensor(FP8_BITS, **i16),
+                            torch.tensor((FP16_CODE_EXP << 23,), **i32), torch.tensor((FP8_CODE_EXP << 23,), **i32))
 
 
 def _fp4_float16(packed: torch.Tensor) -> torch.Tensor:
@@ -173,7 +193,7 @@ def _fp4_float16(packed: torch.Tensor) -> torch.Tensor:
         halves = [(w << shift) & CODE_BITS for (shift,) in CODES_UP]
         return torch.stack(halves, dim=-2).view(torch.float16)
     # the bytes widen to int16 in the shift (the shifts' dtype)
-    c = _fp4_constants(packed.device)
+    c = _decode_constants(packed.device)
     out = torch.bitwise_left_shift(packed.view(torch.int8).unsqueeze(-2), c.codes_up)
     out &= c.code_bits
     return out.view(torch.float16)
@@ -364,8 +384,9 @@ def linear(w: dict[str, torch.Tensor], name: str, x: torch.Tensor) -> torch.Tens
     """x @ W for a packed or a float weight, both stored [in, out]; a large one by column chunks.
     FP4 eagerly at few rows: block by block (`fp4_blocks`). FP8 or BF16 on the cpu: traced in a
     program of `dense_calls`, a `dsv4::dense` call; run eagerly, natively at few rows once the
-    native products are loaded (`experts.native`, which a launch compiles first). The eager tier's
-    decode step of `small`, one sequence, 2 AMD cores: 157 ms, 79 with them (`dsv4 bench packing`)."""
+    native products are loaded (`experts.native`, which a launch compiles first), else FP8 block by
+    block up to FP8_BLOCK_ROWS (`fp8_blocks`). The eager tier's decode step of `small`, one
+    sequence, 2 AMD cores: 102-128 ms, 66-69 with them (`dsv4 bench packing`)."""
     q = w.get(name + ".qweight")
     if q is not None and q.dtype == torch.uint8:  # FP4: two inputs a byte
         # eagerly only, asked first: a traced row count compared here would become a guard on it
@@ -379,6 +400,8 @@ def linear(w: dict[str, torch.Tensor], name: str, x: torch.Tensor) -> torch.Tens
                 return torch.ops.dsv4.dense(x, stored, scale)
         elif (out := _native_product(x, stored, scale)) is not None:
             return out
+        elif scale is not None and x.shape[0] <= FP8_BLOCK_ROWS:
+            return _by_columns(fp8_blocks, w, name, x, *stored.shape)
     return _by_columns(_dequantised, w, name, x, *stored.shape[-2:])
 
 
@@ -412,10 +435,36 @@ def fp4_blocks(w: dict[str, torch.Tensor], name: str, x: torch.Tensor) -> torch.
     dequantising it whole (`fp4_weight`; what it bought: README, "On-disk formats"). The same
     products added in another order: within float32's rounding of the whole weight's product."""
     q, scale = w[name + ".qweight"], w[name + ".qscale"]
-    blocks, o = scale.shape
-    codes = _fp4_float16(q).float().view(blocks, -1, o)  # value · 2^-FP16_CODE_EXP
-    sums = torch.bmm(x.reshape(x.shape[0], blocks, -1).transpose(0, 1), codes)  # [in/g, rows, out]
-    return sums.mul_(_code_scales(scale).unsqueeze(1)).sum(0)
+    return _block_sums(x, _fp4_float16(q), _code_scales(scale, FP16_CODE_EXP))
+
+
+# Up to how many rows `fp8_blocks` multiplies an FP8 weight eagerly, where no native product does:
+# a decode step's, as FP4's. A [1024, 1024] weight, 2 AMD cores, against its float16-route
+# dequantisation and a GEMM: 1 row 0.47 against 0.58 ms, 4 rows 0.45 / 0.52 (64 rows 0.89 / 0.99,
+# 256 rows 2.6 / 2.4). Not further: a GEMM rounds a row alike at any row count, so a prefill's rows
+# come out the same whether it holds one prompt or several (an `n` request's shared prefill draws
+# what each choice alone would; the blocks round otherwise).
+FP8_BLOCK_ROWS = FP4_BLOCK_ROWS
+
+
+def fp8_blocks(w: dict[str, torch.Tensor], name: str, x: torch.Tensor) -> torch.Tensor:
+    """x [rows, in] @ FP8 weight `name` ([in, out] e4m3, E8M0 scales [in/128, out/128]) run eagerly
+    where no native product does: as `fp4_blocks`, each 128 × 128 block's sums scaled, not its
+    weights (the scale pass over the whole weight saved)."""
+    q, scale = w[name + ".qweight"], w[name + ".qscale"]
+    return _block_sums(x, _fp8_float16(q), _code_scales(scale, FP8_CODE_EXP))
+
+
+def _block_sums(x: torch.Tensor, codes: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+    """x [rows, in] @ a weight's codes (float16 [.., out], its `in` rows in input order, unscaled)
+    whose scale blocks have the factors [in blocks, out blocks]: the codes widened to float32, one
+    batched matmul of each input block by its codes, then the sums [in blocks, rows, out] scaled
+    and added."""
+    blocks, per = factors.shape
+    o, rows = codes.shape[-1], x.shape[0]
+    values = codes.float().view(blocks, -1, o)
+    sums = torch.bmm(x.reshape(rows, blocks, -1).transpose(0, 1), values)
+    return sums.view(blocks, rows, per, o // per).mul_(factors.view(blocks, 1, per, 1)).sum(0).view(rows, o)
 
 
 def _block_columns(w: dict[str, torch.Tensor], name: str) -> int:
