@@ -71,10 +71,10 @@ def test_fp4_rejects_bad_group():
 
 
 def test_eager_fp8_decode_is_torchs_conversion_for_every_byte():
-    """`ops.fp8_float` (a shift and a mask to float16's bits, for the eager engine) against torch's own conversion: every
-    byte but the two NaNs exact (subnormals and ±0 included), on a strided view too (a weight's
-    column chunk); NaN bytes read ±480, as the native products read them; `weight` dequantises
-    with it the same numbers."""
+    """`ops.fp8_float` (a shift and a mask to float16's bits, for the eager engine) against torch's
+    own conversion: every byte but the two NaNs exact (subnormals and ±0 included), on a strided
+    view too (a weight's column chunk); NaN bytes read ±480, as the native products read them;
+    `weight` dequantises with the same decode the same numbers."""
     from runtime.model import ops
 
     every = torch.arange(256, dtype=torch.uint8)
@@ -91,7 +91,6 @@ def test_eager_fp8_decode_is_torchs_conversion_for_every_byte():
     w = ops.weight({"w.qweight": q, "w.qscale": scale}, "w")
     want = q.float() * torch.exp2(scale.float() - 127).repeat_interleave(32, 0).repeat_interleave(8, 1)
     assert torch.equal(w, want)
-
 
 
 def _fp4_weight(inputs, outputs, gen):
