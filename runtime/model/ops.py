@@ -386,7 +386,7 @@ def linear(w: dict[str, torch.Tensor], name: str, x: torch.Tensor) -> torch.Tens
     program of `dense_calls`, a `dsv4::dense` call; run eagerly, natively at few rows once the
     native products are loaded (`experts.native`, which a launch compiles first), else FP8 block by
     block up to FP8_BLOCK_ROWS (`fp8_blocks`). The eager tier's decode step of `small`, one
-    sequence, 2 AMD cores: 102-128 ms, 66-69 with them (`dsv4 bench packing`)."""
+    sequence, 2 AMD cores: 91-155 ms, 49-76 with them (`dsv4 bench packing`, the host's speed swinging)."""
     q = w.get(name + ".qweight")
     if q is not None and q.dtype == torch.uint8:  # FP4: two inputs a byte
         # eagerly only, asked first: a traced row count compared here would become a guard on it
