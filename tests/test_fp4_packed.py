@@ -81,11 +81,11 @@ def test_a_traced_program_multiplies_the_packed_bytes_as_the_eager_path_does():
 def test_eager_code_scales_equal_exp2():
     """The codes' scale factors, eagerly as float32 bits: exactly 2^(byte - 127 + code_exp) up to
     254 - code_exp, FP4's codes (2^-14) and FP8's (2^-8)."""
-    from runtime.model import ops
+    from runtime.model import codes
 
-    for code_exp in (ops.FP16_CODE_EXP, ops.FP8_CODE_EXP):
+    for code_exp in (codes.FP16_CODE_EXP, codes.FP8_CODE_EXP):
         every = torch.arange(255 - code_exp, dtype=torch.uint8)
-        assert torch.equal(ops._code_scales(every, code_exp), torch.exp2(every - (127.0 - code_exp)))
+        assert torch.equal(codes.code_scales(every, code_exp), torch.exp2(every - (127.0 - code_exp)))
 
 
 @pytest.mark.parametrize("case", ["tiny", "small", "medium", "v4-flash"])

@@ -71,22 +71,22 @@ def test_fp4_rejects_bad_group():
 
 
 def test_eager_fp8_decode_is_torchs_conversion_for_every_byte():
-    """`ops.fp8_float` (a shift and a mask to float16's bits, for the eager engine) against torch's
+    """`codes.fp8_float` (a shift and a mask to float16's bits, for the eager engine) against torch's
     own conversion: every byte but the two NaNs exact (subnormals and ±0 included), on a strided
     view too (a weight's column chunk); NaN bytes read ±480, as the native products read them;
     `weight` dequantises with the same decode the same numbers."""
-    from runtime.model import ops
+    from runtime.model import codes, ops
 
     every = torch.arange(256, dtype=torch.uint8)
     nan = (every & 0x7F) == 0x7F
     fp8 = every.view(torch.float8_e4m3fn)
-    got = ops.fp8_float(fp8)
+    got = codes.fp8_float(fp8)
     assert torch.equal(got[~nan], fp8.float()[~nan])
     assert torch.equal(torch.signbit(got), torch.signbit(fp8.float()))  # -0.0 stays negative
     assert got[nan].tolist() == [480.0, -480.0]
     grid = every[~nan][torch.randperm(254, generator=torch.Generator().manual_seed(0))][:240]
     q = grid.repeat(8).reshape(64, 30).view(torch.float8_e4m3fn)[:, 2:18]  # not contiguous
-    assert torch.equal(ops.fp8_float(q), q.float())
+    assert torch.equal(codes.fp8_float(q), q.float())
     scale = torch.tensor([[120, 127], [134, 1]], dtype=torch.uint8)
     w = ops.weight({"w.qweight": q, "w.qscale": scale}, "w")
     want = q.float() * torch.exp2(scale.float() - 127).repeat_interleave(32, 0).repeat_interleave(8, 1)

@@ -80,7 +80,7 @@ def serving_fp4(b: torch.Tensor) -> torch.Tensor:
     odd one's in 4-7, each sign its top bit) → the same codes as the serving layout holds them:
     the even code's three bits of magnitude in bits 0-2, the odd one's in 3-5, the even sign in
     bit 6, the odd in 7 (`PACK_LAYOUT`). Same bytes, same numbers, bits moved so that the eager
-    decode takes one shift and one mask a byte (`ops._fp4_float16`); every decoder reads this
+    decode takes one shift and one mask a byte (`codes.fp4_float16`); every decoder reads this
     order."""
     # the even code's magnitude and the odd one's sign stay; the odd magnitude (bits 4-6) moves
     # to 3-5, the even sign (bit 3) to 6 (a uint8 shift drops what passes bit 7)
