@@ -51,7 +51,13 @@ def test_e2m1_decode_of_every_byte_is_the_value_table():
 
     lookups = {"aten.embedding.default", "aten.index.Tensor", "aten.index_select.default",
                "aten.gather.default"}
-    assert "aten.view.dtype" in ops(op_by_op) and "aten.view.dtype" not in ops(fused)
+
+    def viewed_as(program):  # the dtypes a program reads bits as
+        return {n.args[1] for n in program.graph.nodes if str(n.target) == "aten.view.dtype"}
+
+    # op by op float16 patterns, widened by torch; fused, float32's bits made in integers (inductor
+    # widens float16 one value at a time)
+    assert torch.float16 in viewed_as(op_by_op) and viewed_as(fused) == {torch.float32}
     assert not lookups & (ops(op_by_op) | ops(fused))
     # checkpoint 0x67 (low code 7, high 6) and 0xA0 (low 0, high 0xA: -1): magnitudes in bits 0-2 and
     # 3-5, signs in 6 and 7
@@ -78,14 +84,18 @@ def test_a_traced_program_multiplies_the_packed_bytes_as_the_eager_path_does():
     assert ((got - want).norm() / want.norm()).item() < 1e-6
 
 
-def test_eager_code_scales_equal_exp2():
-    """The codes' scale factors, eagerly as float32 bits: exactly 2^(byte - 127 + code_exp) up to
-    254 - code_exp, FP4's codes (2^-14) and FP8's (2^-8)."""
+def test_code_scales_equal_exp2():
+    """The codes' scale factors as float32 bits: eagerly exactly 2^(byte - 127 + code_exp) up to
+    254 - code_exp, FP4's codes (2^-14) and FP8's (2^-8); traced, 2^(byte - 127)."""
     from runtime.model import codes
 
     for code_exp in (codes.FP16_CODE_EXP, codes.FP8_CODE_EXP):
         every = torch.arange(255 - code_exp, dtype=torch.uint8)
         assert torch.equal(codes.code_scales(every, code_exp), torch.exp2(every - (127.0 - code_exp)))
+    # a trace's (one shift, no exp2 a weight): exact from byte 1 to 255 (inf); byte 0, never packed, reads 0
+    every = torch.arange(256, dtype=torch.uint8)
+    assert torch.equal(codes.traced_scales(every[1:]), torch.exp2(every[1:] - 127.0))
+    assert codes.traced_scales(every[:1]).item() == 0.0
 
 
 @pytest.mark.parametrize("case", ["tiny", "small", "medium", "v4-flash"])

@@ -20,6 +20,7 @@ from runtime.model.codes import (
     e2m1,
     fp4_float16,
     fp8_float16,
+    traced_scales,
 )
 from runtime.programs.toolchain import cpu_vendor
 
@@ -102,7 +103,7 @@ def fp4_weight(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     *lead, half, o = packed.shape
     gi = scale.shape[-2]
     if fusing():
-        s = torch.exp2(scale.float() - 127.0)
+        s = traced_scales(scale)
         values = e2m1_values(packed).reshape(*lead, gi, 2 * half // gi, o)
         return (values * s.reshape(*lead, gi, 1, o)).reshape(*lead, 2 * half, o)
     s = code_scales(scale, FP16_CODE_EXP).reshape(*lead, gi, 1, o)
@@ -141,7 +142,7 @@ def fp4_rows(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torc
     pairs = x.reshape(*x.shape[:-1], gi, half // gi, 2)
     even, odd = (e2m1(b >> at, b & sign) for at, sign in zip(CODES_AT, SIGNS_AT, strict=True))
     block = (pairs[..., 0, None] * even + pairs[..., 1, None] * odd).sum(-2)  # [.., in/g, out]
-    return (block * torch.exp2(scale.float() - 127.0)).sum(-2)
+    return (block * traced_scales(scale)).sum(-2)
 
 
 # A weight whose float copy would be larger than this is dequantised and multiplied a few output
