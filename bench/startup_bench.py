@@ -78,6 +78,7 @@ def _torch_compile_programs(plan, emitter, *, phase="programs", **_):
     from runtime.programs.build import example_inputs
     from runtime.programs.phase import Prepared
     from runtime.programs.spec import build_function
+    from runtime.programs.tiers import COMPILED
 
     runners, results = {}, []
     specs = list(plan.catalog.specs.values())
@@ -87,8 +88,9 @@ def _torch_compile_programs(plan, emitter, *, phase="programs", **_):
         with torch.no_grad():
             fn(*_valid_inputs(spec, example_inputs(spec)))
         runners[spec.name] = fn
-        results.append({"program": spec.name, "outcome": "TORCH.COMPILE", "seconds": time.perf_counter() - t0,
-                        "backend": "torch.compile", "fingerprint": None, "reason": ""})
+        results.append({"program": spec.name, "outcome": "TORCH.COMPILE", "tier": COMPILED,
+                        "seconds": time.perf_counter() - t0, "backend": "torch.compile", "fingerprint": None,
+                        "reason": "", "load_bytes": 0, "load_s": 0.0})  # every key a programs phase records
         emitter.emit(phase, "progress", done=i, total=len(specs), unit="programs", detail=results[-1])
     return Prepared(runners, results)
 
