@@ -145,7 +145,7 @@ def traced_scales(scale: torch.Tensor) -> torch.Tensor:
     """E8M0 scale bytes → float32 factors 2^(byte - 127), for a traced program: the byte as float32's
     exponent field, one shift, where exp2 is a polynomial that inductor evaluates for every weight
     a scale multiplies (fused, not once per block). With `e2m1`'s bits, a `[4, 1024, 512]` chunk
-    of small's experts dequantised, compiled, 2 AMD cores: 0.80-0.90 ms → 0.33-0.39 (packer 2's
+    of small's experts dequantised, compiled, 2 AMD cores: 0.66-0.90 ms → 0.33-0.39 (packer 2's
     int8: 0.46-0.68); one layer's experts compiled, dense at 256 rows, 0.90-0.99× packer 2's →
     0.98-1.11× (`dsv4 bench packing`, eight runs).
     Byte 255 reads inf as exp2's; byte 0 (2^-127) reads 0: the packer never writes it (its scales
