@@ -52,7 +52,7 @@ def code_scales(scale: torch.Tensor, code_exp: int) -> torch.Tensor:
     factor where `exp2` gives inf: either way such a weight overflows float32 at its first product
     (see FP16_CODE_EXP)."""
     if torch.compiler.is_compiling():
-        return torch.exp2(scale - (127.0 - code_exp))
+        return traced_scales(scale, code_exp)
     c = _decode_constants(scale.device)
     exponent = {FP16_CODE_EXP: c.fp4_exponent, FP8_CODE_EXP: c.fp8_exponent}[code_exp]
     return torch.add(exponent, scale, alpha=1 << 23).view(torch.float32)
@@ -141,13 +141,14 @@ HALF_BITS = 0x3F000000
 E126_BITS = 126 << 23
 
 
-def traced_scales(scale: torch.Tensor) -> torch.Tensor:
-    """E8M0 scale bytes → float32 factors 2^(byte - 127), for a traced program: the byte as float32's
-    exponent field, one shift, where exp2 is a polynomial that inductor evaluates for every weight
-    a scale multiplies (fused, not once per block). With `e2m1`'s bits, a `[4, 1024, 512]` chunk
+def traced_scales(scale: torch.Tensor, code_exp: int = 0) -> torch.Tensor:
+    """E8M0 scale bytes → float32 factors 2^(byte - 127 + code_exp), for a traced program: byte +
+    code_exp as float32's exponent field, an add and a shift (`code_scales` does the same eagerly
+    with cached operands), where exp2 is a polynomial that inductor evaluates for every weight a
+    scale multiplies (fused, not once per block). With `e2m1`'s bits, a `[4, 1024, 512]` chunk
     of small's experts dequantised, compiled, 2 AMD cores: 0.66-0.90 ms → 0.33-0.39 (packer 2's
     int8: 0.46-0.68); one layer's experts compiled, dense at 256 rows, 0.90-0.99× packer 2's →
     0.98-1.11× (`dsv4 bench packing`, eight runs).
-    Byte 255 reads inf as exp2's; byte 0 (2^-127) reads 0: the packer never writes it (its scales
-    are at least 2^-102, `store.quant`)."""
-    return (scale.to(torch.int32) << 23).view(torch.float32)
+    With code_exp 0, byte 255 reads inf as exp2's and byte 0 (2^-127) reads 0: the packer never
+    writes it (its scales are at least 2^-102, `store.quant`)."""
+    return ((scale.to(torch.int32) + code_exp) << 23).view(torch.float32)
