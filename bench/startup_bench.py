@@ -76,7 +76,7 @@ def _torch_compile_programs(plan, emitter, *, phase="programs", **_):
     import torch
 
     from runtime.programs.build import example_inputs
-    from runtime.programs.phase import Prepared
+    from runtime.programs.phase import Prepared, program_record
     from runtime.programs.spec import build_function
     from runtime.programs.tiers import COMPILED
 
@@ -88,9 +88,8 @@ def _torch_compile_programs(plan, emitter, *, phase="programs", **_):
         with torch.no_grad():
             fn(*_valid_inputs(spec, example_inputs(spec)))
         runners[spec.name] = fn
-        results.append({"program": spec.name, "outcome": "TORCH.COMPILE", "tier": COMPILED,
-                        "seconds": time.perf_counter() - t0, "backend": "torch.compile", "fingerprint": None,
-                        "reason": "", "load_bytes": 0, "load_s": 0.0})  # every key a programs phase records
+        results.append(program_record(spec.name, "TORCH.COMPILE", time.perf_counter() - t0, "torch.compile",
+                                      None, "", COMPILED))
         emitter.emit(phase, "progress", done=i, total=len(specs), unit="programs", detail=results[-1])
     return Prepared(runners, results)
 

@@ -44,6 +44,14 @@ class Prepared:
     artifact_bytes: int = 0  # bytes of the artifacts loaded (each hashed once, by the plan or a lookup)
 
 
+def program_record(name: str, outcome: str, seconds: float, backend: str, fingerprint: str | None, reason: str,
+                   tier: str, load: tuple[int, float] = (0, 0.0)) -> dict[str, Any]:
+    """One program's record in the programs phase's results (what registration and the history read):
+    `load` is the bytes its artifact loaded and the seconds that took, this host's load rate."""
+    return {"program": name, "outcome": outcome, "tier": tier, "seconds": round(seconds, 4), "backend": backend,
+            "fingerprint": fingerprint, "reason": reason, "load_bytes": load[0], "load_s": round(load[1], 4)}
+
+
 def prepare_programs(plan, emitter: Emitter, *, stop: threading.Event | None = None, load: bool = True,
                      phase: str = Phase.PROGRAMS, only: set[str] | None = None) -> Prepared:
     """Every program of the plan ready to run. The plan's HITs load from the bytes its probe
@@ -65,9 +73,7 @@ def prepare_programs(plan, emitter: Emitter, *, stop: threading.Event | None = N
 
     def record(name: str, outcome: Outcome, seconds: float, fingerprint: str | None, reason: str,
                tier: str = COMPILED, load: tuple[int, float] = (0, 0.0)) -> None:
-        results[name] = {"program": name, "outcome": outcome, "tier": tier, "seconds": round(seconds, 4),
-                         "backend": backend, "fingerprint": fingerprint, "reason": reason,
-                         "load_bytes": load[0], "load_s": round(load[1], 4)}  # this host's load rate
+        results[name] = program_record(name, outcome, seconds, backend, fingerprint, reason, tier, load)
         emitter.emit(phase, "progress", done=len(results), total=len(specs), unit="programs", detail=results[name])
 
     def done(runners) -> Prepared:
