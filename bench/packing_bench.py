@@ -33,10 +33,10 @@ from typing import Any
 
 DECODE_TARGET, PREFILL_TARGET, DENSE_TARGET = 1.0, 0.9, 0.95
 PROMPT, PREFILL_TOKENS, STEPS = 200, 256, 30
-# the compiled experts' runs per packer (best taken), at 1 and 16 rows and at 256: a 256-row call
-# takes ~0.13 s on small, and with 5 a slow patch of a shared 2-core host once fell on all of one
+# the compiled experts' row counts and runs per packer at each (best taken): a 256-row call takes
+# ~0.13 s on small, and with 5 a slow patch of a shared 2-core host once fell on all of one
 # packer's runs (dense 0.89×, against 1.02-1.07× in the runs either side)
-COMPILED_RUNS = (20, 10)
+COMPILED_RUNS = {1: 20, 16: 20, PREFILL_TOKENS: 10}
 
 
 def widen_to_packer2(layout: Any, tensors: dict[str, Any]) -> dict[str, Any]:
@@ -133,7 +133,7 @@ def _compiled_experts(config: Any, layers: dict[str, dict[str, Any]]) -> dict[st
 
     d = Dims.of(config, 512)
     out: dict[str, dict[str, float]] = {name: {} for name in layers}
-    for rows in (1, 16, PREFILL_TOKENS):
+    for rows, runs in COMPILED_RUNS.items():
         torch._dynamo.reset()
         gen = torch.Generator().manual_seed(rows)
         h = torch.randn(rows, config.hidden_size, generator=gen)
@@ -146,7 +146,7 @@ def _compiled_experts(config: Any, layers: dict[str, dict[str, Any]]) -> dict[st
                                dynamic=False)
             fn(h, idx, gates)
             calls[name] = functools.partial(fn, h, idx, gates)
-        times = _alternating(calls, COMPILED_RUNS[rows == PREFILL_TOKENS])
+        times = _alternating(calls, runs)
         for name in layers:
             out[name][str(rows)] = min(times[name])
     return out
