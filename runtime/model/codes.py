@@ -26,12 +26,16 @@ FP8_CODE_EXP = 8
 
 def fp8_float16(q: torch.Tensor) -> torch.Tensor:
     """FP8 e4m3 [..] → float16 [..] holding value · 2^-8, eagerly, in a shift and a mask: the byte
-    read as int8 widens to int16 in the shift (7 up: exponent and mantissa to bits 7-13, the sign
-    repeated into 14 and 15), the mask keeps the sign in 15 and clears 14. Then one widening to
-    float32, where the int32 route took four integer passes and a multiply (each over 4 bytes a
-    value): a `[1024, 1024]` weight, 2 AMD cores, 1.15 ms dequantised for one row before, 0.58 now."""
+    read as int8 widens to int16 (its sign repeated into bits 8-15), shifted 7 up (exponent and
+    mantissa to bits 7-13, the sign to 14 and 15), the mask keeps the sign in 15 and clears 14.
+    Then one widening to float32, where the int32 route took four integer passes and a multiply
+    (each over 4 bytes a value): a `[1024, 1024]` weight, 2 AMD cores, 1.15 ms dequantised for one
+    row before, 0.58 now. Shifted and masked in the widened copy, not into a second buffer: an
+    eager decode step of `small` (all its FP8 products), 2 Intel cores, medians of 300 steps a
+    form taking turns: 1.6-2.9% faster (packer 2's 115.7 → 113.9 ms, packer 4's 108.5 → 105.3)."""
     c = _decode_constants(q.device)
-    out = torch.bitwise_left_shift(q.view(torch.int8), c.fp8_up)
+    out = q.view(torch.int8).to(torch.int16)
+    out <<= c.fp8_up
     out &= c.fp8_bits
     return out.view(torch.float16)
 
@@ -66,7 +70,7 @@ class _DecodeConstants(NamedTuple):
 
     codes_up: torch.Tensor  # int16 [2, 1]: `CODES_UP`
     code_bits: torch.Tensor  # int16, 0-dim: `CODE_BITS`
-    fp8_up: torch.Tensor  # int16 [1]: FP8_UP
+    fp8_up: torch.Tensor  # int16, 0-dim: FP8_UP (the bytes are widened before it)
     fp8_bits: torch.Tensor  # int16, 0-dim: FP8_BITS
     # int32 [1]: float32's exponent field of 2^FP16_CODE_EXP, of 2^FP8_CODE_EXP
     fp4_exponent: torch.Tensor
@@ -85,7 +89,7 @@ def _decode_constants(device: torch.device) -> _DecodeConstants:
     i16 = {"dtype": torch.int16, "device": device}
     i32 = {"dtype": torch.int32, "device": device}
     return _DecodeConstants(torch.tensor(CODES_UP, **i16), torch.tensor(CODE_BITS, **i16),
-                            torch.tensor((FP8_UP,), **i16), torch.tensor(FP8_BITS, **i16),
+                            torch.tensor(FP8_UP, **i16), torch.tensor(FP8_BITS, **i16),
                             torch.tensor((FP16_CODE_EXP << 23,), **i32), torch.tensor((FP8_CODE_EXP << 23,), **i32))
 
 
