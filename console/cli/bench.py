@@ -308,7 +308,7 @@ def _cache_ship(args: argparse.Namespace) -> int:
 
 
 def _eta(args: argparse.Namespace) -> int:
-    from bench.eta_bench import main
+    from console.benches.eta_bench import main
 
     return main(json_output=args.json, backend=args.backend, jobs=args.jobs)
 
@@ -333,7 +333,7 @@ def _sidecar(args: argparse.Namespace) -> int:
 
 
 def _console(args: argparse.Namespace) -> int:
-    from bench.console_bench import main
+    from console.benches.console_bench import main
 
     if args.fleet_hosts < 0:
         raise UserError("--fleet-hosts: 0 or more")

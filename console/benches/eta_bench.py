@@ -29,34 +29,32 @@ def _compile(model: Path, cache: Path, backend: str, jobs: int) -> list[dict[str
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
 
 
-REPLAY = """
-import json, sys
-from console.data.launch_state import FINISHED, ProgramStates
-events, expected = json.load(sys.stdin)
-pool = ProgramStates()
-logs = [e for e in events if (e.get("detail") or {}).get("state") and (e.get("detail") or {}).get("program")]
-programs = {e["detail"]["program"] for e in logs} - {"*"}
-end, half = max(e["ts"] for e in logs), None
-for e in logs:
-    detail = dict(e["detail"])
-    if detail["state"] == "queued":
-        detail["expected_s"] = expected.get(detail["program"])
-    pool.feed(detail, e["ts"])
-    if half is None and len(pool.finished & programs) * 2 >= len(programs):
-        left = [n for n in programs if pool.states.get(n) not in FINISHED]
-        half = {"at_s": e["ts"] - logs[0]["ts"], "actual_left_s": end - e["ts"], "eta_s": pool.eta(e["ts"]) or 0.0,
-                "serial_eta_s": sum(expected.get(n, 0.0) for n in left), "programs": len(programs),
-                "workers": pool.workers, "scale": pool.scale()}
-print(json.dumps(half))
-"""
+def _half_way(events: list[dict[str, Any]], expected: dict[str, float]) -> dict[str, Any] | None:
+    """Feed the console's tracker the compile's events as they were stamped; at the event that
+    takes the finished programs to half, its ETA and the serial sum's against what was left."""
+    from console.data.launch_state import FINISHED, ProgramStates
+
+    pool = ProgramStates()
+    logs = [e for e in events if (e.get("detail") or {}).get("state") and (e.get("detail") or {}).get("program")]
+    programs = {e["detail"]["program"] for e in logs} - {"*"}
+    end = max(e["ts"] for e in logs)
+    for e in logs:
+        detail = dict(e["detail"])
+        if detail["state"] == "queued":
+            detail["expected_s"] = expected.get(detail["program"])
+        pool.feed(detail, e["ts"])
+        if len(pool.finished & programs) * 2 >= len(programs):
+            left = [n for n in programs if pool.states.get(n) not in FINISHED]
+            return {"at_s": e["ts"] - logs[0]["ts"], "actual_left_s": end - e["ts"], "eta_s": pool.eta(e["ts"]) or 0.0,
+                    "serial_eta_s": sum(expected.get(n, 0.0) for n in left), "programs": len(programs),
+                    "workers": pool.workers, "scale": pool.scale()}
+    return None
 
 
 def replay(events: list[dict[str, Any]], expected: dict[str, float]) -> dict[str, Any]:
     """The console tracker's ETA and the serial sum's at the half-way event, against what was
-    really left (the tracker runs in a child: bench never imports console/)."""
-    out = subprocess.run([sys.executable, "-c", REPLAY], input=json.dumps([events, expected]), capture_output=True,
-                         text=True, check=True)
-    half = json.loads(out.stdout)
+    really left."""
+    half = _half_way(events, expected)
     if half is None:
         raise RuntimeError("the compile never reached half its programs")
     half = {k: round(v, 3) if isinstance(v, float) else v for k, v in half.items()}
