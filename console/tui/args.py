@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     fleet.add_argument("--hosts", metavar="HOST,…", help="the service's hosts ([user@]host[:port]), node ranks "
                        "in order")
     fleet.add_argument("--fleet", type=Path, metavar="FILE", help="a fleet file (TOML: hosts with node rank, ssh "
-                       "user, port and options, dsv4's path; the launch flags every host shares; see the README)")
+                       "user, port and options, dsv4's path; the launch flags every host shares; see docs/fleet.md)")
     fleet.add_argument("--ssh-config", metavar="FILE", help="passed to ssh as -F FILE")
     fleet.add_argument("--ssh-option", action="append", default=[], metavar="KEY=VALUE",
                        help="passed to ssh as -o KEY=VALUE (repeatable)")
