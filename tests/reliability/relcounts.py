@@ -1,4 +1,4 @@
-"""Counts for RELIABILITY.md: each reliability test records what it ran and what happened.
+"""Counts for docs/reliability.md: each reliability test records what it ran and what happened.
 
 One JSON line per fault class goes to `<pytest basetemp>/reliability-counts.jsonl` (and to
 $DSV4_RELIABILITY_COUNTS when set, to collect a run's counts) and is printed (`pytest -s`).
