@@ -7,6 +7,7 @@ a validated request or raise ApiError. The service runs them off the event loop.
 from __future__ import annotations
 
 import json
+import struct
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -59,6 +60,23 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
+FLOAT32_TINY = 2.0 ** -126  # float32's smallest normal number (~1.18e-38)
+
+
+def _float32(v: float) -> float:
+    """A sampling number as the sampler computes it (float32): refused when that form is not
+    the number asked for — a non-zero value that is 0 or subnormal there (a top_p of 1e-300
+    emptied every token's probability and killed the engine thread), or one past its range."""
+    if v != 0.0 and abs(v) < FLOAT32_TINY:
+        raise ValueError(f"{v!r} is 0 or subnormal in float32, which the sampler computes in; use 0 or at "
+                         f"least {FLOAT32_TINY:.3g}")
+    try:
+        struct.pack("f", v)
+    except OverflowError:
+        raise ValueError(f"{v!r} is infinite in float32, which the sampler computes in") from None
+    return v
+
+
 def _unicode(s: str) -> str:
     """JSON may carry lone surrogates ("\\ud800"); they are no text and cannot be encoded."""
     try:
@@ -69,6 +87,7 @@ def _unicode(s: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_unicode)]
+F32 = AfterValidator(_float32)
 StopText = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
@@ -91,7 +110,10 @@ def _logit_bias(v: Any) -> Any:
             raise ValueError(f"keys must be token ids (decimal strings), got {key[:20]!r}")
         if isinstance(bias, bool) or not isinstance(bias, int | float) or not -LOGIT_BIAS_MAX <= bias <= LOGIT_BIAS_MAX:
             raise ValueError(f"token {key}: the bias must be a number in [-100, 100], got {str(bias)[:20]}")
-        out.append((int(key), float(bias)))
+        try:
+            out.append((int(key), _float32(float(bias))))
+        except ValueError as e:
+            raise ValueError(f"token {key}: {e}") from None
     return tuple(sorted(out))
 
 
@@ -105,13 +127,13 @@ class _Common(BaseModel):
 
     model: Text | None = None
     max_tokens: Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS_LIMIT)] | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=TEMPERATURE_MAX, allow_inf_nan=False)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=TEMPERATURE_MAX, allow_inf_nan=False), F32] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False), F32] | None = None
     top_k: Annotated[StrictInt, Field(ge=-1, le=TOP_K_MAX)] | None = None  # vLLM's: -1 or 0 is every token
-    min_p: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] | None = None
-    presence_penalty: Annotated[float, Field(ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1], allow_inf_nan=False)] | None = None
-    frequency_penalty: Annotated[float, Field(ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1], allow_inf_nan=False)] | None = None
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=REPETITION_MAX, allow_inf_nan=False)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False), F32] | None = None
+    presence_penalty: Annotated[float, Field(ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1], allow_inf_nan=False), F32] | None = None
+    frequency_penalty: Annotated[float, Field(ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1], allow_inf_nan=False), F32] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=REPETITION_MAX, allow_inf_nan=False), F32] | None = None
     seed: Annotated[StrictInt, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None

@@ -6,6 +6,7 @@ what they read is that value's, and the value is what tests build around a fake 
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,9 +51,9 @@ class Service:
 
     def failure(self) -> str | None:
         """Why the service must not generate (set on `launched.failure` by whatever watches its
-        weights, e.g. a mapped sidecar that changed, or its ranks, one of which is gone): it then
-        fails closed, 503 with the reason."""
-        return getattr(self.launched, "failure", None)
+        weights, e.g. a mapped sidecar that changed, or its ranks, one of which is gone; or its
+        scheduler's, whose engine thread died): it then fails closed, 503 with the reason."""
+        return getattr(self.launched, "failure", None) or self.scheduler.failure
 
     def ranks(self) -> tuple[RankHealth, ...]:
         """Each rank's own slots (it holds their sequences' KV), and where it runs and beats."""
@@ -80,7 +81,7 @@ class Service:
             tokenizer=getattr(self.launched.tokenizer, "kind", "bytes"),
             programs=tiers.status() if hasattr(tiers, "status") else "compiled",
             engine={**s.stats, "speculative": "mtp" if self.limits.speculative else "off"},
-            ranks=self.ranks(), reason=reason)
+            ranks=self.ranks(), reason=reason, open_fds=open_fds())
 
     def model_card(self) -> dict[str, Any]:
         return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "dsv4",
@@ -90,6 +91,14 @@ class Service:
         if name is not None and name not in (self.model_id, str(self.model_dir)):
             raise ApiError(404, f"model {name!r} does not exist; this server serves {self.model_id!r}",
                            param="model", code="model_not_found")
+
+
+def open_fds() -> int | None:
+    """This process's open file descriptors (Linux), for /health: what a leak would show."""
+    try:
+        return len(os.listdir("/proc/self/fd")) - 1  # less the one listing them
+    except OSError:
+        return None
 
 
 def service_of(request: Request) -> Service:
