@@ -87,6 +87,9 @@ class Access:
             return f"{url}: its TLS certificate cannot be verified ({reason}); {hint}"
         if isinstance(error, ssl.SSLError):
             return f"{url}: TLS failed ({error.reason or error}); does the service want a client certificate?"
+        if url.startswith("https:") and isinstance(error, http.client.RemoteDisconnected | ConnectionResetError):
+            # TLS 1.3 sends the server's refusal of a missing client certificate after the handshake
+            return f"{url}: closed the connection without answering; does the service want a client certificate?"
         return ""  # nothing answered, or it answered: nothing a key or a CA file would change
 
     def get(self, url: str, path: str, timeout: float, cap: int = MAX_BODY) -> Reply:

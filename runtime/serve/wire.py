@@ -8,8 +8,9 @@ held a connection — and a descriptor — each for as long as they liked. Here:
   of the previous answer; past it the connection gets `408 Request Timeout` (when part of a head
   came) and is closed;
 - a client still sending a body that was already answered (a 401, a 413) is cut off the same way;
-- a head is at most MAX_HEAD_BYTES (h11's incomplete-event cap): a 1 MiB header, or 10 000 small
-  ones, is a 400 and a closed connection, never a buffer that grows.
+- a head is at most MAX_HEAD_BYTES: a 1 MiB header, or 10 000 small ones, is a 431 and a closed
+  connection, never a buffer that grows (h11's own cap counts only a head still incomplete: one
+  that arrives whole in one read, 100 KB of 10 000 headers, went through).
 
 The body's own pace is the app's to bound (runtime.serve.http.read_body: each piece within the
 same timeout). The TLS handshake before all this is asyncio's to bound (60 s).
@@ -23,8 +24,16 @@ import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 MAX_HEAD_BYTES = 32 << 10  # request line and headers: far past what any client sends
-TIMED_OUT = b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain\r\ncontent-length: 34\r\n" \
-            b"connection: close\r\n\r\nthe request head did not arrive.\r\n"
+
+
+def _answer(status: bytes, text: bytes) -> bytes:
+    """A whole answer written before any request was parsed (h11 can only answer requests)."""
+    return (b"HTTP/1.1 " + status + b"\r\ncontent-type: text/plain\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
+            % len(text) + text)
+
+
+TIMED_OUT = _answer(b"408 Request Timeout", b"the request head did not arrive in time\n")
+TOO_LARGE = _answer(b"431 Request Header Fields Too Large", b"the request head is over %d bytes\n" % MAX_HEAD_BYTES)
 
 
 class GuardedH11(H11Protocol):
@@ -43,6 +52,16 @@ class GuardedH11(H11Protocol):
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
         self._watch()
+
+    def handle_events(self) -> None:
+        if self.conn.their_state is h11.IDLE:  # a head is (partly) buffered: its size first
+            buffered = self.conn.trailing_data[0]
+            end = buffered.find(b"\r\n\r\n")
+            if (len(buffered) if end < 0 else end + 4) > MAX_HEAD_BYTES:
+                self.transport.write(TOO_LARGE)
+                self.transport.close()
+                return
+        super().handle_events()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
