@@ -20,6 +20,7 @@ from pydantic import (
     StrictBool,
     StrictInt,
     ValidationError,
+    WithJsonSchema,
 )
 
 MAX_TOKENS_LIMIT = 1 << 20
@@ -87,7 +88,16 @@ def _unicode(s: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_unicode)]
-F32 = AfterValidator(_float32)
+# what _float32 refuses, said in the schema: a non-zero number closer to 0 than float32's smallest normal
+NOT_SUBNORMAL = {"not": {"anyOf": [{"exclusiveMinimum": 0, "exclusiveMaximum": FLOAT32_TINY},
+                                   {"exclusiveMinimum": -FLOAT32_TINY, "exclusiveMaximum": 0}]}}
+
+
+def f32(**bounds: float) -> Any:
+    """A sampling number: a JSON number (not a bool or a string) within `bounds`, finite, and the
+    same number in float32 (`_float32`); the OpenAPI document says all of it."""
+    return Annotated[float, Field(strict=True, allow_inf_nan=False, json_schema_extra=NOT_SUBNORMAL, **bounds),
+                     AfterValidator(_float32)]
 StopText = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
@@ -127,27 +137,44 @@ class _Common(BaseModel):
 
     model: Text | None = None
     max_tokens: Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS_LIMIT)] | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=TEMPERATURE_MAX, allow_inf_nan=False), F32] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False), F32] | None = None
+    temperature: f32(ge=0.0, le=TEMPERATURE_MAX) | None = None
+    top_p: f32(gt=0.0, le=1.0) | None = None
     top_k: Annotated[StrictInt, Field(ge=-1, le=TOP_K_MAX)] | None = None  # vLLM's: -1 or 0 is every token
-    min_p: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False), F32] | None = None
-    presence_penalty: Annotated[float, Field(ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1], allow_inf_nan=False), F32] | None = None
-    frequency_penalty: Annotated[float, Field(ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1], allow_inf_nan=False), F32] | None = None
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=REPETITION_MAX, allow_inf_nan=False), F32] | None = None
+    min_p: f32(ge=0.0, le=1.0) | None = None
+    presence_penalty: f32(ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1]) | None = None
+    frequency_penalty: f32(ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1]) | None = None
+    repetition_penalty: f32(gt=0.0, le=REPETITION_MAX) | None = None
     seed: Annotated[StrictInt, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    stop: Annotated[list[StopText], Field(max_length=MAX_STOPS), BeforeValidator(_stop_list)] | None = None
+    stop: Annotated[list[StopText] | None, Field(max_length=MAX_STOPS), BeforeValidator(_stop_list), WithJsonSchema(
+        {"anyOf": [{"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS},
+                   {"type": "array", "maxItems": MAX_STOPS,
+                    "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}},
+                   {"type": "null"}]})] = None
     ignore_eos: StrictBool = False  # vLLM's extension: keep going past the end-of-sequence token
     n: Annotated[StrictInt, Field(ge=1, le=MAX_CHOICES)] | None = None
-    logit_bias: Annotated[tuple[tuple[int, float], ...], BeforeValidator(_logit_bias)] = ()
+    logit_bias: Annotated[tuple[tuple[int, float], ...], BeforeValidator(_logit_bias), WithJsonSchema(
+        {"anyOf": [{"type": "object", "maxProperties": MAX_LOGIT_BIAS, "propertyNames": {"pattern": "^[0-9]{1,9}$"},
+                    "additionalProperties": {"type": "number", "minimum": -LOGIT_BIAS_MAX, "maximum": LOGIT_BIAS_MAX}},
+                   {"type": "null"}]})] = ()
     user: Text | None = None
 
 
+def _requires(*names: str):
+    """A JSON schema's `required` for fields the parser insists on past their model default."""
+    return lambda schema: schema.__setitem__("required", sorted({*schema.get("required", ()), *names}))
+
+
 class CompletionRequest(_Common):
+    model_config = ConfigDict(extra="ignore", json_schema_extra=_requires("prompt"))
     # a string, a list of token ids, or a batch of either (a list of strings or of id lists):
     # checked by hand for a clear message; `prompts` is the batch, one prompt for the first two
-    prompt: Any = None
+    prompt: Annotated[Any, WithJsonSchema({"anyOf": [
+        {"type": "string", "minLength": 1}, {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
+        {"type": "array", "minItems": 1, "maxItems": MAX_PROMPTS, "items": {"type": "string", "minLength": 1}},
+        {"type": "array", "minItems": 1, "maxItems": MAX_PROMPTS,
+         "items": {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}}]})] = None
     max_tokens: Annotated[StrictInt, Field(ge=0, le=MAX_TOKENS_LIMIT)] | None = None  # 0: with echo only
     logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: StrictBool = False
@@ -183,7 +210,10 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant"]
-    content: Annotated[Text, BeforeValidator(_content)] = ""
+    content: Annotated[Text, BeforeValidator(_content), WithJsonSchema({"anyOf": [
+        {"type": "string"}, {"type": "null"},
+        {"type": "array", "items": {"type": "object", "required": ["type", "text"],
+                                    "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]})] = ""
 
 
 class ChatRequest(_Common):

@@ -13,6 +13,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from runtime.launch.spec import DEFAULTS
+from runtime.serve import schema
 from runtime.serve.api import ApiError
 from runtime.serve.auth import OPEN_DOOR, Door, RequireKey
 from runtime.serve.http import (
@@ -75,8 +76,10 @@ def create_app(launched, limits: Limits = Limits(), scheduler: Scheduler | None 
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_request: Request, exc: StarletteHTTPException) -> SafeJSONResponse:
-        return error_response(ApiError(exc.status_code, str(exc.detail), code=str(exc.status_code)))
+        return error_response(ApiError(exc.status_code, str(exc.detail), code=str(exc.status_code),
+                                       headers=dict(exc.headers or {})))  # a 405's Allow
 
     app.state.generation = Generation(service)
     app.include_router(generation_routes)
+    schema.install(app)
     return app

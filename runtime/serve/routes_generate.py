@@ -18,7 +18,16 @@ from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from runtime.model import chat_template
-from runtime.serve.api import ApiError, limit_tokens, parse_chat, parse_completion, sampling_fields
+from runtime.serve import schema
+from runtime.serve.api import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    limit_tokens,
+    parse_chat,
+    parse_completion,
+    sampling_fields,
+)
 from runtime.serve.batch import Prompt, best, check_fits, draws_of
 from runtime.serve.http import ClientGone, SafeJSONResponse, read_body, until_disconnect
 from runtime.serve.responses import ChatShape, CompletionShape, TextRun, merged, sse, usage
@@ -204,13 +213,14 @@ class Generation:
         return StreamingResponse(events(), media_type="text/event-stream")
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", **schema.generation(CompletionRequest, schema.Completion, schema.Completion))
 async def completions(request: Request):
     generation: Generation = request.app.state.generation
     return await generation.generate(request, generation.completion_prompt, generation.completion_shape)
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", **schema.generation(ChatRequest, schema.ChatCompletion,
+                                                         schema.ChatCompletionChunk))
 async def chat_completions(request: Request):
     generation: Generation = request.app.state.generation
     return await generation.generate(request, generation.chat_prompt, generation.chat_shape)

@@ -16,6 +16,7 @@ from fastapi.responses import PlainTextResponse
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from runtime.serve import schema
 from runtime.serve.api import ApiError
 from runtime.serve.contract import FAILED, OK, Health, RankHealth
 from runtime.serve.http import SafeJSONResponse
@@ -105,24 +106,24 @@ def service_of(request: Request) -> Service:
     return request.app.state.service
 
 
-@router.get("/health")
+@router.get("/health", **schema.HEALTH)
 async def health(request: Request) -> Any:
     value = service_of(request).health()
     return SafeJSONResponse(value.to_json(), status_code=200 if value.ok else 503)
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse, **schema.METRICS)
 async def metrics(request: Request) -> PlainTextResponse:
     registry = service_of(request).metrics.registry
     return PlainTextResponse(generate_latest(registry).decode(), media_type=CONTENT_TYPE_LATEST)
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", **schema.MODELS)
 async def models(request: Request) -> dict[str, Any]:
     return {"object": "list", "data": [service_of(request).model_card()]}
 
 
-@router.get("/v1/models/{model}")
+@router.get("/v1/models/{model}", **schema.MODEL)
 async def model(request: Request, model: str) -> dict[str, Any]:
     service = service_of(request)
     service.check_model(model)
