@@ -85,8 +85,10 @@ class Service:
             ranks=self.ranks(), reason=reason, open_fds=open_fds())
 
     def model_card(self) -> dict[str, Any]:
+        """OpenAI's model object. `root` is the model's id, not its directory: an API client is
+        not told the server's paths (/health, the operators', says the directory)."""
         return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "dsv4",
-                "root": str(self.model_dir), "max_model_len": self.max_seq}
+                "root": self.model_id, "max_model_len": self.max_seq}
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in (self.model_id, str(self.model_dir)):
