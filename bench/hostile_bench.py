@@ -36,6 +36,7 @@ import psutil
 KEY = "bench-" + "k" * 32
 READ_TIMEOUT = 10.0
 HEALTH_DURING_BOUND_S = 0.5
+WIDTH = 190  # the classes table is wide: never folded into a narrow column per word
 BIG = ("hello world, the quick brown fox " * 130_000)[: (4 << 20) - 200]  # just under --max-body
 
 
@@ -57,7 +58,7 @@ class Live:
     def get(self, path: str, timeout: float = 120) -> httpx.Response:
         return httpx.get(self.url + path, headers=self.headers, timeout=timeout)
 
-    def post(self, path: str, timeout: float = 300, **kw) -> httpx.Response:
+    def post(self, path: str, timeout: float = 60, **kw) -> httpx.Response:
         return httpx.post(self.url + path, headers={**self.headers, **kw.pop("headers", {})}, timeout=timeout, **kw)
 
     def figures(self) -> tuple[float, int, int, int]:
@@ -102,7 +103,12 @@ def _status(raw: bytes) -> int | str:
 
 def _timed(row: Row, fn: Callable[[], int | str]) -> None:
     t0 = time.perf_counter()
-    status = fn()
+    try:
+        status = fn()
+    except httpx.TimeoutException:
+        status = "no answer"
+    except httpx.TransportError:
+        status = "closed"
     row.answer(status, time.perf_counter() - t0)
 
 
@@ -128,9 +134,17 @@ def _float32(live: Live, row: Row) -> None:
     for literal in (b"NaN", b"Infinity", b"-Infinity"):
         body = b'{"prompt": [1], "max_tokens": 2, "temperature": %s}' % literal
         _timed(row, lambda b=body: live.post("/v1/completions", content=b).status_code)
-    ok = live.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2})
-    row.held = ok.status_code == 200 and live.get("/health").status_code == 200
-    row.note = f"after them: a completion {ok.status_code}, /health {live.get('/health').json()['status']}"
+    served = _serves(live)
+    row.held = served and live.get("/health").status_code == 200
+    row.note = f"after them: a completion {'served' if served else 'NOT served'}, /health {live.get('/health').json()['status']}"
+
+
+def _serves(live: Live) -> bool:
+    """Whether a 2-token completion is still served (within a minute)."""
+    try:
+        return live.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def _bodies(live: Live, row: Row) -> None:
@@ -203,8 +217,10 @@ def _stalled(live: Live, row: Row, count: int, trickle: bool) -> None:
 
 
 def _seconds(fn: Callable[[], object]) -> float:
+    """How long `fn` took to answer (or to fail: a timeout counts its whole wait)."""
     t0 = time.perf_counter()
-    fn()
+    with contextlib.suppress(httpx.HTTPError):
+        fn()
     return time.perf_counter() - t0
 
 
@@ -235,11 +251,14 @@ def _huge(live: Live, row: Row, at_once: int) -> dict:
     alone_health = statistics.median(_seconds(lambda: live.get("/health")) for _ in range(5))
     small = {"prompt": [1, 2, 3], "max_tokens": 4}
     alone_small = statistics.median(_seconds(lambda: live.post("/v1/completions", json=small)) for _ in range(3))
-    results: list[tuple[float, int]] = []
+    results: list[tuple[float, int | str]] = []
 
     def one() -> None:
         t0 = time.perf_counter()
-        status = live.post("/v1/completions", json={"prompt": BIG, "max_tokens": 4}).status_code
+        try:
+            status: int | str = live.post("/v1/completions", json={"prompt": BIG, "max_tokens": 4}).status_code
+        except httpx.HTTPError:
+            status = "no answer"
         results.append((time.perf_counter() - t0, status))
 
     threads = [threading.Thread(target=one) for _ in range(at_once)]
@@ -255,7 +274,7 @@ def _huge(live: Live, row: Row, at_once: int) -> dict:
     for seconds, status in results:
         row.answer(status, seconds)
     worst = max(during_health, default=0.0)
-    row.held = worst <= HEALTH_DURING_BOUND_S and all(s < 500 for _, s in results)
+    row.held = worst <= HEALTH_DURING_BOUND_S and all(isinstance(s, int) and s < 500 for _, s in results)
     row.note = f"/health worst {worst:.3f} s during (alone {alone_health:.3f} s)"
     return {"prompts": at_once, "prompt_seconds": max(s for s, _ in results), "health_alone_s": alone_health,
             "health_during_worst_s": worst, "health_during_n": len(during_health), "completion_alone_s": alone_small,
@@ -279,7 +298,6 @@ def _counts(live: Live, row: Row) -> None:
 CLASSES: list[tuple[str, str, Callable[[Live, Row], object]]] = [
     ("API key: none, wrong, BadHost, //, %2F, ..", "401 each", _door),
     ("values past their bounds", "4xx each, never 5xx", _values),
-    ("float32 extremes, NaN, ±inf", "400 each; the engine goes on", _float32),
     ("nesting 100 000 deep, bad UTF-8, 10 MB body", "400 / 413 or closed", _bodies),
     ("1 MiB header, 10 000 headers", "431/400 or closed", _floods),
     ("slow-loris: 100 conns, 1 header byte/s", f"each closed ≤ {READ_TIMEOUT + 2:g} s",
@@ -290,6 +308,8 @@ CLASSES: list[tuple[str, str, Callable[[Live, Row], object]]] = [
     ("four 4 MiB prompts at once", f"400s; /health ≤ {HEALTH_DURING_BOUND_S} s meanwhile",
      lambda live, row: _huge(live, row, 4)),
     ("a prompt with n=2", "its tokens counted once", _counts),
+    # last: before issue 68 one of these killed the engine thread, and every later generation hung
+    ("float32 extremes, NaN, ±inf", "400 each; the engine goes on", _float32),
 ]
 
 
@@ -298,7 +318,8 @@ def _start(model: Path, tmp: Path, source: Path | None) -> Live:
     if source is not None:
         env["PYTHONPATH"] = str(source)
     cli = [sys.executable, "-m", "console.cli", "serve"]
-    keyed = "--api-key-file" in subprocess.run([*cli, "--help"], capture_output=True, text=True, env=env).stdout
+    keyed = "--api-key-file" in subprocess.run([*cli, "--help"], capture_output=True, text=True, env=env,
+                                               cwd=source).stdout
     extra = []
     if keyed:
         keys = tmp / "keys"
@@ -308,7 +329,8 @@ def _start(model: Path, tmp: Path, source: Path | None) -> Live:
     events = tmp / "events.jsonl"
     proc = subprocess.Popen([*cli, str(model), "--device", "cpu", "--backend", "eager", "--port", "0", "--max-seq",
                              "256", "--max-slots", "2", "--validate-tokens", "1", "--events", str(events), *extra],
-                            stdout=subprocess.DEVNULL, stderr=open(tmp / "stderr.log", "wb"), env=env)  # noqa: SIM115
+                            stdout=subprocess.DEVNULL, stderr=open(tmp / "stderr.log", "wb"), env=env,  # noqa: SIM115
+                            cwd=source)  # `-m` puts the working directory first on sys.path
     deadline = time.time() + 600
     while time.time() < deadline and proc.poll() is None:
         for line in events.read_text().splitlines() if events.exists() else ():
@@ -338,7 +360,12 @@ def measure(source: Path | None = None, progress=print) -> dict:
         model = synthesize("tiny", Path(tmp) / "ckpt", seed=0)
         live = _start(model, Path(tmp), source)
         try:
+            broken = ""
             for name, bound, fn in CLASSES:
+                if broken:
+                    rows.append(Row(name, bound, held=False, note=f"not run: nothing served since {broken}",
+                                    before=("-",) * 4, after=("-",) * 4))
+                    continue
                 progress(f"{name} …")
                 row = Row(name, bound, before=live.figures())
                 detail = fn(live, row)
@@ -349,6 +376,8 @@ def measure(source: Path | None = None, progress=print) -> dict:
                 back = row.after[2:] == row.before[2:] and row.after[1] <= row.before[1] + 2
                 row.held = row.held and not server_errors and back and live.proc.poll() is None
                 rows.append(row)
+                if not _serves(live):
+                    broken = f"'{name}'"
         finally:
             live.proc.terminate()
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -356,10 +385,14 @@ def measure(source: Path | None = None, progress=print) -> dict:
             live.proc.kill()
     return {"source": str(source or "this checkout"), "keyed": live.keyed, "read_timeout_s": READ_TIMEOUT,
             "classes": [{"class": r.name, "bound": r.bound, "sent": r.sent, "statuses": dict(r.statuses),
-                         "slowest_s": round(r.slowest, 3), "rss_mib": [round(r.before[0], 1), round(r.after[0], 1)],
+                         "slowest_s": round(r.slowest, 3), "rss_mib": [_mib(r.before[0]), _mib(r.after[0])],
                          "open_fds": [r.before[1], r.after[1]], "free_slots": [r.before[2], r.after[2]],
                          "held": r.held, "note": r.note} for r in rows],
             "huge_prompt": huge}
+
+
+def _mib(value) -> float | str:
+    return round(value, 1) if isinstance(value, float) else value
 
 
 def main(json_output: bool = False, source: Path | None = None) -> int:
@@ -374,11 +407,11 @@ def main(json_output: bool = False, source: Path | None = None) -> int:
                 [(c["class"], c["sent"], " ".join(f"{k}×{v}" for k, v in sorted(c["statuses"].items())),
                   f"{c['slowest_s']:.3f}", "→".join(map(str, c["rss_mib"])), "→".join(map(str, c["open_fds"])),
                   "→".join(map(str, c["free_slots"])), c["bound"], "yes" if c["held"] else "NO", c["note"])
-                 for c in result["classes"]])
+                 for c in result["classes"]], width=WIDTH)
     print_table("4 MiB prompts (just under --max-body): what everyone else waits",
                 ("prompts", "their 400 s", "/health alone s", "/health during, worst s", "4-token completion alone s",
                  "during, worst s"),
                 [(h["prompts"], f"{h['prompt_seconds']:.2f}", f"{h['health_alone_s']:.3f}",
                   f"{h['health_during_worst_s']:.3f}", f"{h['completion_alone_s']:.3f}",
-                  f"{h['completion_during_worst_s']:.3f}") for h in result["huge_prompt"]])
+                  f"{h['completion_during_worst_s']:.3f}") for h in result["huge_prompt"]], width=WIDTH)
     return 0
