@@ -266,10 +266,12 @@ def launch_ranks(spec: LaunchSpec) -> int:
     service's ending."""
     from runtime.launch import history
     from runtime.launch.registration import resolved
+    from runtime.serve.auth import Door
     from runtime.serve.rank_launcher import launch, rank_logs
     from runtime.serve.server import bind
     from store.services import Announcement, find, how
 
+    Door.of(spec)  # a bad key file or certificate: one line now, not from rank 0 after N starts
     bind(spec.host, spec.port).close()  # the port in use is one line now, not after N registrations
     port = spec.master_port if spec.master_port is not None else int(os.environ.get("MASTER_PORT", 0) or 0)
     started = time.time()
