@@ -3,8 +3,8 @@ host is a mount + UTS namespace (`unshare --mount --uts`, as root) with its own 
 own directory bound at one shared path, so every host sees "its" checkpoint, kernel cache, state
 and keys at the same paths, as hosts with their own disks do. Its ranks are `dsv4 serve`
 processes, started either with the torchrun variables set by hand (RANK, WORLD_SIZE,
-MASTER_ADDR/PORT) or by a real torchrun agent per host (`python -m torch.distributed.run
---nnodes H --node-rank K`), on loopback."""
+MASTER_ADDR/PORT) or by a real torchrun agent per host (`python -m runtime.launch.torchrun --nnodes H
+--node-rank K`: torchrun, its store listening on the master address alone), on loopback."""
 
 from __future__ import annotations
 
@@ -105,7 +105,7 @@ class Host:
         """This host as node `node_rank` of `nodes` under a real torchrun agent running `ranks`
         rank processes here (node 0's agent hosts the store on `port`); its ranks' events in
         `out/events-<host>.jsonl`, the agent's and the ranks' stderr in `out/stderr-<host>.log`."""
-        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc-per-node", str(ranks),
+        argv = [sys.executable, "-m", "runtime.launch.torchrun", "--nnodes", str(nodes), "--nproc-per-node", str(ranks),
                 "--node-rank", str(node_rank), "--master-addr", "127.0.0.1", "--master-port", str(port),
                 "-m", "console.cli",
                 *self.serve(out / f"events-{self.label}.jsonl", *args, backend=backend, max_seq=max_seq)]

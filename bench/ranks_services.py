@@ -214,7 +214,7 @@ def torchrun_nodes(model: Path, run_dir: Path, options: Sequence[str] = ()) -> I
     seen: set[int] = set()
     try:
         for node in (0, 1):
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+            cmd = [sys.executable, "-m", "runtime.launch.torchrun", "--nnodes", "2", "--nproc-per-node", "1",
                    "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
                    "-m", "console.cli", "serve", str(model), "--device", "cpu", "--port", "0",
                    "--events", str(events), *options]

@@ -13,7 +13,10 @@ def print_json(value: Any) -> None:
     sys.stdout.write("\n")
 
 
-def print_table(title: str | None, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+def print_table(title: str | None, columns: Sequence[str], rows: Sequence[Sequence[Any]],
+                width: int | None = None) -> None:
+    """`width`: the table's, whatever the terminal's (a wide table is folded into narrow columns
+    otherwise; a pipe counts as 80)."""
     from rich.console import Console
     from rich.table import Table
 
@@ -22,4 +25,4 @@ def print_table(title: str | None, columns: Sequence[str], rows: Sequence[Sequen
         table.add_column(c, overflow="fold")
     for r in rows:
         table.add_row(*("" if v is None else str(v) for v in r))
-    Console().print(table)
+    Console(width=width).print(table)

@@ -21,6 +21,12 @@ ENVIRONMENT = """environment:
                          `dsv4 serve` (and the console's launches) across hosts instead of
                          compiling (--trusted-keys FILE instead); unset: nothing from another
                          host is installed, each host compiles for itself
+  DSV4_API_KEY_FILE      API keys, one `NAME KEY` a line, private to you: `dsv4 serve` (and the
+                         console's launches) then wants `Authorization: Bearer KEY` on every
+                         request; the console and fleet send its first key (--api-key-file FILE
+                         instead; docs/security.md)
+  DSV4_CA_FILE           the CA certificates that vouch for the services' HTTPS certificates,
+                         for the console and fleet (--ca-file FILE instead; default the system's)
   DOCKER_CONFIG          where `dsv4 cache push|pull` read registry credentials (config.json, as
                          `docker login` writes them; default ~/.docker)
   DSV4_DATA_DIR          where the embedded default checkpoint lives (<user data dir>/dsv4-console)

@@ -40,6 +40,10 @@ class CountingEngine:
     def reset(self, slot: int = 0) -> None:
         self.lengths[slot] = self.counts[slot] = 0
 
+    def copy_slot(self, src: int, dst: int) -> None:
+        """`n` choices share their prompt's prefill: the copy goes on from where `src` is."""
+        self.lengths[dst], self.counts[dst] = self.lengths[src], self.counts[src]
+
     def truncate(self, slot: int, length: int) -> None:
         self.lengths[slot] = min(self.lengths[slot], length)
 

@@ -105,6 +105,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     service.add_argument("--json", action="store_true", help="print one JSON object")
     service.set_defaults(func=_service)
 
+    hostile = sub.add_parser(
+        "hostile",
+        help="every hostile-request class against a live service: statuses, slowest answer, RSS/fds/slots before "
+        "and after, each beside its bound",
+        description="Serve the tiny synthetic model (eager, 2 slots, an API key, --read-timeout 10) and send each "
+        "hostile class of issue 68: missing and wrong keys and paths that try to get round them, values past their "
+        "bounds, float32 extremes, NaN and infinity, deep nesting, bad UTF-8, a 10 MB body, header floods, 100 "
+        "slow-loris and 1 000 abandoned connections, clients leaving half-way, 4 MiB prompts (with /health and a "
+        "small completion timed meanwhile) and the prompt count of n=2. Prints per class the requests, statuses, "
+        "slowest answer, the service's RSS, descriptors and free slots before and after, and the bound it must hold.",
+    )
+    hostile.add_argument("--source", type=Path, metavar="DIR", help="serve from another checkout (its code first "
+                         "on PYTHONPATH), to compare a release before this one; without keys where it has none")
+    hostile.add_argument("--json", action="store_true", help="print one JSON object")
+    hostile.set_defaults(func=_hostile)
+
     ranks = sub.add_parser(
         "ranks",
         help="dsv4 serve --ranks 1 vs 2 vs 4: ready cold/hot, mapped bytes, slots and PSS per rank, decode tokens/s",
@@ -344,6 +360,14 @@ def _service(args: argparse.Namespace) -> int:
     from bench.service_bench import main
 
     return main(backend=args.backend, json_output=args.json)
+
+
+def _hostile(args: argparse.Namespace) -> int:
+    from bench.hostile_bench import main
+
+    if args.source is not None and not (args.source / "runtime" / "serve").is_dir():
+        raise UserError(f"--source {args.source}: not a dsv4-console checkout (no runtime/serve in it)")
+    return main(json_output=args.json, source=args.source)
 
 
 def _ranks(args: argparse.Namespace) -> int:

@@ -1,6 +1,7 @@
 """`dsv4 node start|stop|ls`: this host's part of a service across hosts — `torchrun` with this
 host's node rank, the first host's address as the master, and `dsv4 serve` as every rank's
-program — detached, watched by a supervisor that records how it ended (`store.nodes`).
+program — detached, watched by a supervisor that records how it ended (`store.nodes`). torchrun
+runs as `runtime.launch.torchrun`: its rendezvous store listens on --master-addr alone.
 
 The fleet console starts a service across hosts by running `dsv4 node start` on each over SSH
 (node 0 first, `--master-port 0`: it picks a free port and says it), and stops it with
@@ -128,7 +129,7 @@ def cmd_start(args: argparse.Namespace) -> int:
     from console.cli.model import resolve_model_dir
 
     spec = spec.with_(model=resolve_model_dir(spec.model))
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(hosts), "--nproc-per-node", str(per),
+    argv = [sys.executable, "-m", "runtime.launch.torchrun", "--nnodes", str(hosts), "--nproc-per-node", str(per),
             "--node-rank", str(rank), "--master-addr", addr, "--master-port", str(port),
             *_dsv4_program(), "serve", *spec.argv(SERVE)]
     plan = {"argv": argv, "node_rank": rank, "nnodes": hosts, "master": f"{addr}:{port}",

@@ -25,6 +25,7 @@ from console.data.services import ServicesCollector, ServicesSnapshot
 from runtime.launch.history import Likeness, basis_line, comparable, is_warm, launch_seconds
 from runtime.launch.spec import LaunchSpec
 from runtime.programs.outcome import Outcome
+from runtime.serve.access import Access
 from store import sidecar as sc
 from store.paths import default_model_dir, default_preset, kernel_cache_dir  # noqa: F401
 from store.sidecar.verdict import MAP, REPACK
@@ -285,7 +286,7 @@ class Collectors:
         self.spec = spec
         self.device_kind = resolve_device(spec.device)
         self.host = HostCollector()
-        self.services = ServicesCollector()
+        self.services = ServicesCollector(Access.of(spec.api_key_file, spec.ca_file))
         self.plans = PlanWatch(spec)
         self._history: list[dict[str, Any]] = []
         self._history_stamp: tuple[int, int] | None = None

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from runtime.serve import contract as c
+from runtime.serve.access import NO_ACCESS, Access
 from store import services as registry
 from store.services import Service
 
@@ -22,32 +23,23 @@ FIGURES = ("tokens_s", "requests_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99
 MAX_BODY = 1 << 20
 
 
-def fetch(url: str, path: str, timeout: float = HTTP_TIMEOUT) -> tuple[int | None, bytes]:
-    """(status, body) of GET url+path; (None, b"") when nothing answered."""
-    import http.client  # lazily: not on the first paint's path
-    import urllib.parse
-
-    parts = urllib.parse.urlsplit(url)
-    if not parts.hostname:
-        return None, b""
-    conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=timeout)
-    try:
-        conn.request("GET", path)
-        response = conn.getresponse()
-        return response.status, response.read(MAX_BODY)
-    except (OSError, http.client.HTTPException):
-        return None, b""
-    finally:
-        conn.close()
+def fetch(url: str, path: str, timeout: float = HTTP_TIMEOUT, access: Access = NO_ACCESS) -> tuple[int | None, bytes]:
+    """(status, body) of GET url+path with `access` (its key, its CA); (None, b"") when nothing answered."""
+    reply = access.get(url, path, timeout, MAX_BODY)
+    return reply.status, reply.body
 
 
-def health(url: str) -> tuple[str, c.Health | None, str]:
-    """(`ok` | `HTTP 503` | `no answer`, the parsed Health, a contract problem in words)."""
+def health(url: str, access: Access = NO_ACCESS) -> tuple[str, c.Health | None, str]:
+    """(`ok` | `HTTP 503` | `no answer`, the parsed Health, a problem in words: the contract's,
+    or a 401 or an unverifiable certificate as `Access` says them)."""
     import json
 
-    status, raw = fetch(url, "/health")
+    reply = access.get(url, "/health", HTTP_TIMEOUT, MAX_BODY)
+    status, raw = reply.status, reply.body
     if status is None:
-        return "no answer", None, ""
+        return "no answer", None, reply.problem
+    if reply.problem:  # 401: the service needs a key this console does not have
+        return f"HTTP {status}", None, reply.problem
     word = "ok" if status == 200 else f"HTTP {status}"
     try:
         return word, c.Health.from_json(json.loads(raw)), ""
@@ -265,17 +257,19 @@ class ServicesSnapshot:
 
 
 class ServicesCollector:
-    """Every service of this host, each live one probed (/health, /metrics) at every call."""
+    """Every service of this host, each live one probed (/health, /metrics) at every call, with
+    `access` (the API key and CA file the console was given)."""
 
-    def __init__(self) -> None:
+    def __init__(self, access: Access = NO_ACCESS) -> None:
         self.windows: dict[str, MetricsWindow] = {}
+        self.access = access
 
     def view(self, record: Service, now: float) -> ServiceView:
         if record.ended or not record.url:
             return ServiceView(record, "ended" if record.ended else record.state)
-        word, detail, problem = health(record.url)
+        word, detail, problem = health(record.url, self.access)
         figures = None
-        status, raw = fetch(record.url, "/metrics") if detail is not None else (None, b"")
+        status, raw = fetch(record.url, "/metrics", access=self.access) if detail is not None else (None, b"")
         if status == 200:
             try:
                 samples = parse_metrics(raw.decode(errors="replace"))

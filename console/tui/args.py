@@ -139,6 +139,9 @@ def run(argv: list[str] | None, app_class) -> int:
         state_dir(), data_dir()
         setup = fleet_setup(args)
         spec = setup.spec if setup is not None else spec_from(args)
+        from runtime.serve.access import Access
+
+        Access.of(spec.api_key_file, spec.ca_file)  # a key or CA file that cannot serve: one line now
     except UserError as e:  # as `dsv4` says a bad setting: one line, exit 1
         return _bad(str(e), 1)
     if setup is not None:

@@ -9,6 +9,7 @@ built on this one.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import os
 import socket
@@ -83,15 +84,68 @@ class RankEnv:
                 "MASTER_PORT": str(self.port), "DSV4_AGENT_STORE": "1" if self.agent_store else "0"}
 
 
+def own_address(master: str) -> str:
+    """This host's address on the network the operator named with MASTER_ADDR (--master-addr):
+    the master's own when it is a loopback address (every rank on this host), else the source
+    address of this host's route to it — where this rank's process group listens."""
+    try:
+        family, _, _, _, where = socket.getaddrinfo(master, 9, type=socket.SOCK_DGRAM)[0]
+    except socket.gaierror as e:
+        raise RankError(f"MASTER_ADDR {master} does not resolve ({e.strerror})") from None
+    if ipaddress.ip_address(where[0]).is_loopback:
+        return where[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:  # no packet is sent: the route is looked up
+        try:
+            probe.connect(where)
+        except OSError as e:
+            raise RankError(f"MASTER_ADDR {master}: this host has no route to it ({e.strerror})") from None
+        return probe.getsockname()[0]
+
+
+def listening(addr: str, port: int) -> socket.socket:
+    """A socket listening on `addr`:`port` (0: a free one) and on no other address: a TCPStore
+    left to itself listens on every interface (`*:port`), whatever host name it is given."""
+    infos = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
+    family, _, _, _, where = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(where)
+        sock.listen(4096)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def bound_store(addr: str, port: int, timeout: float, multi_tenant: bool = False):
+    """A TCPStore server listening on `addr` only (`port` 0: a free one; the store takes the
+    socket over, and closes it). `multi_tenant`: later multi-tenant stores of this process on the
+    same port share this server (torchrun's agent: `runtime.launch.torchrun`)."""
+    from torch.distributed import TCPStore
+
+    sock = listening(addr, port)
+    port = sock.getsockname()[1]
+    fd = sock.detach()
+    try:
+        return TCPStore(addr, port, None, True, timedelta(seconds=timeout), wait_for_workers=False,
+                        multi_tenant=multi_tenant, master_listen_fd=fd)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def open_store(env: RankEnv, timeout: float, host: bool = False, client: bool = False):
     """The rendezvous store: hosted here when `host` (our launcher) or when rank 0 runs without
-    an agent; otherwise (or as a second connection, `client`) a client whose every call waits
-    up to `timeout` for the host to answer."""
+    an agent — listening on MASTER_ADDR alone, never every interface; otherwise (or as a second
+    connection, `client`) a client whose every call waits up to `timeout` for the host to answer."""
     from torch.distributed import TCPStore
 
     master = not client and (host or (env.rank == 0 and not env.agent_store))
     try:
-        return TCPStore(env.addr, env.port, None, master, timedelta(seconds=timeout), wait_for_workers=False)
+        if master:
+            return bound_store(env.addr, env.port, timeout)
+        return TCPStore(env.addr, env.port, None, False, timedelta(seconds=timeout), wait_for_workers=False)
     except (RuntimeError, OSError, ValueError) as e:
         text = str(e).lower()
         if master and ("in use" in text or "eaddrinuse" in text or "bind" in text):

@@ -27,7 +27,15 @@ from typing import Any
 
 from runtime.launch.agree import Join, disagreement
 from runtime.launch.liveness import Heartbeat, first_line, member
-from runtime.launch.rank_store import POLL_S, PREFIX, RankEnv, RankError, RankStore, open_store
+from runtime.launch.rank_store import (
+    POLL_S,
+    PREFIX,
+    RankEnv,
+    RankError,
+    RankStore,
+    open_store,
+    own_address,
+)
 
 # the process group's own backstop: a collective fails after this long whatever the heartbeats
 # say (an idle service pings well within it); a lost rank fails it within one wait slice
@@ -37,6 +45,42 @@ PING_EVERY_S = 5.0
 LOSE_WAIT_S = 10.0  # a second failure waits this long for the first to have failed the service
 LAUNCHER_GRACE_S = 1.0  # a failed collective waits this long for the launcher's line on a dead rank
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+BOUND_GLOO = "dsv4-gloo"  # gloo whose sockets listen on one address (`bound_backend`)
+
+
+def bound_backend(device_kind: str, address: str) -> str:
+    """The process group's backend, listening on `address` (this host's on the master's
+    network) and no other: gloo's device is made for that address (left to itself it takes the
+    host name's, whatever network that is on); nccl and hccl are told by their own variables
+    (NCCL_SOCKET_IFNAME: the interface holding the address; HCCL_IF_IP), unless the operator set
+    them."""
+    import torch.distributed as dist
+
+    backend = BACKENDS[device_kind]
+    if backend == "nccl":
+        if interface := _interface_of(address):
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", f"={interface}")
+        return backend
+    if backend == "hccl":
+        os.environ.setdefault("HCCL_IF_IP", address)
+        return backend
+
+    def gloo(store, rank: int, size: int, timeout: timedelta):
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
+        return dist.ProcessGroupGloo(store, rank, size, options)
+
+    if BOUND_GLOO not in dist.Backend.backend_list:
+        dist.Backend.register_backend(BOUND_GLOO, gloo, devices=["cpu"])
+    return BOUND_GLOO
+
+
+def _interface_of(address: str) -> str | None:
+    import psutil
+
+    return next((name for name, addrs in psutil.net_if_addrs().items() if any(a.address == address for a in addrs)),
+                None)
 
 
 class Group(RankStore):
@@ -67,9 +111,9 @@ class Group(RankStore):
             getattr(torch, device_kind).set_device(self.env.local_rank)
         self._kind = device_kind
 
-        dist.init_process_group(BACKENDS[device_kind], store=dist.PrefixStore(PREFIX + "pg", self.store),
-                                rank=self.rank, world_size=self.world,
-                                timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        dist.init_process_group(bound_backend(device_kind, own_address(self.env.addr)),
+                                store=dist.PrefixStore(PREFIX + "pg", self.store), rank=self.rank,
+                                world_size=self.world, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
         self._pg = True
 
     def lead(self, op: str, *args: Any) -> None:

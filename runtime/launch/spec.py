@@ -61,6 +61,15 @@ class LaunchSpec:
     signing_key: Path | None = None  # None: $DSV4_SIGNING_KEY, else the user config dir's signing.key
     trusted_keys: Path | None = None  # None: $DSV4_TRUSTED_KEYS (unset: no other host's entries)
     events: str | None = None
+    # At the door (runtime.serve.auth, runtime.serve.tls): secrets are files, never flag values
+    api_key_file: Path | None = None  # None: $DSV4_API_KEY_FILE (unset: no key needed)
+    status_needs_key: bool = True  # with keys, /health and /metrics need one too (--open-status: not)
+    ssl_certfile: Path | None = None
+    ssl_keyfile: Path | None = None
+    ssl_ca_certs: Path | None = None  # client certificates must be signed by this CA
+    ca_file: Path | None = None  # a client's (the console's): the CA of the services' certificates
+    read_timeout: float = 10.0  # a request's head, and each piece of its body, within this
+    root_path: str = ""  # the prefix a proxy in front strips (uvicorn's --root-path)
 
     def with_(self, **changes: Any) -> LaunchSpec:
         return replace(self, **changes)
@@ -107,6 +116,14 @@ class LaunchSpec:
                                 f"or choose another path")
             if events.exists() and not events.is_file():  # appending to a FIFO would block for a reader
                 raise UserError(f"--events {self.events}: not a regular file; choose another path")
+        if self.root_path and not (self.root_path.startswith("/") and not self.root_path.endswith("/")
+                                   and self.root_path.isascii() and self.root_path.isprintable()):
+            raise UserError(f"--root-path {self.root_path!r}: a path prefix like /dsv4 (starting with /, "
+                            f"not ending with one)")
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise UserError("--ssl-certfile and --ssl-keyfile go together (the certificate and its private key)")
+        if self.ssl_ca_certs is not None and self.ssl_certfile is None:
+            raise UserError("--ssl-ca-certs asks clients for certificates: it needs --ssl-certfile and --ssl-keyfile")
 
 
 DEFAULTS = LaunchSpec()
@@ -209,6 +226,25 @@ FLAGS: tuple[Flag, ...] = (
          (*LAUNCH, PLAN), type=Path, metavar="FILE"),
     Flag("events", "--events", "write progress events as JSON lines to FILE (- for stdout)",
          (SERVE, COMPILE, PREPACK), metavar="FILE|-"),
+    Flag("api_key_file", "--api-key-file", "API keys, one `NAME KEY` a line, private to you (mode 600): every "
+         "request then needs `Authorization: Bearer KEY`; the console and fleet send the file's first key (default "
+         "$DSV4_API_KEY_FILE; none: no key needed)", LAUNCH, type=Path, metavar="FILE"),
+    Flag("status_needs_key", "--open-status", "with --api-key-file: /health and /metrics answer without a key "
+         "(a load balancer's probe, a scraper without one); every other path still needs it", LAUNCH, negate=True),
+    Flag("ssl_certfile", "--ssl-certfile", "serve HTTPS with this certificate (PEM; with --ssl-keyfile)", LAUNCH,
+         type=Path, metavar="FILE"),
+    Flag("ssl_keyfile", "--ssl-keyfile", "the certificate's private key (PEM), private to you (mode 600)", LAUNCH,
+         type=Path, metavar="FILE"),
+    Flag("ssl_ca_certs", "--ssl-ca-certs", "with HTTPS: every client must present a certificate signed by a CA of "
+         "this file (PEM)", LAUNCH, type=Path, metavar="FILE"),
+    Flag("ca_file", "--ca-file", "the CA certificates (PEM) that vouch for the services' HTTPS certificates "
+         "(default $DSV4_CA_FILE; else the system's); a certificate they do not verify is refused", (CONSOLE,),
+         type=Path, metavar="FILE"),
+    Flag("read_timeout", "--read-timeout", f"seconds a client has to send a request's head, and to send each piece "
+         f"of its body; past them its connection is closed (default {DEFAULTS.read_timeout:g})", LAUNCH, type=float,
+         metavar="SECONDS", lo=0.1, hi=3600, allowed="0.1 to 3600 seconds"),
+    Flag("root_path", "--root-path", "the path prefix a proxy in front of the service strips before forwarding "
+         "(uvicorn's --root-path; default none)", LAUNCH, metavar="PREFIX"),
 )
 
 

@@ -7,6 +7,7 @@ a validated request or raise ApiError. The service runs them off the event loop.
 from __future__ import annotations
 
 import json
+import struct
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -19,6 +20,7 @@ from pydantic import (
     StrictBool,
     StrictInt,
     ValidationError,
+    WithJsonSchema,
 )
 
 MAX_TOKENS_LIMIT = 1 << 20
@@ -59,6 +61,23 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
+FLOAT32_TINY = 2.0 ** -126  # float32's smallest normal number (~1.18e-38)
+
+
+def _float32(v: float) -> float:
+    """A sampling number as the sampler computes it (float32): refused when that form is not
+    the number asked for — a non-zero value that is 0 or subnormal there (a top_p of 1e-300
+    emptied every token's probability and killed the engine thread), or one past its range."""
+    if v != 0.0 and abs(v) < FLOAT32_TINY:
+        raise ValueError(f"{v!r} is 0 or subnormal in float32, which the sampler computes in; use 0 or at "
+                         f"least {FLOAT32_TINY:.3g}")
+    try:
+        struct.pack("f", v)
+    except OverflowError:
+        raise ValueError(f"{v!r} is infinite in float32, which the sampler computes in") from None
+    return v
+
+
 def _unicode(s: str) -> str:
     """JSON may carry lone surrogates ("\\ud800"); they are no text and cannot be encoded."""
     try:
@@ -69,6 +88,16 @@ def _unicode(s: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_unicode)]
+# what _float32 refuses, said in the schema: a non-zero number closer to 0 than float32's smallest normal
+NOT_SUBNORMAL = {"not": {"anyOf": [{"exclusiveMinimum": 0, "exclusiveMaximum": FLOAT32_TINY},
+                                   {"exclusiveMinimum": -FLOAT32_TINY, "exclusiveMaximum": 0}]}}
+
+
+def f32(**bounds: float) -> Any:
+    """A sampling number: a JSON number (not a bool or a string) within `bounds`, finite, and the
+    same number in float32 (`_float32`); the OpenAPI document says all of it."""
+    return Annotated[float, Field(strict=True, allow_inf_nan=False, json_schema_extra=NOT_SUBNORMAL, **bounds),
+                     AfterValidator(_float32)]
 StopText = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
@@ -91,7 +120,10 @@ def _logit_bias(v: Any) -> Any:
             raise ValueError(f"keys must be token ids (decimal strings), got {key[:20]!r}")
         if isinstance(bias, bool) or not isinstance(bias, int | float) or not -LOGIT_BIAS_MAX <= bias <= LOGIT_BIAS_MAX:
             raise ValueError(f"token {key}: the bias must be a number in [-100, 100], got {str(bias)[:20]}")
-        out.append((int(key), float(bias)))
+        try:
+            out.append((int(key), _float32(float(bias))))
+        except ValueError as e:
+            raise ValueError(f"token {key}: {e}") from None
     return tuple(sorted(out))
 
 
@@ -105,27 +137,44 @@ class _Common(BaseModel):
 
     model: Text | None = None
     max_tokens: Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS_LIMIT)] | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=TEMPERATURE_MAX, allow_inf_nan=False)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] | None = None
+    temperature: f32(ge=0.0, le=TEMPERATURE_MAX) | None = None
+    top_p: f32(gt=0.0, le=1.0) | None = None
     top_k: Annotated[StrictInt, Field(ge=-1, le=TOP_K_MAX)] | None = None  # vLLM's: -1 or 0 is every token
-    min_p: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] | None = None
-    presence_penalty: Annotated[float, Field(ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1], allow_inf_nan=False)] | None = None
-    frequency_penalty: Annotated[float, Field(ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1], allow_inf_nan=False)] | None = None
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=REPETITION_MAX, allow_inf_nan=False)] | None = None
+    min_p: f32(ge=0.0, le=1.0) | None = None
+    presence_penalty: f32(ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1]) | None = None
+    frequency_penalty: f32(ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1]) | None = None
+    repetition_penalty: f32(gt=0.0, le=REPETITION_MAX) | None = None
     seed: Annotated[StrictInt, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    stop: Annotated[list[StopText], Field(max_length=MAX_STOPS), BeforeValidator(_stop_list)] | None = None
+    stop: Annotated[list[StopText] | None, Field(max_length=MAX_STOPS), BeforeValidator(_stop_list), WithJsonSchema(
+        {"anyOf": [{"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS},
+                   {"type": "array", "maxItems": MAX_STOPS,
+                    "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}},
+                   {"type": "null"}]})] = None
     ignore_eos: StrictBool = False  # vLLM's extension: keep going past the end-of-sequence token
     n: Annotated[StrictInt, Field(ge=1, le=MAX_CHOICES)] | None = None
-    logit_bias: Annotated[tuple[tuple[int, float], ...], BeforeValidator(_logit_bias)] = ()
+    logit_bias: Annotated[tuple[tuple[int, float], ...], BeforeValidator(_logit_bias), WithJsonSchema(
+        {"anyOf": [{"type": "object", "maxProperties": MAX_LOGIT_BIAS, "propertyNames": {"pattern": "^[0-9]{1,9}$"},
+                    "additionalProperties": {"type": "number", "minimum": -LOGIT_BIAS_MAX, "maximum": LOGIT_BIAS_MAX}},
+                   {"type": "null"}]})] = ()
     user: Text | None = None
 
 
+def _requires(*names: str):
+    """A JSON schema's `required` for fields the parser insists on past their model default."""
+    return lambda schema: schema.__setitem__("required", sorted({*schema.get("required", ()), *names}))
+
+
 class CompletionRequest(_Common):
+    model_config = ConfigDict(extra="ignore", json_schema_extra=_requires("prompt"))
     # a string, a list of token ids, or a batch of either (a list of strings or of id lists):
     # checked by hand for a clear message; `prompts` is the batch, one prompt for the first two
-    prompt: Any = None
+    prompt: Annotated[Any, WithJsonSchema({"anyOf": [
+        {"type": "string", "minLength": 1}, {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
+        {"type": "array", "minItems": 1, "maxItems": MAX_PROMPTS, "items": {"type": "string", "minLength": 1}},
+        {"type": "array", "minItems": 1, "maxItems": MAX_PROMPTS,
+         "items": {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}}]})] = None
     max_tokens: Annotated[StrictInt, Field(ge=0, le=MAX_TOKENS_LIMIT)] | None = None  # 0: with echo only
     logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: StrictBool = False
@@ -161,7 +210,10 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant"]
-    content: Annotated[Text, BeforeValidator(_content)] = ""
+    content: Annotated[Text, BeforeValidator(_content), WithJsonSchema({"anyOf": [
+        {"type": "string"}, {"type": "null"},
+        {"type": "array", "items": {"type": "object", "required": ["type", "text"],
+                                    "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]})] = ""
 
 
 class ChatRequest(_Common):

@@ -173,10 +173,18 @@ class Batcher:
             span, logits = slice(offset, offset + len(tokens)), step.logits[logits_at:logits_at + n]
             offset, logits_at = offset + len(tokens), logits_at + n
             first_step = not r.prefilled
-            if self._verify(r, tokens, start, logits, step.hidden[span], mtp):
-                going.append(r)
-            if first_step:
-                self._fork(r, logits[-1])
+            try:
+                if self._verify(r, tokens, start, logits, step.hidden[span], mtp):
+                    going.append(r)
+                if first_step:
+                    self._fork(r, logits[-1])
+            except Exception:  # this sequence's sampling or hand-over: it alone ends, with an error
+                log.exception("sequence on slot %d failed after its step", r.slot)
+                self.end(r, "error")
+                if r in going:
+                    going.remove(r)
+                for c in r.children:  # forked or not, they share what failed
+                    self.end(c, "error")
         if self.speculative and mtp:
             self._draft(mtp)
         return going

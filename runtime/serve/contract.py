@@ -99,6 +99,7 @@ class Health:
     phase: str = ""  # while registering: rank 0's phase ("" once it serves)
     hosts: tuple[HostProgress, ...] = ()  # while registering: each host's phase and progress
     slowest: str = ""  # while registering across hosts: the host furthest behind ("" : none behind)
+    open_fds: int | None = None  # rank 0's open file descriptors: with free_slots and running, what a leak moves
     v: int = HEALTH_VERSION
 
     @property
@@ -154,7 +155,10 @@ TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64,
 
 REQUESTS = Metric("dsv4_requests", "counter", "HTTP responses by endpoint and status (499: client left first)",
                   ("endpoint", "status"))
-TOKENS = Metric("dsv4_tokens", "counter", "Tokens processed", ("kind",))
+TOKENS = Metric("dsv4_tokens", "counter", "Tokens processed: each prompt once (however many choices), "
+                "every completion token", ("kind",))
+API_KEYS = Metric("dsv4_api_key_requests", "counter", "Requests by API key name (never the key) and result: "
+                  "accepted, or 401 for a key missing or wrong (name empty)", ("key", "result"))
 GENERATED = Metric("dsv4_generated_tokens", "counter", "Tokens the engines generated, delivered or not")
 GENERATIONS = Metric("dsv4_generations", "counter", "Generations by finish reason", ("reason",))
 REQUEST_SECONDS = Metric("dsv4_request_seconds", "histogram", "Generation request latency",
@@ -184,7 +188,7 @@ ENGINE = {  # gauges read from the engine thread's counters (Scheduler.stats) at
     Metric("dsv4_tokens_per_step", "gauge", "Tokens handed over per sequence and decode step (MTP: up to 2)"):
         "tokens_per_step",
 }
-METRICS = (REQUESTS, TOKENS, GENERATED, GENERATIONS, REQUEST_SECONDS, QUEUE_WAIT, TTFT, ITL, QUEUE_DEPTH,
+METRICS = (REQUESTS, API_KEYS, TOKENS, GENERATED, GENERATIONS, REQUEST_SECONDS, QUEUE_WAIT, TTFT, ITL, QUEUE_DEPTH,
            RUNNING, KV_SLOTS, KV_SLOTS_USED, PHASE_SECONDS, PROGRAM_OUTCOMES, SIDECAR_VERDICT, STEPS_BY_TIER,
            *ENGINE)
 GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions")

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
+from starlette._utils import get_route_path
 
 from runtime.serve.api import ApiError
 
@@ -55,8 +58,11 @@ class CountStatuses:
 
 
 def endpoint_of(scope: dict) -> str:
-    """The route template of a request (a bounded set of label values), or "other"."""
+    """The route template of a request (a bounded set of label values), or "other". A request
+    answered before routing (a 401) is named by its route path when that is a fixed endpoint."""
     path = getattr(scope.get("route"), "path", None)
+    if path is None and "path" in scope:
+        path = get_route_path(scope)
     return path if path in ENDPOINTS else "other"
 
 
@@ -74,18 +80,37 @@ def _too_large(message: str) -> ApiError:
 DRAIN_PAST_CAP = 4 << 20
 
 
-async def _drain(chunks: AsyncIterator[bytes], limit: int) -> None:
-    """Read and drop the rest of a body, up to `limit` more bytes."""
-    async for chunk in chunks:
-        limit -= len(chunk)
-        if limit < 0:
+async def _pieces(request: Request, timeout: float) -> AsyncIterator[bytes]:
+    """The body's pieces as they arrive, each within `timeout` seconds (else a 408 that closes
+    the connection); a client gone mid-body is ClientGone (499), not a traceback."""
+    while True:
+        try:
+            message = await asyncio.wait_for(request.receive(), timeout)
+        except TimeoutError:
+            raise ApiError(408, f"body: nothing arrived for {timeout:g} s; send the body at once", code="request_timeout",
+                           headers={"Connection": "close"}) from None
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        yield message.get("body", b"")
+        if not message.get("more_body", False):
             return
 
 
-async def read_body(request: Request, cap: int) -> bytes:
+async def _drain(chunks: AsyncIterator[bytes], limit: int) -> None:
+    """Read and drop the rest of a body, up to `limit` more bytes."""
+    with contextlib.suppress(ApiError, ClientGone):  # the 413 is the answer either way
+        async for chunk in chunks:
+            limit -= len(chunk)
+            if limit < 0:
+                return
+
+
+async def read_body(request: Request, cap: int, timeout: float) -> bytes:
     """The request body, refused (413) past `cap` bytes: by Content-Length before it is kept,
     or as soon as a chunked body grows past it. A body up to DRAIN_PAST_CAP over is read to
-    its end (and dropped) before the answer, so the client gets it."""
+    its end (and dropped) before the answer, so the client gets it. Each piece must arrive
+    within `timeout` seconds (408)."""
+    pieces = _pieces(request, timeout)
     declared = request.headers.get("content-length")
     if declared is not None:
         try:
@@ -94,14 +119,13 @@ async def read_body(request: Request, cap: int) -> bytes:
             raise ApiError(400, "content-length: not an integer") from None
         if size > cap:
             if size <= cap + DRAIN_PAST_CAP:
-                await _drain(request.stream(), size)
+                await _drain(pieces, size)
             raise _too_large(f"body: {size} bytes is over this server's limit of {cap} bytes")
     chunks, total = [], 0
-    stream = request.stream()
-    async for chunk in stream:
+    async for chunk in pieces:
         total += len(chunk)
         if total > cap:
-            await _drain(stream, cap + DRAIN_PAST_CAP - total)
+            await _drain(pieces, cap + DRAIN_PAST_CAP - total)
             raise _too_large(f"body: over this server's limit of {cap} bytes")
         chunks.append(chunk)
     return b"".join(chunks)

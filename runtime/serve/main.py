@@ -85,10 +85,12 @@ def run(spec: LaunchSpec, rank_env=None, display: Callable[[], tuple[Sink, Calla
     if rank > 0:
         return _follow(spec, rank_env, Emitter(*sinks, rank=rank))
     from runtime.launch.registration import register
+    from runtime.serve.auth import Door
     from runtime.serve.registering import Registering, answer_while_registering
     from runtime.serve.server import bind
     from store.services import ServiceId
 
+    door = Door.of(spec)  # a bad key file or certificate is one line before anything starts
     # the port first: one in use is one line now, not after every registration phase; until it
     # serves, every request there is a 503 saying which phase (and, across hosts, who is behind)
     sock = bind(spec.host, spec.port)
@@ -103,7 +105,7 @@ def run(spec: LaunchSpec, rank_env=None, display: Callable[[], tuple[Sink, Calla
     at = Registering(spec, ServiceId.of_this_process())  # the phase the launch is in: its ending names it
     emitter.sinks.append(at)
     try:
-        stop_answering = answer_while_registering(sock, at)
+        stop_answering = answer_while_registering(sock, at, door)
         try:
             launched = register(spec, emitter, rank_env=rank_env, on_hosts=at.hosts)
         except BaseException:
@@ -114,7 +116,7 @@ def run(spec: LaunchSpec, rank_env=None, display: Callable[[], tuple[Sink, Calla
             if shown:
                 shown[1]()
         stop_answering()  # the service's own server takes the socket, listening all along
-        code = _serve(launched, sock, emitter, announced, started, speculative)
+        code = _serve(launched, sock, emitter, announced, started, speculative, door)
     except KeyboardInterrupt:
         announced.end(stopped_how(), at.phase)
         raise
@@ -144,9 +146,9 @@ def announce(spec: LaunchSpec, rank_env):
     return Announcement(str(spec.model), events_file, **service_settings(spec))
 
 
-def _serve(launched, sock, emitter: Emitter, announced, started: float, speculative: bool) -> int:
+def _serve(launched, sock, emitter: Emitter, announced, started: float, speculative: bool, door) -> int:
     from runtime.serve.app import Limits
-    from runtime.serve.server import serve
+    from runtime.serve.server import serve, url_of
 
     spec = launched.spec
     emitter.emit(Phase.SERVE, "start", detail={"host": spec.host, "port": sock.getsockname()[1]})
@@ -196,7 +198,8 @@ def _serve(launched, sock, emitter: Emitter, announced, started: float, speculat
                     engine=engine)
 
     try:
-        serve(launched, sock, limits, on_ready=ready, on_stats=stats)
+        serve(launched, sock, limits, on_ready=ready, on_stats=stats, door=door,
+              url=url_of(sock, door.tls is not None, spec.host), on_fatal=fail_closed)
     except KeyboardInterrupt:
         # uvicorn drains on SIGTERM/SIGINT, then re-raises the signal under the handler it
         # found (KeyboardInterrupt for both): once serving, that is a clean, drained stop
@@ -263,10 +266,12 @@ def launch_ranks(spec: LaunchSpec) -> int:
     service's ending."""
     from runtime.launch import history
     from runtime.launch.registration import resolved
+    from runtime.serve.auth import Door
     from runtime.serve.rank_launcher import launch, rank_logs
     from runtime.serve.server import bind
     from store.services import Announcement, find, how
 
+    Door.of(spec)  # a bad key file or certificate: one line now, not from rank 0 after N starts
     bind(spec.host, spec.port).close()  # the port in use is one line now, not after N registrations
     port = spec.master_port if spec.master_port is not None else int(os.environ.get("MASTER_PORT", 0) or 0)
     started = time.time()

@@ -9,6 +9,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from runtime.serve import contract as c
+from runtime.serve.responses import usage
 
 
 def _make(metric: c.Metric, registry: CollectorRegistry):
@@ -23,7 +24,7 @@ class Metrics:
     def __init__(self, launched, scheduler) -> None:
         self.registry = r = CollectorRegistry()
         m = {metric.name: _make(metric, r) for metric in c.METRICS}
-        self.responses, self.tokens = m[c.REQUESTS.name], m[c.TOKENS.name]
+        self.responses, self.tokens, self.keys = m[c.REQUESTS.name], m[c.TOKENS.name], m[c.API_KEYS.name]
         self.generated, self.finished = m[c.GENERATED.name], m[c.GENERATIONS.name]
         self.latency, self.queue_wait = m[c.REQUEST_SECONDS.name], m[c.QUEUE_WAIT.name]
         self.ttft, self.itl = m[c.TTFT.name], m[c.ITL.name]
@@ -59,9 +60,17 @@ class Metrics:
     def count_response(self, endpoint: str, status: int) -> None:
         self.responses.labels(endpoint, str(status)).inc()
 
-    def account(self, run, seconds: float) -> None:
-        """One finished generation request (run: responses.TextRun)."""
-        self.finished.labels(run.finish or "unknown").inc()
-        self.tokens.labels("prompt").inc(len(run.job.prompt))
-        self.tokens.labels("completion").inc(len(run.ids))
+    def count_key(self, name: str, result: str) -> None:
+        """A request let in by the key named `name`, or refused (401: missing | wrong)."""
+        self.keys.labels(name, result).inc()
+
+    def account(self, runs, seconds: float) -> None:
+        """One finished generation request (runs: its responses.TextRun, one per choice): each
+        prompt's tokens once, however many choices share it; a choice its client left before it
+        ended (a closed stream) is `cancelled`."""
+        for run in runs:
+            self.finished.labels(run.finish or "cancelled").inc()
+        counts = usage(runs)
+        self.tokens.labels("prompt").inc(counts["prompt_tokens"])
+        self.tokens.labels("completion").inc(counts["completion_tokens"])
         self.latency.observe(seconds)

@@ -14,13 +14,16 @@ import json
 import select
 import socket
 import threading
+import urllib.parse
 from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 from runtime.events import Event
+from runtime.serve.auth import OPEN_DOOR, Door, get_route_path, refusal
 from runtime.serve.contract import REGISTERING, Health, HostProgress, RankHealth
 
 RETRY_AFTER_S = 5
+READ_TIMEOUT_S = 10  # a client's TLS handshake, head and body, each read within this
 READ_LIMIT = 1 << 20  # a request body read (and dropped) up to this much, so the answer is not reset
 
 
@@ -57,9 +60,22 @@ class Registering:
                       slowest=self._slowest)
 
 
-def answer_while_registering(sock: socket.socket, status: Registering):
+def _shut(conn: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        conn.shutdown(socket.SHUT_RDWR)
+
+
+def route_path(target: str, root_path: str) -> str:
+    """The path the service's router will serve for a request target (as uvicorn makes the
+    scope and Starlette reads it): the same door judges it here."""
+    path = urllib.parse.unquote(urllib.parse.urlsplit(target).path)
+    return get_route_path({"path": root_path + path, "root_path": root_path})
+
+
+def answer_while_registering(sock: socket.socket, status: Registering, door: Door = OPEN_DOOR):
     """Listen on `sock` and answer every request with 503 (`/health`: `status.health()`) until
-    the returned stop is called; the socket stays open and listening for the real server."""
+    the returned stop is called; the socket stays open and listening for the real server. The
+    service's door already holds: its TLS, and its keys (401 without one)."""
     sock.listen(2048)
     stop = threading.Event()
 
@@ -69,8 +85,20 @@ def answer_while_registering(sock: socket.socket, status: Registering):
                 length = int(self.headers.get("Content-Length") or 0)
                 if 0 < length <= READ_LIMIT:
                     self.rfile.read(length)
+            path = route_path(self.path, door.root_path)
+            headers = [(k.lower().encode("latin-1"), v.encode("latin-1", "replace")) for k, v in self.headers.items()]
+            name, result = door.judge(headers, path)
+            if name is None:
+                code, extra, raw = refusal(result)
+                self.send_response(code)
+                for k, v in extra:
+                    self.send_header(k.decode(), v.decode())
+                self.send_header("Connection", "close")
+                self.end_headers()
+                self.wfile.write(raw)
+                return
             value = status.health()
-            if self.path.split("?")[0] == "/health":
+            if path == "/health":
                 body = value.to_json()
             else:
                 from runtime.serve.api import ApiError
@@ -92,9 +120,20 @@ def answer_while_registering(sock: socket.socket, status: Registering):
             pass
 
     def one(conn: socket.socket, addr) -> None:
-        with contextlib.suppress(OSError), conn:
-            conn.settimeout(10)
+        # each read within READ_TIMEOUT_S, and the whole exchange within twice that: a client
+        # trickling a byte at a time is cut off too
+        deadline = threading.Timer(2 * READ_TIMEOUT_S, lambda: _shut(conn))
+        deadline.start()
+        try:
+            conn.settimeout(READ_TIMEOUT_S)  # the handshake too
+            if door.tls is not None:
+                conn = door.tls.wrap_socket(conn, server_side=True)
             Handler(conn, addr, None)
+        except OSError:  # ssl.SSLError is one: a client that cannot speak TLS to us
+            pass
+        finally:
+            deadline.cancel()
+            conn.close()
 
     def run() -> None:
         while not stop.is_set():

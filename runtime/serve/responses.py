@@ -158,7 +158,8 @@ async def merged(runs: list[TextRun]) -> AsyncIterator[tuple[TextRun, tuple | No
             t.cancel()
 
 def sse(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=True, separators=(',', ':'))}\n\n"
+    """One server-sent event: JSON only (NaN or infinity raise here, never reach a client)."""
+    return f"data: {json.dumps(obj, ensure_ascii=True, allow_nan=False, separators=(',', ':'))}\n\n"
 
 
 class CompletionShape:

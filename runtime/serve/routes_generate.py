@@ -18,9 +18,18 @@ from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from runtime.model import chat_template
-from runtime.serve.api import ApiError, limit_tokens, parse_chat, parse_completion, sampling_fields
+from runtime.serve import schema
+from runtime.serve.api import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    limit_tokens,
+    parse_chat,
+    parse_completion,
+    sampling_fields,
+)
 from runtime.serve.batch import Prompt, best, check_fits, draws_of
-from runtime.serve.http import ClientGone, read_body, until_disconnect
+from runtime.serve.http import ClientGone, SafeJSONResponse, read_body, until_disconnect
 from runtime.serve.responses import ChatShape, CompletionShape, TextRun, merged, sse, usage
 from runtime.serve.routes_status import Service
 from runtime.serve.scheduler import Cancelled, Failed, QueueTimeout, Sampling
@@ -72,7 +81,19 @@ class Generation:
         return req, [self.one_prompt(req, p, "prompt" if p is req.prompt else f"prompt.{i}")
                      for i, p in enumerate(req.prompts)]
 
+    def too_long(self, chars: int, field: str) -> None:
+        """A text known to exceed max_model_len before it is tokenized: a token covers at most
+        the tokenizer's `max_token_chars` characters, so this many characters are at least
+        chars / max_token_chars tokens (a 4 MiB prompt is refused at once, not after seconds
+        of tokenizing)."""
+        least = -(-chars // max(1, getattr(self.tokenizer, "max_token_chars", 1)))
+        if least >= self.max_seq:
+            raise ApiError(400, f"{field}: {chars} characters are at least {least} tokens; max_model_len is "
+                                f"{self.max_seq}", param=field)
+
     def one_prompt(self, req, prompt: str | list[int], field: str) -> Prompt:
+        if isinstance(prompt, str):
+            self.too_long(len(prompt), field)
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ApiError(400, f"{field}: encodes to no tokens", param=field)
@@ -84,6 +105,7 @@ class Generation:
     def chat_prompt(self, body: bytes):
         req = parse_chat(body)
         self.service.check_model(req.model)
+        self.too_long(sum(len(m.content) for m in req.messages), "messages")
         parts = chat_template.render([(m.role, m.content) for m in req.messages])
         ids = chat_template.encode(self.tokenizer, parts)
         return req, [Prompt(ids, self.fit(ids, req, "messages", None))]
@@ -132,7 +154,7 @@ class Generation:
         if reason := self.service.failure():
             raise self.unavailable(reason)
         started = time.perf_counter()
-        body = await read_body(request, self.limits.max_body_bytes)
+        body = await read_body(request, self.limits.max_body_bytes, self.limits.read_timeout)
         req, prompts = await run_in_threadpool(parse, body)
         n, draws = req.n or 1, getattr(req, "draws", req.n or 1)
         check_fits(self.scheduler, len(prompts), draws, "best_of" if draws > n else "n")
@@ -147,8 +169,7 @@ class Generation:
             for job in jobs:
                 job.cancel()
             watcher.cancel()
-            for run in runs:
-                self.metrics.account(run, time.perf_counter() - started)
+            self.metrics.account(runs, time.perf_counter() - started)
 
         if not req.stream:
             async def text_of(run: TextRun) -> str:
@@ -162,7 +183,10 @@ class Generation:
                 raise ClientGone
             if any(run.finish == "error" for run in runs):
                 raise self.generation_failed()
-            return shape.whole(rid, *best(runs, texts, n, draws), usage(runs))
+            # the answer (echoed prompts, logprobs: up to max_model_len entries) is built and
+            # encoded off the event loop
+            return await run_in_threadpool(lambda: SafeJSONResponse(shape.whole(rid, *best(runs, texts, n, draws),
+                                                                                usage(runs))))
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
@@ -189,13 +213,14 @@ class Generation:
         return StreamingResponse(events(), media_type="text/event-stream")
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", **schema.generation(CompletionRequest, schema.Completion, schema.Completion))
 async def completions(request: Request):
     generation: Generation = request.app.state.generation
     return await generation.generate(request, generation.completion_prompt, generation.completion_shape)
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", **schema.generation(ChatRequest, schema.ChatCompletion,
+                                                         schema.ChatCompletionChunk))
 async def chat_completions(request: Request):
     generation: Generation = request.app.state.generation
     return await generation.generate(request, generation.chat_prompt, generation.chat_shape)

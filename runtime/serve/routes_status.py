@@ -6,6 +6,7 @@ what they read is that value's, and the value is what tests build around a fake 
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +16,7 @@ from fastapi.responses import PlainTextResponse
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from runtime.serve import schema
 from runtime.serve.api import ApiError
 from runtime.serve.contract import FAILED, OK, Health, RankHealth
 from runtime.serve.http import SafeJSONResponse
@@ -50,9 +52,9 @@ class Service:
 
     def failure(self) -> str | None:
         """Why the service must not generate (set on `launched.failure` by whatever watches its
-        weights, e.g. a mapped sidecar that changed, or its ranks, one of which is gone): it then
-        fails closed, 503 with the reason."""
-        return getattr(self.launched, "failure", None)
+        weights, e.g. a mapped sidecar that changed, or its ranks, one of which is gone; or its
+        scheduler's, whose engine thread died): it then fails closed, 503 with the reason."""
+        return getattr(self.launched, "failure", None) or self.scheduler.failure
 
     def ranks(self) -> tuple[RankHealth, ...]:
         """Each rank's own slots (it holds their sequences' KV), and where it runs and beats."""
@@ -80,11 +82,13 @@ class Service:
             tokenizer=getattr(self.launched.tokenizer, "kind", "bytes"),
             programs=tiers.status() if hasattr(tiers, "status") else "compiled",
             engine={**s.stats, "speculative": "mtp" if self.limits.speculative else "off"},
-            ranks=self.ranks(), reason=reason)
+            ranks=self.ranks(), reason=reason, open_fds=open_fds())
 
     def model_card(self) -> dict[str, Any]:
+        """OpenAI's model object. `root` is the model's id, not its directory: an API client is
+        not told the server's paths (/health, the operators', says the directory)."""
         return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "dsv4",
-                "root": str(self.model_dir), "max_model_len": self.max_seq}
+                "root": self.model_id, "max_model_len": self.max_seq}
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in (self.model_id, str(self.model_dir)):
@@ -92,28 +96,36 @@ class Service:
                            param="model", code="model_not_found")
 
 
+def open_fds() -> int | None:
+    """This process's open file descriptors (Linux), for /health: what a leak would show."""
+    try:
+        return len(os.listdir("/proc/self/fd")) - 1  # less the one listing them
+    except OSError:
+        return None
+
+
 def service_of(request: Request) -> Service:
     return request.app.state.service
 
 
-@router.get("/health")
+@router.get("/health", **schema.HEALTH)
 async def health(request: Request) -> Any:
     value = service_of(request).health()
     return SafeJSONResponse(value.to_json(), status_code=200 if value.ok else 503)
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse, **schema.METRICS)
 async def metrics(request: Request) -> PlainTextResponse:
     registry = service_of(request).metrics.registry
     return PlainTextResponse(generate_latest(registry).decode(), media_type=CONTENT_TYPE_LATEST)
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", **schema.MODELS)
 async def models(request: Request) -> dict[str, Any]:
     return {"object": "list", "data": [service_of(request).model_card()]}
 
 
-@router.get("/v1/models/{model}")
+@router.get("/v1/models/{model}", **schema.MODEL)
 async def model(request: Request, model: str) -> dict[str, Any]:
     service = service_of(request)
     service.check_model(model)

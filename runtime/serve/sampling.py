@@ -6,6 +6,11 @@ top-k, top-p (the smallest set of tokens whose probability reaches p, the one cr
 kept) and min-p (tokens below min_p × the most likely one's probability dropped), then one
 draw from the sequence's own seeded generator. Each sequence has its own sampler, so a
 request's parameters never touch another's tokens, and the same seed draws the same tokens.
+
+Numbers at their extremes stay numbers: the service admits only parameters whose float32 form is
+normal (runtime.serve.api), and a penalty or temperature that still pushes a logit past float32's
+range is held at its largest finite value (`finite`), so a draw never meets inf - inf = NaN.
+Log-probabilities below LOGPROB_FLOOR are written as it (OpenAI's and vLLM's -9999.0): never -inf.
 """
 
 from __future__ import annotations
@@ -13,6 +18,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+
+FLOAT32_MAX = torch.finfo(torch.float32).max
+LOGPROB_FLOOR = -9999.0
+
+
+def finite(row: torch.Tensor) -> torch.Tensor:
+    """Logits with ±inf held at float32's largest finite value (NaN, a fault upstream, stays)."""
+    return row.clamp(-FLOAT32_MAX, FLOAT32_MAX)
 
 
 class Sampler:
@@ -67,7 +80,7 @@ class Sampler:
             row = torch.where(self.seen, scaled, row)
         if p.frequency_penalty or p.presence_penalty:
             row = row - p.frequency_penalty * self.counts - p.presence_penalty * (self.counts > 0)
-        return row
+        return finite(row)
 
     def sample(self, row: torch.Tensor) -> int:
         """The next token from one row of logits; the sampler remembers it, and the logits it
@@ -81,7 +94,7 @@ class Sampler:
         p = self.params
         if p.greedy:
             return int(torch.argmax(logits))
-        logits = logits / p.temperature
+        logits = finite(logits / p.temperature)
         if 0 < p.top_k < logits.shape[-1]:  # the k candidates, most likely first
             logits, ids = torch.topk(logits, p.top_k)
         elif p.top_p < 1.0:
@@ -102,8 +115,9 @@ LogProb = tuple[float, list[tuple[int, float]]]  # a token's log-probability, an
 
 def logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> list[LogProb]:
     """Per row of `logits` [R, V]: the log-probability (float32 log-softmax) of its token, and
-    the k most likely tokens with theirs."""
-    lp = torch.log_softmax(logits.float(), -1)
+    the k most likely tokens with theirs; each at least LOGPROB_FLOOR, so JSON can carry it."""
+    lp = torch.nan_to_num(torch.log_softmax(logits.float(), -1), nan=LOGPROB_FLOOR, neginf=LOGPROB_FLOOR).clamp(
+        min=LOGPROB_FLOOR)
     chosen = lp.gather(1, torch.tensor(tokens, dtype=torch.int64, device=lp.device)[:, None])[:, 0].tolist()
     if not k:
         return [(c, []) for c in chosen]

@@ -191,6 +191,8 @@ class Scheduler:
         self._failed: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.on_token: Callable[[Job], None] = lambda job: None  # the engine thread, per token handed to a job
+        # told (from the engine thread) once the engine thread dies: the service then fails closed
+        self.on_fatal: Callable[[str], None] = lambda reason: None
         self._thread = threading.Thread(target=self._serve, name="engine", daemon=True)
         self._thread.start()
 
@@ -203,6 +205,12 @@ class Scheduler:
     @property
     def running(self) -> int:
         return len(self._running)
+
+    @property
+    def failure(self) -> str | None:
+        """Why this scheduler admits nothing any more (the service failed, or its engine thread
+        died), or None."""
+        return self._failed
 
     @property
     def free_slots(self) -> int:
@@ -345,7 +353,27 @@ class Scheduler:
         return stats
 
     def _serve(self) -> None:
+        """The engine thread. A step that raises fails its own sequences (`_step`) and the thread
+        goes on; should the thread itself die, the service fails at once (every waiting request
+        answered, `on_fatal` told: the process exits non-zero), never a hang behind "ok"."""
+        try:
+            self._steps()
+        except BaseException as e:
+            log.exception("the engine thread died")
+            reason = f"the engine thread died ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})"
+            self.fail(reason)
+            self.on_fatal(reason)
+
+    def _steps(self) -> None:
         from runtime.serve.batcher import Running
+
+        def running(job: Job, slot: int):
+            try:
+                return Running(job, slot)
+            except Exception:  # its sampler could not be made: this job fails, the others go on
+                log.exception("a job on slot %d could not start", slot)
+                job._call(self._finished, job, slot, "error")
+                return None
 
         active: list = []
         while True:
@@ -359,12 +387,23 @@ class Scheduler:
                     break
                 take = self.batcher.take(self._inbox)
                 admitted, self._inbox = self._inbox[:take], self._inbox[take:]
-            active = self.batcher.step(active, [Running(job, slot) for job, slot in admitted])
+            active = self._step(active, [r for job, slot in admitted if (r := running(job, slot)) is not None])
         for run in active:
             self._end(run, "cancelled")
         with self._wake:
             for job, slot in self._inbox:
                 self._end(Running(job, slot), "cancelled")
+
+    def _step(self, active: list, admitted: list) -> list:
+        """One batcher step; an error it did not contain itself ends every sequence of the step
+        with an error (each request gets one clear answer) and the engine goes on."""
+        try:
+            return self.batcher.step(active, admitted)
+        except Exception:
+            log.exception("engine step failed; its %d sequences end with an error", len(active) + len(admitted))
+            for run in active + admitted:
+                self.batcher.end(run, "error")
+            return []
 
     def _gather(self) -> None:
         """An idle engine's first step waits while jobs keep arriving within the gap of each

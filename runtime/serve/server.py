@@ -1,14 +1,23 @@
-"""Serving an app on a socket taken before registration, until SIGTERM/SIGINT drains it."""
+"""Serving an app on a socket taken before registration, until SIGTERM/SIGINT drains it: its
+door (keys, TLS: runtime.serve.auth.Door) in front, uvicorn's h11 protocol with deadlines under
+it (runtime.serve.wire)."""
 
 from __future__ import annotations
 
+import contextlib
+import resource
 import socket
 import threading
 import time
 
 from runtime.serve.app import Limits, create_app
+from runtime.serve.auth import OPEN_DOOR, Door
 from runtime.serve.openmp import release_this_threads_team
+from runtime.serve.wire import MAX_HEAD_BYTES, protocol
 from store.errors import UserError
+
+OPEN_FILES = 65536  # the soft descriptor limit is raised to this (within the hard one): every
+# connection is a descriptor, and a thousand idle ones must not starve the service's own files
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -30,28 +39,56 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def url_of(sock: socket.socket) -> str:
+def url_of(sock: socket.socket, tls: bool = False, name: str = "") -> str:
+    """The service's URL: https when it speaks TLS, there naming `name` (the --host a
+    certificate is for) unless it is a wildcard address."""
     host, port = sock.getsockname()[:2]
-    return f"http://[{host}]:{port}" if sock.family == socket.AF_INET6 else f"http://{host}:{port}"
+    scheme = "https" if tls else "http"
+    if tls and name and name not in ("0.0.0.0", "::", ""):
+        host = name
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
+
+
+def raise_open_files(want: int = OPEN_FILES) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+
+
+def server_config(app, limits: Limits, door: Door):
+    """uvicorn's settings for the service (the tests' in-process servers use the same)."""
+    import uvicorn
+
+    tls = door.tls
+    return uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=30,
+                          http=protocol(limits.read_timeout), h11_max_incomplete_event_size=MAX_HEAD_BYTES,
+                          root_path=door.root_path,
+                          ssl_context_factory=(lambda _config, _default: tls) if tls is not None else None)
 
 
 def serve(launched, sock: socket.socket, limits: Limits | None = None, on_ready=None, on_stats=None,
-          stats_every: float = 10.0) -> None:
+          stats_every: float = 10.0, door: Door = OPEN_DOOR, url: str | None = None, on_fatal=None) -> None:
     """Serve on `sock` (from `bind`) until SIGTERM/SIGINT: uvicorn stops accepting, drains
-    in-flight requests, then every job is stopped and device memory released.
+    in-flight requests, then every job is stopped and device memory released. `door`: the
+    keys and TLS; `url`: what to announce (default from the socket); `on_fatal(reason)`: the
+    engine thread died (runtime.serve.app.create_app).
     `on_ready(url)` is called once the server accepts requests; `on_stats(stats)` every
     `stats_every` seconds the engine ran steps (batch size, MTP acceptance: for the events)."""
     import uvicorn
 
-    url = url_of(sock)
+    url = url or url_of(sock, door.tls is not None)
+    limits = limits or Limits()
     try:
         sock.listen(2048)
     except OSError as e:  # another process took the port between bind and listen
         sock.close()
         launched.close()
         raise UserError(f"cannot listen on {url} ({e.strerror}); choose another --port") from None
-    app = create_app(launched, limits or Limits())
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=30))
+    raise_open_files()
+    app = create_app(launched, limits, door=door, on_fatal=on_fatal)
+    server = uvicorn.Server(server_config(app, limits, door))
 
     def announce() -> None:
         while not server.started and not server.should_exit:

@@ -255,13 +255,14 @@ def test_the_figures_shown_while_a_load_runs_are_what_its_metrics_say(two_ranks,
     bodies: list[str] = []
     real = services_data.fetch
 
-    def fetch(url: str, path: str, timeout: float = services_data.HTTP_TIMEOUT):
-        status, body = real(url, path, timeout=30)  # a loaded machine answers late, never wrongly
+    def fetch(url: str, path: str, timeout: float = services_data.HTTP_TIMEOUT, access=services_data.NO_ACCESS):
+        status, body = real(url, path, timeout=30, access=access)  # a loaded machine answers late, never wrongly
         if path == "/metrics":
             bodies.append(body.decode())
         return status, body
 
     monkeypatch.setattr(services_data, "fetch", fetch)
+    monkeypatch.setattr(services_data, "HTTP_TIMEOUT", 30)  # /health's too
     collector = ServicesCollector()
     t0 = time.monotonic()
     collector.view(record, t0)  # the window's first scrape

@@ -21,6 +21,9 @@ SAMPLES = {
     "speculative": "off", "validate_tokens": 2, "max_body": 1 << 20, "queue_timeout": 2.5, "host": "0.0.0.0",
     "port": 0, "master_port": 29400, "rendezvous_timeout": 5.0, "rank_timeout": 2.5, "stall_timeout": 30.0,
     "signing_key": Path("/keys/signing.key"), "trusted_keys": Path("/keys/trusted"), "events": "-",
+    "api_key_file": Path("/keys/api"), "status_needs_key": False, "ssl_certfile": Path("/tls/cert.pem"),
+    "ssl_keyfile": Path("/tls/key.pem"), "ssl_ca_certs": Path("/tls/clients.pem"), "ca_file": Path("/tls/ca.pem"),
+    "read_timeout": 30.0, "root_path": "/dsv4",
 }
 COMMANDS = (S.SERVE, S.COMPILE, S.PLAN, S.CONSOLE, S.PREPACK, S.CACHE, S.SIDECAR_PURGE)
 
