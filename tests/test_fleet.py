@@ -18,13 +18,8 @@ from conftest import MAX_SEQ
 from fleet_hosts import fleet_file, other_torch, ssh_hosts
 from hosts import namespaces_work
 
-from console.data.collectors import (
-    SCHEMA_VERSION,
-    Collectors,
-    Snapshot,
-    SnapshotVersionError,
-    console_spec,
-)
+from console.data.collectors import Collectors, console_spec
+from console.data.snapshot import SCHEMA_VERSION, Snapshot, SnapshotVersionError
 from console.fleet import spec as F
 from console.fleet.ssh import Ssh, why
 from store.errors import UserError
@@ -238,7 +233,7 @@ async def test_import_prepack_and_warm_run_on_every_host_with_each_hosts_progres
                 lines = [line for _, line in app.fleet.log]
                 assert any(line.startswith("warm (read)") for line in lines)
                 assert any(line.startswith("warm (compile)") for line in lines)
-                await _until(pilot, lambda: all(r.snapshot.sidecars.wanted()["verdict"] == "MAP"
+                await _until(pilot, lambda: all(r.snapshot.sidecars.wanted.verdict == "MAP"
                                                 for r in screen.snapshot.hosts), "the next snapshot")
                 cells = [screen._cells(r) for r in screen.rows()]
                 assert all(c["sidecar"].startswith("MAP") and c["programs"].startswith("HIT") for c in cells), cells
@@ -247,7 +242,7 @@ async def test_import_prepack_and_warm_run_on_every_host_with_each_hosts_progres
                 table.move_cursor(row=0)
                 await pilot.press("enter")  # host-a's own panes, from its snapshots
                 await _until(pilot, lambda: app.remote == "host-a" and app.snapshot is not None, "host-a's panes")
-                assert app.snapshot.hostname == "host-a" and app.snapshot.sidecars.wanted()["verdict"] == "MAP"
+                assert app.snapshot.hostname == "host-a" and app.snapshot.sidecars.wanted.verdict == "MAP"
                 assert "host-a" in str(app.query_one("#topbar").render())
                 await pilot.press("p")  # this view only shows: nothing runs
                 assert app.fleet.jobs["host-a"].action == "warm"
@@ -350,7 +345,10 @@ def _reading(name: str, rank: int, *, torch: str = "2.13.0", nodes=(), history=(
 
 
 def _node(*ranks):
-    return {"state": "running", "node_rank": 0, "nnodes": 2, "pid": 7, "master": "127.0.0.2:29500", "ranks": list(ranks)}
+    from console.data.nodes import NodeView
+
+    return NodeView.from_json({"state": "running", "node_rank": 0, "nnodes": 2, "pid": 7, "create_time": 1.0,
+                               "master": "127.0.0.2:29500", "model": "/m", "log": "", "events": "", "ranks": list(ranks)})
 
 
 def test_drift_names_the_component_and_how_many_others_differ():
@@ -389,11 +387,12 @@ def test_an_unreachable_host_is_a_row_saying_why_and_nothing_else():
 
 
 def test_the_fleets_history_is_one_record_per_launch_across_hosts():
+    from console.data.records import LaunchRecord, PhaseRecord
     from console.fleet.collector import FleetCollector, FleetSnapshot
 
-    launch = {"launch": "a/100/1.00", "started": 5.0, "outcome": "ok", "phases": {"kv": {"seconds": 1.0}}}
-    later = {"launch": "a/100/1.00", "started": 5.0, "outcome": "killed", "error": "rank 1 on b lost"}
-    other = {"launch": "b/200/2.00", "started": 3.0, "outcome": "ok", "phases": {}}
+    launch = LaunchRecord(launch="a/100/1.00", started=5.0, outcome="ok", phases={"kv": PhaseRecord(seconds=1.0)})
+    later = LaunchRecord(launch="a/100/1.00", started=5.0, outcome="killed", error="rank 1 on b lost")
+    other = LaunchRecord(launch="b/200/2.00", started=3.0, outcome="ok")
     readings = (_reading("a", 0, history=[launch]), _reading("b", 1, history=[later, other]))
 
     class Fixed(FleetCollector):
@@ -404,9 +403,9 @@ def test_the_fleets_history_is_one_record_per_launch_across_hosts():
             return FleetSnapshot(0.0, readings)
 
     merged = Fixed().history()
-    assert [r["launch"] for r in merged] == ["b/200/2.00", "a/100/1.00"]  # oldest first
-    assert merged[1]["outcome"] == "killed" and merged[1]["phases"] == {"kv": {"seconds": 1.0}}
-    assert merged[0]["host"] == "b"
+    assert [r.launch for r in merged] == ["b/200/2.00", "a/100/1.00"]  # oldest first
+    assert merged[1].outcome == "killed" and merged[1].phases == {"kv": PhaseRecord(seconds=1.0)}
+    assert merged[0].host == "b"
 
 
 def _stream_of(program: str):
@@ -445,7 +444,7 @@ def test_a_snapshot_that_parses_but_says_nonsense_is_an_unreadable_row_not_a_cra
 
     good = _reading("a", 0)
     bad = dataclasses.replace(good, host="b", snapshot=dataclasses.replace(
-        good.snapshot, programs=dataclasses.replace(good.snapshot.programs, entries=(1, 2))))
+        good.snapshot, programs=dataclasses.replace(good.snapshot.programs, entries=(1, 2))))  # not ProgramPlans
     by = {r["host"]: r for r in rows(FleetSnapshot(0.0, (good, bad)))}
     assert by["a"]["reach"] == "✓" and by["b"]["state"].startswith("unreadable snapshot (AttributeError")
 

@@ -8,7 +8,7 @@ import json
 import os
 import stat
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,18 +37,19 @@ def _compile_seconds(entry_dir: Path) -> float | None:
         os.close(fd)
 
 
-def program_seconds(programs: Iterable[Mapping[str, Any]]) -> dict[str, float]:
-    """Expected seconds per program at the next prepare, from the plan: a HIT loads; a program
-    whose entry the plan names (corrupt, or stale in place) took the compile seconds its
-    manifest records; others are unknown (the caller falls back to the measured rate)."""
+def program_seconds(programs: Iterable[Any]) -> dict[str, float]:
+    """Expected seconds per program at the next prepare, from the plan's `ProgramPlan`s: a HIT
+    loads; a program whose entry the plan names (corrupt, or stale in place) took the compile
+    seconds its manifest records; others are unknown (the caller falls back to the measured rate).
+    Entries are read on this host only (another host's paths mean nothing here)."""
     out = {}
     for p in programs:
-        if p["state"] in ("HIT", "EAGER"):
-            out[p["program"]] = HIT_SECONDS
-        elif p.get("entry"):
-            seconds = _compile_seconds(Path(p["entry"]))
+        if not p.state.compiles:
+            out[p.program] = HIT_SECONDS
+        elif p.entry:
+            seconds = _compile_seconds(Path(p.entry))
             if seconds is not None:
-                out[p["program"]] = seconds
+                out[p.program] = seconds
     return out
 
 

@@ -40,8 +40,8 @@ def steps(action: str, spec: LaunchSpec, snapshot=None, registry: str = "", inse
     with_events = spec.with_(events="-")
     if action == "warm":
         out = []
-        wanted = snapshot.sidecars.wanted() if snapshot is not None else None
-        if wanted and wanted.get("size_bytes"):
+        wanted = snapshot.sidecars.wanted if snapshot is not None else None
+        if wanted and wanted.size_bytes:
             out.append(Step("warm (read)", ("sidecar", "warm", *_model(spec), "--ranks", str(spec.ranks),
                                             "--events", "-")))
         return [*out, Step("warm (compile)", ("compile", *with_events.argv(COMPILE)))]
@@ -67,13 +67,13 @@ def source_for(target, readings) -> tuple[str, list[str]]:
     """The host to bring `target`'s missing programs from: the reachable one whose plan HITs the
     most of them under the very same keys (another toolchain's entries would be refused anyway);
     ("", []) when none holds any."""
-    wanted = {p["program"]: p.get("fingerprint") for p in target.snapshot.programs.entries if p.get("state") != "HIT"}
+    wanted = {p.program: p.fingerprint for p in target.snapshot.programs.entries if p.state != "HIT"}
     best: tuple[str, list[str]] = ("", [])
     for r in readings:
         if r.host == target.host or r.snapshot is None or not r.reachable:
             continue
-        held = sorted(p["program"] for p in r.snapshot.programs.entries
-                      if p.get("state") == "HIT" and p["program"] in wanted and p.get("fingerprint") == wanted[p["program"]])
+        held = sorted(p.program for p in r.snapshot.programs.entries
+                      if p.state == "HIT" and p.program in wanted and p.fingerprint == wanted[p.program])
         if len(held) > len(best[1]):
             best = (r.host, held)
     return best

@@ -20,7 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from console.data.collectors import SCHEMA_VERSION, Snapshot, SnapshotVersionError
+from console.data.records import LaunchRecord
+from console.data.snapshot import SCHEMA_VERSION, Snapshot, SnapshotVersionError
 from console.fleet.spec import Fleet, FleetHost
 from console.fleet.ssh import Ssh, why
 from runtime.launch.spec import CONSOLE, LaunchSpec
@@ -212,22 +213,19 @@ class FleetCollector:
         now = time.monotonic()
         return FleetSnapshot(time.time(), tuple(s.reading(now) for s in self.streams.values()))
 
-    def history(self) -> list[dict[str, Any]]:
+    def history(self) -> list[LaunchRecord]:
         """Every host's launch history, one record per launch (a launch's lines on several hosts
         merge by its service's identity), oldest first, each naming its host."""
-        from store.history import merge
+        import dataclasses
 
-        by_launch: dict[str, dict[str, Any]] = {}
+        by_launch: dict[str, LaunchRecord] = {}
         self.snapshot()  # a request still being answered is answered first: each host hears this one
         for reading in self.snapshot(what="history").hosts:
             for record in reading.snapshot.history if reading.snapshot is not None else ():
-                record = {**record, "host": record.get("host") or reading.host}
-                key = str(record.get("launch") or f"{reading.host}/{record.get('started')}")
-                if key in by_launch:
-                    merge(by_launch[key], record)
-                else:
-                    by_launch[key] = record
-        return sorted(by_launch.values(), key=lambda r: r.get("started") or 0)
+                record = dataclasses.replace(record, host=record.host or reading.host)
+                key = record.launch or f"{reading.host}/{record.started}"
+                by_launch[key] = by_launch[key].merged(record) if key in by_launch else record
+        return sorted(by_launch.values(), key=lambda r: r.started or 0)
 
     def first(self, timeout: float) -> FleetSnapshot:
         """Every host's first answer, or why not, within `timeout` (for --once)."""
@@ -279,7 +277,7 @@ class HostCollectors:
     @property
     def device_kind(self) -> str:
         snap = self.stream.snapshot
-        return str(snap.settings.get("device", "?")) if snap is not None else "?"
+        return snap.settings.device if snap is not None else "?"
 
     def snapshot(self) -> Snapshot:
         self.stream.request()
@@ -292,9 +290,9 @@ class HostCollectors:
             raise RuntimeError(f"{self.host}: {reading.error or 'no snapshot yet'}")
         return reading.snapshot
 
-    def history(self) -> list[dict[str, Any]]:
+    def history(self) -> list[LaunchRecord]:
         return []
 
-    def plan(self) -> tuple[Any, dict[str, Any]]:
+    def plan(self) -> tuple[Any, Any]:
         snap = self.stream.snapshot
-        return None, (snap.plan or {}) if snap is not None else {}
+        return None, snap.plan if snap is not None else None

@@ -9,8 +9,9 @@ from collections import Counter
 from typing import Any
 
 from console import fmt
-from console.data.collectors import Snapshot
+from console.data.nodes import NodeRank, NodeView
 from console.data.services import ServiceView
+from console.data.snapshot import Snapshot
 from console.data.toolchain import ORDER
 from runtime.events import REGISTRATION
 from runtime.programs.outcome import Outcome
@@ -62,17 +63,15 @@ def service_of(snap: Snapshot) -> ServiceView | None:
 
 
 def _programs(snap: Snapshot) -> str:
-    counts = Counter(e.get("state") for e in snap.programs.entries)
-    return " ".join(f"{s.value} {counts[s]}" for s in Outcome if counts[s]) or ("-" if not snap.programs.error else "?")
+    counts = Counter(e.state for e in snap.programs.entries)
+    return " ".join(f"{s.value} {counts[s]}" for s in Outcome if counts[s]) or ("-" if not snap.programs.problem else "?")
 
 
 def _sidecar(snap: Snapshot) -> str:
-    row = snap.sidecars.wanted()
-    if row is None:
+    side = snap.sidecars.wanted
+    if side is None:
         return "-"
-    residency = row.get("residency")
-    verdict = str(row.get("verdict") or "-")
-    return f"{verdict} {residency:.0%}" if isinstance(residency, int | float) else verdict
+    return f"{side.verdict} {side.residency:.0%}" if side.residency is not None else side.verdict
 
 
 def _coarse(n: float) -> str:
@@ -98,8 +97,8 @@ def _device(snap: Snapshot) -> str:
     d = snap.device
     if d.error:
         return d.error
-    total = sum(x.get("total", 0) for x in d.devices)
-    used = sum(x.get("used", 0) for x in d.devices)
+    total = sum(x.total for x in d.devices)
+    used = sum(x.used for x in d.devices)
     kv = f" · KV {d.slots}/{_coarse(d.fits)}" if d.slots is not None and d.fits is not None else ""
     return f"{fmt.size(total)} {used / total:.0%}{kv}" if total else f"-{kv}"
 
@@ -107,11 +106,11 @@ def _device(snap: Snapshot) -> str:
 def _room(snap: Snapshot) -> tuple[str, bool]:
     """Free disk where the sidecar is written, and page-cache room for it (memory available
     against its size): `40 GiB · 18 GiB`, and False when either is short."""
-    row = snap.sidecars.wanted() or {}
-    need = row.get("expected_bytes") or row.get("size_bytes") or 0
+    side = snap.sidecars.wanted
+    need = (side.expected_bytes or side.size_bytes or 0) if side else 0
     disk = snap.sidecars.disk_free
     room = snap.host.mem_available
-    short = bool(need) and ((disk is not None and row.get("verdict") != "MAP" and disk < need) or room < need)
+    short = bool(need) and ((disk is not None and not side.mapped and disk < need) or room < need)
     return f"{_coarse_size(disk)} · {_coarse_size(room)}", not short
 
 
@@ -127,24 +126,14 @@ def _ranks_here(readings, hostname: str) -> list:
     return out
 
 
-def _node(snap: Snapshot) -> dict[str, Any] | None:
+def _node(snap: Snapshot) -> NodeView | None:
     return snap.nodes[0] if snap.nodes else None
 
 
-def _eta(r: dict[str, Any]) -> float | None:
-    """Seconds left in a rank's phase at the rate it has shown (None: nothing to go by)."""
-    done, total, since, ts = r.get("done"), r.get("total"), r.get("since"), r.get("ts")
-    if not all(isinstance(x, int | float) for x in (done, total, since, ts)) or done <= 0 or ts <= since:
-        return None
-    return (total - done) * (ts - since) / done
-
-
-def registering(snap: Snapshot) -> list[dict[str, Any]]:
+def registering(snap: Snapshot) -> list[NodeRank]:
     """The ranks of this host's running node still in registration (phase before serve)."""
     node = _node(snap)
-    if not node or node.get("state") != "running":
-        return []
-    return [r for r in node.get("ranks") or () if r.get("phase") in REGISTRATION and r.get("state") != "error"]
+    return node.registering() if node else []
 
 
 def slowest(readings) -> str:
@@ -152,14 +141,12 @@ def slowest(readings) -> str:
     behind = []
     for r in readings:
         for rank in registering(r.snapshot) if r.snapshot is not None else ():
-            done, total = rank.get("done"), rank.get("total")
-            fraction = done / total if isinstance(done, int | float) and isinstance(total, int | float) and total else 0
-            behind.append((REGISTRATION.index(rank["phase"]), fraction, r.host, rank))
+            behind.append((REGISTRATION.index(rank.phase), rank.fraction, r.host, rank))
     if len({b[2] for b in behind}) < 2:
         return ""
     _, _, host, rank = min(behind, key=lambda b: (b[0], b[1]))
-    step = f" {rank['done']:g}/{rank['total']:g}" if isinstance(rank.get("total"), int | float) and rank.get("done") else ""
-    return f"slowest: {host} ({rank['phase']}{step})"
+    step = f" {rank.done:g}/{rank.total:g}" if rank.total is not None and rank.done else ""
+    return f"slowest: {host} ({rank.phase}{step})"
 
 
 def _phases(snap: Snapshot, ranks: list, now: float) -> str:
@@ -168,14 +155,13 @@ def _phases(snap: Snapshot, ranks: list, now: float) -> str:
     live = {x.rank: x for x in ranks}
     node = _node(snap)
     parts = []
-    for r in (node.get("ranks") or ()) if node and node.get("state") == "running" else ():
-        if r["rank"] in live and live[r["rank"]].phase:
+    for r in node.ranks if node and node.running else ():
+        if r.rank in live and live[r.rank].phase:
             continue
-        done, total = r.get("done"), r.get("total")
-        step = f" {done:g}/{total:g}" if isinstance(done, int | float) and isinstance(total, int | float) else ""
-        eta = _eta(r) if r.get("state") == "running" else None
+        step = f" {r.done:g}/{r.total:g}" if r.done is not None and r.total is not None else ""
+        eta = r.eta() if r.state == "running" else None
         step += f" ETA {fmt.duration(eta)}" if eta is not None else ""
-        parts.append(f"r{r['rank']} {r.get('phase', '?')}{step}{'✗' if r.get('state') == 'error' else ''}")
+        parts.append(f"r{r.rank} {r.phase or '?'}{step}{'✗' if r.state == 'error' else ''}")
     parts += [f"r{x.rank} {x.phase or '-'}" + (" ✗" if x.error else "") for x in ranks]
     beats = [x.heartbeat_age for x in ranks if x.heartbeat_age is not None]
     if beats:
@@ -190,7 +176,7 @@ def _service_state(snap: Snapshot, view: ServiceView | None) -> str:
             return f"ended: {view.ending_line()}"
         reason = view.detail.reason if view.detail is not None and not view.detail.ok else ""
         return f"{view.state}: {reason}" if reason else view.state
-    return f"node {node.get('state', '?')}" if node is not None else "-"
+    return f"node {node.state}" if node is not None else "-"
 
 
 def rows(fleet_snapshot, now: float | None = None) -> list[dict[str, Any]]:

@@ -25,8 +25,9 @@ from textual.css.query import NoMatches
 from textual.screen import Screen
 from textual.widgets import Footer, Input, Static
 
-from console.data.collectors import Collectors, Snapshot, default_model_dir
+from console.data.collectors import Collectors, default_model_dir
 from console.data.launch_state import LaunchState
+from console.data.snapshot import Snapshot
 from console.tui.control.jobs import JobControl
 from console.tui.control.service import ServiceControl
 from console.tui.control.watch import FileWatch

@@ -101,16 +101,16 @@ def sidecar_targets(plan) -> list[Target]:
     from store import sidecar
 
     s = plan.sidecar
-    if s.get("verdict") != REPACK or s.get("reason") not in SIDECAR_PURGE_REASONS:
+    if s is None or s.verdict != REPACK or s.reason not in SIDECAR_PURGE_REASONS:
         return []
-    path = Path(s["path"])
+    path = Path(s.path)
     try:
         st = os.lstat(path)
     except OSError:
         return []
     if not stat.S_ISREG(st.st_mode) or sidecar.ranks_of(path) is None:
         return []  # not a regular file of our own naming: never ours to delete
-    return [Target("sidecar", str(path), f"{s['reason']}: {s.get('detail', '')}", st.st_size)]
+    return [Target("sidecar", str(path), f"{s.reason}: {s.detail}", st.st_size)]
 
 
 def targets(plan, scope: str = PLAN) -> list[Target]:

@@ -129,9 +129,8 @@ class JobControl:
             self.app.log_line(worker.name, event.message)
 
     def _program_order(self) -> list[str]:
-        """The programs in the order the last launch of this model prepared them."""
-        prev = self.snapshot.registration.previous if self.snapshot else None
-        return list((prev or {}).get("phases", {}).get("programs", {}).get("programs") or {})
+        """The programs in the order a launch prepares them (the plan's)."""
+        return [p.program for p in self.snapshot.programs.entries] if self.snapshot else []
 
     async def finish(self, worker: Worker, what: str = "") -> int | None:
         """Run `worker` to its end: its exit said in the log, a job's progress line cleared and
@@ -169,9 +168,8 @@ class JobControl:
 
     def _pack_rate(self) -> float | None:
         """Bytes per second packed by earlier prepacks (recorded in each sidecar's metadata)."""
-        rows = self.snapshot.sidecars.sidecars if self.snapshot else ()
-        rates = [r["size_bytes"] / r["pack_seconds"] for r in rows if r.get("pack_seconds") and r.get("size_bytes")]
-        return max(rates) if rates else None
+        wanted = self.snapshot.sidecars.wanted if self.snapshot else None
+        return wanted.size_bytes / wanted.pack_seconds if wanted and wanted.pack_seconds and wanted.size_bytes else None
 
     def prepack(self) -> None:
         if self._busy("prepack") or not self.model_ready():

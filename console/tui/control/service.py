@@ -59,12 +59,12 @@ class ServiceControl:
         """A launch in view, with the prediction made for it and the launch it compares with."""
         reg = self.app.snapshot.registration if self.app.snapshot else None
         compared = reg.previous if reg else None
-        if spawned and compared and compared.get("started", 0) >= spawned - 1:
+        if spawned and compared and (compared.started or 0) >= spawned - 1:
             compared = reg.earlier  # re-attached: the last record is this launch's own (never compared with itself)
-        plan = (self.app.snapshot.plan if self.app.snapshot else None) or {}
+        programs = self.app.snapshot.programs.entries if self.app.snapshot else ()
         state = LaunchState(prediction=dict(reg.prediction) if reg else {}, basis=reg.basis if reg else "",
                             compared=compared, predicted=dict(reg.predicted) if reg else {},
-                            order=[p["program"] for p in plan.get("programs", ())])
+                            order=[p.program for p in programs])
         if spawned:
             state.spawned = spawned
         return state
@@ -96,9 +96,9 @@ class ServiceControl:
         # every setting the console was started with; --ready auto (its default) lets the launch's
         # own plan decide: the eager tier at once when programs would compile and one rank serves
         argv = service_argv(*app.spec.with_(events=str(events)).argv(SERVE))
-        plan = (app.snapshot.plan if app.snapshot else None) or {}
-        if app.spec.ready == "auto" and plan.get("ready") == "early":  # say so: it serves eager meanwhile
-            compiling = sum(e.get("state") not in ("HIT", "EAGER") for e in plan.get("programs", ()))
+        plan = app.snapshot.plan if app.snapshot else None
+        if app.spec.ready == "auto" and plan is not None and plan.ready == "early":  # say so: it serves eager meanwhile
+            compiling = sum(e.state.compiles for e in plan.programs)
             app.notify(f"--ready auto is early here: {compiling} programs to compile; it serves on the eager "
                        "tier meanwhile and swaps each in as it compiles", title="launch")
         self.launch = self.new_launch()

@@ -191,11 +191,10 @@ class FleetScreen(Screen):
         lines += [f"  [yellow]{escape(d)}[/]" for d in row.get("drift", ())]
         snap = r.snapshot
         if snap is not None and snap.nodes:
-            n = snap.nodes[0]
-            ending = n.get("ending") or {}
-            lines.append(escape(f"  node {n.get('node_rank')}/{n.get('nnodes')} torchrun pid {n.get('pid')} master "
-                                f"{n.get('master')}: {n.get('state')}"
-                                + (f" — {' / '.join(ending.get('lines') or [])[-160:]}" if ending.get("lines") else "")))
+            v = snap.nodes[0]
+            n, ending = v.node, v.node.ending
+            lines.append(escape(f"  node {n.node_rank}/{n.nnodes} torchrun pid {n.pid} master {n.master}: {v.state}"
+                                + (f" — {' / '.join(ending.lines)[-160:]}" if ending and ending.lines else "")))
         box.update("\n".join(lines))
 
     def on_data_table_row_highlighted(self, _event) -> None:
