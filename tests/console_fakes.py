@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from pathlib import Path
 
 from console.data.cache import CacheEntry, CacheSnapshot
@@ -15,6 +17,8 @@ from console.data.snapshot import (
     SidecarsSnapshot,
     Snapshot,
 )
+from console.fleet.host import FileFeed
+from console.fleet.local import LocalHost
 from runtime.launch.budget import Memory, launch_kv
 from runtime.launch.history import Likeness
 from runtime.launch.plan_report import KvPlan, PlanReport, ProgramPlan, RankKv, SidecarPlan
@@ -133,11 +137,15 @@ def cache_snapshot() -> CacheSnapshot:
 
 
 
-class FakeCollectors:
-    device_kind = "cpu"
-    inline = True  # snapshots applied on the UI thread: deterministic screens
+class FixedHost(LocalHost):
+    """This host, its panes' snapshot a given one (`snapshot()`, which a test may override), its
+    launch history `history()`'s; its commands and its logs are this host's own (a log is the file
+    the snapshot's service record names)."""
+
+    blocking = False  # snapshots applied on the UI thread: deterministic screens
 
     def __init__(self, snap: Snapshot | None = None):
+        super().__init__()
         self.snap = snap or snapshot()
         self.calls = 0
 
@@ -148,10 +156,27 @@ class FakeCollectors:
         self.calls += 1
         return self.snap
 
+    def watch(self, spec, local_ranks=None) -> None:
+        pass
+
+    def ask(self, history: bool = False) -> None:
+        self.latest = dataclasses.replace(self.snapshot(), history=tuple(self.history()) if history else ())
+        self.received = time.monotonic()
+        self.on_change()
+
+    def log(self, label: str, *, pid=None, rank=None, node=None, follow: bool = True):
+        view = next(v for v in self.latest.services.services if pid is None or v.pid == pid)
+        logs = dict(view.logs())
+        name = "service" if rank is None else f"rank {rank}"
+        return FileFeed(label, logs[name], self.name)
+
+
+FakeCollectors = FixedHost  # the name the older tests know it by
+
 
 def fake_app(**kw):
-    """The console over fake collectors: no worker, no watcher, no default checkpoint."""
+    """The console over a host of given snapshots: no worker, no watcher, no default checkpoint."""
     from console.tui.app import Dsv4Console
 
-    return Dsv4Console(SPEC, collectors=kw.pop("collectors", FakeCollectors()), watch=False,
+    return Dsv4Console(SPEC, host=kw.pop("collectors", None) or FixedHost(), watch=False,
                        create_default=False, interval=0, **kw)

@@ -163,7 +163,7 @@ async def test_launching_a_model_that_is_already_served_asks_first(tiny_ckpt_ro)
     view = snap.services.services[0]
     view = dataclasses.replace(view, record=dataclasses.replace(view.record, model=str(tiny_ckpt_ro), events=""))
     snap = dataclasses.replace(snap, services=dataclasses.replace(snap.services, services=(view,)))
-    app = Dsv4Console(SPEC.with_(model=tiny_ckpt_ro), collectors=FakeCollectors(snap), watch=False,
+    app = Dsv4Console(SPEC.with_(model=tiny_ckpt_ro), host=FakeCollectors(snap), watch=False,
                       create_default=False, interval=0)
     async with app.run_test() as pilot:
         await pilot.pause()

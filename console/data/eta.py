@@ -101,3 +101,24 @@ class Progress:
         t = t or time.monotonic()
         eta, basis = self.eta(t)
         return fmt.progress(self.label, self.done, self.total, self.unit, t - self.started, eta, basis, self.now)
+
+
+def follow(p: Progress, pool: Any, event: Any) -> Any:
+    """One event of a running command into its progress line (`p`) and, for a compile pool's
+    per-program log events (`dsv4 compile --events`), its programs' states (`pool`, made at the
+    first): done, what compiles now, each program's expected seconds. Returns the pool."""
+    from console.data.launch_state import ProgramStates
+
+    d = event.detail
+    if event.kind == "progress":
+        p.update(event.done, event.total, now=str(d.get("group") or d.get("file") or ""), item=str(d.get("program", "")))
+    elif event.kind == "start" and isinstance(d.get("total", event.total), int | float):
+        p.update(0, d.get("total", event.total))
+    elif event.kind == "log" and ProgramStates.applies(d):
+        pool = pool or ProgramStates()
+        pool.feed(d, event.ts)
+        p.pool = pool
+        p.items.update(pool.expected)
+        p.finished |= pool.finished
+        p.update(len(pool.finished), now=pool.now)
+    return pool

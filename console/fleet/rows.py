@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from console import fmt
@@ -13,6 +14,7 @@ from console.data.nodes import NodeRank, NodeView
 from console.data.services import ServiceView
 from console.data.snapshot import Snapshot
 from console.data.toolchain import ORDER
+from console.fleet.host import HostReading
 from runtime.events import REGISTRATION
 from runtime.programs.outcome import Outcome
 
@@ -93,7 +95,8 @@ def _coarse_size(n: float | None) -> str:
 
 
 def _device(snap: Snapshot) -> str:
-    """`23.5 GiB 4% · KV 128/64k`: memory and how much is used, the slots the launch takes and what fits."""
+    """`23.5 GiB 4% · KV 128/64k`: memory and how much is used, the slots this host's ranks take
+    and what fits (the plan sized them for the ranks on this host's own devices)."""
     d = snap.device
     if d.error:
         return d.error
@@ -170,44 +173,97 @@ def _phases(snap: Snapshot, ranks: list, now: float) -> str:
 
 
 def _service_state(snap: Snapshot, view: ServiceView | None) -> str:
+    """The service here, or (none running) what blocks a launch here, in its own words."""
     node = _node(snap)
-    if view is not None:
-        if view.ended:
-            return f"ended: {view.ending_line()}"
+    if view is not None and not view.ended:
         reason = view.detail.reason if view.detail is not None and not view.detail.ok else ""
         return f"{view.state}: {reason}" if reason else view.state
+    if node is not None and node.running:
+        return f"node {node.state}"
+    if (problem := snap.blocking()) is not None:
+        return f"blocked: {problem.line()}"
+    if view is not None:
+        return f"ended: {view.ending_line()}"
     return f"node {node.state}" if node is not None else "-"
 
 
-def rows(fleet_snapshot, now: float | None = None) -> list[dict[str, Any]]:
-    """One row per host (sortable values under their column keys, the reading under `reading`)."""
+@dataclass(frozen=True, kw_only=True)
+class HostRow:
+    """One host's row of the fleet screen: what each column says, and the reading under it."""
+
+    host: str
+    node: int
+    reading: HostReading = field(compare=False)
+    reach: str = "✗"  # ✓ | stale | ✗
+    state: str = ""  # the service here, what blocks a launch, or why the host is not reachable
+    ok: bool = False
+    left_out: bool = False
+    drift: tuple[str, ...] = ()
+    version: str = ""
+    toolchain: str = ""
+    programs: str = ""
+    sidecar: str = ""
+    device: str = ""  # memory, and this host's KV slots / what fits
+    device_ok: bool = True
+    room: str = ""
+    roomy: bool = True
+    phases: str = ""
+    tokens_s: float | None = None
+    age: float | None = None
+    hostname: str = ""
+    service: ServiceView | None = field(default=None, compare=False)
+    slots: int | None = None  # this host's KV slots (its own ranks')
+    fits: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("reading", "service")}
+        out["drift"] = list(self.drift)
+        return out
+
+
+def rows(fleet_snapshot, now: float | None = None) -> list[HostRow]:
+    """One row per host; an unreachable host keeps what was last known of it, marked with its age."""
     now = now or time.time()
     readings = fleet_snapshot.hosts
+    left_out = set(getattr(fleet_snapshot, "left_out", ()))
     drifts = drift(readings)
     out = []
     for r in readings:
-        row: dict[str, Any] = {"host": r.host, "node": r.node_rank, "reading": r, "drift": drifts.get(r.host, ())}
-        if not r.reachable or r.snapshot is None:
-            row.update(reach="✗", state=r.error or "unreachable", ok=False)
-        else:
-            try:
-                row.update(_figures(r, readings, drifts, now))
-            except (AttributeError, TypeError, KeyError, ValueError) as e:  # a snapshot that parsed but says nonsense
-                row.update(reach="✗", state=f"unreadable snapshot ({type(e).__name__}: {e})"[:200], ok=False)
+        base = {"host": r.host, "node": r.node_rank, "reading": r, "drift": drifts.get(r.host, ()),
+                "left_out": r.host in left_out, "age": r.age_s}
+        if r.snapshot is None:
+            out.append(HostRow(**base, state=r.error or "unreachable"))
+            continue
+        try:
+            row = HostRow(**base, **_figures(r, readings, drifts, now))
+        except (AttributeError, TypeError, KeyError, ValueError) as e:  # a snapshot that parsed but says nonsense
+            row = HostRow(**base, state=f"unreadable snapshot ({type(e).__name__}: {e})"[:200])
         out.append(row)
     return out
 
 
-def _figures(r, readings, drifts: dict[str, tuple[str, ...]], now: float) -> dict[str, Any]:
-    """The columns of a host that answered."""
+def _figures(r: HostReading, readings, drifts: dict[str, tuple[str, ...]], now: float) -> dict[str, Any]:
+    """The columns of a host with a snapshot (its last known one, when it is away now)."""
     snap = r.snapshot
     view = service_of(snap)
     room, roomy = _room(snap)
-    return {"reach": "✓" if r.fresh else "stale", "ok": r.fresh and not r.error,
+    reach = "✓" if r.fresh else "stale" if r.reachable else "✗"
+    state = _service_state(snap, view)
+    if r.error:  # why it is not fresh first, then what was last known
+        known = f"last known {fmt.duration(r.age_s)} ago: " if r.age_s is not None else "last known: "
+        state = f"{r.error} — {known}{state}"
+    return {"reach": reach, "ok": r.fresh and not r.error and not state.startswith(("blocked", "failed", "ended")),
             "version": snap.toolchain.get("dsv4", "?"), "device_ok": not snap.device.error,
             "toolchain": "; ".join(drifts.get(r.host, ())) or "same", "programs": _programs(snap),
-            "sidecar": _sidecar(snap), "device": _device(snap), "room": room, "roomy": roomy,
-            "state": r.error or _service_state(snap, view),
+            "sidecar": _sidecar(snap), "device": _device(snap), "room": room, "roomy": roomy, "state": state,
             "phases": _phases(snap, _ranks_here(readings, snap.hostname), now),
-            "tokens_s": view.serving.tokens_s if view and view.serving else None, "age": r.age_s,
-            "hostname": snap.hostname, "service": view}
+            "tokens_s": view.serving.tokens_s if view and view.serving else None,
+            "hostname": snap.hostname, "service": view, "slots": snap.device.slots, "fits": snap.device.fits}
+
+
+def kv_total(fleet_rows: list[HostRow]) -> tuple[int, int] | None:
+    """The service's KV: every host's slots and what fits, summed (None: no host knows yet)."""
+    known = [r for r in fleet_rows if not r.left_out and r.slots is not None]
+    if not known:
+        return None
+    return sum(r.slots or 0 for r in known), sum(r.fits or 0 for r in known)

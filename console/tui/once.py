@@ -68,3 +68,31 @@ def render(snap: Snapshot) -> str:
         seconds = reg.predicted.get(phase)
         lines.append(f"  {phase:<9} {fmt.secs(seconds):>8}  {reg.prediction.get(phase, '')}")
     return "\n".join(lines)
+
+
+def fleet_text(snap, spec, kv: tuple[int, int] | None = None) -> str:
+    """A fleet's status for a person: the service's settings and KV over its hosts, then each
+    host (reachable or why not, its toolchain against the others', and its panes' data)."""
+    from console.fleet.rows import drift
+
+    hosts = [r for r in snap.hosts if r.host not in snap.left_out]
+    head = (f"fleet: {len(hosts)} hosts  model {spec.model or '-'}  backend {spec.backend}  ranks {spec.ranks}  "
+            f"max-seq {spec.max_seq}") + (f"  KV {kv[0]} slots of {kv[1]} that fit" if kv else "")
+    if snap.left_out:
+        head += f"  (left out: {', '.join(snap.left_out)})"
+    lines = [head, ""]
+    drifts = drift(snap.hosts)
+    for r in snap.hosts:
+        state = "reachable" if r.reachable else "unreachable"
+        age = f" (last known {fmt.duration(r.age_s)} ago)" if r.snapshot is not None and not r.fresh and r.age_s else ""
+        lines.append(f"=== {r.host} (node {r.node_rank}): {state}" + (f" — {r.error}" if r.error else "") + age
+                     + ("  [left out]" if r.host in snap.left_out else ""))
+        if r.snapshot is not None:
+            tool = r.snapshot.toolchain
+            lines.append(f"toolchain: dsv4 {tool.get('dsv4', '?')}, torch {tool.get('torch', '?')}, python "
+                         f"{tool.get('python', '?')}" + "".join(f"\n  differs: {d}" for d in drifts.get(r.host, ())))
+            if (problem := r.snapshot.blocking()) is not None:
+                lines.append(f"blocks a launch: {problem.line()}")
+            lines.append(render(r.snapshot))
+        lines.append("")
+    return "\n".join(lines)
