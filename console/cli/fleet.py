@@ -123,9 +123,8 @@ async def _act(session, args: argparse.Namespace) -> int:
     if action == "purge":
         listed = await session.runner.listing(hosts, args.scope)
         for host, targets in listed.items():
-            print(f"{host}: {len(targets)} to delete" + "".join(f"\n  {t['kind']} {t['path']}: {t['reason']}"
-                                                                for t in targets))
-        chosen = {h: [t["path"] for t in ts] for h, ts in listed.items() if ts}
+            print(f"{host}: {len(targets)} to delete" + "".join(f"\n  {t.kind} {t.path}: {t.reason}" for t in targets))
+        chosen = {h: [t.path for t in ts] for h, ts in listed.items() if ts}
         if not chosen:
             print("nothing to purge on any host")
             return 0

@@ -80,8 +80,10 @@ class PlanWatch:
         return self.plan, self.report
 
     def invalidate(self) -> None:
-        """Recompute at the next `get()` (residency moved across what the verdict depends on)."""
-        self.report = None
+        """Recompute at the next `get()` (residency moved across what the verdict depends on, or
+        the file watch saw a change). The plan made last stays what `get` answers until then: a
+        collection on another thread never finds none."""
+        self._stamp = None
 
     def _make(self, history: list[dict[str, Any]] | None) -> None:
         from console.data.cache import collect_cache

@@ -58,7 +58,9 @@ class FleetEvent:
                     return f"{self.action} done on {on}{took}"
                 return f"{self.action} failed on {on}{took}" + (f": {self.text}" if self.text else "")
             case "action.step" | "action.line":
-                return f"{self.action}{where}: {self.text}" if self.action else f"{self.host}: {self.text}"
+                if self.action:
+                    return f"{self.action}{where}: {self.text}"
+                return f"{self.host}: {self.text}" if self.host else self.text
             case "action.progress":
                 count = f" {self.done:g}/{self.total:g}" if self.done is not None and self.total else ""
                 return f"{self.action}{where}: {self.text}{count}"
@@ -79,8 +81,7 @@ class FleetEvent:
                 return f"service serving {self.url or ''} on {self.host}".replace("  ", " ") + \
                     (f" (pid {self.pid})" if self.pid else "")
             case "service.failed":
-                rank = f"rank {self.rank} " if self.rank is not None else ""
-                return f"service on {self.host} failed: {rank}{self.text}".rstrip(": ")
+                return f"service on {self.host} failed: {self.text}".rstrip(": ")
             case "service.stopped":
                 return f"service on {self.host} stopped" + (f": {self.text}" if self.text else "")
         return f"{self.kind}{where}: {self.text}"

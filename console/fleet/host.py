@@ -47,8 +47,9 @@ class HostReading:
 
     @property
     def state(self) -> str:
-        """fresh | stale | unreachable."""
-        return "unreachable" if not self.reachable else "fresh" if self.fresh and not self.error else "stale"
+        """fresh | stale (it says why: no answer for a while, or not a snapshot) | unreachable. An
+        answer still on its way, within its time, is no news."""
+        return "unreachable" if not self.reachable else "stale" if self.error else "fresh"
 
     def to_json(self) -> dict[str, Any]:
         """`host` (its name in the fleet), `reachable`, `error`, and the host's snapshot under one

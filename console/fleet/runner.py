@@ -22,6 +22,7 @@ from console.fleet import actions as A
 from console.fleet import events as E
 from console.fleet.host import Host, HostReading
 from runtime.events import Event
+from runtime.launch.purge import Target
 from runtime.launch.spec import LaunchSpec
 
 
@@ -128,15 +129,15 @@ class Runner:
                 return
         self.done(name, job, "ok")
 
-    async def listing(self, hosts: Sequence[str], scope: str = A.PLAN_SCOPE) -> dict[str, list[dict[str, Any]]]:
+    async def listing(self, hosts: Sequence[str], scope: str = A.PLAN_SCOPE) -> dict[str, list[Target]]:
         """What a purge would delete on each host (`dsv4 purge --dry-run`), each file and why; a
         host that cannot say is left out, its job saying why."""
-        async def one(name: str) -> tuple[str, list[dict[str, Any]] | None]:
+        async def one(name: str) -> tuple[str, list[Target] | None]:
             job = self.jobs[name] = HostJob("purge")
             ok = await self.step(name, job, A.Step(label="purge (listing)", args=A.purge_args(self.spec, scope)))
             job.outcome, job.took = ("ok" if ok else job.outcome), time.monotonic() - job.started
             self._moved(name, job, None)
-            return name, [t for r in job.records for t in r.get("items", ())] if ok else None
+            return name, [Target.from_json(t) for r in job.records for t in r.get("items", ())] if ok else None
 
         found = await asyncio.gather(*(one(h) for h in hosts))
         return {h: targets for h, targets in found if targets is not None}

@@ -75,15 +75,17 @@ def _service_event(host: str, view, now: float) -> E.FleetEvent | None:
         return E.FleetEvent(kind=E.SERVING, host=host, ts=now, pid=view.pid, url=view.url)
     if state == "failed":
         lost = next((rk for rk in view.ranks if rk.error), None)
-        reason = view.detail.reason if view.detail is not None else ""
-        where = f"on {lost.host}: " if lost is not None and lost.host and lost.host != host else ""
+        reason = (view.detail.reason if view.detail is not None else "") or (lost.error if lost else "")
+        if lost is not None and f"rank {lost.rank}" not in reason:  # name the rank and its host, once
+            reason = f"rank {lost.rank}" + (f" on {lost.host}" if lost.host else "") + f": {reason}"
         return E.FleetEvent(kind=E.FAILED, host=host, ts=now, pid=view.pid, rank=lost.rank if lost else None,
-                            text=f"{where}{reason or (lost.error if lost else '')}")
+                            text=reason)
     if view.ended:
         ending = view.record.ending
         how = ending.how if ending else "ended"
         if how.startswith(STOPPED_WORDS):
             return E.FleetEvent(kind=E.STOPPED, host=host, ts=now, pid=view.pid, text=how)
+        said = f"{how} during {ending.phase}" if ending and ending.phase else how
         return E.FleetEvent(kind=E.FAILED, host=host, ts=now, pid=view.pid,
-                            text=view.ending_line(now) if ending else how)
+                            text=f"{said}: {ending.error}" if ending and ending.error else said)
     return None

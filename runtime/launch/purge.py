@@ -48,6 +48,13 @@ class Target:
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> Target:
+        """`to_json`'s inverse (what `dsv4 purge --json` printed on a host)."""
+        return cls(kind=str(raw["kind"]), path=str(raw["path"]), reason=str(raw.get("reason") or ""),
+                   size_bytes=int(raw.get("size_bytes") or 0), program=str(raw.get("program") or ""),
+                   fingerprint=str(raw.get("fingerprint") or ""))
+
 
 def purgeable(entry) -> bool:
     """An entry that can never be used again (the `cache` scope's rule): stale, corrupt,

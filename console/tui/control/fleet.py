@@ -119,14 +119,14 @@ class FleetControl:
         """What each host's plan lets a purge delete (each file and why), confirmed once, then
         only those files, each looked at again there before it goes."""
         listed = await self.session.runner.listing(hosts)
-        chosen = {h: [t["path"] for t in ts] for h, ts in listed.items() if ts}
+        chosen = {h: [t.path for t in ts] for h, ts in listed.items() if ts}
         if not chosen:
             self.app.notify("nothing to purge on " + ", ".join(hosts))
             return
         lines = []
         for h, ts in listed.items():
-            lines.append(f"{h}: {len(ts)} files, {fmt.size(sum(t['size_bytes'] for t in ts))}")
-            lines += [f"  {t['path']}: {t['reason']}" for t in ts[:8]] + ([f"  … and {len(ts) - 8} more"] if len(ts) > 8 else [])
+            lines.append(f"{h}: {len(ts)} files, {fmt.size(sum(t.size_bytes for t in ts))}")
+            lines += [f"  {t.path}: {t.reason}" for t in ts[:8]] + ([f"  … and {len(ts) - 8} more"] if len(ts) > 8 else [])
         self.app.push_screen(ConfirmScreen(f"purge on {len(chosen)} hosts?", escape("\n".join(lines))),
                              lambda yes: self.run("purge", list(chosen), chosen) if yes else self._cancelled("purge"))
 

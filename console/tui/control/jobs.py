@@ -190,7 +190,7 @@ class JobControl:
         pane = self.app.pane(ProgramsPane)
         return A.CACHE_SCOPE if pane is not None and pane.viewing_cache is True else A.PLAN_SCOPE
 
-    def _purge_confirm(self, chosen: list[dict[str, Any]] | None, scope: str) -> None:
+    def _purge_confirm(self, chosen: list | None, scope: str) -> None:
         if chosen is None:
             return  # the listing failed: its job said why
         which = ("that the plan of this checkpoint calls stale or corrupt" if scope == A.PLAN_SCOPE else
@@ -198,16 +198,16 @@ class JobControl:
         if not chosen:
             self.app.notify(f"nothing to purge: no program entry or sidecar {which.removeprefix('that ')}")
             return
-        nbytes = sum(t["size_bytes"] for t in chosen)
-        programs = sum(t["kind"] == "program" for t in chosen)
+        nbytes = sum(t.size_bytes for t in chosen)
+        programs = sum(t.kind == "program" for t in chosen)
         lines = [f"{programs} program entries and {len(chosen) - programs} sidecars, {fmt.size(nbytes)}, {which}:"]
-        lines += [f"  {t['path']}\n    {t['reason']} ({fmt.size(t['size_bytes'])})" for t in chosen[:20]]
+        lines += [f"  {t.path}\n    {t.reason} ({fmt.size(t.size_bytes)})" for t in chosen[:20]]
         if len(chosen) > 20:
             lines.append(f"  … and {len(chosen) - 20} more")
 
         def confirmed(yes: bool | None) -> None:
             if yes:
-                self._run("purge", [t["path"] for t in chosen], scope)
+                self._run("purge", [t.path for t in chosen], scope)
             else:
                 self.app.log_line("console", "purge: cancelled, nothing deleted")
 

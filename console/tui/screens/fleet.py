@@ -72,7 +72,8 @@ class FleetScreen(Screen):
                 tooltip="leave the selected hosts out of the service (again: bring them back); the ranks, the "
                 "plans and a launch cover the others"),
         Binding("space", "mark", "Mark", id="fleet.mark", show=False, tooltip="mark the host for the next action"),
-        Binding("a", "mark_all", "All", id="fleet.all", show=False, tooltip="mark every host (again: none)"),
+        Binding("a", "mark_all", "All", id="fleet.all", show=False,
+                tooltip="mark every host not left out (again: none)"),
         Binding("h", "history", "History", id="fleet.history", show=False,
                 tooltip="every host's launch history, one record per launch"),
         Binding("r", "refresh", "Refresh", id="fleet.refresh", show=False, tooltip="ask every host for a snapshot now"),
@@ -252,7 +253,7 @@ class FleetScreen(Screen):
             self.show()
 
     def action_mark_all(self) -> None:
-        every = set(self.control.session.hosts)
+        every = set(self.control.session.active())  # a host left out is marked by hand
         self.marked = set() if self.marked == every else every
         self.show()
 

@@ -144,7 +144,9 @@ def test_a_purge_lists_each_hosts_targets_then_deletes_only_those_confirmed():
 
     session, hosts, _ = _session(["a", "b"], {"a": answer, "b": answer})
     listed = asyncio.run(session.runner.listing(["a", "b"]))
-    assert listed == {"a": targets, "b": targets}
+    assert {h: [t.to_json() for t in ts] for h, ts in listed.items()} == {
+        "a": [{**t, "program": "", "fingerprint": ""} for t in targets], "b": [{**t, "program": "", "fingerprint": ""}
+                                                                           for t in targets]}
     jobs = asyncio.run(session.runner.run("purge", ["a"], chosen={"a": [targets[0]["path"]]}))
     assert jobs["a"].ok and jobs["a"].records == [{"items": [targets[0]]}]
     dry, real = hosts["a"].commands
