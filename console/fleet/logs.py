@@ -49,7 +49,7 @@ def feeds(hosts: Mapping[str, Host], fleet_snapshot, host: str, *, view: Service
             raise UserError(f"{host}: no service and no node there to read a log of")
         return [h.log(f"node {node.node.node_rank}", node=node.node.pid, follow=follow)]
     out = [] if rank is not None else [h.log("service", pid=view.pid, follow=follow)]
-    here = snap.hostname if snap is not None else ""
+    here = view.record.host or (snap.hostname if snap is not None else "")  # what the service's own host calls itself
     ranks = [r.rank for r in view.ranks] or list(range(len(view.record.rank_logs)))
     for r in ranks if rank is None else [rank]:
         health = next((x for x in view.ranks if x.rank == r), None)
