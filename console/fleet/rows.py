@@ -225,7 +225,7 @@ def rows(fleet_snapshot, now: float | None = None) -> list[HostRow]:
     """One row per host; an unreachable host keeps what was last known of it, marked with its age."""
     now = now or time.time()
     readings = fleet_snapshot.hosts
-    left_out = set(getattr(fleet_snapshot, "left_out", ()))
+    left_out = set(fleet_snapshot.left_out)
     drifts = drift(readings)
     out = []
     for r in readings:

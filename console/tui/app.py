@@ -45,6 +45,7 @@ from console.tui.panes.registration import RegistrationPane
 from console.tui.panes.services import ServicesPane
 from console.tui.panes.sidecars import SidecarsPane
 from console.tui.screens.detail import DetailScreen
+from console.tui.screens.fleet import FleetScreen
 from console.tui.screens.help import HelpScreen
 from console.tui.screens.history import HistoryScreen
 from console.tui.tables import PaneTable
@@ -145,8 +146,6 @@ class Dsv4Console(App):
     def on_mount(self) -> None:
         self._fit(self.size.width, self.size.height)
         if not self.session.alone:
-            from console.tui.screens.fleet import FleetScreen
-
             self.install_screen(FleetScreen(self.fleet, self.interval), name="fleet")
             self.push_screen("fleet")
         # collect after the first paint: the empty screen shows at once, data follows
@@ -367,7 +366,7 @@ class Dsv4Console(App):
         if event.input.id != "filter":
             return
         self.needle = event.value.strip().lower()
-        if self.screen is not self.screen_stack[0] and hasattr(self.screen, "filter"):
+        if isinstance(self.screen, FleetScreen):
             self.screen.filter(self.needle)  # the fleet screen's hosts
             return
         pane = self.pane(LogPane)
@@ -392,7 +391,7 @@ class Dsv4Console(App):
         """The one guard of every mutating action, on the panes and on the fleet screen alike:
         `--readonly` refuses them all here; the fleet screen's act on its selected hosts, the
         panes' on the host they show."""
-        on_fleet = self.screen is not self.screen_stack[0] and hasattr(self.screen, "selection")
+        on_fleet = isinstance(self.screen, FleetScreen)
         if name not in (FLEET_MUTATING if on_fleet else MUTATING):
             raise ValueError(f"unknown action {name}")
         if self.readonly:
@@ -422,7 +421,7 @@ class Dsv4Console(App):
         self.refresh_now()
 
     def action_fleet(self) -> None:
-        if not self.session.alone and not isinstance(self.screen, type(self.get_screen("fleet"))):
+        if not self.session.alone and not isinstance(self.screen, FleetScreen):
             self.push_screen("fleet")
 
     # -- quit -----------------------------------------------------------------------------------
