@@ -1,6 +1,6 @@
 """`dsv4 bench node-loss`: how fast a two-node service fails closed when a node is lost.
 
-The README's multi-host recipe on one machine (`torchrun --nnodes 2 --nproc-per-node 1`, the
+docs/serving.md's multi-host recipe on one machine (`torchrun --nnodes 2 --nproc-per-node 1`, the
 tiny preset, eager programs, `--rank-timeout T`), four times: node 1 (its agent and its rank)
 killed with SIGKILL (a host that loses power) or stopped with SIGSTOP (a host that hangs: the
 process lives, nothing answers), with the service idle or under load (CLIENTS concurrent

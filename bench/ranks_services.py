@@ -1,5 +1,5 @@
 """The services `dsv4 bench ranks` and `dsv4 bench node-loss` run: `dsv4 serve --ranks N` on
-loopback, or two torchrun nodes of one rank each (the README's multi-host recipe, on one
+loopback, or two torchrun nodes of one rank each (docs/serving.md's multi-host recipe, on one
 machine), until ready, stopped by SIGTERM and every process of it killed on the way out;
 streamed completions against it; each rank process's PSS and RSS; and `dsv4 prepack --ranks N`,
 timed.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import shutil
 import subprocess
@@ -10,6 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
+
+REPO = Path(__file__).resolve().parents[1]  # the checkout: tests run its code and read its docs
+TESTS = REPO / "tests"
 
 
 @pytest.fixture(autouse=True)
@@ -57,6 +62,22 @@ def tiny_ckpt(tiny_ckpt_ro, tmp_path) -> Path:
 
 
 MAX_SEQ = 64  # small fixed-size KV caches keep every test launch cheap
+E2E = TESTS / "e2e"
+
+
+# `slow` whole: the end-to-end proofs (live services, sshd hosts, registries, torchrun) and the
+# reliability suites (crash trials, concurrent processes, resource faults); and any test that needs a
+# fixture which compiles every program of a checkpoint or starts a `dsv4 serve`
+SLOW_DIRS = (E2E, TESTS / "reliability")
+SLOW_FIXTURES = {"cold_export_launch", "tiny_server"}
+
+
+def pytest_collection_modifyitems(items):
+    """Mark what `pytest -m "not slow"` (the inner loop) leaves out; `heavy` is slow too."""
+    for item in items:
+        if (any(d in item.path.parents for d in SLOW_DIRS) or SLOW_FIXTURES & set(item.fixturenames)
+                or item.get_closest_marker("heavy")):
+            item.add_marker(pytest.mark.slow)
 
 
 def launch(model_dir, *, backend="export", cache_dir=None, history=False, **kw):
@@ -111,6 +132,50 @@ def start_server(model_dir, tmp_path, *extra, env=None):
     raise AssertionError("server did not become ready")
 
 
+@contextlib.contextmanager
+def app_server(launched, speculative: bool = False):
+    """`launched`'s service app served by uvicorn from a thread on a loopback port: the API at a
+    real URL (sockets, disconnects, streams) without a `dsv4 serve` process. Yields the URL; the
+    caller closes `launched`."""
+    import threading
+
+    import uvicorn
+
+    from runtime.serve.app import Limits, create_app
+    from runtime.serve.server import bind, url_of
+
+    app = create_app(launched, Limits(speculative=speculative))
+    sock = bind("127.0.0.1", 0)
+    sock.listen(64)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="app-server")
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the in-process service did not start"
+        time.sleep(0.01)
+    try:
+        yield url_of(sock)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+        sock.close()
+        app.state.scheduler.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_app(tiny_ckpt_ro):
+    """The tiny model registered in this process (eager: nothing compiles; tokens never depend on
+    the tier) behind `app_server`, with MTP speculation as `tiny_server`: the API's semantics
+    through the real model, in-process. (url, Launched)."""
+    launched, _ = launch(tiny_ckpt_ro, backend="eager")
+    try:
+        with app_server(launched, speculative=True) as url:
+            yield url, launched
+    finally:
+        launched.close()
+
+
 @pytest.fixture(scope="session")
 def tiny_server(cold_export_launch, tiny_ckpt_ro, tmp_path_factory):
     """One `dsv4 serve` of the tiny checkpoint (export programs, warm cache, MTP speculation:
@@ -121,3 +186,16 @@ def tiny_server(cold_export_launch, tiny_ckpt_ro, tmp_path_factory):
     yield url, events, cold_export_launch[1]
     proc.terminate()
     proc.wait(timeout=60)
+
+
+def get_json(url: str, body: bytes | None = None) -> tuple[int, dict, dict]:
+    """(status, JSON body, headers) whatever the status."""
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url, body, {"Content-Type": "application/json"} if body else {})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, json.loads(r.read()), dict(r.headers)
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read()), dict(e.headers)

@@ -132,7 +132,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     loss = sub.add_parser(
         "node-loss",
         help="two torchrun nodes on loopback, node 1 SIGKILLed or SIGSTOPped: seconds to 503 and to exit",
-        description="The README's multi-host recipe on one machine (two torchrun nodes of one rank, the tiny "
+        description="docs/serving.md's multi-host recipe on one machine (two torchrun nodes of one rank, the tiny "
         "preset): node 1 killed (SIGKILL) or stopped (SIGSTOP), idle and under load; seconds from the loss "
         "to node 0's /health 503 and to its agent's exit, against 2 × --rank-timeout, and the status of "
         "every request in flight (target: 200 or 503 only).",
@@ -308,7 +308,7 @@ def _cache_ship(args: argparse.Namespace) -> int:
 
 
 def _eta(args: argparse.Namespace) -> int:
-    from bench.eta_bench import main
+    from console.benches.eta_bench import main
 
     return main(json_output=args.json, backend=args.backend, jobs=args.jobs)
 
@@ -333,7 +333,7 @@ def _sidecar(args: argparse.Namespace) -> int:
 
 
 def _console(args: argparse.Namespace) -> int:
-    from bench.console_bench import main
+    from console.benches.console_bench import main
 
     if args.fleet_hosts < 0:
         raise UserError("--fleet-hosts: 0 or more")

@@ -321,7 +321,7 @@ def fp4_blocks(w: dict[str, torch.Tensor], name: str, x: torch.Tensor) -> torch.
     for few rows: each block of g inputs times its codes' values unscaled (`fp4_float16`, one
     batched matmul, a block a batch), then each block's sums [in/g, rows, out] scaled and added. The
     scale multiplies those sums, not every weight: one float32 pass over the weight fewer than
-    dequantising it whole (`fp4_weight`; what it bought: README, "On-disk formats"). The same
+    dequantising it whole (`fp4_weight`; what it bought: docs/formats.md). The same
     products added in another order: within float32's rounding of the whole weight's product."""
     q, scale = w[name + ".qweight"], w[name + ".qscale"]
     return _block_sums(x, fp4_float16(q), code_scales(scale, FP16_CODE_EXP))

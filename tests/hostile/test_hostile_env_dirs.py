@@ -8,8 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import REPO as ROOT
 
-ROOT = Path(__file__).parents[2]
+pytestmark = pytest.mark.slow
+
 CONSOLE = [str(Path(sys.executable).parent / "dsv4-console"), "--once", "--json"]
 CASES = [
     ("DSV4_DATA_DIR", [sys.executable, "-m", "console.cli", "check"]),  # the embedded default lives there

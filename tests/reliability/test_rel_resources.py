@@ -20,11 +20,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from conftest import REPO
 from relcounts import record
 
 from store.kernel_cache.inventory import inventory
 
-REPO = Path(__file__).resolve().parents[2]
 TESTS = REPO / "tests"
 sys.path.insert(0, str(TESTS))
 
