@@ -177,10 +177,10 @@ class FleetScreen(Screen):
         self._said = said
         table = self.query_one("#fleet-table", PaneTable)
         shown, total = table.set_rows(rows, self.needle)
-        self.top(shown, total)
+        self.top(shown, total, kv_total([r["value"] for r in rows]))
         self.detail()
 
-    def top(self, shown: int = 0, total: int = 0) -> None:
+    def top(self, shown: int = 0, total: int = 0, kv: tuple[int, int] | None = None) -> None:
         session = self.control.session
         s = session.spec
         readings = self.snapshot.hosts if self.snapshot else ()
@@ -190,7 +190,6 @@ class FleetScreen(Screen):
         head += f"  [yellow]{escape(behind)}[/]" if behind else ""
         model = s.model.name if s.model else "embedded default"
         active = len(session.active())
-        kv = kv_total(rows(self.snapshot)) if self.snapshot else None
         service = f"ranks {s.ranks} over {active} host{'s' if active > 1 else ''}" + (
             f" · KV {kv[0]} slots (fits {kv[1]})" if kv else "")
         left = f"  [yellow]left out: {escape(', '.join(sorted(session.left_out)))}[/]" if session.left_out else ""
