@@ -13,6 +13,7 @@ import json
 import sys
 from typing import Any
 
+from console.cli.output import confirm
 from console.fleet.flags import add_fleet_flags
 from runtime.launch.spec import CONSOLE, add_flags
 from store.errors import UserError
@@ -83,15 +84,6 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0 if all(r.reachable and r.snapshot is not None for r in snap.hosts) else 1
 
 
-def _ask(yes: bool, question: str) -> None:
-    if yes:
-        return
-    if not sys.stdin.isatty():
-        raise UserError(f"{question} pass --yes to confirm (stdin is not a terminal)")
-    if input(f"{question} [y/N] ").strip().lower() not in ("y", "yes"):
-        raise UserError("cancelled: nothing run")
-
-
 def _targets(session, args: argparse.Namespace) -> list[str]:
     if args.action == "launch" or not args.targets:
         return session.active()
@@ -129,7 +121,7 @@ async def _act(session, args: argparse.Namespace) -> int:
             print("nothing to purge on any host")
             return 0
         hosts = list(chosen)
-    _ask(args.yes, f"{action} on {', '.join(hosts)}? ({A.WHAT[action]})")
+    confirm(args.yes, f"{action} on {', '.join(hosts)}? ({A.WHAT[action]})", refused="cancelled: nothing run")
     jobs = await session.runner.run(action, hosts, chosen=chosen, scope=getattr(args, "scope", A.PLAN_SCOPE))
     if args.json:
         print(json.dumps({h: _job(j) for h, j in jobs.items()}, indent=2))
