@@ -118,6 +118,8 @@ def ssh_hosts(tmp: Path, names: list[str], sshd: str, *, model: Path | None = No
                "PATH": f"{VENV_BIN}:/usr/local/bin:/usr/bin:/bin"}
         if trust:
             env.update(DSV4_SIGNING_KEY=mount / "keys" / "signing.key", DSV4_TRUSTED_KEYS=mount / "keys" / "trusted")
+        if os.environ.get("PYTHONPATH"):  # the hosts run the very code under test (a worktree's, not the install's)
+            env["PYTHONPATH"] = os.environ["PYTHONPATH"]
         authorized = keys / ("nobody_keys" if name in refuse else "authorized_keys")
         (root / "sshd_config").write_text("\n".join([
             f"Port {host.port}", f"ListenAddress {address}", f"HostKey {keys / 'host'}",

@@ -34,6 +34,23 @@ def nodes_dir() -> Path:
     return state_dir() / "nodes"
 
 
+@dataclass(frozen=True, kw_only=True)
+class NodeEnding:
+    """How a node ended: when, in words ("stopped by SIGTERM", "exited 1"), and its log's last lines."""
+
+    at: float
+    how: str
+    lines: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"at": self.at, "how": self.how, "lines": list(self.lines)}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> NodeEnding:
+        return cls(at=float(raw.get("at") or 0.0), how=str(raw.get("how") or "ended"),
+                   lines=tuple(str(x) for x in raw.get("lines") or ()))
+
+
 @dataclass(frozen=True)
 class Node:
     pid: int  # the torchrun agent
@@ -46,7 +63,7 @@ class Node:
     events: str
     supervisor: int = 0
     started: float = 0.0
-    ending: dict[str, Any] | None = None  # at, how, lines (the log's last lines)
+    ending: NodeEnding | None = None
     argv: tuple[str, ...] = field(default_factory=tuple)
 
     @property
@@ -59,16 +76,22 @@ class Node:
     def state(self) -> str:
         """running | how it ended ("stopped by SIGTERM", "exited 1", …) | gone."""
         if self.ending:
-            return str(self.ending.get("how") or "ended")
+            return self.ending.how
         return "running" if self.alive else "gone"
 
+    def record(self) -> dict[str, Any]:
+        """What its file holds."""
+        return {**asdict(self), "ending": self.ending.to_json() if self.ending else None, "argv": list(self.argv)}
+
     def to_json(self) -> dict[str, Any]:
-        return {"v": VERSION, **asdict(self), "state": self.state()}
+        return {"v": VERSION, **self.record(), "state": self.state()}
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> Node:
         known = {k: raw[k] for k in cls.__dataclass_fields__ if k in raw}
         known["argv"] = tuple(known.get("argv") or ())
+        ending = raw.get("ending")
+        known["ending"] = NodeEnding.from_json(ending) if isinstance(ending, dict) else None
         return cls(**known)
 
 
@@ -79,7 +102,7 @@ def _path(pid: int) -> Path:
 def write(node: Node) -> None:
     path = _path(node.pid)
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic.write_bytes_atomic(path, json.dumps(asdict(node)).encode())
+    atomic.write_bytes_atomic(path, json.dumps(node.record()).encode())
 
 
 def _read(path: Path) -> Node | None:
@@ -107,7 +130,7 @@ def ended(node: Node, code: int, asked: bool = False) -> Node:
     from store.services import how, log_tail
 
     said = "stopped by SIGTERM" if asked and code != -signal.SIGKILL else how(code)
-    done = replace(node, ending={"at": round(time.time(), 3), "how": said, "lines": list(log_tail(node.log, LOG_LINES))})
+    done = replace(node, ending=NodeEnding(at=round(time.time(), 3), how=said, lines=tuple(log_tail(node.log, LOG_LINES))))
     write(done)
     return done
 

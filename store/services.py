@@ -400,3 +400,19 @@ def send(service: Service, sig: int = signal.SIGTERM) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def stop(service: Service, timeout: float, poll: float = 0.1) -> str:
+    """SIGTERM a service this process does not hold (it drains), SIGKILL after `timeout`; each
+    signal only after re-checking that the pid is still that service. How it ended, in words:
+    stopped as asked (its record goes: nothing left to dismiss), or killed (recorded)."""
+    if not send(service, signal.SIGTERM):
+        return "not running (nothing sent)"
+    deadline = time.monotonic() + timeout
+    while is_current(service) and time.monotonic() < deadline:
+        time.sleep(poll)
+    if send(service, signal.SIGKILL):
+        end(service, "killed by SIGKILL", "", f"did not stop within {timeout:g} s of SIGTERM", by="console")
+        return "killed by SIGKILL"
+    dismiss(find(service.pid) or service)  # stopped as asked: no row left behind
+    return "stopped by SIGTERM"

@@ -112,8 +112,9 @@ def _refresh_seconds(model: Path, env: dict[str, str], n: int = 10) -> list[floa
 
 FLEET_REFRESH = """
 import json, sys, time
-from console.tui.args import build_parser, fleet_setup
-setup = fleet_setup(build_parser().parse_args(["--fleet", sys.argv[1]]))
+from console.fleet.flags import session_from
+from console.tui.args import build_parser
+setup = session_from(build_parser().parse_args(["--fleet", sys.argv[1]]))
 try:
     first = setup.collector.first(300)
     out, fresh = [], []

@@ -16,12 +16,15 @@ from store.errors import UserError
 GROUPS = (
     "console.cli.model",
     "console.cli.plan",
+    "console.cli.purge",
     "console.cli.cache",
     "console.cli.keys",
     "console.cli.sidecar",
     "console.cli.serve",
     "console.cli.prepack",
+    "console.cli.service",
     "console.cli.node",
+    "console.cli.fleet",
     "console.cli.snapshot",
     "console.cli.bench",
 )

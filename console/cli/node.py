@@ -198,7 +198,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
     done = [{"pid": n.pid, "node_rank": n.node_rank, "was": n.state(), "now": nodes.stop(n, args.timeout)}
             for n in chosen]
     if args.json:
-        print_json(done)
+        print(json.dumps(done))  # one line: a fleet reads it as one record
     elif not done:
         print("no node is running here", file=sys.stderr)
     else:

@@ -37,8 +37,9 @@ def print_table(title: str | None, columns: Sequence[str], rows: Sequence[Sequen
     Console().print(table)
 
 
-def confirm(yes: bool, question: str) -> None:
-    """Ask before deleting: --yes answers; without a terminal to ask, refuse (one line)."""
+def confirm(yes: bool, question: str, refused: str = "nothing deleted") -> None:
+    """Ask before deleting (or running on hosts): --yes answers; without a terminal to ask,
+    refuse (one line); a no is `refused`."""
     from store.errors import UserError
 
     if yes:
@@ -46,4 +47,4 @@ def confirm(yes: bool, question: str) -> None:
     if not sys.stdin.isatty():
         raise UserError(f"{question} pass --yes to confirm (stdin is not a terminal)")
     if input(f"{question} [y/N] ").strip().lower() not in ("y", "yes"):
-        raise UserError("nothing deleted")
+        raise UserError(refused)

@@ -44,23 +44,23 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if plan.across_hosts:
         print(plan.across_hosts)
     s = plan.sidecar
-    print(f"weights: {s.get('verdict')}{' (' + s['reason'] + ')' if s.get('reason') else ''}: "
-          f"{s.get('detail', '')}  [{s.get('path')}]")
+    if s is not None:
+        print(f"weights: {s.verdict}{' (' + s.reason + ')' if s.reason else ''}: {s.detail}  [{s.path}]")
     kv = plan.kv
-    if kv.get("slots") is not None:
-        capped = f" (fits {kv['fits']}; --max-slots {kv['max_slots']} per rank)" if kv["fits"] > kv["slots"] else ""
-        ranks = kv.get("per_rank", [])
-        budgets = sorted({format_size(max(0, b["budget"])) for b in ranks})
-        each = (f" = {' + '.join(str(b['slots']) for b in ranks)} over {len(ranks)} ranks, each within a budget of "
-                f"{' / '.join(budgets)}") if len(ranks) > 1 else f" within a budget of {format_size(max(0, kv['budget']))}"
-        print(f"kv: {kv['slots']} slots of {format_size(kv['slot_bytes'])}{capped}{each}")
-    elif kv.get("detail"):
-        print(f"kv: {kv['detail']}")
+    if kv is not None and kv.slots is not None:
+        capped = f" (fits {kv.fits}; --max-slots {kv.max_slots} per rank)" if (kv.fits or 0) > kv.slots else ""
+        ranks = kv.per_rank
+        budgets = sorted({format_size(max(0, b.budget)) for b in ranks})
+        each = (f" = {' + '.join(str(b.slots) for b in ranks)} over {len(ranks)} ranks, each within a budget of "
+                f"{' / '.join(budgets)}") if len(ranks) > 1 else f" within a budget of {format_size(max(0, kv.budget or 0))}"
+        print(f"kv: {kv.slots} slots of {format_size(kv.slot_bytes or 0)}{capped}{each}")
+    elif kv is not None and kv.detail:
+        print(f"kv: {kv.detail}")
     print(f"ready: {plan.ready}" + (" (--ready auto)" if plan.spec.ready == "auto" else ""))
     predicted = ", ".join(f"{k} {v:.2f} s" for k, v in plan.predicted.items() if v is not None)
     print(f"predicted: {predicted or '-'} ({basis_line(plan.basis, plan.compared)})")
     for problem in plan.problems:
-        print(f"problem: {problem}")
+        print(f"problem: {problem.line()}")
     return 1 if plan.problems else 0
 
 

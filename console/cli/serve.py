@@ -67,10 +67,11 @@ def cmd_compile(args: argparse.Namespace) -> int:
     from store.errors import UserError
 
     spec = launch_spec(args, COMPILE)
+    from runtime.launch.plan_report import CHECK
+
     plan = make_plan(spec)
-    for problem in plan.problems:
-        if problem.startswith("check:"):
-            raise UserError(problem)
+    if (problem := plan.report().problem(CHECK)) is not None:
+        raise UserError(problem.line())
 
     def show(event) -> None:
         if not args.json and spec.events != "-" and event.kind == "progress":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 from console.cli import sidecar_read as read
@@ -86,7 +87,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     warm.add_argument("--json", action="store_true", help="print one JSON object")
     warm.add_argument("--events", metavar="FILE|-", default=None,
                       help="also write progress as runtime.events JSON lines (phase warm)")
-    warm.set_defaults(func=lambda args: read.warm(args, _existing(args)))
+    warm.add_argument("--if-present", action="store_true",
+                      help="with a checkpoint dir: no sidecar there is nothing to read (say so, exit 0)")
+    warm.set_defaults(func=_warm)
 
     verify = sub.add_parser(
         "verify",
@@ -138,6 +141,15 @@ def _resolve(target: str, ranks: int | None) -> Path | None:
     if not (path / sidecar.CONFIG_NAME).exists():
         raise UserError(f"{path}: neither a sidecar nor a checkpoint directory (no config.json)")
     return None
+
+
+def _warm(args: argparse.Namespace) -> int:
+    if args.if_present:
+        path = _resolve(args.target, args.ranks)
+        if path is None or not path.is_file():
+            print(f"no sidecar at {path or args.target}: nothing to read (p packs one)", file=sys.stderr)
+            return 0
+    return read.warm(args, _existing(args))
 
 
 def _existing(args: argparse.Namespace) -> Path:

@@ -24,6 +24,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_flags(p, CONSOLE, model_help="checkpoint dir (default: the embedded synthetic checkpoint; not created here)")
     p.add_argument("--stream", action="store_true",
                    help="print one snapshot now and one more for every line read on stdin, until stdin ends")
+    p.add_argument("--local-ranks", type=int, metavar="N",
+                   help="the service's ranks that run on this host (a service across hosts; default --ranks): "
+                   "the plan sizes the KV of these on this host's devices")
     p.set_defaults(func=cmd_snapshot)
 
 
@@ -33,7 +36,11 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
 
     model, args.model = args.model, None  # a host without the checkpoint still has a snapshot (its plan says so)
     spec = from_args(args, CONSOLE)
-    collectors = Collectors(resolved(spec.with_(model=model) if model else spec))
+    if args.local_ranks is not None and not 1 <= args.local_ranks <= spec.ranks:
+        from store.errors import UserError
+
+        raise UserError(f"--local-ranks {args.local_ranks}: 1..--ranks ({spec.ranks})")
+    collectors = Collectors(resolved(spec.with_(model=model) if model else spec), args.local_ranks)
     time.sleep(0.25)  # host rates need two samples
     _emit(collectors)
     if not args.stream:

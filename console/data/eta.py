@@ -8,7 +8,7 @@ import json
 import os
 import stat
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,18 +37,19 @@ def _compile_seconds(entry_dir: Path) -> float | None:
         os.close(fd)
 
 
-def program_seconds(programs: Iterable[Mapping[str, Any]]) -> dict[str, float]:
-    """Expected seconds per program at the next prepare, from the plan: a HIT loads; a program
-    whose entry the plan names (corrupt, or stale in place) took the compile seconds its
-    manifest records; others are unknown (the caller falls back to the measured rate)."""
+def program_seconds(programs: Iterable[Any]) -> dict[str, float]:
+    """Expected seconds per program at the next prepare, from the plan's `ProgramPlan`s: a HIT
+    loads; a program whose entry the plan names (corrupt, or stale in place) took the compile
+    seconds its manifest records; others are unknown (the caller falls back to the measured rate).
+    Entries are read on this host only (another host's paths mean nothing here)."""
     out = {}
     for p in programs:
-        if p["state"] in ("HIT", "EAGER"):
-            out[p["program"]] = HIT_SECONDS
-        elif p.get("entry"):
-            seconds = _compile_seconds(Path(p["entry"]))
+        if not p.state.compiles:
+            out[p.program] = HIT_SECONDS
+        elif p.entry:
+            seconds = _compile_seconds(Path(p.entry))
             if seconds is not None:
-                out[p["program"]] = seconds
+                out[p.program] = seconds
     return out
 
 
@@ -100,3 +101,24 @@ class Progress:
         t = t or time.monotonic()
         eta, basis = self.eta(t)
         return fmt.progress(self.label, self.done, self.total, self.unit, t - self.started, eta, basis, self.now)
+
+
+def follow(p: Progress, pool: Any, event: Any) -> Any:
+    """One event of a running command into its progress line (`p`) and, for a compile pool's
+    per-program log events (`dsv4 compile --events`), its programs' states (`pool`, made at the
+    first): done, what compiles now, each program's expected seconds. Returns the pool."""
+    from console.data.launch_state import ProgramStates
+
+    d = event.detail
+    if event.kind == "progress":
+        p.update(event.done, event.total, now=str(d.get("group") or d.get("file") or ""), item=str(d.get("program", "")))
+    elif event.kind == "start" and isinstance(d.get("total", event.total), int | float):
+        p.update(0, d.get("total", event.total))
+    elif event.kind == "log" and ProgramStates.applies(d):
+        pool = pool or ProgramStates()
+        pool.feed(d, event.ts)
+        p.pool = pool
+        p.items.update(pool.expected)
+        p.finished |= pool.finished
+        p.update(len(pool.finished), now=pool.now)
+    return pool

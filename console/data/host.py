@@ -8,15 +8,18 @@ import contextlib
 import os
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import psutil
 
+from runtime.launch.plan_report import RankKv
+
 HISTORY_POINTS = 60  # sparkline length: two minutes at the default interval
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class HostSnapshot:
     cpu_percent: float = 0.0
     per_core: tuple[float, ...] = ()
@@ -26,16 +29,41 @@ class HostSnapshot:
     page_cache: int = 0
     disk_read_bps: float = 0.0
     disk_write_bps: float = 0.0
-    history: dict[str, tuple[float, ...]] = field(default_factory=dict)  # cpu, mem_available, read, write
+    history: Mapping[str, tuple[float, ...]] = field(default_factory=dict)  # cpu, mem_available, read, write
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "history": {k: list(v) for k, v in self.history.items()}}
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> HostSnapshot:
+        known = {f.name: raw[f.name] for f in fields(cls) if f.name in raw}
+        known["per_core"] = tuple(known.get("per_core") or ())
+        known["load"] = tuple(known.get("load") or (0.0, 0.0, 0.0))
+        known["history"] = {str(k): tuple(v) for k, v in (raw.get("history") or {}).items()}
+        return cls(**known)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
+class DeviceMemory:
+    """One device's memory, read now (host memory on cpu)."""
+
+    name: str
+    total: int
+    used: int
+    free: int
+
+    @property
+    def fraction(self) -> float:
+        return self.used / self.total if self.total else 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
 class DeviceSnapshot:
     kind: str
     source: str  # meminfo | nvml | npu-smi
     utilization: float
-    devices: tuple[dict[str, Any], ...] = ()  # name, total, used, free
-    budgets: tuple[dict[str, Any], ...] = ()  # per rank: KvBudget.to_json() (device, budget, fits, slots, …)
+    devices: tuple[DeviceMemory, ...] = ()
+    budgets: tuple[RankKv, ...] = ()  # each rank's KV budget on its device (the plan's rule)
     slot_bytes: int | None = None  # one KV slot (the plan's)
     slots: int | None = None  # what the launch takes: every rank's slots (each --max-slots at most), summed
     fits: int | None = None  # what the memory holds, without the --max-slots cap (summed over ranks)
@@ -43,6 +71,18 @@ class DeviceSnapshot:
     ranks: int = 1  # the launch's rank processes (the console's --ranks)
     error: str = ""  # the devices could not be read (never "cpu" instead)
     warning: str = ""  # about the devices as a whole (more ranks than devices)
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "devices": [asdict(d) for d in self.devices],
+                "budgets": [b.to_json() for b in self.budgets]}
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> DeviceSnapshot:
+        known = {f.name: raw[f.name] for f in fields(cls) if f.name in raw}
+        known["devices"] = tuple(DeviceMemory(**{k: d[k] for k in ("name", "total", "used", "free")})
+                                 for d in raw.get("devices") or ())
+        known["budgets"] = tuple(RankKv.from_json(b) for b in raw.get("budgets") or ())
+        return cls(**{"kind": "?", "source": "?", "utilization": 0.0, **known})
 
 
 class HostCollector:
@@ -76,9 +116,10 @@ class HostCollector:
         load = (0.0, 0.0, 0.0)
         with contextlib.suppress(OSError, AttributeError):
             load = os.getloadavg()
-        return HostSnapshot(round(cpu, 1), per_core, tuple(round(x, 2) for x in load), vm.total, vm.available,
-                            getattr(vm, "cached", 0), read, write,
-                            {k: tuple(v) for k, v in self._history.items()})
+        return HostSnapshot(cpu_percent=round(cpu, 1), per_core=per_core, load=tuple(round(x, 2) for x in load),
+                            mem_total=vm.total, mem_available=vm.available, page_cache=getattr(vm, "cached", 0),
+                            disk_read_bps=read, disk_write_bps=write,
+                            history={k: tuple(v) for k, v in self._history.items()})
 
 
 def collect_device(spec, kind: str, slot_bytes: int | None) -> DeviceSnapshot:
@@ -93,10 +134,10 @@ def collect_device(spec, kind: str, slot_bytes: int | None) -> DeviceSnapshot:
             "ranks": spec.ranks, "max_slots": spec.max_slots, "slot_bytes": slot_bytes}
     if reading.error:
         return DeviceSnapshot(**base, error=reading.error)
-    devices = tuple({"name": m.name, "total": m.total, "used": m.used, "free": m.free} for m in reading.devices)
+    devices = tuple(DeviceMemory(name=m.name, total=m.total, used=m.used, free=m.free) for m in reading.devices)
     if not slot_bytes:
         return DeviceSnapshot(**base, devices=devices)
     kv = launch_kv(kind, reading.devices, spec.ranks, slot_bytes, spec.memory_utilization, spec.max_slots,
                    spec.max_seq, spec.device_memory)
-    return DeviceSnapshot(**base, devices=devices, budgets=tuple(b.to_json() for b in kv.per_rank),
+    return DeviceSnapshot(**base, devices=devices, budgets=tuple(RankKv.of(b) for b in kv.per_rank),
                           slots=kv.slots, fits=kv.fits, warning=kv.missing)

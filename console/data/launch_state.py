@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from console.data.records import LaunchRecord, path_taken
 from runtime.events import PHASES, Event
 from runtime.launch.history import basis_line
 
@@ -32,25 +33,6 @@ class PhaseState:
         if self.done is not None and self.total:
             return max(0.0, min(1.0, self.done / self.total))
         return 0.0
-
-
-def path_taken(phase: str, detail: dict[str, Any]) -> str:
-    """The path a finished phase took, in a few words (from its `end` event's detail)."""
-    if "counts" in detail:
-        return " ".join(f"{k} {v}" for k, v in detail["counts"].items() if v)
-    if "path" in detail:
-        return detail["path"] + (f" ({detail['reason']})" if detail.get("reason") else "")
-    if "rank_slots" in detail:  # each rank holds its own slots: the service has their sum
-        return f"{detail['total_slots']} slots ({' + '.join(map(str, detail['rank_slots']))})"
-    if "slots" in detail:
-        return f"{detail['slots']} slots"
-    if "url" in detail:  # the URL itself is in the summary ("serving …"); a column keeps the path short
-        return "HTTP"
-    if phase == "upload" and "zero_copy" in detail:
-        return "zero-copy" if detail["zero_copy"] else "copied"
-    if phase == "validate" and "health" in detail:
-        return detail["health"]
-    return ""
 
 
 @dataclass
@@ -221,7 +203,7 @@ class LaunchState:
     prediction: dict[str, str] = field(default_factory=dict)
     predicted: dict[str, float | None] = field(default_factory=dict)  # seconds per phase (the plan's)
     basis: str = ""
-    compared: dict[str, Any] | None = None  # launch-history record of the launch before this one
+    compared: LaunchRecord | None = None  # the launch before this one
     stopped: bool = False
     now: dict[str, str] = field(default_factory=dict)  # phase → what it is doing now
     order: list[str] = field(default_factory=list)  # programs in the order the launch prepares them (the plan's)
@@ -279,12 +261,17 @@ class LaunchState:
         elif event.kind == "error":
             self.error = _by_rank(event.rank, event.message or "failed")
 
-    def _planned(self, plan: Any) -> None:
+    def _planned(self, raw: Any) -> None:
         """The prediction this launch's own plan made (its check event carries it): what its
         actuals are compared with, whatever plan the console makes next."""
-        if isinstance(plan, dict) and isinstance(plan.get("predicted"), dict):
-            self.predicted = dict(plan["predicted"])
-            self.basis = basis_line(plan.get("basis") or {}, plan.get("compared"))
+        from runtime.launch.plan_report import PlanReport
+
+        try:
+            plan = PlanReport.from_json(raw)
+        except (ValueError, TypeError, KeyError):  # another dsv4's plan: keep the console's prediction
+            return
+        self.predicted = dict(plan.predicted)
+        self.basis = basis_line(dict(plan.basis), dict(plan.compared) if plan.compared else None)
 
     def totals(self) -> tuple[float, float] | None:
         """(predicted, actual) seconds over the phases that finished with a prediction, once the

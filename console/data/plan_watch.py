@@ -53,47 +53,51 @@ def stamp(model_dir: Path, cache_dir: Path, history: Path) -> tuple:
 
 
 class PlanWatch:
-    """`get()` → (the Plan, its JSON form), recomputed only when needed; `cache`: the kernel
-    cache's contents as of that plan."""
+    """`get()` → (the Plan, its report), recomputed only when needed; `cache`: the kernel
+    cache's contents as of that plan. `local_ranks`: the service's ranks on this host (a service
+    across hosts sizes each host's KV for its own ranks)."""
 
-    def __init__(self, spec: Any, clock=time.monotonic):
+    def __init__(self, spec: Any, clock=time.monotonic, local_ranks: int | None = None):
         from console.data.cache import CacheSnapshot
 
-        self.spec = spec
+        self.spec, self.local_ranks = spec, local_ranks
         self.model_dir, self.cache_dir = spec.model, spec.kernel_cache_dir
         self.clock = clock
         self.plan: Any = None
-        self.json: dict[str, Any] | None = None
-        self.cache = CacheSnapshot(str(self.cache_dir))
+        self.report: Any = None  # runtime.launch.plan_report.PlanReport
+        self.cache = CacheSnapshot(root=str(self.cache_dir))
         self._stamp: tuple | None = None
         self._made = 0.0
         self.computed = 0  # how many plans were made (the bench and tests read it)
 
-    def get(self, history: list[dict[str, Any]] | None = None) -> tuple[Any, dict[str, Any]]:
+    def get(self, history: list[dict[str, Any]] | None = None) -> tuple[Any, Any]:
         from store.history import history_path
 
         now_stamp = stamp(self.model_dir, self.cache_dir, history_path())
-        if self.json is None or now_stamp != self._stamp or self.clock() - self._made > MAX_AGE:
+        if self.report is None or now_stamp != self._stamp or self.clock() - self._made > MAX_AGE:
             self._make(history)
             self._stamp = now_stamp
-        return self.plan, self.json or {}
+        return self.plan, self.report
 
     def invalidate(self) -> None:
-        """Recompute at the next `get()` (residency moved across what the verdict depends on)."""
-        self.json = None
+        """Recompute at the next `get()` (residency moved across what the verdict depends on, or
+        the file watch saw a change). The plan made last stays what `get` answers until then: a
+        collection on another thread never finds none."""
+        self._stamp = None
 
     def _make(self, history: list[dict[str, Any]] | None) -> None:
         from console.data.cache import collect_cache
         from runtime.launch.plan import make_plan
+        from runtime.launch.plan_report import PLAN_FAILED, PlanReport, Problem
 
         self._made = self.clock()
         self.computed += 1
         try:
             # never reads a shard's bytes: a refresh uses the digests a launch or `dsv4 plan` computed
-            self.plan = make_plan(self.spec, history=history, digests="remembered")
-            self.json = self.plan.to_json()
+            self.plan = make_plan(self.spec, history=history, digests="remembered", local_ranks=self.local_ranks)
+            self.report = self.plan.report()
             self.cache = collect_cache(self.plan)
         except Exception as e:  # make_plan says what is wrong in its parts; this is our own bug
             self.plan = None
-            self.json = {"model": str(self.model_dir), "programs": [], "sidecar": {}, "kv": {}, "predicted": {},
-                         "problems": [f"plan failed: {type(e).__name__}: {e}"]}
+            self.report = PlanReport(model=str(self.model_dir), spec=self.spec, problems=(
+                Problem(kind=PLAN_FAILED, text=f"{type(e).__name__}: {e}"),))

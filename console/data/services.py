@@ -247,6 +247,19 @@ class ServiceView:
                 "serving": asdict(self.serving) if self.serving else None, "in_flight": self.in_flight}
 
 
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> ServiceView:
+        """`to_json`'s inverse: the record, /health and the serving figures."""
+        detail = c.Health.from_json(raw["detail"]) if raw.get("detail") else None
+        figures = raw.get("serving")
+        if figures:
+            known = {k: figures[k] for k in Serving.__dataclass_fields__ if k in figures}
+            known["history"] = {str(k): tuple(v) for k, v in (figures.get("history") or {}).items()}
+            figures = Serving(**known)
+        return cls(Service.from_json(raw), str(raw.get("health") or ""), detail, str(raw.get("problem") or ""),
+                   figures or None)
+
+
 @dataclass(frozen=True)
 class ServicesSnapshot:
     services: tuple[ServiceView, ...] = ()
@@ -254,6 +267,10 @@ class ServicesSnapshot:
 
     def to_json(self) -> dict[str, Any]:
         return {"services": [s.to_json() for s in self.services], "error": self.error}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> ServicesSnapshot:
+        return cls(tuple(ServiceView.from_json(v) for v in raw.get("services") or ()), str(raw.get("error") or ""))
 
 
 class ServicesCollector:

@@ -1,14 +1,19 @@
-"""What the fleet's actions run on each host: a short list of `dsv4` command lines (each streams
-its progress events on stdout), chosen from that host's own snapshot — warm reads a sidecar only
-where one exists, prepack replaces one only after asking — so that every host does what the
-one-host console would do there. The launch across hosts is `dsv4 node start` on every host
-(node 0 first: its free port is the master's), the stop `dsv4 node stop`."""
+"""Every action, defined once, for any host (this one, one over ssh, a fake): the `dsv4` command
+lines it runs there, chosen from that host's own snapshot. Warm reads the sidecar where there is
+one (the host says) and compiles what the launch misses; prepack replaces one only after asking;
+purge lists what that host's plan allows it to delete, and deletes only what was confirmed and a
+fresh look there still allows. The launch across hosts is `dsv4 node start` on every host (node
+0 first: its free port is the master's), the stop `dsv4 node stop` (node 0 first); an import
+pipes `cache export` on the host that holds the entries into `cache import` on the one that
+misses them. `console.fleet.runner` runs them; the console and `dsv4 fleet` start them.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
-from runtime.launch.spec import CACHE, COMPILE, PREPACK, SERVE, LaunchSpec
+from runtime.launch.spec import CACHE, COMPILE, PLAN, PREPACK, SERVE, LaunchSpec
 
 ACTIONS = ("warm", "prepack", "compile", "purge", "pull", "import", "launch", "stop")
 WHAT = {
@@ -19,16 +24,20 @@ WHAT = {
     "pull": "pull the kernel-cache entries the launch misses from the registry (signed by a trusted key)",
     "import": "bring the kernel-cache entries each host misses from another host of the fleet that holds them: "
               "exported there signed, imported here only if signed by a key this host trusts",
-    "launch": "start the service across these hosts: torchrun on each with its node rank",
-    "stop": "stop the service's node on each host, node 0 first (SIGTERM: rank 0 drains, then stops the other ranks; a node stopped while node 0 serves is a lost rank: the service fails)",
+    "launch": "start the service across these hosts: torchrun on each with its node rank, node 0 first",
+    "stop": "stop the service's node on each host, node 0 first (SIGTERM: rank 0 drains, then stops the other ranks; "
+            "a node stopped while node 0 serves is a lost rank: the service fails)",
 }
+PLAN_SCOPE, CACHE_SCOPE = "plan", "cache"  # runtime.launch.purge's scopes
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Step:
-    label: str  # what the row says while it runs
-    remote: tuple[str, ...]  # the dsv4 arguments (the host's dsv4 is the first word there)
-    events: bool = True  # it streams events on stdout
+    label: str  # what the host's row says while it runs
+    args: tuple[str, ...]  # the dsv4 arguments (the host's dsv4 is the first word there)
+    unit: str = ""  # what its progress counts: bytes, programs
+    rate: float | None = None  # units per second in earlier runs on that host: an ETA before its own shows
+    items: Mapping[str, float] = field(default_factory=dict)  # a compile's expected seconds per program
 
 
 def _model(spec: LaunchSpec) -> list[str]:
@@ -36,61 +45,77 @@ def _model(spec: LaunchSpec) -> list[str]:
 
 
 def steps(action: str, spec: LaunchSpec, snapshot=None, registry: str = "", insecure: bool = False) -> list[Step]:
-    """The command lines `action` runs on one host (launch: see `node_start`)."""
+    """The command lines `action` runs on one host (launch: `node_start`; import: `export_import`;
+    purge: `purge_args`, after asking)."""
+    from console.data.eta import program_seconds
+
     with_events = spec.with_(events="-")
+    wanted = snapshot.sidecars.wanted if snapshot is not None else None
+    planned = snapshot.programs.entries if snapshot is not None else ()
+    compile_ = Step(label="compile", args=("compile", *with_events.argv(COMPILE)), unit="programs",
+                    items=program_seconds(planned))
     if action == "warm":
-        out = []
-        wanted = snapshot.sidecars.wanted() if snapshot is not None else None
-        if wanted and wanted.get("size_bytes"):
-            out.append(Step("warm (read)", ("sidecar", "warm", *_model(spec), "--ranks", str(spec.ranks),
-                                            "--events", "-")))
-        return [*out, Step("warm (compile)", ("compile", *with_events.argv(COMPILE)))]
+        read = Step(label="warm (read)", args=("sidecar", "warm", *_model(spec), "--ranks", str(spec.ranks),
+                                              "--if-present", "--events", "-"),
+                    unit="bytes", rate=wanted.read_bytes_per_s if wanted else None)
+        return [read, Step(label="warm (compile)", args=compile_.args, unit="programs", items=compile_.items)]
     if action == "compile":
-        return [Step("compile", ("compile", *with_events.argv(COMPILE)))]
+        return [compile_]
     if action == "prepack":
-        return [Step("prepack", ("prepack", *with_events.argv(PREPACK), "--force"))]
-    if action == "purge":
-        cache = spec.argv(CACHE)
-        return [Step("purge (stale entries)", ("cache", "purge", *cache, "--stale", "--yes"), events=False),
-                Step("purge (corrupt entries)", ("cache", "purge", *cache, "--corrupt", "--yes"), events=False),
-                Step("purge (sidecar)", ("sidecar", "purge", *_model(spec), "--ranks", str(spec.ranks), "--yes"),
-                     events=False)]
+        rate = wanted.size_bytes / wanted.pack_seconds if wanted and wanted.pack_seconds and wanted.size_bytes else None
+        return [Step(label="prepack", args=("prepack", *with_events.argv(PREPACK), "--force"), unit="bytes", rate=rate)]
     if action == "pull":
-        return [Step("pull", ("cache", "pull", registry, *spec.argv(CACHE), *(["--insecure"] if insecure else [])),
-                     events=False)]
+        return [Step(label="pull", args=("cache", "pull", registry, *spec.argv(CACHE),
+                                         *(["--insecure"] if insecure else [])))]
     if action == "stop":
-        return [Step("stop", ("node", "stop", "--json"), events=False)]
-    raise ValueError(f"unknown fleet action {action}")
+        return [Step(label="stop", args=("node", "stop", "--json"))]
+    raise ValueError(f"{action}: not a one-step action (launch, import and purge have their own)")
+
+
+def purge_args(spec: LaunchSpec, scope: str = PLAN_SCOPE, paths: Sequence[str] | None = None) -> tuple[str, ...]:
+    """`dsv4 purge`: with `paths` None, what it would delete (a dry run); else delete those of
+    them a fresh look still allows."""
+    chosen = ("--dry-run",) if paths is None else ("--yes", *(x for p in paths for x in ("--only", p)))
+    return ("purge", *spec.argv(PLAN), "--scope", scope, "--json", *chosen)
 
 
 def source_for(target, readings) -> tuple[str, list[str]]:
     """The host to bring `target`'s missing programs from: the reachable one whose plan HITs the
     most of them under the very same keys (another toolchain's entries would be refused anyway);
     ("", []) when none holds any."""
-    wanted = {p["program"]: p.get("fingerprint") for p in target.snapshot.programs.entries if p.get("state") != "HIT"}
+    wanted = {p.program: p.fingerprint for p in target.snapshot.programs.entries if p.state != "HIT"}
     best: tuple[str, list[str]] = ("", [])
     for r in readings:
         if r.host == target.host or r.snapshot is None or not r.reachable:
             continue
-        held = sorted(p["program"] for p in r.snapshot.programs.entries
-                      if p.get("state") == "HIT" and p["program"] in wanted and p.get("fingerprint") == wanted[p["program"]])
+        held = sorted(p.program for p in r.snapshot.programs.entries
+                      if p.state == "HIT" and p.program in wanted and p.fingerprint == wanted[p.program])
         if len(held) > len(best[1]):
             best = (r.host, held)
     return best
 
 
-def export_import(spec: LaunchSpec) -> tuple[Step, Step]:
+def export_import(spec: LaunchSpec) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """`cache export -o -` on the source, piped into `cache import -` on the target: the entries the
     launch uses, signed by the source's key, checked by the target's trusted keys and live keys."""
     cache = spec.argv(CACHE)
-    return (Step("export", ("cache", "export", "-o", "-", *cache), events=False),
-            Step("import", ("cache", "import", "-", *cache), events=False))
+    return ("cache", "export", "-o", "-", *cache), ("cache", "import", "-", *cache)
 
 
 def node_start(spec: LaunchSpec, hosts: int, node_rank: int, master_addr: str, master_port: int) -> Step:
-    """`dsv4 node start` of one host: ranks split evenly over the hosts (--ranks: the service's)."""
+    """`dsv4 node start` of one host: the service's ranks (--ranks) split evenly over the hosts."""
     per = spec.ranks // hosts
     serve = spec.with_(master_port=None, events=None).argv(SERVE)
-    return Step(f"launch node {node_rank}", ("node", "start", "--json", "--nnodes", str(hosts), "--node-rank",
-                                             str(node_rank), "--nproc-per-node", str(per), "--master-addr",
-                                             master_addr, "--master-port", str(master_port), *serve), events=False)
+    return Step(label=f"launch node {node_rank}", args=(
+        "node", "start", "--json", "--nnodes", str(hosts), "--node-rank", str(node_rank), "--nproc-per-node", str(per),
+        "--master-addr", master_addr, "--master-port", str(master_port), *serve))
+
+
+def service_stop(pid: int, timeout: float) -> tuple[str, ...]:
+    """Stop one service of a host (SIGTERM: it drains; SIGKILL after `timeout`)."""
+    return ("service", "stop", str(pid), "--timeout", f"{timeout:g}", "--json")
+
+
+def service_dismiss(pid: int) -> tuple[str, ...]:
+    """Forget an ended service of a host (its record goes)."""
+    return ("service", "dismiss", str(pid))

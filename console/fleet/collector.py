@@ -1,300 +1,123 @@
-"""Every host's snapshot, over SSH: one `dsv4 snapshot --stream` per host, kept open on a shared
-connection, asked for a fresh snapshot at each refresh (a line on its stdin) and answering with
-one JSON line. A host that cannot be reached, or stops answering, is a reading that says why and
-since when — never the last snapshot passed off as fresh. A stream that ends is started again
-after a pause that grows while the host stays away.
-
-Threads, not the console's event loop: each stream blocks on its pipe and costs nothing while
-idle; the console's refresh (off the UI thread) asks them all and waits a bounded time.
+"""Every host's reading, asked of all of them at once and waited for a bounded time: a fleet
+snapshot (one host: the one-host console's). What changed since the last one is told to the
+fleet log (`console.fleet.watch`). `--once` asks twice, about a second apart, as a live
+service's rates need two scrapes, and the second time with each host's launch history.
+Threads, not the console's event loop: a collection blocks; the console runs it off the UI.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
-import subprocess
+import dataclasses
 import threading
 import time
-from collections import deque
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from console.data.collectors import SCHEMA_VERSION, Snapshot, SnapshotVersionError
-from console.fleet.spec import Fleet, FleetHost
-from console.fleet.ssh import Ssh, why
-from runtime.launch.spec import CONSOLE, LaunchSpec
+from console.data.records import LaunchRecord
+from console.data.snapshot import SCHEMA_VERSION
+from console.fleet import events as E
+from console.fleet.host import Host, HostReading
+from console.fleet.watch import Transitions
 
-ANSWER_S = 3.0  # a refresh waits this long for every connected host's answer
-STALE_S = 6.0  # a host that has not answered a request for this long is stale, said so
-RETRY_S = (2.0, 5.0, 10.0, 30.0)  # pauses before starting a stream again, while it keeps failing
-MAX_LINE = 16 << 20  # a snapshot line larger than this is not one
-
-
-@dataclass(frozen=True)
-class HostReading:
-    """One host as the fleet sees it now."""
-
-    host: str
-    node_rank: int
-    reachable: bool
-    error: str = ""  # why it is not reachable, or why its snapshot is not fresh
-    snapshot: Snapshot | None = None  # its latest snapshot (stale when `fresh` is False)
-    age_s: float | None = None  # seconds since that snapshot arrived
-    fresh: bool = False  # it answered the latest request
-    took_s: float | None = None  # the latest answer's round trip
-
-    def to_json(self) -> dict[str, Any]:
-        """`host` (its name in the fleet), `reachable`, `error`, and the host's snapshot under one
-        host's --once --json keys — but for that snapshot's own `host` part (CPU, memory, load),
-        which is `host_stats` here."""
-        snap = self.snapshot.to_json() if self.snapshot else {}
-        if "host" in snap:
-            snap["host_stats"] = snap.pop("host")
-        return {**snap, "host": self.host, "node_rank": self.node_rank, "reachable": self.reachable,
-                "error": self.error, "fresh": self.fresh, "age_s": None if self.age_s is None else round(self.age_s, 2)}
+ANSWER_S = 3.0  # a refresh waits this long for every asked host's answer
+ONCE_GAP_S = 1.0  # --once: between the two scrapes of a live service's /metrics
 
 
 @dataclass(frozen=True)
 class FleetSnapshot:
     ts: float
     hosts: tuple[HostReading, ...]
+    left_out: tuple[str, ...] = ()  # hosts the operator left out of the service
+
+    def reading(self, host: str) -> HostReading | None:
+        return next((r for r in self.hosts if r.host == host), None)
 
     def to_json(self) -> dict[str, Any]:
         from console.fleet.rows import drift
 
         return {"v": SCHEMA_VERSION, "ts": self.ts, "hosts": [h.to_json() for h in self.hosts],
-                "drift": {h: list(d) for h, d in drift(self.hosts).items()}}
-
-
-class HostStream:
-    """`dsv4 snapshot --stream` on one host, restarted when it ends."""
-
-    def __init__(self, host: FleetHost, argv: list[str], on_change: Callable[[], None]):
-        self.host, self.argv, self.on_change = host, argv, on_change
-        self.lock = threading.Lock()
-        self.proc: subprocess.Popen | None = None
-        self.snapshot: Snapshot | None = None
-        self.received: float | None = None  # monotonic time of the latest answer
-        self.asked = self.answered = 0
-        self.asked_at = time.monotonic()
-        self.error = "connecting"
-        self.reachable = False
-        self.took: float | None = None
-        self.failures = 0
-        self.stopped = threading.Event()
-        self.thread = threading.Thread(target=self._run, name=f"fleet-{host.name}", daemon=True)
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def request(self, what: str = "") -> None:
-        """Ask for a fresh snapshot (`history`: with the launch history); nothing to ask while
-        the stream is down (it says why) or still answering."""
-        with self.lock:
-            proc = self.proc
-            if proc is None or proc.stdin is None or proc.poll() is not None:
-                return
-            if self.answered < self.asked:
-                return  # still answering the last request: asking again only queues work there
-            self.asked += 1
-            self.asked_at = time.monotonic()
-        try:
-            proc.stdin.write(what.encode() + b"\n")
-            proc.stdin.flush()
-        except (OSError, ValueError):
-            pass  # the stream is ending: its reader says why
-
-    def reading(self, now: float) -> HostReading:
-        with self.lock:
-            fresh = self.reachable and self.answered >= self.asked and self.snapshot is not None
-            age = None if self.received is None else now - self.received
-            error = self.error
-            if error == "connecting" and now - self.asked_at > STALE_S:
-                error = f"no answer within {now - self.asked_at:.0f} s (ssh still connecting, or dsv4 starting)"
-            if self.reachable and not fresh and now - self.asked_at > STALE_S:
-                last = f"last snapshot {age:.0f} s ago" if age is not None else "no snapshot yet"
-                error = f"no answer for {now - self.asked_at:.0f} s ({last})"
-            return HostReading(self.host.name, self.host.node_rank, self.reachable, error, self.snapshot, age,
-                               fresh, self.took)
-
-    def _run(self) -> None:
-        while not self.stopped.is_set():
-            self._stream()
-            if self.stopped.is_set():
-                return
-            self.failures += 1
-            self.on_change()
-            self.stopped.wait(RETRY_S[min(self.failures, len(RETRY_S)) - 1])
-
-    def _stream(self) -> None:
-        stderr: deque[str] = deque(maxlen=20)
-        try:
-            proc = subprocess.Popen(self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, start_new_session=True)
-        except OSError as e:
-            with self.lock:
-                self.reachable, self.error = False, f"cannot run ssh: {e.strerror or e}"
-            return
-        with self.lock:
-            self.proc, self.asked, self.answered, self.asked_at = proc, 1, 0, time.monotonic()
-        reader = threading.Thread(target=lambda: stderr.extend(
-            line.decode(errors="replace").rstrip() for line in proc.stderr), daemon=True)  # type: ignore[union-attr]
-        reader.start()
-        assert proc.stdout is not None
-        for raw in iter(lambda: proc.stdout.readline(MAX_LINE), b""):
-            self._answer(raw)
-        code = proc.wait()
-        reader.join(timeout=2)
-        with self.lock:
-            self.proc = None
-            if not self.stopped.is_set():
-                self.reachable = False
-                self.error = why(self.host, code, list(stderr))
-
-    def _answer(self, raw: bytes) -> None:
-        now = time.monotonic()
-        try:
-            snap, error = Snapshot.from_json(json.loads(raw), self.host.name), ""
-        except SnapshotVersionError as e:
-            snap, error = None, str(e)
-        except Exception as e:  # whatever a host sends: a reading that says so, never a crash here
-            snap, error = None, f"not a snapshot ({type(e).__name__}: {str(e)[:120]})"
-        with self.lock:
-            self.answered += 1
-            self.took = now - self.asked_at
-            self.reachable, self.error, self.failures = True, error, 0
-            if snap is not None:
-                self.snapshot, self.received = snap, now
-            elif error:
-                self.snapshot = None
-        self.on_change()
-
-    def stop(self) -> None:
-        self.stopped.set()
-        with self.lock:
-            proc = self.proc
-        if proc is not None:
-            with contextlib.suppress(OSError, ValueError):
-                proc.stdin.close()  # type: ignore[union-attr]  # the remote snapshot ends at EOF
-            try:
-                proc.wait(timeout=2)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+                "left_out": list(self.left_out), "drift": {h: list(d) for h, d in drift(self.hosts).items()}}
 
 
 class FleetCollector:
-    """Every host's reading; `snapshot()` asks them all and waits up to `answer` seconds."""
+    """Every host's reading; `snapshot()` asks them and waits up to `answer` seconds."""
 
-    def __init__(self, fleet: Fleet, spec: LaunchSpec, ssh: Ssh, answer: float = ANSWER_S):
-        self.fleet, self.spec, self.ssh, self.answer = fleet, spec, ssh, answer
+    def __init__(self, hosts: Sequence[Host], answer: float = ANSWER_S, log: E.FleetLog | None = None):
+        self.hosts = {h.name: h for h in hosts}
+        self.answer = answer
+        self.log = log or E.FleetLog()
         self.changed = threading.Condition()
-        remote = ["snapshot", "--stream", *spec.argv(CONSOLE)]
-        self.streams = {h.name: HostStream(h, ssh.argv(h, *remote), self._changed) for h in fleet.hosts}
-        for s in self.streams.values():
-            s.start()
+        self.transitions = Transitions()
+        self.left_out: tuple[str, ...] = ()
+        self.last: FleetSnapshot | None = None
+        for h in hosts:
+            h.on_change = self._changed
 
     def _changed(self) -> None:
         with self.changed:
             self.changed.notify_all()
 
-    def _pending(self) -> list[HostStream]:
-        return [s for s in self.streams.values() if s.proc is not None and s.answered < s.asked]
+    def readings(self) -> tuple[HostReading, ...]:
+        """What is known of every host now, asking nothing."""
+        now = time.monotonic()
+        return tuple(h.reading(now) for h in self.hosts.values())
 
-    def snapshot(self, wait: float | None = None, what: str = "") -> FleetSnapshot:
-        for s in self.streams.values():
-            s.request(what)
+    def snapshot(self, wait: float | None = None, history: bool = False,
+                 only: Sequence[str] | None = None) -> FleetSnapshot:
+        """Ask the hosts (`only` some of them) for a snapshot, wait for their answers, read all."""
+        asked = [self.hosts[n] for n in only] if only is not None else list(self.hosts.values())
+        for h in asked:
+            h.ask(history)
         deadline = time.monotonic() + (self.answer if wait is None else wait)
         with self.changed:
-            while self._pending() and (left := deadline - time.monotonic()) > 0:
+            while any(h.pending() for h in asked) and (left := deadline - time.monotonic()) > 0:
                 self.changed.wait(min(left, 0.5))
-        now = time.monotonic()
-        return FleetSnapshot(time.time(), tuple(s.reading(now) for s in self.streams.values()))
+        return self._seen(self.readings())
 
-    def history(self) -> list[dict[str, Any]]:
-        """Every host's launch history, one record per launch (a launch's lines on several hosts
-        merge by its service's identity), oldest first, each naming its host."""
-        from store.history import merge
-
-        by_launch: dict[str, dict[str, Any]] = {}
-        self.snapshot()  # a request still being answered is answered first: each host hears this one
-        for reading in self.snapshot(what="history").hosts:
-            for record in reading.snapshot.history if reading.snapshot is not None else ():
-                record = {**record, "host": record.get("host") or reading.host}
-                key = str(record.get("launch") or f"{reading.host}/{record.get('started')}")
-                if key in by_launch:
-                    merge(by_launch[key], record)
-                else:
-                    by_launch[key] = record
-        return sorted(by_launch.values(), key=lambda r: r.get("started") or 0)
+    def _seen(self, readings: tuple[HostReading, ...]) -> FleetSnapshot:
+        snap = FleetSnapshot(time.time(), readings, self.left_out)
+        for event in self.transitions.see(readings):
+            self.log.add(event)
+        self.last = snap
+        return snap
 
     def first(self, timeout: float) -> FleetSnapshot:
-        """Every host's first answer, or why not, within `timeout` (for --once)."""
+        """Every host's first answer, or why not, within `timeout`."""
+        for h in self.hosts.values():
+            h.ask()
         deadline = time.monotonic() + timeout
         with self.changed:
-            while (left := deadline - time.monotonic()) > 0 and any(
-                    s.error == "connecting" and s.failures == 0 for s in self.streams.values()):
+            while (left := deadline - time.monotonic()) > 0 and any(r.connecting or (r.snapshot is None and r.reachable)
+                                                                    for r in self.readings()):
+                for h in self.hosts.values():
+                    h.ask()  # a stream that just connected answers its own first line; asking again is free
                 self.changed.wait(min(left, 0.5))
-        now = time.monotonic()
-        return FleetSnapshot(time.time(), tuple(s.reading(now) for s in self.streams.values()))
+        return self._seen(self.readings())
+
+    def once(self, timeout: float, gap: float = ONCE_GAP_S) -> FleetSnapshot:
+        """`--once`: every host's first answer, then (about a second later when a service runs
+        somewhere: its rates need two scrapes) a second one carrying each host's launch history."""
+        first = self.first(timeout)
+        live = any(not v.ended for r in first.hosts if r.snapshot is not None for v in r.snapshot.services.services)
+        time.sleep(gap if live else 0.25)
+        answered = [r.host for r in first.hosts if r.snapshot is not None and r.reachable]
+        return self.snapshot(history=True, only=answered) if answered else first
+
+    def history(self, only: Sequence[str] | None = None) -> list[LaunchRecord]:
+        """Every host's launch history, one record per launch (a launch's lines on several hosts
+        merge by its service's identity), oldest first, each naming its host."""
+        by_launch: dict[str, LaunchRecord] = {}
+        self.snapshot(only=only)  # a request still being answered is answered first: each host hears the next
+        for reading in self.snapshot(history=True, only=only).hosts:
+            if only is not None and reading.host not in only:
+                continue
+            for record in reading.snapshot.history if reading.snapshot is not None else ():
+                record = dataclasses.replace(record, host=record.host or reading.host)
+                key = record.launch or f"{reading.host}/{record.started}"
+                by_launch[key] = by_launch[key].merged(record) if key in by_launch else record
+        return sorted(by_launch.values(), key=lambda r: r.started or 0)
 
     def close(self) -> None:
-        for s in self.streams.values():
-            s.stop()
-        for h in self.fleet.hosts:
-            self.ssh.close(h)
-
-
-@dataclass
-class FleetSetup:
-    """What a fleet console runs with: the fleet, the launch every host shares, ssh, the
-    collector of every host's snapshots, and the registry `pull` uses."""
-
-    fleet: Fleet
-    spec: LaunchSpec
-    ssh: Ssh
-    collector: FleetCollector
-    registry: str = ""
-    insecure: bool = False
-
-    @classmethod
-    def start(cls, fleet: Fleet, spec: LaunchSpec, ssh: Ssh, **kw: Any) -> FleetSetup:
-        return cls(fleet, spec, ssh, FleetCollector(fleet, spec, ssh), **kw)
-
-    def close(self) -> None:
-        self.collector.close()
-
-
-class HostCollectors:
-    """The one-host panes' collectors for a fleet host: its latest snapshot (asked for afresh
-    at each refresh), nothing collected here."""
-
-    inline = False
-
-    def __init__(self, collector: FleetCollector, host: str):
-        self.collector, self.host = collector, host
-        self.stream = collector.streams[host]
-
-    @property
-    def device_kind(self) -> str:
-        snap = self.stream.snapshot
-        return str(snap.settings.get("device", "?")) if snap is not None else "?"
-
-    def snapshot(self) -> Snapshot:
-        self.stream.request()
-        deadline = time.monotonic() + self.collector.answer
-        with self.collector.changed:
-            while self.stream.answered < self.stream.asked and (left := deadline - time.monotonic()) > 0:
-                self.collector.changed.wait(min(left, 0.5))
-        reading = self.stream.reading(time.monotonic())
-        if reading.snapshot is None:
-            raise RuntimeError(f"{self.host}: {reading.error or 'no snapshot yet'}")
-        return reading.snapshot
-
-    def history(self) -> list[dict[str, Any]]:
-        return []
-
-    def plan(self) -> tuple[Any, dict[str, Any]]:
-        snap = self.stream.snapshot
-        return None, (snap.plan or {}) if snap is not None else {}
+        for h in self.hosts.values():
+            h.close()

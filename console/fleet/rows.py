@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from console import fmt
-from console.data.collectors import Snapshot
+from console.data.nodes import NodeRank, NodeView
 from console.data.services import ServiceView
+from console.data.snapshot import Snapshot
 from console.data.toolchain import ORDER
+from console.fleet.host import HostReading
 from runtime.events import REGISTRATION
 from runtime.programs.outcome import Outcome
 
@@ -62,17 +65,15 @@ def service_of(snap: Snapshot) -> ServiceView | None:
 
 
 def _programs(snap: Snapshot) -> str:
-    counts = Counter(e.get("state") for e in snap.programs.entries)
-    return " ".join(f"{s.value} {counts[s]}" for s in Outcome if counts[s]) or ("-" if not snap.programs.error else "?")
+    counts = Counter(e.state for e in snap.programs.entries)
+    return " ".join(f"{s.value} {counts[s]}" for s in Outcome if counts[s]) or ("-" if not snap.programs.problem else "?")
 
 
 def _sidecar(snap: Snapshot) -> str:
-    row = snap.sidecars.wanted()
-    if row is None:
+    side = snap.sidecars.wanted
+    if side is None:
         return "-"
-    residency = row.get("residency")
-    verdict = str(row.get("verdict") or "-")
-    return f"{verdict} {residency:.0%}" if isinstance(residency, int | float) else verdict
+    return f"{side.verdict} {side.residency:.0%}" if side.residency is not None else side.verdict
 
 
 def _coarse(n: float) -> str:
@@ -94,12 +95,13 @@ def _coarse_size(n: float | None) -> str:
 
 
 def _device(snap: Snapshot) -> str:
-    """`23.5 GiB 4% · KV 128/64k`: memory and how much is used, the slots the launch takes and what fits."""
+    """`23.5 GiB 4% · KV 128/64k`: memory and how much is used, the slots this host's ranks take
+    and what fits (the plan sized them for the ranks on this host's own devices)."""
     d = snap.device
     if d.error:
         return d.error
-    total = sum(x.get("total", 0) for x in d.devices)
-    used = sum(x.get("used", 0) for x in d.devices)
+    total = sum(x.total for x in d.devices)
+    used = sum(x.used for x in d.devices)
     kv = f" · KV {d.slots}/{_coarse(d.fits)}" if d.slots is not None and d.fits is not None else ""
     return f"{fmt.size(total)} {used / total:.0%}{kv}" if total else f"-{kv}"
 
@@ -107,11 +109,11 @@ def _device(snap: Snapshot) -> str:
 def _room(snap: Snapshot) -> tuple[str, bool]:
     """Free disk where the sidecar is written, and page-cache room for it (memory available
     against its size): `40 GiB · 18 GiB`, and False when either is short."""
-    row = snap.sidecars.wanted() or {}
-    need = row.get("expected_bytes") or row.get("size_bytes") or 0
+    side = snap.sidecars.wanted
+    need = (side.expected_bytes or side.size_bytes or 0) if side else 0
     disk = snap.sidecars.disk_free
     room = snap.host.mem_available
-    short = bool(need) and ((disk is not None and row.get("verdict") != "MAP" and disk < need) or room < need)
+    short = bool(need) and ((disk is not None and not side.mapped and disk < need) or room < need)
     return f"{_coarse_size(disk)} · {_coarse_size(room)}", not short
 
 
@@ -127,24 +129,14 @@ def _ranks_here(readings, hostname: str) -> list:
     return out
 
 
-def _node(snap: Snapshot) -> dict[str, Any] | None:
+def _node(snap: Snapshot) -> NodeView | None:
     return snap.nodes[0] if snap.nodes else None
 
 
-def _eta(r: dict[str, Any]) -> float | None:
-    """Seconds left in a rank's phase at the rate it has shown (None: nothing to go by)."""
-    done, total, since, ts = r.get("done"), r.get("total"), r.get("since"), r.get("ts")
-    if not all(isinstance(x, int | float) for x in (done, total, since, ts)) or done <= 0 or ts <= since:
-        return None
-    return (total - done) * (ts - since) / done
-
-
-def registering(snap: Snapshot) -> list[dict[str, Any]]:
+def registering(snap: Snapshot) -> list[NodeRank]:
     """The ranks of this host's running node still in registration (phase before serve)."""
     node = _node(snap)
-    if not node or node.get("state") != "running":
-        return []
-    return [r for r in node.get("ranks") or () if r.get("phase") in REGISTRATION and r.get("state") != "error"]
+    return node.registering() if node else []
 
 
 def slowest(readings) -> str:
@@ -152,14 +144,12 @@ def slowest(readings) -> str:
     behind = []
     for r in readings:
         for rank in registering(r.snapshot) if r.snapshot is not None else ():
-            done, total = rank.get("done"), rank.get("total")
-            fraction = done / total if isinstance(done, int | float) and isinstance(total, int | float) and total else 0
-            behind.append((REGISTRATION.index(rank["phase"]), fraction, r.host, rank))
+            behind.append((REGISTRATION.index(rank.phase), rank.fraction, r.host, rank))
     if len({b[2] for b in behind}) < 2:
         return ""
     _, _, host, rank = min(behind, key=lambda b: (b[0], b[1]))
-    step = f" {rank['done']:g}/{rank['total']:g}" if isinstance(rank.get("total"), int | float) and rank.get("done") else ""
-    return f"slowest: {host} ({rank['phase']}{step})"
+    step = f" {rank.done:g}/{rank.total:g}" if rank.total is not None and rank.done else ""
+    return f"slowest: {host} ({rank.phase}{step})"
 
 
 def _phases(snap: Snapshot, ranks: list, now: float) -> str:
@@ -168,14 +158,13 @@ def _phases(snap: Snapshot, ranks: list, now: float) -> str:
     live = {x.rank: x for x in ranks}
     node = _node(snap)
     parts = []
-    for r in (node.get("ranks") or ()) if node and node.get("state") == "running" else ():
-        if r["rank"] in live and live[r["rank"]].phase:
+    for r in node.ranks if node and node.running else ():
+        if r.rank in live and live[r.rank].phase:
             continue
-        done, total = r.get("done"), r.get("total")
-        step = f" {done:g}/{total:g}" if isinstance(done, int | float) and isinstance(total, int | float) else ""
-        eta = _eta(r) if r.get("state") == "running" else None
+        step = f" {r.done:g}/{r.total:g}" if r.done is not None and r.total is not None else ""
+        eta = r.eta() if r.state == "running" else None
         step += f" ETA {fmt.duration(eta)}" if eta is not None else ""
-        parts.append(f"r{r['rank']} {r.get('phase', '?')}{step}{'✗' if r.get('state') == 'error' else ''}")
+        parts.append(f"r{r.rank} {r.phase or '?'}{step}{'✗' if r.state == 'error' else ''}")
     parts += [f"r{x.rank} {x.phase or '-'}" + (" ✗" if x.error else "") for x in ranks]
     beats = [x.heartbeat_age for x in ranks if x.heartbeat_age is not None]
     if beats:
@@ -184,44 +173,97 @@ def _phases(snap: Snapshot, ranks: list, now: float) -> str:
 
 
 def _service_state(snap: Snapshot, view: ServiceView | None) -> str:
+    """The service here, or (none running) what blocks a launch here, in its own words."""
     node = _node(snap)
-    if view is not None:
-        if view.ended:
-            return f"ended: {view.ending_line()}"
+    if view is not None and not view.ended:
         reason = view.detail.reason if view.detail is not None and not view.detail.ok else ""
         return f"{view.state}: {reason}" if reason else view.state
-    return f"node {node.get('state', '?')}" if node is not None else "-"
+    if node is not None and node.running:
+        return f"node {node.state}"
+    if (problem := snap.blocking()) is not None:
+        return f"blocked: {problem.line()}"
+    if view is not None:
+        return f"ended: {view.ending_line()}"
+    return f"node {node.state}" if node is not None else "-"
 
 
-def rows(fleet_snapshot, now: float | None = None) -> list[dict[str, Any]]:
-    """One row per host (sortable values under their column keys, the reading under `reading`)."""
+@dataclass(frozen=True, kw_only=True)
+class HostRow:
+    """One host's row of the fleet screen: what each column says, and the reading under it."""
+
+    host: str
+    node: int
+    reading: HostReading = field(compare=False)
+    reach: str = "✗"  # ✓ | stale | ✗
+    state: str = ""  # the service here, what blocks a launch, or why the host is not reachable
+    ok: bool = False
+    left_out: bool = False
+    drift: tuple[str, ...] = ()
+    version: str = ""
+    toolchain: str = ""
+    programs: str = ""
+    sidecar: str = ""
+    device: str = ""  # memory, and this host's KV slots / what fits
+    device_ok: bool = True
+    room: str = ""
+    roomy: bool = True
+    phases: str = ""
+    tokens_s: float | None = None
+    age: float | None = None
+    hostname: str = ""
+    service: ServiceView | None = field(default=None, compare=False)
+    slots: int | None = None  # this host's KV slots (its own ranks')
+    fits: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("reading", "service")}
+        out["drift"] = list(self.drift)
+        return out
+
+
+def rows(fleet_snapshot, now: float | None = None) -> list[HostRow]:
+    """One row per host; an unreachable host keeps what was last known of it, marked with its age."""
     now = now or time.time()
     readings = fleet_snapshot.hosts
+    left_out = set(fleet_snapshot.left_out)
     drifts = drift(readings)
     out = []
     for r in readings:
-        row: dict[str, Any] = {"host": r.host, "node": r.node_rank, "reading": r, "drift": drifts.get(r.host, ())}
-        if not r.reachable or r.snapshot is None:
-            row.update(reach="✗", state=r.error or "unreachable", ok=False)
-        else:
-            try:
-                row.update(_figures(r, readings, drifts, now))
-            except (AttributeError, TypeError, KeyError, ValueError) as e:  # a snapshot that parsed but says nonsense
-                row.update(reach="✗", state=f"unreadable snapshot ({type(e).__name__}: {e})"[:200], ok=False)
+        base = {"host": r.host, "node": r.node_rank, "reading": r, "drift": drifts.get(r.host, ()),
+                "left_out": r.host in left_out, "age": r.age_s}
+        if r.snapshot is None:
+            out.append(HostRow(**base, state=r.error or "unreachable"))
+            continue
+        try:
+            row = HostRow(**base, **_figures(r, readings, drifts, now))
+        except (AttributeError, TypeError, KeyError, ValueError) as e:  # a snapshot that parsed but says nonsense
+            row = HostRow(**base, state=f"unreadable snapshot ({type(e).__name__}: {e})"[:200])
         out.append(row)
     return out
 
 
-def _figures(r, readings, drifts: dict[str, tuple[str, ...]], now: float) -> dict[str, Any]:
-    """The columns of a host that answered."""
+def _figures(r: HostReading, readings, drifts: dict[str, tuple[str, ...]], now: float) -> dict[str, Any]:
+    """The columns of a host with a snapshot (its last known one, when it is away now)."""
     snap = r.snapshot
     view = service_of(snap)
     room, roomy = _room(snap)
-    return {"reach": "✓" if r.fresh else "stale", "ok": r.fresh and not r.error,
+    reach = "✓" if r.fresh else "stale" if r.reachable else "✗"
+    state = _service_state(snap, view)
+    if r.error:  # why it is not fresh first, then what was last known
+        known = f"last known {fmt.duration(r.age_s)} ago: " if r.age_s is not None else "last known: "
+        state = f"{r.error} — {known}{state}"
+    return {"reach": reach, "ok": r.fresh and not r.error and not state.startswith(("blocked", "failed", "ended")),
             "version": snap.toolchain.get("dsv4", "?"), "device_ok": not snap.device.error,
             "toolchain": "; ".join(drifts.get(r.host, ())) or "same", "programs": _programs(snap),
-            "sidecar": _sidecar(snap), "device": _device(snap), "room": room, "roomy": roomy,
-            "state": r.error or _service_state(snap, view),
+            "sidecar": _sidecar(snap), "device": _device(snap), "room": room, "roomy": roomy, "state": state,
             "phases": _phases(snap, _ranks_here(readings, snap.hostname), now),
-            "tokens_s": view.serving.tokens_s if view and view.serving else None, "age": r.age_s,
-            "hostname": snap.hostname, "service": view}
+            "tokens_s": view.serving.tokens_s if view and view.serving else None,
+            "hostname": snap.hostname, "service": view, "slots": snap.device.slots, "fits": snap.device.fits}
+
+
+def kv_total(fleet_rows: list[HostRow]) -> tuple[int, int] | None:
+    """The service's KV: every host's slots and what fits, summed (None: no host knows yet)."""
+    known = [r for r in fleet_rows if not r.left_out and r.slots is not None]
+    if not known:
+        return None
+    return sum(r.slots or 0 for r in known), sum(r.fits or 0 for r in known)

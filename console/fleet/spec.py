@@ -85,12 +85,33 @@ class Fleet:
         spec = remote_spec(argv)
         return spec.with_(ranks=len(self.hosts)) if "--ranks" not in argv and len(self.hosts) > 1 else spec
 
-    def split(self, spec: LaunchSpec) -> str:
-        """Why `spec`'s ranks cannot be launched over these hosts ("" when they can)."""
-        if spec.ranks % len(self.hosts):
-            return (f"--ranks {spec.ranks} does not split over {len(self.hosts)} hosts; give a multiple of "
-                    f"{len(self.hosts)}")
+    def split(self, spec: LaunchSpec, hosts: int | None = None) -> str:
+        """Why `spec`'s ranks cannot be launched over `hosts` of these hosts (default: all of
+        them; "" when they can)."""
+        n = hosts or len(self.hosts)
+        if spec.ranks % n:
+            return f"--ranks {spec.ranks} does not split over {n} hosts; give a multiple of {n}"
         return ""
+
+    def names(self) -> list[str]:
+        return [h.name for h in self.hosts]
+
+    def checked_out(self, names) -> frozenset[str]:
+        """`--exclude` names, each a host of this fleet, at least one host left in."""
+        out = frozenset(names)
+        if unknown := sorted(out - set(self.names())):
+            raise UserError(f"--exclude {unknown[0]}: not a host of {self.source} ({', '.join(self.names())})")
+        if len(out) >= len(self.hosts):
+            raise UserError("--exclude leaves no host: a service needs one at least")
+        return out
+
+    def service(self, spec: LaunchSpec, left_out=frozenset()) -> LaunchSpec:
+        """The launch over the hosts not left out: each keeps its share of the ranks (`spec`'s
+        ranks are the whole fleet's), so leaving one out takes its ranks with it."""
+        active = len(self.hosts) - len(set(left_out) & set(self.names()))
+        if not left_out or spec.ranks % len(self.hosts):
+            return spec
+        return spec.with_(ranks=spec.ranks // len(self.hosts) * active)
 
 
 def remote_spec(argv: list[str]) -> LaunchSpec:

@@ -1,18 +1,19 @@
 """`dsv4-console`: the Textual operations console (kernel cache, sidecars, services, host,
-device, registration, log) with the long actions run as `dsv4 …` worker processes.
+device, registration, log) with the long actions run as `dsv4 …` commands on a host.
 
-Collectors (`console.data`, a torch-free library) return typed snapshots off the UI thread; panes
-render them. The state of what the console runs lives in two small controllers (`JobControl`: the
-cache jobs; `ServiceControl`: the service it holds and the services it acts on); worker output
-reaches the screen as Textual messages. Every mutating action goes through one guard
-(`action_mutate`), which `--readonly` closes. The filter box (`filter_box`) and the top line
-(`topbar`) are their own modules; the fleet screen's plumbing is `FleetControl`'s. No torch: the
-workers import it, the console never does.
+Every host is a Host (`console.fleet.host`) and the one-host console is a fleet of one: the app
+holds a `FleetSession` (this host alone, or `--hosts/--fleet`'s hosts over ssh), its panes show
+one host's typed snapshot (`app.host`: this one, or the one opened from the fleet screen), read
+off the UI thread. The controllers only start actions and render what they tell (`JobControl`:
+a host's cache jobs; `ServiceControl`: the service this console holds and the services it acts
+on; `FleetControl`: the fleet screen's actions and log); everything runs through the fleet's
+runner, the same code `dsv4 fleet` runs. Every mutating action, on either screen, goes through
+one guard (`action_mutate`), which `--readonly` closes; one filter (`/`) narrows whichever
+screen is shown. No torch: the commands import it, the console never does.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Iterable
 from typing import Any, ClassVar
@@ -25,12 +26,17 @@ from textual.css.query import NoMatches
 from textual.screen import Screen
 from textual.widgets import Footer, Input, Static
 
-from console.data.collectors import Collectors, Snapshot, default_model_dir
+from console.data.collectors import default_model_dir
 from console.data.launch_state import LaunchState
-from console.tui.control.jobs import JobControl
+from console.data.snapshot import Snapshot
+from console.fleet.host import Host, HostReading
+from console.fleet.session import FleetSession
+from console.tui.control.fleet import FleetControl
+from console.tui.control.jobs import HOST_ACTIONS, JobControl
 from console.tui.control.service import ServiceControl
 from console.tui.control.watch import FileWatch
 from console.tui.filter_box import FilterBox
+from console.tui.keys import BINDINGS, FLEET_MUTATING, MUTATING, system_commands
 from console.tui.panes.device import DevicePane
 from console.tui.panes.host import HostPane
 from console.tui.panes.log import LogPane
@@ -39,6 +45,7 @@ from console.tui.panes.registration import RegistrationPane
 from console.tui.panes.services import ServicesPane
 from console.tui.panes.sidecars import SidecarsPane
 from console.tui.screens.detail import DetailScreen
+from console.tui.screens.fleet import FleetScreen
 from console.tui.screens.help import HelpScreen
 from console.tui.screens.history import HistoryScreen
 from console.tui.tables import PaneTable
@@ -47,7 +54,6 @@ from console.tui.workers import WorkerEvent, WorkerLine
 from runtime.launch.spec import LaunchSpec
 from store.checkpoint import INDEX_NAME
 
-MUTATING = frozenset({"prepack", "purge", "warm", "launch", "stop", "create", "dismiss"})
 MIN_SIZE = (80, 24)  # below this: one line saying so, not a broken layout
 COMPACT_BELOW = (120, 36)  # below this: one column, panes collapse to summaries but the focused one
 
@@ -56,64 +62,45 @@ class Dsv4Console(App):
     CSS_PATH = "app.tcss"
     TITLE = "dsv4-console"
     AUTO_FOCUS = "#programs-table"
-    BINDINGS: ClassVar[list[BindingType]] = [
-        Binding("q", "quit_console", "Quit", id="quit", tooltip="quit (asks about a service this console runs)"),
-        Binding("question_mark", "help", "Help", key_display="?", id="help", tooltip="this screen"),
-        Binding("r", "refresh", "Refresh", id="refresh", show=False, tooltip="collect every pane now"),
-        Binding("slash", "filter", "Filter", key_display="/", id="filter", show=False,
-                tooltip="filter every pane's rows and the log (enter keeps it, esc clears it)"),
-        Binding("z", "zoom", "Zoom", id="zoom", tooltip="maximise the focused pane (again: restore)"),
-        Binding("h", "history", "History", id="history", show=False, tooltip="past launches, newest first"),
-        Binding("c", "kernel_cache", "Kernel cache", id="kernel-cache", show=False,
-                tooltip="Programs pane: next launch's programs ↔ the kernel cache's entries"),
-        Binding("ctrl+s", "save_log", "Save log", id="save-log", show=False,
-                tooltip="write the log to a file under the state dir"),
-        Binding("p", "mutate('prepack')", "Prepack", id="prepack",
-                tooltip="pack the checkpoint into a sidecar (progress in Sidecars)"),
-        Binding("w", "mutate('warm')", "Warm", id="warm",
-                tooltip="read the sidecar into the page cache, then compile"),
-        Binding("x", "mutate('purge')", "Purge", id="purge",
-                tooltip="delete what the plan calls stale or corrupt; in the kernel cache view, every entry "
-                "that can never be used again (asks; lists why)"),
-        Binding("l", "mutate('launch')", "Launch", id="launch",
-                tooltip="dsv4 serve on --host/--port, detached (see Registration)"),
-        Binding("s", "mutate('stop')", "Stop", id="stop",
-                tooltip="stop the service selected in Services (that pane focused; asks first)"),
-        Binding("d", "mutate('dismiss')", "Dismiss", id="dismiss", show=False,
-                tooltip="forget the ended service selected in Services (it stays a row until then)"),
-        Binding("L", "service_log", "Service log", id="service-log", show=False,
-                tooltip="the log of the service selected in Services (tab: each rank's; / searches)"),
-        Binding("F", "fleet", "Fleet", id="fleet", show=False,
-                tooltip="--hosts/--fleet: back to every host of the service"),
-    ]
+    BINDINGS: ClassVar[list[BindingType]] = BINDINGS
 
-    def __init__(self, spec: LaunchSpec, *, collectors: Any | None = None, readonly: bool = False,
-                 interval: float = 2.0, watch: bool = True, create_default: bool = True,
-                 stop_timeout: float = 10.0, fleet: Any | None = None):
+    def __init__(self, spec: LaunchSpec, *, session: FleetSession | None = None, host: Host | None = None,
+                 readonly: bool = False, interval: float = 2.0, watch: bool = True, create_default: bool = True,
+                 stop_timeout: float = 10.0):
         """`spec`: what the console was started with (its model and kernel cache dir resolved):
         every action it starts carries it (`w` compiles for it, `l` launches it, `p` packs for its
-        ranks, `x` purges by its plan)."""
+        ranks, `x` purges by its plan). `session`: the fleet (`--hosts/--fleet`); without one, a
+        fleet of one: `host` (default: this host)."""
         super().__init__()
-        self.spec = spec
-        self.collectors = collectors or (fleet.collector if fleet is not None else Collectors(spec))
-        self.readonly, self.interval, self.watch_files = readonly, interval, watch
-        self.create_default = create_default
+        from console.fleet.local import LocalHost
+
+        self.base_spec = spec
+        self.session = session or FleetSession([host or LocalHost()], spec)
+        # the host the panes show: a fleet of one shows its host at once, a fleet its screen first
+        self.host: Host | None = next(iter(self.session.hosts.values())) if self.session.alone else None
+        self.readonly, self.interval = readonly, interval
+        local = self.host is not None and self.host.kind == "local"
+        self.create_default = create_default and local
+        self.watch_files = watch and local
         self.snapshot: Snapshot | None = None
+        self.reading: HostReading | None = None  # the shown host's latest reading (its age, why not fresh)
         self.jobs_control = JobControl(self)
         self.service_control = ServiceControl(self, stop_timeout)
+        self.fleet = FleetControl(self, self.session)
         self.refused: list[str] = []
         self.needle = ""
         self.files = FileWatch(self)
         self.first_paint: float | None = None
-        # --hosts/--fleet (console.fleet.collector.FleetSetup): the fleet screen first; the one-host
-        # panes show the host chosen there, from its snapshots (its actions run from the fleet screen)
-        self.fleet = None
-        if fleet is not None:
-            from console.tui.control.fleet import FleetControl
 
-            self.fleet = FleetControl(self, fleet)
-            self.create_default = self.watch_files = False
-        self.remote: str | None = None  # the fleet host the panes show (None: this host)
+    @property
+    def spec(self) -> LaunchSpec:
+        """The launch every action carries: the console's (a fleet's: over the hosts not left out)."""
+        return self.session.spec if not self.session.alone else self.base_spec
+
+    @property
+    def remote(self) -> str | None:
+        """The name of the host the panes show, when it is not this one."""
+        return self.host.name if self.host is not None and self.host.kind != "local" else None
 
     # what the controllers hold, by the names the panes and tests read
     jobs = property(lambda self: self.jobs_control.jobs)
@@ -158,9 +145,7 @@ class Dsv4Console(App):
 
     def on_mount(self) -> None:
         self._fit(self.size.width, self.size.height)
-        if self.fleet is not None:
-            from console.tui.screens.fleet import FleetScreen
-
+        if not self.session.alone:
             self.install_screen(FleetScreen(self.fleet, self.interval), name="fleet")
             self.push_screen("fleet")
         # collect after the first paint: the empty screen shows at once, data follows
@@ -207,21 +192,38 @@ class Dsv4Console(App):
     # -- snapshots ----------------------------------------------------------------------------
 
     def refresh_now(self) -> None:
-        if self.fleet is not None and self.remote is None:
+        if self.host is None:
             return  # no host chosen yet: the fleet screen collects every host itself
-        if getattr(self.collectors, "inline", False):  # fake collectors: no thread, deterministic paints
-            self.apply_snapshot(self.collectors.snapshot())
+        if not self.host.blocking:  # a host of given snapshots: no thread, deterministic paints
+            self.apply_reading(self._read(self.host))
             return
-        self._collect()
+        self._collect(self.host)
+
+    def _read(self, host: Host) -> HostReading:
+        snap = self.session.collector.snapshot(only=[host.name])
+        return snap.reading(host.name)
 
     @work(thread=True, exclusive=True, group="collect")
-    def _collect(self) -> None:
+    def _collect(self, host: Host) -> None:
         try:
-            snap = self.collectors.snapshot()
+            reading = self._read(host)
         except Exception as e:  # a collector bug must not take the console down
             self.call_from_thread(self.log_line, "error", f"collect failed: {type(e).__name__}: {e}")
             return
-        self.call_from_thread(self.apply_snapshot, snap)
+        self.call_from_thread(self.apply_reading, reading)
+
+    def apply_reading(self, reading: HostReading) -> None:
+        """The shown host's reading: its snapshot on the panes (what was last known, while it is
+        away), why it is not fresh in the top line."""
+        if self.host is None or reading.host != self.host.name:
+            return  # another host was opened meanwhile
+        was, self.reading = self.reading, reading
+        if reading.error and (was is None or was.error != reading.error):
+            self.log_line("error", f"{reading.host}: {reading.error}")
+        if reading.snapshot is not None:
+            self.apply_snapshot(reading.snapshot)
+        else:
+            self.topbar()
 
     def pane(self, selector, expect_type=None) -> Any:
         """A widget of the main screen (a class or a selector), or None while it is not there
@@ -265,23 +267,14 @@ class Dsv4Console(App):
             show(DevicePane, snap.device)
         if changed("registration"):
             self.show_registration()
-        if old is None and self.remote is None:
+        if old is None:
             self.service_control.attach()
         self.topbar()
-        if self.watch_files and self.remote is None:
+        if self.watch_files:
             self.files.rearm()
 
     def show_registration(self) -> None:
-        pane = self.pane(RegistrationPane)
-        if not self.snapshot or pane is None:
-            return
-        registration, status = self.snapshot.registration, self.status
-        creating = self.jobs_control.progress.get("create") if "create" in self.jobs_control.running() else None
-        if creating is not None:  # the checkpoint a plan fails on is the one being made: say that, not FAIL
-            registration = dataclasses.replace(registration, prediction={
-                phase: "waits for the checkpoint being created" for phase in registration.prediction})
-            status = f"{creating.line()} — then w warms it, l launches"
-        pane.show(registration, self.launch, status)
+        self.service_control.show_registration()
 
     # -- worker output ------------------------------------------------------------------------
 
@@ -321,11 +314,21 @@ class Dsv4Console(App):
 
     def all_bindings(self) -> list[Binding]:
         return [b for b in [*self.BINDINGS, *PaneTable.BINDINGS]
-                if isinstance(b, Binding) and (b.id != "fleet" or self.fleet is not None)]
+                if isinstance(b, Binding) and (b.id != "fleet" or not self.session.alone)]
 
     def action_history(self) -> None:
-        history = self.collectors.history() if hasattr(self.collectors, "history") else []
-        self.push_screen(HistoryScreen(history))
+        """`h`: the shown host's launch history (asked of it: another host's travels in its snapshot)."""
+        if self.host is None:
+            return
+        if not self.host.blocking:
+            self.push_screen(HistoryScreen(self.session.collector.history(only=[self.host.name])))
+            return
+        self._history(self.host.name)
+
+    @work(thread=True, exclusive=True, group="history")
+    def _history(self, name: str) -> None:
+        records = self.session.collector.history(only=[name])
+        self.call_from_thread(self.push_screen, HistoryScreen(records))
 
     def action_kernel_cache(self) -> None:
         pane = self.pane(ProgramsPane)
@@ -356,12 +359,16 @@ class Dsv4Console(App):
         self.push_screen(DetailScreen(message.pane, message.row))
 
     def action_filter(self) -> None:
-        self.query_one(FilterBox).open()
+        """`/` on either screen: the one filter box, the shown screen's rows narrowed as it is typed."""
+        self.screen.query_one(FilterBox).open()
 
     def on_input_changed(self, event: Input.Changed) -> None:
         if event.input.id != "filter":
             return
         self.needle = event.value.strip().lower()
+        if isinstance(self.screen, FleetScreen):
+            self.screen.filter(self.needle)  # the fleet screen's hosts
+            return
         pane = self.pane(LogPane)
         if pane is not None:
             pane.filter(self.needle)
@@ -369,60 +376,52 @@ class Dsv4Console(App):
             self.apply_snapshot(self.snapshot, force=True)
 
     def on_key(self, event) -> None:
-        box = self.query_one(FilterBox)
-        if event.key == "escape" and box.display:  # esc: the filter goes with the box, wherever focus is
-            box.clear_and_close()
+        boxes = self.screen.query(FilterBox)
+        if event.key == "escape" and boxes and boxes.first().display:  # esc: the filter goes with the box
+            boxes.first().clear_and_close()
             event.stop()
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         """The palette (ctrl+p) lists every action of the console; read-only hides the mutating."""
-        for b in self.all_bindings():
-            name = b.id or b.action
-            if self.readonly and name in MUTATING:
-                continue
-            yield SystemCommand(f"{b.description or name} ({b.key_display or b.key})", b.tooltip or b.description,
-                                lambda b=b: self._palette(b))
-        yield SystemCommand("Theme", "change the colour theme", self.action_change_theme)
-
-    def _palette(self, binding: Binding) -> None:
-        if binding in PaneTable.BINDINGS:  # a table's own action: on the focused table
-            table = self.focused if isinstance(self.focused, PaneTable) else self.pane("#programs-table")
-            if table is not None:
-                table.run_action(binding.action)
-        else:
-            self.run_action(binding.action)
+        yield from system_commands(self)
 
     # -- the one guard of every mutating action -----------------------------------------------
 
     def action_mutate(self, name: str) -> None:
-        if name not in MUTATING:
+        """The one guard of every mutating action, on the panes and on the fleet screen alike:
+        `--readonly` refuses them all here; the fleet screen's act on its selected hosts, the
+        panes' on the host they show."""
+        on_fleet = isinstance(self.screen, FleetScreen)
+        if name not in (FLEET_MUTATING if on_fleet else MUTATING):
             raise ValueError(f"unknown action {name}")
-        if self.fleet is not None:
-            self.notify(f"{name}: the panes of {self.remote or 'a fleet host'} only show; act on hosts from the "
-                        f"fleet screen (F)", severity="warning")
-            return
         if self.readonly:
             self.refused.append(name)
             self.notify(f"read-only: {name} refused", severity="warning")
             self.log_line("console", f"read-only: {name} refused")
             return
+        if on_fleet:
+            self.fleet.act(name, self.screen.selection())
+            return
         jobs, service = self.jobs_control, self.service_control
-        {"create": jobs.create, "prepack": jobs.prepack, "warm": jobs.warm, "purge": jobs.purge,
-         "launch": service.launch_new, "stop": service.stop, "dismiss": service.dismiss}[name]()
+        if name in HOST_ACTIONS:
+            jobs.purge() if name == "purge" else jobs.start(name)
+        elif name == "launch" and self.host is not None and self.host.kind != "local":
+            self.fleet.act("launch", self.session.active())  # a fleet host's service is the fleet's
+        else:
+            {"create": jobs.create, "launch": service.launch_new, "stop": service.stop, "dismiss": service.dismiss}[name]()
 
     # -- the fleet ----------------------------------------------------------------------------------
 
     def show_host(self, name: str) -> None:
-        """The one-host panes, fed by `name`'s snapshots (the fleet screen's Enter)."""
-        from console.fleet.collector import HostCollectors
-
-        self.remote, self.snapshot = name, None
-        self.collectors = HostCollectors(self.fleet.collector, name)
+        """The one-host panes, with their actions, for fleet host `name` (the fleet screen's Enter)."""
+        self.host, self.snapshot, self.reading = self.session.hosts[name], None, None
+        self.jobs_control.jobs.clear()
+        self.jobs_control.progress.clear()
         self.pop_screen()
         self.refresh_now()
 
     def action_fleet(self) -> None:
-        if self.fleet is not None and not isinstance(self.screen, type(self.get_screen("fleet"))):
+        if not self.session.alone and not isinstance(self.screen, FleetScreen):
             self.push_screen("fleet")
 
     # -- quit -----------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
-"""The `/` filter box of the one-host screen: what is typed filters every pane's rows and the
-log (the app applies the needle on each `Input.Changed`); enter keeps the filter and closes the
-box, esc clears both; focus goes back to where it was."""
+"""The `/` filter box, the console's one filter, on the one-host screen and the fleet screen:
+what is typed filters the shown screen's rows (every pane's and the log, or the hosts: the app
+applies the needle on each `Input.Changed`); enter keeps the filter and closes the box, esc
+clears both; focus goes back to where it was."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ class FilterBox(Input):
         self.display = False
         back, self._before = self._before, None
         if back is None or not back.is_attached or not back.display:
-            back = self.app.pane("#programs-table")
+            tables = self.screen.query("DataTable")
+            back = tables.first() if tables else None
         if back is not None:
             back.focus()
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from rich.text import Text
 
 from console import fmt
-from console.data.collectors import Snapshot
+from console.data.snapshot import Snapshot
 from console.tui.panes.device import kv_lines
 from console.tui.panes.services import rank_line
 from runtime.events import PHASES
@@ -20,24 +20,25 @@ def _plain(markup: str) -> str:
 
 def render(snap: Snapshot) -> str:
     s = snap.settings
-    lines = [f"dsv4-console  model {s.get('model')}  device {s.get('device')}  backend {s.get('backend')}  "
-             f"ranks {s.get('ranks')}  max-seq {s.get('max_seq')}"]
+    lines = [f"dsv4-console  model {s.model}  device {s.device}  backend {s.backend}  "
+             f"ranks {s.ranks}  max-seq {s.max_seq}"]
     programs = snap.programs
-    states = ", ".join(f"{n} {state}" for state, n in programs.totals()["by_state"].items()) or "none"
+    states = ", ".join(f"{n} {state}" for state, n in programs.by_state().items()) or "none"
     lines += ["", f"Programs (next launch): {states}"]
-    lines += [f"  {e['program']:<30} {e['state']:<10} {e.get('reason') or ''}".rstrip() for e in programs.entries]
-    if programs.error:
-        lines.append(f"  problem: {programs.error}")
+    lines += [f"  {e.program:<30} {e.state:<10} {e.reason}".rstrip() for e in programs.entries]
+    if programs.problem:
+        lines.append(f"  problem: {programs.problem.line()}")
     cache = snap.cache
     kinds = ", ".join(f"{state} {n}" for state, n in cache.by_state().items())
     lines += ["", f"Kernel cache {cache.root}: {len(cache.entries)} entries, {fmt.size(cache.total_bytes)} of "
                   f"{fmt.size(cache.limit_bytes)} gc limit" + (f" ({kinds})" if kinds else "")
               + (f"; {cache.error}" if cache.error else "")]
     lines += ["", "Sidecars:"]
-    for row in snap.sidecars.sidecars:
-        residency = "-" if row.get("residency") is None else f"{row['residency']:.0%} resident"
-        lines.append(f"  {Path(row['path']).name:<30} {row['next_launch']:<22} {residency}  {row.get('detail') or ''}"
-                     .rstrip())
+    if (w := snap.sidecars.wanted) is not None:
+        residency = "-" if w.residency is None else f"{w.residency:.0%} resident"
+        lines.append(f"  {Path(w.path).name:<30} {w.next_launch():<22} {residency}  {w.detail}".rstrip())
+    for o in snap.sidecars.others:
+        lines.append(f"  {Path(o.path).name:<30} {'not used (ranks ' + str(o.ranks or '?') + ')':<22} -")
     if snap.sidecars.error:
         lines.append(f"  {snap.sidecars.error}")
     lines += ["", "Services:" if snap.services.services else "Services: none running on this host"]
@@ -66,4 +67,32 @@ def render(snap: Snapshot) -> str:
     for phase in PHASES:
         seconds = reg.predicted.get(phase)
         lines.append(f"  {phase:<9} {fmt.secs(seconds):>8}  {reg.prediction.get(phase, '')}")
+    return "\n".join(lines)
+
+
+def fleet_text(snap, spec, kv: tuple[int, int] | None = None) -> str:
+    """A fleet's status for a person: the service's settings and KV over its hosts, then each
+    host (reachable or why not, its toolchain against the others', and its panes' data)."""
+    from console.fleet.rows import drift
+
+    hosts = [r for r in snap.hosts if r.host not in snap.left_out]
+    head = (f"fleet: {len(hosts)} hosts  model {spec.model or '-'}  backend {spec.backend}  ranks {spec.ranks}  "
+            f"max-seq {spec.max_seq}") + (f"  KV {kv[0]} slots of {kv[1]} that fit" if kv else "")
+    if snap.left_out:
+        head += f"  (left out: {', '.join(snap.left_out)})"
+    lines = [head, ""]
+    drifts = drift(snap.hosts)
+    for r in snap.hosts:
+        state = "reachable" if r.reachable else "unreachable"
+        age = f" (last known {fmt.duration(r.age_s)} ago)" if r.snapshot is not None and not r.fresh and r.age_s else ""
+        lines.append(f"=== {r.host} (node {r.node_rank}): {state}" + (f" — {r.error}" if r.error else "") + age
+                     + ("  [left out]" if r.host in snap.left_out else ""))
+        if r.snapshot is not None:
+            tool = r.snapshot.toolchain
+            lines.append(f"toolchain: dsv4 {tool.get('dsv4', '?')}, torch {tool.get('torch', '?')}, python "
+                         f"{tool.get('python', '?')}" + "".join(f"\n  differs: {d}" for d in drifts.get(r.host, ())))
+            if (problem := r.snapshot.blocking()) is not None:
+                lines.append(f"blocks a launch: {problem.line()}")
+            lines.append(render(r.snapshot))
+        lines.append("")
     return "\n".join(lines)

@@ -206,6 +206,12 @@ class PaneTable(DataTable):
             self.post_message(self.Chosen(self.pane, row))
 
 
+def row_of(value: Any, **extra: Any) -> dict[str, Any]:
+    """A table's row for a typed value: its JSON form (what sorts, filters and the details view
+    show) and the value itself under `value` (what the cells and the actions read)."""
+    return {**value.to_json(), **extra, "value": value}
+
+
 def title(name: str, shown: int, total: int, needle: str, noun: str = "") -> str:
     """A pane's title: `Programs 13` or, filtered, `Programs 2 of 13 /stale`."""
     if needle:

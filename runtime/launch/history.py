@@ -34,7 +34,7 @@ def settings(spec, device: str, backend: str, sidecar_path: str | None = None) -
 
 
 def plan_settings(plan) -> dict[str, Any]:
-    return settings(plan.spec, plan.device, plan.backend, plan.sidecar.get("path"))
+    return settings(plan.spec, plan.device, plan.backend, plan.sidecar.path if plan.sidecar is not None else None)
 
 
 def append(spec, phases: dict[str, dict[str, Any]], started: float, outcome: str, error: str = "", *,

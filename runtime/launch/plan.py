@@ -17,12 +17,20 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
 from runtime.events import REGISTRATION, Phase
 from runtime.launch import history as records
+from runtime.launch.plan_report import (
+    CHECK,
+    KV,
+    KvPlan,
+    PlanReport,
+    Problem,
+    ProgramPlan,
+    SidecarPlan,
+)
 from runtime.launch.spec import LaunchSpec
 from runtime.programs.outcome import Outcome
 from store.errors import UserError
@@ -31,25 +39,15 @@ from store.sidecar.verdict import MAP, REPACK, Reason
 
 
 @dataclass
-class ProgramPlan:
-    program: str
-    state: Outcome
-    fingerprint: str | None
-    reason: str = ""
-    entry: str | None = None  # the entry a HIT loads, or the corrupt entry a launch would replace
-    size_bytes: int = 0  # a HIT's artifact bytes: what loading it reads (its seconds at this host's load rate)
-
-
-@dataclass
 class Plan:
     spec: LaunchSpec
     device: str = "cpu"  # resolved (never auto)
     backend: str = "aoti"  # resolved (never auto)
     programs: list[ProgramPlan] = field(default_factory=list)
-    sidecar: dict[str, Any] = field(default_factory=dict)
-    kv: dict[str, Any] = field(default_factory=dict)
+    sidecar: SidecarPlan | None = None
+    kv: KvPlan | None = None
     predicted: dict[str, float | None] = field(default_factory=dict)
-    problems: list[str] = field(default_factory=list)  # one line each; a launch would fail on them
+    problems: list[Problem] = field(default_factory=list)  # a launch would fail on them
     seconds: float = 0.0  # how long making the plan took
     # What a launch acts on, built once here (never in the JSON):
     config: Any = field(default=None, repr=False)  # runtime.model.config.DeepSeekV4Config
@@ -76,7 +74,7 @@ class Plan:
         return not any(p.state.compiles for p in self.programs)
 
     def weights_path(self) -> str:
-        return MAP if self.sidecar.get("verdict") == MAP else REPACK
+        return MAP if self.sidecar is not None and self.sidecar.mapped else REPACK
 
     @property
     def ready(self) -> str:
@@ -87,15 +85,16 @@ class Plan:
         early = not self.all_hit() and self.spec.ranks == 1 and self.backend != "eager"
         return "early" if early else "compiled"
 
+    def report(self) -> PlanReport:
+        """What travels of this plan (`dsv4 plan --json`, the check event, the console's snapshot)."""
+        return PlanReport(model=self.model, spec=self.spec, device=self.device, backend=self.backend,
+                          ready=self.ready, programs=tuple(self.programs), sidecar=self.sidecar, kv=self.kv,
+                          predicted=dict(self.predicted), basis=dict(self.basis), compared=self.compared,
+                          like=records.likeness(self), content=dict(self.content), across_hosts=self.across_hosts,
+                          problems=tuple(self.problems), seconds=self.seconds)
+
     def to_json(self) -> dict[str, Any]:
-        spec = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self.spec).items()}
-        return {
-            "model": self.model, "spec": spec, "device": self.device, "backend": self.backend, "ready": self.ready,
-            "programs": [asdict(p) for p in self.programs], "sidecar": self.sidecar, "kv": self.kv,
-            "predicted": self.predicted, "basis": self.basis, "compared": self.compared,
-            "like": records.likeness(self).to_json(), "content": self.content, "across_hosts": self.across_hosts,
-            "problems": self.problems, "seconds": round(self.seconds, 4),
-        }
+        return self.report().to_json()
 
 
 def resolve_backend(backend: str, device: str) -> str:
@@ -128,11 +127,13 @@ def program_keys(spec: LaunchSpec) -> dict[str, Any]:
 
 
 def make_plan(spec: LaunchSpec, *, history: list[dict[str, Any]] | None = None,
-              keep_verified: bool = False, digests: str = "remembered") -> Plan:
+              keep_verified: bool = False, digests: str = "remembered", local_ranks: int | None = None) -> Plan:
     """The plan of the next launch of `spec` (its model resolved). Never raises for bad inputs.
     `keep_verified`: keep each HIT's verified bytes in `plan.hits`, for the launch to load.
     `digests`: "compute" reads every shard whose content digest is not known yet (a launch,
-    `dsv4 plan`); "remembered" never reads a shard (the console's refresh must stay cheap)."""
+    `dsv4 plan`); "remembered" never reads a shard (the console's refresh must stay cheap).
+    `local_ranks`: the ranks of the service that run on this host (default: all of them), whose
+    KV its devices hold (a service across hosts: each host sizes its own)."""
     from runtime.launch.hardware import resolve_device
 
     started = time.perf_counter()
@@ -147,12 +148,12 @@ def make_plan(spec: LaunchSpec, *, history: list[dict[str, Any]] | None = None,
         plan.layout = PackedLayout(plan.config, spec.ranks)
         plan.catalog = model_programs(spec, plan.layout)
     except (UserError, ValueError, OSError) as e:
-        plan.problems.append(f"check: {e}")
+        plan.problems.append(Problem(kind=CHECK, text=str(e)))
     if plan.catalog is not None:
         plan.programs = judge_programs(plan, keep_verified)
-        plan.kv = _kv(plan)
-        if plan.kv.get("problem"):
-            plan.problems.append(f"kv: {plan.kv['problem']}")
+        plan.kv = _kv(plan, local_ranks or spec.ranks)
+        if plan.kv.problem:
+            plan.problems.append(Problem(kind=KV, text=plan.kv.problem))
         plan.content = _content(plan, compute=digests == "compute")
         if plan.backend != "eager":
             from runtime.launch.share import Keys
@@ -179,29 +180,30 @@ def judge_programs(plan: Plan, keep_verified: bool) -> list[ProgramPlan]:
 
     specs = plan.catalog.specs
     if plan.backend == "eager":
-        return [ProgramPlan(n, Outcome.EAGER, None, "eager backend: nothing cached") for n in specs]
+        return [ProgramPlan(program=n, state=Outcome.EAGER, reason="eager backend: nothing cached") for n in specs]
     try:
         plan.cache = KernelCache(kernel_cache_dir(plan.spec.kernel_cache_dir))
     except (UserError, OSError) as e:
-        return [ProgramPlan(n, Outcome.UNTRUSTED, None, str(e)) for n in specs]
+        return [ProgramPlan(program=n, state=Outcome.UNTRUSTED, reason=str(e)) for n in specs]
     out = []
     for name, spec in specs.items():
         key = plan.keys[name] = program_key(spec, plan.backend, plan.device)
         try:
             found = plan.cache.probe(name, key)
         except (UserError, OSError) as e:
-            out.append(ProgramPlan(name, Outcome.UNTRUSTED, fingerprint(key), str(e)))
+            out.append(ProgramPlan(program=name, state=Outcome.UNTRUSTED, fingerprint=fingerprint(key), reason=str(e)))
             continue
         if found.hit:
-            out.append(ProgramPlan(name, Outcome.HIT, found.fingerprint, "", str(found.path),
-                                   sum(f.size for f in found.manifest.files)))
+            out.append(ProgramPlan(program=name, state=Outcome.HIT, fingerprint=found.fingerprint, entry=str(found.path),
+                                   size_bytes=sum(f.size for f in found.manifest.files)))
             if keep_verified:
                 plan.hits[name] = found
             continue
         state = Outcome.of_miss(found.kind)
         entry = str(plan.cache.layout.base / name / found.fingerprint) if state in (Outcome.CORRUPT, Outcome.UNTRUSTED) \
             else None
-        out.append(ProgramPlan(name, state, found.fingerprint, found.reason, entry))
+        out.append(ProgramPlan(program=name, state=state, fingerprint=found.fingerprint, reason=found.reason,
+                               entry=entry))
     return out
 
 
@@ -212,38 +214,40 @@ def _content(plan: Plan, compute: bool) -> dict[str, Any]:
     try:
         plan.content_id = content_id(plan.spec.model, compute=compute)
     except (UserError, OSError) as e:
-        plan.problems.append(f"check: {e}")
+        plan.problems.append(Problem(kind=CHECK, text=str(e)))
         return {"identity": None, "problem": str(e)}
     return plan.content_id.to_json()
 
 
-def _sidecar(plan: Plan) -> dict[str, Any]:
+def _sidecar(plan: Plan) -> SidecarPlan:
     """The sidecar's verdict, and what a prepack of it writes (`expected_bytes`, beside the
     checkpoint's `checkpoint_bytes` and the disk's `free_bytes`)."""
     from runtime.weights.prepack import judge, sidecar_key, sidecar_size
     from store import sidecar
+    from store.sidecar.verdict import repack
 
     spec = plan.spec
     path = sidecar.default_sidecar_path(spec.model, spec.ranks)
-    size: dict[str, Any] = {}
+    size = None
     key = None
     if plan.layout is not None:
         with contextlib.suppress(UserError, ValueError, OSError):
             key = sidecar_key(spec.model, spec.ranks)  # hashed once: the verdict and the size share it
-            size = sidecar_size(spec.model, spec.ranks, path, plan.layout, key).to_json()
+            size = sidecar_size(spec.model, spec.ranks, path, plan.layout, key)
     if not spec.use_sidecar:
-        return {"path": str(path), "verdict": REPACK, "reason": Reason.DISABLED, "detail": "--no-sidecar", **size}
+        return SidecarPlan.of(repack(path, Reason.DISABLED, "--no-sidecar"), size)
     try:
         if plan.layout is None:
             raise UserError("the checkpoint's config does not load (see check)")
         verdict = judge(spec.model, spec.ranks, cold_policy=spec.cold_policy, packed=plan.layout, key=key)
-        return {**verdict.to_json(), **size}
+        return SidecarPlan.of(verdict, size)
     except (UserError, ValueError, OSError) as e:
-        return {"path": str(path), "verdict": REPACK, "reason": Reason.SOURCE, "detail": str(e), **size}
+        return SidecarPlan.of(repack(path, Reason.SOURCE, str(e)), size)
 
 
-def _kv(plan: Plan) -> dict[str, Any]:
-    """Every rank's KV budget on this host's devices, read now (runtime.launch.budget)."""
+def _kv(plan: Plan, ranks: int) -> KvPlan:
+    """The KV budget of each of the `ranks` that run on this host's devices, read now
+    (runtime.launch.budget)."""
     from runtime.launch.budget import launch_kv
     from runtime.launch.hardware import read_memory
     from runtime.programs.catalog import kv_slot_bytes
@@ -252,11 +256,11 @@ def _kv(plan: Plan) -> dict[str, Any]:
     slot = kv_slot_bytes(plan.catalog)
     reading = read_memory(plan.device, spec.device_memory)
     if reading.error:
-        return {"slot_bytes": slot, "slots": None, "max_seq": spec.max_seq, "ranks": spec.ranks,
-                "detail": f"{reading.error}; the launch measures it"}
-    kv = launch_kv(plan.device, reading.devices, spec.ranks, slot, spec.memory_utilization, spec.max_slots,
+        return KvPlan(slot_bytes=slot, max_seq=spec.max_seq, max_slots=spec.max_slots, ranks=ranks,
+                      detail=f"{reading.error}; the launch measures it")
+    kv = launch_kv(plan.device, reading.devices, ranks, slot, spec.memory_utilization, spec.max_slots,
                    spec.max_seq, spec.device_memory)
-    return {**kv.to_json(), "source": reading.source}
+    return KvPlan.of(kv, reading.source)
 
 
 def predict_seconds(plan: Plan, history: list[dict[str, Any]]) -> dict[str, float | None]:
@@ -302,7 +306,9 @@ def _modelled(plan: Plan, phase: str, history: list[dict[str, Any]]) -> float | 
     its artifact bytes at this host's measured load rate; the weights by the sidecar verdict's
     read (MAP: the sidecar's bytes at the read rate) or pack estimate."""
     if phase == Phase.WEIGHTS:
-        return plan.sidecar.get("predicted_read_s" if plan.weights_path() == MAP else "predicted_pack_s")
+        if plan.sidecar is None:
+            return None
+        return plan.sidecar.predicted_read_s if plan.sidecar.mapped else plan.sidecar.predicted_pack_s
     if phase == Phase.PROGRAMS and plan.programs and plan.all_hit():
         rate = load_rate(history, plan.backend, plan.device)
         return None if rate is None else sum(p.size_bytes for p in plan.programs) / rate

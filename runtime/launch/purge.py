@@ -48,6 +48,13 @@ class Target:
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> Target:
+        """`to_json`'s inverse (what `dsv4 purge --json` printed on a host)."""
+        return cls(kind=str(raw["kind"]), path=str(raw["path"]), reason=str(raw.get("reason") or ""),
+                   size_bytes=int(raw.get("size_bytes") or 0), program=str(raw.get("program") or ""),
+                   fingerprint=str(raw.get("fingerprint") or ""))
+
 
 def purgeable(entry) -> bool:
     """An entry that can never be used again (the `cache` scope's rule): stale, corrupt,
@@ -101,16 +108,16 @@ def sidecar_targets(plan) -> list[Target]:
     from store import sidecar
 
     s = plan.sidecar
-    if s.get("verdict") != REPACK or s.get("reason") not in SIDECAR_PURGE_REASONS:
+    if s is None or s.verdict != REPACK or s.reason not in SIDECAR_PURGE_REASONS:
         return []
-    path = Path(s["path"])
+    path = Path(s.path)
     try:
         st = os.lstat(path)
     except OSError:
         return []
     if not stat.S_ISREG(st.st_mode) or sidecar.ranks_of(path) is None:
         return []  # not a regular file of our own naming: never ours to delete
-    return [Target("sidecar", str(path), f"{s['reason']}: {s.get('detail', '')}", st.st_size)]
+    return [Target("sidecar", str(path), f"{s.reason}: {s.detail}", st.st_size)]
 
 
 def targets(plan, scope: str = PLAN) -> list[Target]:

@@ -23,6 +23,7 @@ from typing import Any
 from runtime.events import Emitter, Phase
 from runtime.launch import history
 from runtime.launch.phases import PhaseRecorder, RegistrationError, why
+from runtime.launch.plan_report import CHECK
 from runtime.launch.spec import LaunchSpec
 from store.sidecar import REPACK
 from store.units import format_size
@@ -196,12 +197,12 @@ def _check(spec: LaunchSpec, rank_env, phases: PhaseRecorder, watch):
     with phases.run(Phase.CHECK, model=str(spec.model), **ranks) as d:
         # the content identity is what ranks compare: one process alone never reads its whole
         # checkpoint for it (160 GB at V4 scale), it names it by the digests it remembers
-        plan = phases.plan = make_plan(spec, keep_verified=True,
-                                       digests="compute" if rank_env is not None else "remembered")
-        d["plan"] = plan.to_json()
-        for problem in plan.problems:
-            if problem.startswith("check:"):  # the kv phase reports its own, with the numbers
-                raise RegistrationError(problem)
+        plan = phases.plan = make_plan(spec, keep_verified=True, digests="compute" if rank_env is not None else "remembered",
+                                       local_ranks=rank_env.local_world if rank_env is not None else None)
+        report = plan.report()
+        d["plan"] = report.to_json()
+        if (problem := report.problem(CHECK)) is not None:  # the kv phase reports its own, with the numbers
+            raise RegistrationError(problem.line())
         ckpt = Checkpoint.open(spec.model)
         report = check_contract(ckpt, expected_tensors(plan.config))
         if not report.ok:
@@ -288,7 +289,7 @@ def _programs_and_weights(plan, c: _Checked, emitter: Emitter, phases: PhaseReco
         with phases.run(Phase.WEIGHTS, sidecar=spec.use_sidecar, planned=loader.path) as d:
             if loader.path == REPACK and spec.use_sidecar:
                 s = plan.sidecar
-                emitter.log(Phase.WEIGHTS, f"sidecar {s.get('path')}: REPACK ({s.get('reason')}): {s.get('detail')}")
+                emitter.log(Phase.WEIGHTS, f"sidecar {s.path}: REPACK ({s.reason}): {s.detail}")
             loaded = loader.load(progress, lambda line: emitter.log(Phase.WEIGHTS, line))
             experts = sum(t.nbytes for n, t in loaded.tensors.items() if plan.layout.tensors[n].rule.group == EXPERTS)
             total = sum(t.nbytes for t in loaded.tensors.values())

@@ -74,6 +74,20 @@ class LaunchSpec:
     def with_(self, **changes: Any) -> LaunchSpec:
         return replace(self, **changes)
 
+    def to_json(self) -> dict[str, Any]:
+        """Every field, paths as text (what a plan and a snapshot carry)."""
+        return {f.name: str(v) if isinstance(v := getattr(self, f.name), Path) else v for f in fields(self)}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> LaunchSpec:
+        """`to_json`'s inverse: fields the sender lacks keep their defaults, unknown ones are
+        dropped (another dsv4's settings), paths come back as paths."""
+        known = {f.name: raw[f.name] for f in fields(cls) if f.name in raw}
+        for name in PATH_FIELDS:
+            if known.get(name) is not None:
+                known[name] = Path(known[name])
+        return cls(**known)
+
     def argv(self, command: str) -> list[str]:
         """The flags of `command` that say this spec (defaults left out); `from_args` of them
         gives this spec back."""
@@ -126,6 +140,7 @@ class LaunchSpec:
             raise UserError("--ssl-ca-certs asks clients for certificates: it needs --ssl-certfile and --ssl-keyfile")
 
 
+PATH_FIELDS = ("model", "kernel_cache_dir", "signing_key", "trusted_keys")
 DEFAULTS = LaunchSpec()
 DEFAULTS_OF = {f.name: getattr(DEFAULTS, f.name) for f in fields(LaunchSpec)}
 NAMED_MODEL = (CONSOLE, CACHE)  # commands that take `--model DIR` instead of a positional MODEL_DIR

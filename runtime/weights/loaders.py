@@ -79,6 +79,7 @@ def loader_for(plan, ckpt, rank: int = 0) -> WeightLoader:
     """The loader the plan's sidecar verdict calls for (one rank's share when ranks > 1)."""
     sidecar, spec = plan.sidecar, plan.spec
     share = rank if spec.ranks > 1 else None
-    if sidecar.get("verdict") == MAP:
+    if sidecar is not None and sidecar.mapped:
         return MapSidecar(spec.model, spec.ranks, plan.layout, spec.cold_policy, ckpt, share)
-    return RepackCheckpoint(ckpt, plan.layout, sidecar.get("reason", ""), sidecar.get("detail", ""), share)
+    return RepackCheckpoint(ckpt, plan.layout, sidecar.reason if sidecar else "", sidecar.detail if sidecar else "",
+                            share)

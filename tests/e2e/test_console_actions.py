@@ -67,9 +67,9 @@ async def test_prepack_then_warm_makes_the_sidecar_map_hot(tiny_ckpt, tmp_path):
         warmed = time.time()
         app.refresh_now()
         await until(pilot, lambda: app.snapshot and app.snapshot.ts > warmed, "refresh")
-        row = app.snapshot.sidecars.sidecars[0]
-        assert row["verdict"] == "MAP" and row["next_launch"] == "MAP", row
-        assert row["residency"] >= sidecar.DEFAULT_COLD_THRESHOLD, row
+        wanted = app.snapshot.sidecars.wanted
+        assert wanted.verdict == "MAP" and wanted.next_launch() == "MAP", wanted
+        assert wanted.residency >= sidecar.DEFAULT_COLD_THRESHOLD, wanted
         assert app.failures == []
 
 
@@ -89,7 +89,7 @@ async def test_purge_deletes_only_what_the_plan_calls_stale_or_corrupt_after_lis
     app = Dsv4Console(spec, watch=False, interval=0.5, create_default=False)
     async with app.run_test() as pilot:
         await until(pilot, lambda: app.snapshot is not None, "first snapshot")
-        states = {p["program"]: p["state"] for p in app.snapshot.plan["programs"]}
+        states = {p.program: p.state for p in app.snapshot.plan.programs}
         assert (states[hit], states[stale], states[corrupt]) == ("HIT", "STALE", "CORRUPT")
         await pilot.press("x")
         await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), "confirm")

@@ -145,7 +145,7 @@ async def test_the_log_view_shows_the_services_last_lines_and_follows_its_tail(t
 
     view = dataclasses.replace(view, record=dataclasses.replace(view.record, log=str(log)))
     snap = dataclasses.replace(snap, services=ServicesSnapshot((view,)))
-    app = Dsv4Console(SPEC, collectors=FakeCollectors(snap), watch=False, create_default=False, interval=0)
+    app = Dsv4Console(SPEC, host=FakeCollectors(snap), watch=False, create_default=False, interval=0)
     async with app.run_test(size=(160, 48)) as pilot:
         await pilot.pause()
         app.query_one("#services-table").focus()
@@ -305,18 +305,18 @@ async def test_L_on_a_real_service_shows_its_last_lines_follows_them_and_opens_e
     monkeypatch.setenv(*two_ranks.state)
     health = Health.from_json(httpx.get(f"{record.url}/health", timeout=30).json())
     rank1 = next(r.pid for r in health.ranks if r.rank == 1)
-    app = Dsv4Console(SPEC, collectors=LiveServices(), watch=False, create_default=False, interval=0)
+    app = Dsv4Console(SPEC, host=LiveServices(), watch=False, create_default=False, interval=0)
     async with app.run_test(size=(160, 48)) as pilot:
         await pilot.pause()
         app.query_one("#services-table").focus()
         await pilot.press("L")
         await until(pilot, lambda: isinstance(app.screen, LogScreen) and app.screen.lines, "the log view")
         view = app.screen
-        assert [label for label, _ in view.logs] == ["service", "rank 0", "rank 1"]
+        assert [f.label for f in view.feeds] == ["service", "rank 0", "rank 1"]
         # the file's last line (the service may write one more meanwhile: the view follows it)
         await until(pilot, lambda: view.lines[-1] == _lines(log)[-1], "the service log's last line")
         await pilot.press("2")  # rank 1's own log
-        assert view.logs[view.which][0] == "rank 1"
+        assert view.feeds[view.which].label == "rank 1"
         await until(pilot, lambda: view.lines[-1] == _lines(record.rank_logs[1])[-1], "rank 1's last line")
         await pilot.press("tab")  # tab goes round: back to the service's
         assert view.which == 0

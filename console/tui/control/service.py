@@ -1,9 +1,11 @@
-"""The service this console holds, and every service of the host it acts on: launch, re-attach,
-stop, dismiss, open a log, quit.
+"""The service this console holds, and every service of the host it shows (this one, or a fleet
+host opened from the fleet screen): launch, re-attach, stop, dismiss, open a log, quit. Stop,
+dismiss and the logs go through that host (`Host.command`, `Host.log`): the same keys act on
+this host and on one over ssh.
 
-A launch runs detached (own session, output in files under the state dir) so "Leave running"
-leaves it running for real; a console that starts while one of its services runs re-attaches
-to it. The service is one identity (`store.services.ServiceId`) in every line this console
+A launch on this host runs detached (own session, output in files under the state dir) so
+"Leave running" leaves it running for real; a console that starts while one of its services runs
+re-attaches to it. The service is one identity (`store.services.ServiceId`) in every line this console
 writes. When it ends the console says how, once — "killed by SIGKILL during serve", "exited 1:
 <its error>" — in the Registration pane, the registry (whose row stays until dismissed) and the
 launch history (when the service itself could not: a signal).
@@ -11,15 +13,16 @@ launch history (when the service itself could not: a signal).
 
 from __future__ import annotations
 
+import dataclasses
 import os
-import signal
 import time
-from functools import partial
 
+from rich.markup import escape
 from textual.app import App
 
 from console.data.launch_state import LaunchState
 from console.data.services import ServiceView
+from console.fleet import actions as A
 from console.tui.detached import Detached
 from console.tui.screens.confirm import ConfirmScreen
 from console.tui.screens.logview import LogScreen
@@ -28,8 +31,6 @@ from console.tui.workers import service_argv, shown
 from runtime.events import Event
 from runtime.launch.spec import SERVE
 from store import history, services
-
-STOP_POLL = 0.1
 
 
 class ServiceControl:
@@ -53,18 +54,36 @@ class ServiceControl:
         url = self.launch.url if self.launch and self.launch.url else "(registering)"
         return f"pid {self.held.pid} {url}" if self.held else ""
 
+    def show_registration(self) -> None:
+        """The Registration pane: the launch in view, or the next one's prediction (while the
+        first run creates the checkpoint, what that waits for)."""
+        from console.tui.panes.registration import RegistrationPane
+
+        app = self.app
+        pane = app.pane(RegistrationPane)
+        if not app.snapshot or pane is None:
+            return
+        registration, status = app.snapshot.registration, self.status
+        jobs = app.jobs_control
+        creating = jobs.progress.get("create") if "create" in jobs.running() else None
+        if creating is not None:  # the checkpoint a plan fails on is the one being made: say that, not FAIL
+            registration = dataclasses.replace(registration, prediction={
+                phase: "waits for the checkpoint being created" for phase in registration.prediction})
+            status = f"{creating.line()} — then w warms it, l launches"
+        pane.show(registration, self.launch, status)
+
     # -- launch -------------------------------------------------------------------------------
 
     def new_launch(self, spawned: float | None = None) -> LaunchState:
         """A launch in view, with the prediction made for it and the launch it compares with."""
         reg = self.app.snapshot.registration if self.app.snapshot else None
         compared = reg.previous if reg else None
-        if spawned and compared and compared.get("started", 0) >= spawned - 1:
+        if spawned and compared and (compared.started or 0) >= spawned - 1:
             compared = reg.earlier  # re-attached: the last record is this launch's own (never compared with itself)
-        plan = (self.app.snapshot.plan if self.app.snapshot else None) or {}
+        programs = self.app.snapshot.programs.entries if self.app.snapshot else ()
         state = LaunchState(prediction=dict(reg.prediction) if reg else {}, basis=reg.basis if reg else "",
                             compared=compared, predicted=dict(reg.predicted) if reg else {},
-                            order=[p["program"] for p in plan.get("programs", ())])
+                            order=[p.program for p in programs])
         if spawned:
             state.spawned = spawned
         return state
@@ -96,9 +115,9 @@ class ServiceControl:
         # every setting the console was started with; --ready auto (its default) lets the launch's
         # own plan decide: the eager tier at once when programs would compile and one rank serves
         argv = service_argv(*app.spec.with_(events=str(events)).argv(SERVE))
-        plan = (app.snapshot.plan if app.snapshot else None) or {}
-        if app.spec.ready == "auto" and plan.get("ready") == "early":  # say so: it serves eager meanwhile
-            compiling = sum(e.get("state") not in ("HIT", "EAGER") for e in plan.get("programs", ()))
+        plan = app.snapshot.plan if app.snapshot else None
+        if app.spec.ready == "auto" and plan is not None and plan.ready == "early":  # say so: it serves eager meanwhile
+            compiling = sum(e.state.compiles for e in plan.programs)
             app.notify(f"--ready auto is early here: {compiling} programs to compile; it serves on the eager "
                        "tier meanwhile and swaps each in as it compiles", title="launch")
         self.launch = self.new_launch()
@@ -111,9 +130,9 @@ class ServiceControl:
         app.run_worker(self._watch(self.held), group="jobs")
 
     def attach(self) -> None:
-        """At start: re-attach to the newest running service a console launched for this model."""
+        """At start: re-attach to the newest running service a console launched for this model here."""
         app = self.app
-        if self.held is not None or not app.snapshot:
+        if self.held is not None or not app.snapshot or app.host is None or app.host.kind != "local":
             return
         mine = [s for s in self._same_model() if s.from_console]
         if not mine or not services.is_current(mine[-1].record):
@@ -205,7 +224,8 @@ class ServiceControl:
                 self.app.log_line("console", f"stop: SIGTERM to pid {view.pid}")
                 self.app.run_worker(self._stop_held(), group="stop")
             else:
-                self.app.run_worker(partial(self._stop_other, view.record), thread=True, group="stop")
+                self.app.run_worker(self._on_host(f"stop pid {view.pid}", A.service_stop(view.pid, self.stop_timeout)),
+                                    group="stop")
 
         self.app.push_screen(ConfirmScreen("Stop this service?", body), confirmed)
 
@@ -216,26 +236,19 @@ class ServiceControl:
             self.app.log_line("console", self.status)
             self.app.notify(self.status, title="stopped")
 
-    def _stop_other(self, target: services.Service) -> None:
-        """SIGTERM a service this console does not hold, SIGKILL after the timeout; each signal
-        only after re-checking that the pid is still that service."""
-        app = self.app
-        if not services.send(target, signal.SIGTERM):
-            app.call_from_thread(app.notify, f"pid {target.pid} is no longer that service: nothing sent",
-                                 severity="warning")
-            return
-        app.call_from_thread(app.log_line, "console", f"stop: SIGTERM to pid {target.pid}")
-        deadline = time.monotonic() + self.stop_timeout
-        while services.is_current(target) and time.monotonic() < deadline:
-            time.sleep(STOP_POLL)
-        if services.send(target, signal.SIGKILL):
-            app.call_from_thread(app.log_line, "console", f"stop: SIGKILL to pid {target.pid} (timeout)")
-            services.end(target, "killed by SIGKILL", "", f"did not stop within {self.stop_timeout:g} s of SIGTERM",
-                         by="console")
+    async def _on_host(self, what: str, args: tuple[str, ...]) -> bool:
+        """`dsv4 ARGS` on the shown host (this one, or one over ssh): its lines in the log, its
+        failure in one line; True when it did what it was asked."""
+        app, host = self.app, self.app.host
+        command = host.command(what, args, on_line=lambda c, which, line: app.log_line(host.name, line))
+        app.log_line("console", f"{what} on {host.where}")
+        code = await command.run()
+        if code != 0:
+            app.notify(escape(f"{what}: {host.why(code, list(command.stderr_tail))}"), severity="error", timeout=8)
         else:
-            services.dismiss(services.find(target.pid) or target)  # stopped as asked: no row left behind
-        app.call_from_thread(app.notify, f"stopped pid {target.pid}", title="stopped")
-        app.call_from_thread(app.refresh_now)
+            app.notify(f"{what}: done", title=host.name)
+        app.refresh_now()
+        return code == 0
 
     def dismiss(self) -> None:
         """`d`: forget the ended service selected in the Services pane."""
@@ -246,22 +259,31 @@ class ServiceControl:
             self.app.notify(f"pid {view.pid} is {view.state}: only an ended service is dismissed (s stops it)",
                             severity="warning")
             return
-        services.dismiss(view.record)
-        self.app.log_line("console", f"dismissed pid {view.pid} ({view.ending_line()})")
-        self.app.refresh_now()
+        self.app.run_worker(self._on_host(f"dismiss pid {view.pid}", A.service_dismiss(view.pid)), group="stop")
 
     def open_log(self) -> None:
-        """`L`: the selected service's log (and its ranks'), or the held one's."""
+        """`L`: the selected service's log and each rank's, wherever they run, over each host's
+        own connection (`console.fleet.logs`)."""
+        from console.fleet.collector import FleetSnapshot
+        from console.fleet.logs import feeds
+        from store.errors import UserError
+
         view = self.selected()
         if view is None:
             return
-        logs = view.logs()
-        if not logs:
+        if not view.logs():
             self.app.notify(f"pid {view.pid} writes no log file this console can read (started from a terminal)",
                             severity="warning")
             return
+        session = self.app.session
+        try:
+            found = feeds(session.hosts, FleetSnapshot(time.time(), session.collector.readings()), self.app.host.name,
+                          view=view)
+        except UserError as e:
+            self.app.notify(str(e), severity="warning")
+            return
         state = view.ending_line() if view.ended else view.state
-        self.app.push_screen(LogScreen(f"pid {view.pid} {view.url or ''} {state}", logs))
+        self.app.push_screen(LogScreen(f"pid {view.pid} {view.url or ''} {state}", found))
 
     # -- quit ---------------------------------------------------------------------------------
 

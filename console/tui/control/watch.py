@@ -39,7 +39,6 @@ class FileWatch:
 
         with contextlib.suppress(Exception):
             async for _ in awatch(*paths, stop_event=stop, debounce=400, recursive=True):
-                plans = getattr(self.app.collectors, "plans", None)
-                if plans is not None:
-                    plans.invalidate()
+                if self.app.host is not None:
+                    self.app.host.replan()
                 self.app.refresh_now()

@@ -6,21 +6,20 @@ rank r owns device r."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from textual.app import ComposeResult
 from textual.widgets import Static
 
 from console import fmt
 from console.data.host import DeviceSnapshot
 from console.tui.panes.base import Pane
+from runtime.launch.plan_report import RankKv
 
 
-def slots_text(b: dict[str, Any], each: str = "") -> str:
+def slots_text(b: RankKv, each: str = "") -> str:
     """`fits 3994 slots · launch takes 32 (--max-slots)`, or just the slots it takes."""
-    if b["fits"] > b["slots"]:
-        return f"{each}fits {b['fits']} slots · launch takes {b['slots']} (--max-slots)"
-    return f"{each}{b['slots']} slots"
+    if b.fits > b.slots:
+        return f"{each}fits {b.fits} slots · launch takes {b.slots} (--max-slots)"
+    return f"{each}{b.slots} slots"
 
 
 def kv_lines(snap: DeviceSnapshot) -> list[str]:
@@ -31,12 +30,12 @@ def kv_lines(snap: DeviceSnapshot) -> list[str]:
     lines = []
     shared = snap.kind == "cpu" and snap.ranks > 1
     for b in snap.budgets[:1] if shared else snap.budgets:
-        warn = f"  [b red]⚠ {b['problem']}: the launch would fail at kv[/]" if b["problem"] else ""
-        budget = f"KV budget [b]{fmt.size(max(b['budget'], 0))}[/]"
+        warn = f"  [b red]⚠ {b.problem}: the launch would fail at kv[/]" if b.problem else ""
+        budget = f"KV budget [b]{fmt.size(max(b.budget, 0))}[/]"
         if shared:
             lines.append(f"{budget} × {snap.ranks} ranks · {slots_text(b, 'each ')} · {snap.slots} in all{warn}")
         elif snap.ranks > 1:
-            lines.append(f"rank {b['rank']} on {b['device'].split()[0]}  {budget} · {slots_text(b)}{warn}")
+            lines.append(f"rank {b.rank} on {b.device.split()[0]}  {budget} · {slots_text(b)}{warn}")
         else:
             lines.append(f"{budget} · {slots_text(b)}{warn}")
     if snap.ranks > 1 and not shared:
@@ -59,10 +58,9 @@ class DevicePane(Pane):
             lines.insert(0, f"[red]{snap.error}[/]")
         slot = f", one KV slot {fmt.size(snap.slot_bytes)}" if snap.slot_bytes else ""
         lines.append(f"[dim]{snap.kind} via {snap.source}, utilization {snap.utilization}{slot}[/]")
-        owned = {b["device"] for b in snap.budgets}
+        owned = {b.device for b in snap.budgets}
         for d in snap.devices:
-            used = d["used"] / d["total"] if d["total"] else 0.0
-            idle = "" if snap.kind == "cpu" or d["name"] in owned else "  [dim]no rank[/]"
-            lines.append(f"[b]{d['name']}[/]  {fmt.bar(used, 16)} used{idle}")
-            lines.append(f"  used {fmt.size(d['used'])}  free {fmt.size(d['free'])}  total {fmt.size(d['total'])}")
+            idle = "" if snap.kind == "cpu" or d.name in owned else "  [dim]no rank[/]"
+            lines.append(f"[b]{d.name}[/]  {fmt.bar(d.fraction, 16)} used{idle}")
+            lines.append(f"  used {fmt.size(d.used)}  free {fmt.size(d.free)}  total {fmt.size(d.total)}")
         self.query_one("#device-text", Static).update("\n".join(lines))

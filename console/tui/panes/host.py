@@ -7,7 +7,7 @@ from textual.app import ComposeResult
 from textual.widgets import Sparkline, Static
 
 from console import fmt
-from console.data.collectors import HostSnapshot
+from console.data.host import HostSnapshot
 from console.tui.panes.base import Pane
 
 LABELLED_CORES = 16  # more than this (a serving host has 100+): the busiest core and how many are busy

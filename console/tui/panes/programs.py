@@ -8,14 +8,16 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from rich.markup import escape
 from textual.app import ComposeResult
 from textual.widgets import Static
 
 from console import fmt
-from console.data.cache import CacheSnapshot
-from console.data.collectors import ProgramsSnapshot
+from console.data.cache import CacheEntry, CacheSnapshot
+from console.data.snapshot import ProgramsSnapshot
 from console.tui.panes.base import JobLine, Pane
-from console.tui.tables import Column, PaneTable, title
+from console.tui.tables import Column, PaneTable, row_of, title
+from runtime.launch.plan_report import ProgramPlan
 from store.kernel_cache.entry import Origin
 
 STATE_STYLE = {"HIT": "green", "MISS": "cyan", "STALE": "yellow", "CORRUPT": "red", "UNTRUSTED": "red",
@@ -43,14 +45,9 @@ CACHE_COLUMNS = (  # what decides a purge first: the state and why, then use, th
 )
 
 
-def origin(o: dict[str, Any] | None) -> str:
+def origin(o: Origin | None) -> str:
     """Where a brought entry came from — host, signer, reference, when (nothing for one built here)."""
-    if not o:
-        return ""
-    try:
-        return Origin.parse(o).short(time.time())
-    except (KeyError, TypeError, ValueError):  # an older manifest's origin: what it says
-        return f"from {o.get('host')}, signed by {o.get('signer')}"
+    return o.short(time.time()) if o is not None else ""
 
 
 def styled(state: str) -> str:
@@ -79,20 +76,20 @@ class ProgramsPane(Pane):
     def on_mount(self) -> None:
         self.border_title = "Programs"
 
-    def _cells(self, e: dict[str, Any]) -> dict[str, str]:
-        state = styled(e["state"])
-        now = self.compiling.get(e["program"])
-        if now and e["state"] != "HIT":  # a compile in flight says where this program is until the plan sees it
+    def _cells(self, row: dict[str, Any]) -> dict[str, str]:
+        e: ProgramPlan = row["value"]
+        state = styled(e.state)
+        now = self.compiling.get(e.program)
+        if now and e.state != "HIT":  # a compile in flight says where this program is until the plan sees it
             state = f"[{COMPILE_STYLE.get(now, 'green')}]{now}[/]"
-        return {"program": e["program"], "state": state,
-                "fingerprint": (e.get("fingerprint") or "")[:12], "reason": e.get("reason") or ""}
+        return {"program": e.program, "state": state, "fingerprint": (e.fingerprint or "")[:12], "reason": e.reason}
 
-    def _cache_cells(self, e: dict[str, Any]) -> dict[str, str]:
-        return {"program": e["program"], "state": styled(e["state"]), "size_bytes": fmt.size(e["size_bytes"]),
-                "fingerprint": (e.get("fingerprint") or "")[:12],
-                "created": fmt.ago(e["created"], self.now).removesuffix(" ago"), "hits": str(e["hits"]),
-                "last_used": fmt.ago(e["last_used"], self.now) if e["hits"] else "never",
-                "reason": "; ".join(filter(None, [e.get("reason") or "", origin(e.get("origin"))]))}
+    def _cache_cells(self, row: dict[str, Any]) -> dict[str, str]:
+        e: CacheEntry = row["value"]
+        return {"program": e.program, "state": styled(e.state), "size_bytes": fmt.size(e.size_bytes),
+                "fingerprint": e.fingerprint[:12], "created": fmt.ago(e.created, self.now).removesuffix(" ago"),
+                "hits": str(e.hits), "last_used": fmt.ago(e.last_used, self.now) if e.hits else "never",
+                "reason": "; ".join(filter(None, [e.reason, origin(e.origin)]))}
 
     def job(self, label: str, done: float | None = None, total: float | None = None,
             states: dict[str, str] | None = None) -> None:
@@ -115,17 +112,17 @@ class ProgramsPane(Pane):
 
     def show(self, snap: ProgramsSnapshot, cache: CacheSnapshot, now: float, needle: str = "") -> None:
         self.now, self._shown = now, (snap, cache, needle)
-        programs = self.query_one("#programs-table", PaneTable).set_rows(snap.entries, needle)
-        entries = self.query_one("#cache-table", PaneTable).set_rows(cache.entries, needle)
+        programs = self.query_one("#programs-table", PaneTable).set_rows([row_of(e) for e in snap.entries], needle)
+        entries = self.query_one("#cache-table", PaneTable).set_rows([row_of(e) for e in cache.entries], needle)
         if self.viewing_cache:
             self.border_title = title("Kernel cache", *entries, needle, "entries") + " [dim](c: programs)[/]"
             text = self._cache_totals(cache)
         else:
             self.border_title = title("Programs", *programs, needle) + " [dim](c: kernel cache)[/]"
-            states = ", ".join(f"{n} {s}" for s, n in snap.totals()["by_state"].items())
+            states = ", ".join(f"{n} {s}" for s, n in snap.by_state().items())
             text = (states or "no programs") + f"  [dim]{snap.root}[/]"
-            if snap.error:
-                text += f"\n[red]{snap.error}[/]"
+            if snap.problem:
+                text += f"\n[red]{escape(snap.problem.line())}[/]"
             elif snap.warning:
                 text += f"\n[yellow]{snap.warning}[/]"
         self.query_one("#programs-totals", Static).update(text)
@@ -140,8 +137,8 @@ class ProgramsPane(Pane):
                  f"gc limit{share}"]
         if cache.disk_free is not None:
             parts.append(f"disk free {fmt.size(cache.disk_free)}")
-        unusable = [e for e in cache.entries if e.get("purgeable")]
+        unusable = cache.purgeable()
         if unusable:
-            parts.append(f"x deletes {len(unusable)} ({fmt.size(sum(e['size_bytes'] for e in unusable))})")
+            parts.append(f"x deletes {len(unusable)} ({fmt.size(sum(e.size_bytes for e in unusable))})")
         states = ", ".join(f"{s} {n}" for s, n in cache.by_state().items())
         return " · ".join(parts) + (f"\n{states}  [dim]{cache.root}[/]" if states else f"  [dim]{cache.root}[/]")

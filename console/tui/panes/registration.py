@@ -12,21 +12,13 @@ from textual.app import ComposeResult
 from textual.widgets import Static
 
 from console import fmt
-from console.data.collectors import RegistrationSnapshot
 from console.data.eta import Progress
-from console.data.launch_state import (
-    DONE,
-    FAILED,
-    RUNNING,
-    LaunchState,
-    ProgramStates,
-    delta,
-    path_taken,
-)
+from console.data.launch_state import DONE, FAILED, RUNNING, LaunchState, ProgramStates, delta
+from console.data.records import LaunchRecord
+from console.data.snapshot import RegistrationSnapshot
 from console.tui.panes.base import Pane
 from console.tui.tables import Column, PaneTable
 from runtime.events import PHASES
-from runtime.launch.history import launch_seconds
 
 STATE_MARK = {DONE: "[green]✓[/]", FAILED: "[red]✗[/]", RUNNING: "[yellow]…[/]"}
 COLUMNS = (
@@ -41,23 +33,14 @@ COLUMNS = (
 )
 
 
-def _past(record: dict[str, Any] | None, phase: str) -> str:
-    if not record:
-        return "-"
-    p = record.get("phases", {}).get(phase)
-    if not p:
-        return "-"
-    if "error" in p:
-        return f"{fmt.secs(p.get('seconds'))} error"
-    return f"{fmt.secs(p.get('seconds'))} {path_taken(phase, p)}".strip()
+def _past(record: LaunchRecord | None, phase: str) -> str:
+    p = record.phase(phase) if record else None
+    return p.line() if p else "-"
 
 
-def launch_name(record: dict[str, Any] | None) -> str:
+def launch_name(record: LaunchRecord | None) -> str:
     """`14:02:33 pid 4242 (ok, 0.90 s)`: which launch a comparison is with."""
-    if not record:
-        return "none"
-    when = time.strftime("%m-%d %H:%M:%S", time.localtime(record.get("started") or 0))
-    return f"{when} pid {record.get('pid', '?')} ({record.get('outcome')}, {launch_seconds(record):.2f} s)"
+    return record.name() if record else "none"
 
 
 def phase_progress(phase: str, p, expected: float | None, now: str, pool: ProgramStates | None = None) -> str:
@@ -126,8 +109,8 @@ class RegistrationPane(Pane):
             rows.append({"phase": phase, "cells": cells, "path_taken": p.path if p else "",
                          "predicted": prediction.get(phase, ""), "compared": _past(compared, phase)})
             if p and p.state == RUNNING:  # ETA: the plan's seconds, else the compared launch's
-                expected = ahead if ahead is not None else (
-                    ((compared or {}).get("phases", {}).get(phase) or {}).get("seconds"))
+                past = compared.phase(phase) if compared else None
+                expected = ahead if ahead is not None else (past.seconds if past else None)
                 running.append(phase_progress(phase, p, expected, launch.now.get(phase, ""),
                                               launch.pool if phase == "programs" else None))
         table = self.query_one(PaneTable)

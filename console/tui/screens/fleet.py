@@ -17,14 +17,18 @@ from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Vertical
 from textual.screen import Screen
-from textual.widgets import Footer, Input, RichLog, Static
+from textual.widgets import Footer, RichLog, Static
 
 from console import fmt
+from console.fleet import events as E
 from console.fleet.collector import FleetSnapshot
-from console.fleet.rows import rows, slowest
-from console.tui.tables import Column, PaneTable, title
+from console.fleet.rows import HostRow, kv_total, rows, slowest
+from console.tui.filter_box import FilterBox
+from console.tui.tables import Column, PaneTable, row_of, title
 
 REACH_ORDER = {"✗": 0, "stale": 1, "✓": 2}
+EVENT_STYLE = {E.UNREACHABLE: "red", E.FAILED: "red", E.STALE: "yellow", E.BACK: "green", E.SERVING: "green",
+               E.LEFT_OUT: "yellow"}
 COLUMNS = (  # which host and whether it serves first; what differs and what is missing next
     Column("mark", " ", 1, essential=True),
     Column("host", "host", 12, essential=True),
@@ -53,27 +57,33 @@ def _age(seconds: float | None) -> str:
 
 class FleetScreen(Screen):
     BINDINGS: ClassVar[list[BindingType]] = [
-        Binding("w", "act('warm')", "Warm", id="fleet.warm", tooltip="read the sidecar, then compile, on the hosts"),
-        Binding("p", "act('prepack')", "Prepack", id="fleet.prepack", tooltip="pack a sidecar on the hosts"),
-        Binding("b", "act('compile')", "Compile", id="fleet.compile", tooltip="compile what the launch misses"),
-        Binding("x", "act('purge')", "Purge", id="fleet.purge", tooltip="delete stale or corrupt entries and sidecars"),
-        Binding("u", "act('pull')", "Pull", id="fleet.pull", tooltip="pull missed entries from the registry"),
-        Binding("i", "act('import')", "Import", id="fleet.import",
+        Binding("w", "app.mutate('warm')", "Warm", id="fleet.warm", tooltip="read the sidecar, then compile, on the hosts"),
+        Binding("p", "app.mutate('prepack')", "Prepack", id="fleet.prepack", tooltip="pack a sidecar on the hosts"),
+        Binding("b", "app.mutate('compile')", "Compile", id="fleet.compile", tooltip="compile what the launch misses"),
+        Binding("x", "app.mutate('purge')", "Purge", id="fleet.purge",
+                tooltip="delete what each host's plan calls stale or corrupt (lists each file first)"),
+        Binding("u", "app.mutate('pull')", "Pull", id="fleet.pull", tooltip="pull missed entries from the registry"),
+        Binding("i", "app.mutate('import')", "Import", id="fleet.import",
                 tooltip="bring missed entries from another host of the fleet, signed"),
-        Binding("l", "act('launch')", "Launch", id="fleet.launch", tooltip="start the service across every host"),
-        Binding("s", "act('stop')", "Stop", id="fleet.stop", tooltip="stop the service's nodes on the hosts"),
+        Binding("l", "app.mutate('launch')", "Launch", id="fleet.launch",
+                tooltip="start the service across every host not left out"),
+        Binding("s", "app.mutate('stop')", "Stop", id="fleet.stop", tooltip="stop the service's nodes on the hosts"),
+        Binding("minus", "app.mutate('leave_out')", "Leave out", key_display="-", id="fleet.leave_out",
+                tooltip="leave the selected hosts out of the service (again: bring them back); the ranks, the "
+                "plans and a launch cover the others"),
         Binding("space", "mark", "Mark", id="fleet.mark", show=False, tooltip="mark the host for the next action"),
-        Binding("a", "mark_all", "All", id="fleet.all", show=False, tooltip="mark every host (again: none)"),
+        Binding("a", "mark_all", "All", id="fleet.all", show=False,
+                tooltip="mark every host not left out (again: none)"),
         Binding("h", "history", "History", id="fleet.history", show=False,
                 tooltip="every host's launch history, one record per launch"),
         Binding("r", "refresh", "Refresh", id="fleet.refresh", show=False, tooltip="ask every host for a snapshot now"),
-        Binding("slash", "filter", "Filter", key_display="/", id="fleet.filter", show=False,
+        Binding("slash", "app.filter", "Filter", key_display="/", id="fleet.filter", show=False,
                 tooltip="filter the hosts (enter keeps it, esc clears it)"),
         Binding("question_mark", "help", "Help", key_display="?", id="fleet.help", tooltip="this screen's keys"),
         Binding("q", "app.quit_console", "Quit", id="fleet.quit", tooltip="quit (the hosts' services keep running)"),
     ]
     MUTATING = frozenset({"fleet.warm", "fleet.prepack", "fleet.compile", "fleet.purge", "fleet.pull",
-                          "fleet.import", "fleet.launch", "fleet.stop"})
+                          "fleet.import", "fleet.launch", "fleet.stop", "fleet.leave_out"})
 
     def __init__(self, control: Any, interval: float = 2.0) -> None:
         super().__init__(id="fleet")
@@ -90,12 +100,14 @@ class FleetScreen(Screen):
             yield PaneTable("fleet", COLUMNS, self._cells, sort_key="node", id="fleet-table")
             yield Static(id="fleet-detail")
             yield RichLog(id="fleet-log", wrap=True, max_lines=2000, markup=True)
-        yield Input(placeholder="filter hosts (enter keeps it, esc clears it)", id="fleet-filter")
+        yield FilterBox()
         yield Footer()
 
     def on_mount(self) -> None:
-        self.query_one("#fleet-filter").display = False
+        self.query_one(FilterBox).display = False
         self.query_one("#fleet-table").focus()
+        for event in self.control.session.log.events():  # what happened before the screen came
+            self.add_event(event)
         self.top()
         self.call_after_refresh(self.action_refresh)
         if self.interval > 0:
@@ -109,7 +121,7 @@ class FleetScreen(Screen):
 
     @work(thread=True, exclusive=True, group="fleet-collect")
     def _collect(self) -> None:
-        snap = self.control.collector.snapshot()
+        snap = self.control.session.collector.snapshot()
         self.app.call_from_thread(self.apply, snap)
 
     def apply(self, snap: FleetSnapshot) -> None:
@@ -118,34 +130,38 @@ class FleetScreen(Screen):
         self.show()
 
     def rows(self) -> list[dict[str, Any]]:
+        """The table's rows: each host's `HostRow` (what its cells say), its action and mark."""
         if self.snapshot is None:
             return []
-        out = rows(self.snapshot)
-        for row in out:
-            job = self.control.jobs.get(row["host"])
-            row["job"] = job.line() if job else ""
-            row["mark"] = "•" if row["host"] in self.marked else ""
+        out = []
+        for row in rows(self.snapshot):
+            job = self.control.jobs.get(row.host)
+            out.append(row_of(row, job=job.line() if job else "", job_state="" if job is None else
+                              "running" if job.running else "ok" if job.ok else "failed",
+                              mark="•" if row.host in self.marked else ""))
         return out
 
     def _cells(self, r: dict[str, Any]) -> dict[str, str]:
         """A row's cells: what hosts said is text, never markup (a path in brackets stays a path)."""
-        reach = r.get("reach", "✗")
-        color = {"✓": "green", "stale": "yellow"}.get(reach, "red")
-        tokens = r.get("tokens_s")
+        row: HostRow = r["value"]
+        color = {"✓": "green", "stale": "yellow"}.get(row.reach, "red")
 
-        def text(key: str, style: str = "") -> str:
-            value = escape(str(r.get(key, "")))
+        def text(value: str, style: str = "") -> str:
+            value = escape(value)
             return f"[{style}]{value}[/]" if style and value else value
 
-        return {"mark": r.get("mark", ""), "host": escape(r["host"]), "reach": f"[{color}]{reach}[/]",
-                "state": text("state", "red" if not r.get("ok", True) or str(r.get("state", "")).startswith(
-                    ("ended", "failed")) else ""),
-                "tokens_s": fmt.per_second(tokens) if tokens is not None else "-", "job": r.get("job", ""),
-                "node": str(r["node"]), "phases": text("phases"), "programs": text("programs"),
-                "sidecar": text("sidecar"), "device": text("device", "" if r.get("device_ok", True) else "red"),
-                "room": text("room", "" if r.get("roomy", True) else "red"),
-                "toolchain": text("toolchain", "yellow" if r.get("drift") else ""), "version": text("version"),
-                "age": _age(r.get("age"))}
+        bad = not row.ok and (row.state.startswith(("ended", "failed", "blocked")) or row.reach != "✓")
+        job_style = {"ok": "green", "failed": "red"}.get(r["job_state"], "")
+        host = text(row.host, "dim" if row.left_out else "")
+        return {"mark": r["mark"], "host": host + (" [dim](out)[/]" if row.left_out else ""),
+                "reach": f"[{color}]{row.reach}[/]", "state": text(row.state, "red" if bad else ""),
+                "tokens_s": fmt.per_second(row.tokens_s) if row.tokens_s is not None else "-",
+                "job": text(r["job"], job_style), "node": str(row.node), "phases": text(row.phases),
+                "programs": text(row.programs), "sidecar": text(row.sidecar),
+                "device": text(row.device, "" if row.device_ok else "red"),
+                "room": text(row.room, "" if row.roomy else "red"),
+                "toolchain": text(row.toolchain, "yellow" if row.drift else ""), "version": text(row.version),
+                "age": _age(row.age)}
 
     def _tick(self) -> None:
         """Once a second while an action runs: its elapsed time and ETA move between events."""
@@ -161,41 +177,51 @@ class FleetScreen(Screen):
         self._said = said
         table = self.query_one("#fleet-table", PaneTable)
         shown, total = table.set_rows(rows, self.needle)
-        self.top(shown, total)
+        self.top(shown, total, kv_total([r["value"] for r in rows]))
         self.detail()
 
-    def top(self, shown: int = 0, total: int = 0) -> None:
-        fleet = self.control.fleet
-        s = self.control.spec
-        reachable = sum(1 for r in (self.snapshot.hosts if self.snapshot else ()) if r.reachable)
+    def top(self, shown: int = 0, total: int = 0, kv: tuple[int, int] | None = None) -> None:
+        session = self.control.session
+        s = session.spec
+        readings = self.snapshot.hosts if self.snapshot else ()
+        reachable = sum(1 for r in readings if r.reachable)
         head = title("Fleet", shown, total, self.needle, "hosts")
-        behind = slowest(self.snapshot.hosts) if self.snapshot else ""
+        behind = slowest(readings) if self.snapshot else ""
         head += f"  [yellow]{escape(behind)}[/]" if behind else ""
         model = s.model.name if s.model else "embedded default"
+        active = len(session.active())
+        service = f"ranks {s.ranks} over {active} host{'s' if active > 1 else ''}" + (
+            f" · KV {kv[0]} slots (fits {kv[1]})" if kv else "")
+        left = f"  [yellow]left out: {escape(', '.join(sorted(session.left_out)))}[/]" if session.left_out else ""
+        source = session.fleet.source if session.fleet is not None else ""
         self.query_one("#fleet-top", Static).update(
             f"[b]dsv4-console[/]  {head} ({reachable} reachable)  │  model {escape(model)}  backend {s.backend}  "
-            f"ranks {s.ranks}  max-seq {s.max_seq}  │  [dim]{escape(Path(fleet.source).name)}[/]")
+            f"{service}  max-seq {s.max_seq}{left}  │  [dim]{escape(Path(source).name)}[/]")
 
     def detail(self) -> None:
-        """The selected host: why it is not reachable, its drift, its node and ranks."""
+        """The selected host: why it is not reachable, what blocks a launch there, its drift, its
+        node and ranks."""
         table = self.query_one("#fleet-table", PaneTable)
-        row = table.selected()
+        selected = table.selected()
         box = self.query_one("#fleet-detail", Static)
-        if row is None:
+        if selected is None:
             box.update("")
             return
-        r = row["reading"]
-        lines = [f"[b]{escape(row['host'])}[/] node {row['node']}"
-                 + (f" ({escape(row['hostname'])})" if row.get("hostname") and row["hostname"] != row["host"] else "")
+        row: HostRow = selected["value"]
+        r = row.reading
+        lines = [f"[b]{escape(row.host)}[/] node {row.node}"
+                 + (f" ({escape(row.hostname)})" if row.hostname and row.hostname != row.host else "")
+                 + (" [yellow]left out[/]" if row.left_out else "")
                  + (f" — [red]{escape(r.error)}[/]" if r.error else "")]
-        lines += [f"  [yellow]{escape(d)}[/]" for d in row.get("drift", ())]
+        lines += [f"  [yellow]{escape(d)}[/]" for d in row.drift]
         snap = r.snapshot
+        if snap is not None and (problem := snap.blocking()) is not None:
+            lines.append(f"  [red]blocks a launch: {escape(problem.line())}[/]")
         if snap is not None and snap.nodes:
-            n = snap.nodes[0]
-            ending = n.get("ending") or {}
-            lines.append(escape(f"  node {n.get('node_rank')}/{n.get('nnodes')} torchrun pid {n.get('pid')} master "
-                                f"{n.get('master')}: {n.get('state')}"
-                                + (f" — {' / '.join(ending.get('lines') or [])[-160:]}" if ending.get("lines") else "")))
+            v = snap.nodes[0]
+            n, ending = v.node, v.node.ending
+            lines.append(escape(f"  node {n.node_rank}/{n.nnodes} torchrun pid {n.pid} master {n.master}: {v.state}"
+                                + (f" — {' / '.join(ending.lines)[-160:]}" if ending and ending.lines else "")))
         box.update("\n".join(lines))
 
     def on_data_table_row_highlighted(self, _event) -> None:
@@ -204,20 +230,11 @@ class FleetScreen(Screen):
     # -- acting ------------------------------------------------------------------------------------
 
     def selection(self) -> list[str]:
+        """The hosts an action runs on: the marked ones (in node order), else the one under the cursor."""
         if self.marked:
-            return [h.name for h in self.control.fleet.hosts if h.name in self.marked]
+            return [h for h in self.control.session.hosts if h in self.marked]
         row = self.query_one("#fleet-table", PaneTable).selected()
         return [row["host"]] if row else []
-
-    def action_act(self, action: str) -> None:
-        if self.app.readonly:
-            self.app.notify(f"read-only: {action} refused", severity="warning")
-            return
-        hosts = self.selection()
-        if not hosts:
-            self.app.notify("no host selected", severity="warning")
-            return
-        self.control.ask(action, hosts)
 
     def action_help(self) -> None:
         from console.tui.screens.help import HelpScreen
@@ -235,7 +252,7 @@ class FleetScreen(Screen):
             self.show()
 
     def action_mark_all(self) -> None:
-        every = {h.name for h in self.control.fleet.hosts}
+        every = set(self.control.session.active())  # a host left out is marked by hand
         self.marked = set() if self.marked == every else every
         self.show()
 
@@ -243,39 +260,23 @@ class FleetScreen(Screen):
     def action_history(self) -> None:
         from console.tui.screens.history import HistoryScreen
 
-        records = self.control.collector.history()
+        records = self.control.session.collector.history()
         self.app.call_from_thread(self.app.push_screen, HistoryScreen(records))
 
     def on_pane_table_chosen(self, message: PaneTable.Chosen) -> None:
         message.stop()
         self.app.show_host(message.row["host"])
 
-    def add_line(self, host: str, text: str) -> None:
-        stamp = time.strftime("%H:%M:%S")
-        self.query_one("#fleet-log", RichLog).write(f"[dim]{stamp}[/] [b]{host}[/] {text}")
+    def add_event(self, event: E.FleetEvent) -> None:
+        """An event in the fleet's log: its time and its sentence (never a raw record)."""
+        if event.kind == E.PROGRESS:
+            return
+        stamp = time.strftime("%H:%M:%S", time.localtime(event.ts))
+        style = EVENT_STYLE.get(event.kind, "red" if event.kind == E.ENDED and event.ok is False else "")
+        text = escape(event.sentence())
+        self.query_one("#fleet-log", RichLog).write(f"[dim]{stamp}[/] " + (f"[{style}]{text}[/]" if style else text))
 
-    # -- filter ------------------------------------------------------------------------------------
-
-    def action_filter(self) -> None:
-        box = self.query_one("#fleet-filter", Input)
-        box.display = True
-        box.focus()
-
-    def on_input_changed(self, event: Input.Changed) -> None:
-        if event.input.id == "fleet-filter":
-            event.stop()
-            self.needle = event.value.strip().lower()
-            self.show()
-
-    def on_input_submitted(self, event: Input.Submitted) -> None:
-        if event.input.id == "fleet-filter":
-            event.stop()
-            event.input.display = False
-            self.query_one("#fleet-table").focus()
-
-    def on_key(self, event) -> None:
-        box = self.query_one("#fleet-filter", Input)
-        if event.key == "escape" and box.display:
-            box.value, box.display = "", False
-            self.query_one("#fleet-table").focus()
-            event.stop()
+    def filter(self, needle: str) -> None:
+        """The console's filter, on this screen: the hosts."""
+        self.needle = needle
+        self.show()

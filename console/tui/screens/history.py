@@ -14,10 +14,9 @@ from textual.screen import ModalScreen
 from textual.widgets import Input, Static
 
 from console import fmt
-from console.data.collectors import launch_seconds
-from console.data.launch_state import path_taken
+from console.data.records import LaunchRecord
 from console.tui.screens.detail import DetailScreen
-from console.tui.tables import Column, PaneTable, title
+from console.tui.tables import Column, PaneTable, row_of, title
 
 COLUMNS = (
     Column("started", "started", 14, essential=True),
@@ -33,25 +32,30 @@ COLUMNS = (
 )
 
 
-def row(record: dict[str, Any]) -> dict[str, Any]:
-    phases = record.get("phases", {})
-    return {**record, "total": round(launch_seconds(record), 3),
-            **{p: path_taken(p, phases.get(p, {})) for p in ("programs", "weights", "kv")}}
+def _path(r: LaunchRecord, phase: str) -> str:
+    p = r.phase(phase)
+    return p.path if p else ""
 
 
-def cells(r: dict[str, Any]) -> dict[str, str]:
-    color = "green" if r.get("outcome") == "ok" else "red"
-    return {"started": time.strftime("%m-%d %H:%M:%S", time.localtime(r.get("started") or 0)),
-            "outcome": f"[{color}]{r.get('outcome')}[/]", "total": fmt.secs(r["total"]),
-            "programs": r["programs"], "weights": r["weights"], "kv": r["kv"],
-            "model": Path(str(r.get("model", ""))).name, "host": str(r.get("host", "")), "pid": str(r.get("pid", "")),
-            "error": str(r.get("error") or "")}
+def row(record: LaunchRecord) -> dict[str, Any]:
+    """Its row: what sorts (its start, total seconds, each phase's path) beside the record."""
+    return row_of(record, total=round(record.seconds, 3), **{p: _path(record, p) for p in ("programs", "weights", "kv")})
+
+
+def cells(row: dict[str, Any]) -> dict[str, str]:
+    r: LaunchRecord = row["value"]
+    color = "green" if r.outcome == "ok" else "red"
+    return {"started": time.strftime("%m-%d %H:%M:%S", time.localtime(r.started or 0)),
+            "outcome": f"[{color}]{r.outcome}[/]", "total": fmt.secs(r.seconds),
+            "programs": _path(r, "programs"), "weights": _path(r, "weights"), "kv": _path(r, "kv"),
+            "model": Path(r.model).name, "host": r.host, "pid": str(r.pid if r.pid is not None else ""),
+            "error": r.error}
 
 
 class HistoryScreen(ModalScreen[None]):
     BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "close", "Close", id="history.close")]
 
-    def __init__(self, history: list[dict[str, Any]]) -> None:
+    def __init__(self, history: list[LaunchRecord]) -> None:
         super().__init__()
         self.rows = [row(r) for r in history]
 

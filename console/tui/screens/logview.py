@@ -1,12 +1,11 @@
 """A service's log, as k9s's `l` shows a pod's: its last lines, then the tail as it grows
 (followed only while the view is at the bottom), wrapped to the width, `/` to search (enter
-jumps to the next match, `n` again), and the service's other logs — each rank's — one key away
+jumps to the next match, `n` again), and the service's other logs — each rank's, on whichever
+host it runs, read over that host's connection (`console.fleet.host.LogFeed`) — one key away
 (`tab`, or its number)."""
 
 from __future__ import annotations
 
-import os
-import stat
 from typing import ClassVar
 
 from rich.markup import escape
@@ -16,31 +15,10 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Input, RichLog, Static
 
-TAIL_BYTES = 256 << 10  # what opening a log shows of its past
+from console.fleet.host import LogFeed
+
 POLL_S = 0.5
 MAX_LINES = 5000
-
-
-def read_from(path: str, offset: int | None) -> tuple[list[str], int]:
-    """The complete lines of a regular file from `offset` (None: its last TAIL_BYTES), and the
-    offset after them; never blocks on a FIFO, never follows a file that is not regular."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return [], offset or 0
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            return [], offset or 0
-        start = max(0, st.st_size - TAIL_BYTES) if offset is None else min(offset, st.st_size)
-        data = os.pread(fd, min(st.st_size - start, 4 * TAIL_BYTES), start)
-    finally:
-        os.close(fd)
-    end = data.rfind(b"\n") + 1  # a line still being written waits for its end
-    lines = data[:end].decode(errors="replace").splitlines()
-    if offset is None and start > 0 and lines:
-        lines = lines[1:]  # the first line read from the middle of the file is a fragment
-    return lines, start + end
 
 
 class LogScreen(ModalScreen[None]):
@@ -52,12 +30,12 @@ class LogScreen(ModalScreen[None]):
         Binding("G", "end", "Follow", id="logview.end"),
     ]
 
-    def __init__(self, title: str, logs: list[tuple[str, str]]) -> None:
+    def __init__(self, title: str, feeds: list[LogFeed]) -> None:
         super().__init__()
-        self.title_text, self.logs = title, logs
+        self.title_text, self.feeds = title, feeds
         self.which = 0
-        self.read_at: int | None = None
-        self.lines: list[str] = []
+        self.held: list[list[str]] = [[] for _ in feeds]  # every feed's lines so far (each is followed at once)
+        self.lines: list[str] = []  # the shown feed's
         self.needle = ""
         self.match = -1
 
@@ -71,35 +49,52 @@ class LogScreen(ModalScreen[None]):
             yield search
 
     def on_mount(self) -> None:
+        for feed in self.feeds:
+            feed.start()
         self._open(0)
         self.set_interval(POLL_S, self._follow)
 
+    def on_unmount(self) -> None:
+        for feed in self.feeds:
+            feed.close()
+
     def _open(self, which: int) -> None:
-        self.which, self.read_at, self.lines, self.match = which, None, [], -1
-        self.query_one(RichLog).clear()
-        self._follow()
-        self.query_one(RichLog).scroll_end(animate=False, immediate=False)
+        self.which, self.match = which, -1
+        self._follow()  # what came meanwhile, into every feed's lines
+        self.lines = self.held[which] if self.feeds else []
+        log = self.query_one(RichLog)
+        log.clear()
+        for line in self.lines:
+            log.write(self._markup(line), scroll_end=False)
+        log.scroll_end(animate=False, immediate=False)
         self._title()
 
     def _title(self) -> None:
-        label, path = self.logs[self.which] if self.logs else ("log", "")
-        others = "  ".join(f"[b]{i}[/] {lbl}" for i, (lbl, _) in enumerate(self.logs) if i != self.which)
+        feed = self.feeds[self.which] if self.feeds else None
+        label = feed.label if feed else "log"
+        where = f"{feed.host_name}:{feed.where}" if feed and feed.host_name else (feed.where if feed else "")
+        others = "  ".join(f"[b]{i}[/] {f.label}" for i, f in enumerate(self.feeds) if i != self.which)
         found = f"  /{escape(self.needle)}: {sum(self.needle in x.lower() for x in self.lines)} lines" if self.needle else ""
+        error = f"  [red]{escape(feed.error)}[/]" if feed and feed.error else ""
         self.query_one("#logview-title", Static).update(
-            f"[b]{escape(self.title_text)}[/]  {label} {escape(path)}{found}" + (f"  [dim]tab or: {others}[/]" if others else ""))
+            f"[b]{escape(self.title_text)}[/]  {label} {escape(where)}{found}{error}"
+            + (f"  [dim]tab or: {others}[/]" if others else ""))
 
     def _follow(self) -> None:
-        if not self.logs:
-            return
-        new, self.read_at = read_from(self.logs[self.which][1], self.read_at)
-        if not new:
-            return
+        """Every feed's new lines (each is followed, shown or not); the shown one's on screen."""
         log = self.query_one(RichLog)
-        at_end = log.is_vertical_scroll_end or not self.lines
-        self.lines += new
-        del self.lines[:-MAX_LINES]
-        for line in new:
-            log.write(self._markup(line), scroll_end=at_end)
+        for i, feed in enumerate(self.feeds):
+            new = feed.poll()
+            if not new:
+                continue
+            held = self.held[i]
+            at_end = log.is_vertical_scroll_end or not held
+            held += new
+            del held[:-MAX_LINES]
+            if i == self.which:
+                for line in new:
+                    log.write(self._markup(line), scroll_end=at_end)
+                self._title()
 
     def _markup(self, line: str) -> str:
         text = escape(line)
@@ -108,14 +103,14 @@ class LogScreen(ModalScreen[None]):
         return text
 
     def on_key(self, event) -> None:
-        if event.character and event.character.isdigit() and int(event.character) < len(self.logs) \
+        if event.character and event.character.isdigit() and int(event.character) < len(self.feeds) \
                 and not self.query_one(Input).display:
             self._open(int(event.character))
             event.stop()
 
     def action_switch(self) -> None:
-        if self.logs:
-            self._open((self.which + 1) % len(self.logs))
+        if self.feeds:
+            self._open((self.which + 1) % len(self.feeds))
 
     def action_close(self) -> None:
         box = self.query_one(Input)

@@ -173,12 +173,12 @@ async def test_on_cpu_ranks_share_the_kv_budget():
     one = collect_device(spec, "cpu", slot_bytes=1 << 20)
     two = collect_device(spec.with_(ranks=2), "cpu", slot_bytes=1 << 20)
     (b1,), (b2, b2_other) = one.budgets, two.budgets
-    assert abs(b2["budget"] - b1["budget"] // 2) < 64 << 20  # host memory moves between the two reads
-    assert b2["share"] == 2 and b2["fits"] == b2["budget"] // (1 << 20) and b2_other["rank"] == 1
+    assert abs(b2.budget - b1.budget // 2) < 64 << 20  # host memory moves between the two reads
+    assert b2.share == 2 and b2.fits == b2.budget // (1 << 20) and b2_other.rank == 1
     first = (await _device_text(two))[0]
     assert " × 2 ranks · " in first and slots_text(b2, "each ") in first
-    assert two.slots == b2["slots"] + b2_other["slots"] and first.endswith(f" · {two.slots} in all")
-    assert "each fits" in first if b2["fits"] > b2["slots"] else f"each {b2['slots']} slots" in first
+    assert two.slots == b2.slots + b2_other.slots and first.endswith(f" · {two.slots} in all")
+    assert "each fits" in first if b2.fits > b2.slots else f"each {b2.slots} slots" in first
     single = await _device_text(one)
     assert single[0].startswith("KV budget") and " slots" in single[0] and "rank" not in single[0]
     assert single[1].endswith("one KV slot 1.0 MiB")
@@ -188,7 +188,7 @@ async def test_on_cpu_ranks_share_the_kv_budget():
 async def test_the_device_pane_says_what_fits_and_what_the_launch_takes():
     snap = device_snapshot()  # 16 GiB, 8 GiB used: the budget holds thousands of slots, --max-slots caps
     line = (await _device_text(snap))[0]
-    assert line == (f"KV budget {format_size(snap.budgets[0]['budget'])} · fits {snap.fits} slots "
+    assert line == (f"KV budget {format_size(snap.budgets[0].budget)} · fits {snap.fits} slots "
                     f"· launch takes {SPEC.max_slots} (--max-slots)")
     assert snap.slots == SPEC.max_slots < snap.fits
 
@@ -208,10 +208,10 @@ async def test_on_accelerators_each_rank_has_a_device_and_too_many_ranks_warn():
 
 def test_a_device_without_a_rank_sizes_no_kv_and_only_cpu_splits_the_budget():
     cpu = collect_device(SPEC.with_(ranks=3, memory_utilization=0.95), "cpu", slot_bytes=1 << 20)
-    assert cpu.warning == "" and [b["share"] for b in cpu.budgets] == [3, 3, 3]
+    assert cpu.warning == "" and [b.share for b in cpu.budgets] == [3, 3, 3]
     gib = 1 << 30
     gpus = [Memory(80 * gib, 79 * gib, gib, f"cuda:{i} H100") for i in range(4)]
     two = device_snapshot(spec=SPEC.with_(ranks=2), kind="cuda", devices=gpus, slot_bytes=gib)
-    assert [b["device"] for b in two.budgets] == ["cuda:0 H100", "cuda:1 H100"]  # cuda:2 and :3 have no rank
+    assert [b.device for b in two.budgets] == ["cuda:0 H100", "cuda:1 H100"]  # cuda:2 and :3 have no rank
     starving = collect_device(SPEC.with_(ranks=2, memory_utilization=0.01), "cpu", slot_bytes=1 << 20)
-    assert "residual usage leaves no KV budget" in starving.budgets[0]["problem"] and starving.slots == 0
+    assert "residual usage leaves no KV budget" in starving.budgets[0].problem and starving.slots == 0

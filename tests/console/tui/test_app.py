@@ -15,11 +15,14 @@ from conftest import REPO
 from console_fakes import SPEC, FakeCollectors, fake_app, record, snapshot
 from textual.widgets import DataTable
 
-from console.data.collectors import SCHEMA_VERSION, collect_device, default_model_dir, predict
+from console.data.collectors import collect_device, default_model_dir, predict
 from console.data.launch_state import DONE, LaunchState
+from console.data.records import LaunchRecord
+from console.data.snapshot import SCHEMA_VERSION
 from console.tui.app import MUTATING, Dsv4Console
 from console.tui.screens.confirm import ConfirmScreen
 from runtime.events import PHASES, Event
+from runtime.launch.plan_report import KvPlan, Problem
 
 
 @pytest.mark.asyncio
@@ -59,10 +62,10 @@ async def test_panes_render_the_snapshot_and_filter_narrows_rows():
 def test_collect_device_warns_when_residual_usage_starves_the_kv_cache():
     # 1 % of host memory is below what is in use
     snap = collect_device(SPEC.with_(memory_utilization=0.01), "cpu", slot_bytes=1 << 20)
-    assert snap.budgets[0]["budget"] <= 0
-    assert "residual usage leaves no KV budget" in snap.budgets[0]["problem"] and snap.slots == 0
+    assert snap.budgets[0].budget <= 0
+    assert "residual usage leaves no KV budget" in snap.budgets[0].problem and snap.slots == 0
     ok = collect_device(SPEC.with_(memory_utilization=0.95), "cpu", slot_bytes=1)
-    assert ok.budgets[0]["problem"] == "" and ok.slots == SPEC.max_slots < ok.fits
+    assert ok.budgets[0].problem == "" and ok.slots == SPEC.max_slots < ok.fits
 
 
 def test_prediction_renders_the_plan_and_names_the_launches_it_compares_with():
@@ -70,17 +73,18 @@ def test_prediction_renders_the_plan_and_names_the_launches_it_compares_with():
     too for the one compared; an eager launch or another --max-seq never."""
     s = snapshot()
     spec = SPEC.with_(backend="auto")
-    like, warm = s.registration.previous, s.registration.best_warm
+    like, warm = record(2.5, pid=4101, program="MISS"), record(0.4, pid=4002)
     history = [like, warm, record(0.01, pid=4003, backend="export"), record(0.3, pid=4004, max_seq=512, program="MISS")]
     pred = predict(spec, history, s.plan, s.device)
     assert pred.prediction["programs"] == "HIT 1 MISS 1 STALE 1 CORRUPT 1"
     assert pred.prediction["weights"] == "MAP"
     assert pred.prediction["kv"] == "32 slots of 1.0 MiB"
-    assert pred.predicted == s.plan["predicted"]
-    assert pred.best_warm is warm and pred.previous is like and pred.earlier is None
+    assert pred.predicted == s.plan.predicted
+    assert pred.best_warm == LaunchRecord.of(warm) and pred.previous == LaunchRecord.of(like) and pred.earlier is None
     assert pred.basis.startswith("from the last launch with these settings and paths")
-    assert predict(spec, history, {**s.plan, "like": None}, s.device).previous is None  # a failed plan: none
-    starving = {**s.plan, "kv": {"problem": "not even one KV slot fits"}, "problems": ["check: config.json: bad"]}
+    assert predict(spec, history, dataclasses.replace(s.plan, like=None), s.device).previous is None  # a failed plan
+    starving = dataclasses.replace(s.plan, kv=KvPlan(problem="not even one KV slot fits"),
+                                   problems=(Problem(kind="check", text="config.json: bad"),))
     pred = predict(spec, [], starving, s.device)
     assert pred.prediction["kv"].startswith("FAIL") and pred.prediction["check"] == "FAIL: config.json: bad"
 
@@ -110,7 +114,7 @@ def test_once_json_prints_every_pane(tmp_path, tiny_ckpt_ro):
     assert set(data) >= {"settings", "plan", "programs", "cache", "sidecars", "services", "host", "device",
                          "registration", "toolchain", "nodes"}
     assert data["toolchain"]["torch"] and data["toolchain"]["dsv4"]
-    assert data["sidecars"]["sidecars"][0]["next_launch"] == "REPACK (missing)"
+    assert data["sidecars"]["wanted"]["verdict"] == "REPACK" and data["sidecars"]["wanted"]["reason"] == "missing"
     assert data["plan"]["sidecar"]["reason"] == "missing"
     assert {p["state"] for p in data["plan"]["programs"]} == {"MISS"}  # an empty cache
     assert data["programs"]["entries"] == data["plan"]["programs"]  # the pane renders the plan
@@ -158,7 +162,7 @@ async def test_launching_a_model_that_is_already_served_asks_first(tiny_ckpt_ro)
     view = snap.services.services[0]
     view = dataclasses.replace(view, record=dataclasses.replace(view.record, model=str(tiny_ckpt_ro), events=""))
     snap = dataclasses.replace(snap, services=dataclasses.replace(snap.services, services=(view,)))
-    app = Dsv4Console(SPEC.with_(model=tiny_ckpt_ro), collectors=FakeCollectors(snap), watch=False,
+    app = Dsv4Console(SPEC.with_(model=tiny_ckpt_ro), host=FakeCollectors(snap), watch=False,
                       create_default=False, interval=0)
     async with app.run_test() as pilot:
         await pilot.pause()

@@ -15,6 +15,7 @@ from textual.widgets import RichLog, Static
 from console import fmt
 from console.cli.output import print_table
 from console.data.eta import Progress
+from console.data.records import LaunchRecord
 from console.tui.app import MUTATING
 from console.tui.screens.detail import DetailScreen, as_text, describe
 from console.tui.screens.history import HistoryScreen
@@ -130,7 +131,7 @@ async def test_h_shows_past_launches_newest_first_and_filters_them():
                 "phases": {"weights": {"seconds": 1.0, "path": "REPACK", "reason": "missing"}}},
                {"model": "/m/a", "pid": 3, "started": NOW - 100, "outcome": "ok", "phases": {}}]
     collectors = FakeCollectors()
-    collectors.history = lambda: records
+    collectors.history = lambda: [LaunchRecord.of(r) for r in records]
     app = fake_app(collectors=collectors)
     async with app.run_test(size=(120, 40)) as pilot:
         await pilot.pause()
@@ -455,11 +456,13 @@ def test_a_re_attached_launch_is_never_compared_with_itself():
 
     from console_fakes import record, snapshot
 
+    from console.data.records import LaunchRecord
     from console.tui.control.service import ServiceControl
 
     snap = snapshot()
     spawned = NOW - 100
-    own, before = {**record(0.5, pid=4242), "started": spawned + 0.2}, record(0.6, pid=4100)
+    own = LaunchRecord.of({**record(0.5, pid=4242), "started": spawned + 0.2})
+    before = LaunchRecord.of(record(0.6, pid=4100))
     snap = dataclasses.replace(snap, registration=dataclasses.replace(snap.registration, previous=own, earlier=before))
     control = ServiceControl(SimpleNamespace(snapshot=snap), stop_timeout=10)
     assert control.new_launch(spawned=spawned).compared is before
@@ -481,7 +484,7 @@ def test_a_sparkline_scales_the_last_values_to_their_peak():
 def test_a_stale_cache_entrys_details_keep_the_raw_key_difference_under_the_sentence():
     from console_fakes import cache_snapshot
 
-    [entry] = [e for e in cache_snapshot().entries if e["state"] == "other-layout"]
-    text = as_text(describe("cache", entry, now=NOW))
+    [entry] = [e for e in cache_snapshot().entries if e.state == "other-layout"]
+    text = as_text(describe("cache", entry.to_json(), now=NOW))
     assert "layout's max_seq is 1024 here; this launch uses 64" in text
     assert '[b]key difference:[/]\n  [b]layout:[/]  {"max_seq":1024} → {"max_seq":64}' in text

@@ -10,7 +10,7 @@ from console.tui.app import Dsv4Console
 
 
 def _app(**kw) -> Dsv4Console:
-    return Dsv4Console(SPEC, collectors=FakeCollectors(kw.pop("snap", None)), watch=False,
+    return Dsv4Console(SPEC, host=FakeCollectors(kw.pop("snap", None)), watch=False,
                        create_default=False, interval=0, **kw)
 
 

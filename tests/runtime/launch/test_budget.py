@@ -75,9 +75,9 @@ def test_the_device_pane_and_the_plan_take_the_same_slots(tiny_ckpt_ro, tmp_path
                  SPEC.with_(model=tiny_ckpt_ro, kernel_cache_dir=tmp_path, backend="export", ranks=2,
                             max_slots=4096, memory_utilization=0.5)):
         plan = make_plan(spec, history=[])
-        pane = collect_device(spec, "cpu", plan.kv["slot_bytes"])
-        assert (pane.slots, pane.fits) == (plan.kv["slots"], plan.kv["fits"]) and pane.slots >= 1
-        assert [b["budget"] for b in pane.budgets] == [b["budget"] for b in plan.kv["per_rank"]]
+        pane = collect_device(spec, "cpu", plan.kv.slot_bytes)
+        assert (pane.slots, pane.fits) == (plan.kv.slots, plan.kv.fits) and pane.slots >= 1
+        assert [b.budget for b in pane.budgets] == [b.budget for b in plan.kv.per_rank]
 
 
 def test_auto_is_decided_once_without_torch(monkeypatch):

@@ -3,10 +3,12 @@ compiled nothing predict the seconds of one that compiles nothing."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from runtime.launch.history import is_warm, plan_settings, recompiled
-from runtime.launch.plan import Plan, ProgramPlan, predict_seconds
+from runtime.launch.plan import Plan, predict_seconds
+from runtime.launch.plan_report import ProgramPlan, SidecarPlan
 from runtime.launch.spec import LaunchSpec
 from runtime.programs.outcome import Outcome, counts
 
@@ -14,8 +16,9 @@ MODEL = Path("/models/tiny")
 
 
 def _plan(*states: Outcome, **spec) -> Plan:
-    return Plan(LaunchSpec(MODEL, **spec), programs=[ProgramPlan(f"p{i}", s, "f" * 64) for i, s in enumerate(states)],
-                sidecar={"verdict": "MAP"})
+    return Plan(LaunchSpec(MODEL, **spec), programs=[ProgramPlan(program=f"p{i}", state=s, fingerprint="f" * 64)
+                                                     for i, s in enumerate(states)],
+                sidecar=SidecarPlan(path=str(MODEL / "dsv4-packed.r1.safetensors"), verdict="MAP"))
 
 
 LIKE = plan_settings(_plan())  # what a launch of LaunchSpec(MODEL) records
@@ -48,7 +51,7 @@ def test_a_warm_prediction_is_never_based_on_a_launch_that_compiled():
     newer_corrupt = _record({"a": "CORRUPT", "b": "HIT"}, 9.0)
     assert predict_seconds(plan, [older_hot, newer_corrupt])["programs"] == 0.1
     assert plan.basis["programs"] == "history" and plan.compared is not None
-    plan.programs[0].state = Outcome.CORRUPT  # this launch will recompile: the compiling one is its peer
+    plan.programs[0] = dataclasses.replace(plan.programs[0], state=Outcome.CORRUPT)  # it recompiles: its peer is the compiling one
     assert predict_seconds(plan, [older_hot, newer_corrupt])["programs"] == 9.0
 
 
@@ -66,8 +69,7 @@ def test_a_prediction_never_comes_from_an_unlike_launch():
 
 def test_a_hot_launch_with_no_like_one_is_predicted_from_its_artifact_bytes_and_this_hosts_load_rate():
     plan = _plan(Outcome.HIT, Outcome.HIT)
-    for p in plan.programs:
-        p.size_bytes = 3_000_000
+    plan.programs = [dataclasses.replace(p, size_bytes=3_000_000) for p in plan.programs]
     # the cold launch after which `w` compiled: another model, but the same backend and device,
     # loaded 4 MB in 2 s (what it loaded, not what it compiled)
     cold = {**LIKE, "model": "/models/other", "outcome": "ok", "phases": {"programs": {

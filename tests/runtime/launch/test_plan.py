@@ -47,7 +47,7 @@ def _assert_predicted(model_dir: Path, cache_dir: Path, **kw) -> None:
     plan = _plan(model_dir, cache_dir, **{k: v for k, v in kw.items() if k in ("max_seq", "cold_policy")})
     programs, path, reason = _launch_paths(model_dir, cache_dir, **kw)
     assert plan.states() == programs
-    assert (plan.weights_path(), plan.sidecar["reason"]) == (path, reason), plan.sidecar["detail"]
+    assert (plan.weights_path(), plan.sidecar.reason) == (path, reason), plan.sidecar.detail
     return plan
 
 
@@ -65,7 +65,7 @@ def test_prediction_equals_outcome_under_every_perturbation(tiny_ckpt, tmp_path,
     model = tiny_ckpt
 
     plan = _assert_predicted(model, cache_dir)  # fresh
-    assert set(plan.states().values()) == {Outcome.MISS} and plan.sidecar["reason"] == "missing"
+    assert set(plan.states().values()) == {Outcome.MISS} and plan.sidecar.reason == "missing"
     plan = _assert_predicted(model, cache_dir)  # warm programs
     assert set(plan.states().values()) == {Outcome.HIT}
 
@@ -80,18 +80,18 @@ def test_prediction_equals_outcome_under_every_perturbation(tiny_ckpt, tmp_path,
 
     shard = sorted(model.glob("model-*.safetensors"))[0]
     os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10**9))  # touched
-    assert _assert_predicted(model, cache_dir).sidecar["reason"] == "stale"
+    assert _assert_predicted(model, cache_dir).sidecar.reason == "stale"
     prepack(model, force=True)
 
     config = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**config, "operator_note": "edited"}))
     plan = _assert_predicted(model, cache_dir)
-    assert plan.sidecar["reason"] == "stale" and set(plan.states().values()) == {Outcome.HIT}
+    assert plan.sidecar.reason == "stale" and set(plan.states().values()) == {Outcome.HIT}
     prepack(model, force=True)
 
     with monkeypatch.context() as m:
         m.setattr(layout, "PACKER_VERSION", layout.PACKER_VERSION + ".1")
-        assert "packer_version" in _assert_predicted(model, cache_dir).sidecar["detail"]
+        assert "packer_version" in _assert_predicted(model, cache_dir).sidecar.detail
 
     for policy in ("reject", "read", "auto"):  # evicted sidecar, under each cold policy
         _evict(sidecar.default_sidecar_path(model, 1))
@@ -109,7 +109,7 @@ def test_prediction_equals_outcome_under_every_perturbation(tiny_ckpt, tmp_path,
     with open(path, "r+b") as f:  # header bytes corrupted
         f.seek(8)
         f.write(b"#")
-    assert _assert_predicted(model, cache_dir).sidecar["reason"] == "corrupt"
+    assert _assert_predicted(model, cache_dir).sidecar.reason == "corrupt"
 
     cache = KernelCache(cache_dir)
     victim = _plan(model, cache_dir).programs[0]
@@ -150,8 +150,9 @@ def test_plan_json_is_torch_free_and_says_what_is_wrong_in_one_line(tiny_ckpt, t
     (tiny_ckpt / "config.json").write_text("{not json")
     assert cli(["plan", str(tiny_ckpt), "--json", "--kernel-cache-dir", str(tmp_path / "kc")]) == 1
     broken = make_plan(LaunchSpec(tiny_ckpt, kernel_cache_dir=tmp_path / "kc"), history=[])
-    assert broken.programs == [] and len(broken.problems) == 1 and "config.json" in broken.problems[0]
-    assert broken.sidecar["verdict"] == "REPACK"
+    assert broken.programs == [] and len(broken.problems) == 1 and broken.problems[0].kind == "check"
+    assert "config.json" in broken.problems[0].text
+    assert broken.sidecar.verdict == "REPACK"
 
 
 def test_an_entry_the_plan_calls_corrupt_is_purged_even_though_its_listing_looks_current(tiny_ckpt_ro, tmp_path):

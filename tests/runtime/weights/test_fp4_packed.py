@@ -150,9 +150,14 @@ def test_a_prepack_that_would_not_fit_is_refused_before_it_starts(tiny_ckpt, mon
 
 
 def test_the_sidecars_pane_says_what_a_prepack_writes():
-    side = {"expected_bytes": 6 << 20, "checkpoint_bytes": 6 << 20, "free_bytes": 10 << 30, "fits": True}
+    import dataclasses
+
+    from runtime.launch.plan_report import SidecarPlan
+
+    side = SidecarPlan(path="/m/dsv4-packed.r1.safetensors", verdict="REPACK", expected_bytes=6 << 20,
+                       checkpoint_bytes=6 << 20, free_bytes=10 << 30, fits=True)
     assert prepack_line(side) == "a prepack writes 6.0 MiB, 1.00× the checkpoint; 10.0 GiB free"
-    tight = {**side, "free_bytes": 1 << 20, "fits": False}
+    tight = dataclasses.replace(side, free_bytes=1 << 20, fits=False)
     assert prepack_line(tight).startswith("[red]") and "only 1.0 MiB free, p refuses" in prepack_line(tight)
 
 

@@ -166,15 +166,17 @@ def test_import_needs_the_launch_to_know_live_keys(shipped, tmp_path):
 
 
 def test_the_consoles_cache_view_says_where_a_brought_entry_came_from():
+    from console.data.cache import CacheEntry
     from console.tui.panes.programs import ProgramsPane
+    from console.tui.tables import row_of
 
-    row = {"program": "embed.decode", "state": "current", "size_bytes": 1024, "fingerprint": "ab" * 32,
+    raw = {"program": "embed.decode", "state": "current", "size_bytes": 1024, "fingerprint": "ab" * 32,
            "created": 0.0, "hits": 0, "last_used": 0.0, "reason": "",
            "origin": {"host": "builder-1", "signer": "0123456789abcdef", "reference": "/x/b.tar",
                       "time": time.time() - 7200}}
-    cells = ProgramsPane()._cache_cells(row)  # all of it, as `cache ls` says it
+    cells = ProgramsPane()._cache_cells(row_of(CacheEntry.from_json(raw)))  # all of it, as `cache ls` says it
     assert cells["reason"] == "from builder-1, signed by 0123456789abcdef, b.tar (2h ago)"
-    assert ProgramsPane()._cache_cells({**row, "origin": None})["reason"] == ""
+    assert ProgramsPane()._cache_cells(row_of(CacheEntry.from_json({**raw, "origin": None})))["reason"] == ""
 
 
 def test_export_reads_exactly_one_selection_verified_and_signed(tmp_path):
