@@ -127,11 +127,17 @@ def parse_header(path: Path, shard: str | None = None) -> SafetensorsHeader:
 
 def _read_json(path: Path, what: str) -> Any:
     try:
-        return json.loads(safeio.read_regular(path, MAX_JSON_BYTES))
+        data = safeio.read_regular(path, MAX_JSON_BYTES)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing {what}; is this a DeepSeek V4 checkpoint directory?") from None
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read {what} ({e.strerror})") from None
+    return _parse_json(data, path)
+
+
+def _parse_json(data: bytes, path: Path | str) -> Any:
+    try:
+        return json.loads(data)
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise CheckpointError(f"{path}: malformed JSON ({e})") from None
 
@@ -147,11 +153,12 @@ class Checkpoint:
     _handles: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def open(cls, root: str | Path) -> Checkpoint:
+    def open(cls, root: str | Path, config: bytes | None = None) -> Checkpoint:
+        """`config`: config.json's bytes as the caller read them (else read here)."""
         root = Path(root)
         if not root.is_dir():
             raise CheckpointError(f"{root}: no such checkpoint directory")
-        config = _read_json(root / CONFIG_NAME, CONFIG_NAME)
+        config = _read_json(root / CONFIG_NAME, CONFIG_NAME) if config is None else _parse_json(config, root / CONFIG_NAME)
         index = _read_json(root / INDEX_NAME, INDEX_NAME)
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict) or not all(

@@ -192,12 +192,13 @@ def shard_digest(model_dir: Path, name: str, *, compute: bool = True, cache: Pat
     return ShardDigest(name, st.st_size, sha, COMPUTED)
 
 
-def content_id(model_dir: Path | str, *, compute: bool = True) -> ContentId:
-    """The checkpoint's content identity; UserError (one line) for a broken checkpoint or shard."""
+def content_id(model_dir: Path | str, *, compute: bool = True, config: bytes | None = None) -> ContentId:
+    """The checkpoint's content identity; UserError (one line) for a broken checkpoint or shard.
+    `config`: config.json's bytes as the caller read them (else read here)."""
     from store.sidecar.key import read_index
 
     model_dir = Path(model_dir)
-    config, weight_map = read_index(model_dir)
+    config, weight_map = read_index(model_dir, config)
     cache = digest_cache_dir()
     shards = tuple(shard_digest(model_dir, n, compute=compute, cache=cache)
                    for n in sorted(set(map(str, weight_map.values()))))

@@ -39,11 +39,11 @@ def plan_settings(plan) -> dict[str, Any]:
 
 def append(spec, phases: dict[str, dict[str, Any]], started: float, outcome: str, error: str = "", *,
            device: str, backend: str, predicted: dict[str, Any] | None = None,
-           extra: dict[str, Any] | None = None) -> None:
+           extra: dict[str, Any] | None = None, config=None) -> None:
     """One JSON line per launch (O_APPEND: concurrent launches never interleave): its settings
     (`device` and `backend` as the launch resolved them, never `auto`), every phase's record,
-    and the prediction made for it."""
-    from runtime.model.config import synthetic_preset
+    and the prediction made for it. `config`: the launch's parsed config.json, whose synthetic
+    preset the record names (None: a launch that never read it)."""
     from store.services import ServiceId
 
     service = ServiceId.of_this_process()
@@ -52,7 +52,7 @@ def append(spec, phases: dict[str, dict[str, Any]], started: float, outcome: str
     launch = SERVICE_LAUNCH or f"{service.key}/{started:.3f}"
     history.append({
         "v": 1, "launch": launch, "started": round(started, 3), "ended": round(time.time(), 3),
-        "host": socket.gethostname(), "pid": service.pid, **settings(spec, device, backend), "preset": synthetic_preset(spec.model),
+        "host": socket.gethostname(), "pid": service.pid, **settings(spec, device, backend), "preset": getattr(config, "synthetic", None),
         "cache_dir": str(spec.kernel_cache_dir or ""), "outcome": outcome, "error": error, "phases": phases,
         "predicted": predicted or {}, **(extra or {}),
     })

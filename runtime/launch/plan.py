@@ -61,6 +61,7 @@ class Plan:
     content: dict[str, Any] = field(default_factory=dict)  # the checkpoint's content identity (store.content_id)
     content_id: Any = field(default=None, repr=False)  # store.content_id.ContentId, what the ranks compare
     across_hosts: str = ""  # how a service over several hosts gets its missing programs (runtime.launch.share)
+    resolution: Resolution | None = field(default=None, repr=False)  # every `auto`, decided (make_plan)
 
     @property
     def model(self) -> str:
@@ -77,6 +78,16 @@ class Plan:
         return MAP if self.sidecar is not None and self.sidecar.mapped else REPACK
 
     @property
+    def config_bytes(self) -> bytes | None:
+        """config.json as this launch read it, once (`resolve`)."""
+        return self.resolution.config_bytes if self.resolution is not None else None
+
+    @property
+    def speculative(self) -> bool:
+        """Whether MTP drafts in this launch (`--speculative` resolved)."""
+        return self.resolution is not None and self.resolution.speculative
+
+    @property
     def ready(self) -> str:
         """`--ready` as this launch takes it: auto is early when programs would compile and one
         rank serves (early serves one rank only), compiled otherwise."""
@@ -88,7 +99,9 @@ class Plan:
     def report(self) -> PlanReport:
         """What travels of this plan (`dsv4 plan --json`, the check event, the console's snapshot)."""
         return PlanReport(model=self.model, spec=self.spec, device=self.device, backend=self.backend,
-                          ready=self.ready, programs=tuple(self.programs), sidecar=self.sidecar, kv=self.kv,
+                          ready=self.ready, speculative="mtp" if self.speculative else "off",
+                          ranks_here=self.resolution.ranks_here if self.resolution else self.spec.ranks,
+                          programs=tuple(self.programs), sidecar=self.sidecar, kv=self.kv,
                           predicted=dict(self.predicted), basis=dict(self.basis), compared=self.compared,
                           like=records.likeness(self), content=dict(self.content), across_hosts=self.across_hosts,
                           problems=tuple(self.problems), seconds=self.seconds)
@@ -101,6 +114,75 @@ def resolve_backend(backend: str, device: str) -> str:
     from runtime.programs.spec import default_backend
 
     return default_backend(device) if backend == "auto" else backend
+
+
+def target(spec: LaunchSpec) -> tuple[str, str]:
+    """(device, backend) of `spec`, every `auto` decided for this host."""
+    from runtime.launch.hardware import resolve_device
+
+    device = resolve_device(spec.device)
+    return device, resolve_backend(spec.backend, device)
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """Every `auto` of a launch decided once, for this host, with config.json read once (vLLM's
+    `create_engine_config()`): the device, the backend, whether MTP drafts, how many of the
+    service's ranks run here. The plan makes it first and acts on it; the rank launcher, which
+    plans nothing, makes only this; `dsv4 serve` carries out what they decided. `problems`: what
+    makes the settings unusable, one sentence each (`check`)."""
+
+    device: str
+    backend: str
+    speculative: bool
+    ranks_here: int  # under torchrun this node's ranks (LOCAL_WORLD_SIZE), else every rank
+    config: Any = field(default=None, repr=False)  # runtime.model.config.DeepSeekV4Config; None: it did not load
+    config_bytes: bytes | None = field(default=None, repr=False)  # what it was read from: every key hashes these
+    problems: tuple[Problem, ...] = ()
+
+    def check(self) -> None:
+        """One line (UserError) for the first problem, as `dsv4 serve` says it before starting."""
+        if self.problems:
+            raise UserError(self.problems[0].text)
+
+
+def speculation(choice: str, config) -> tuple[bool, str]:
+    """`--speculative` → (whether MTP drafts, the problem with asking): auto is on for a real
+    checkpoint with an MTP layer, off for a synthetic one (its random MTP weights draft badly)."""
+    if choice == "off":
+        return False, ""
+    has_mtp = config.num_nextn_predict_layers > 0
+    if choice == "mtp":
+        return has_mtp, "" if has_mtp else (f"--speculative mtp: {config.source} has no MTP layer "
+                                           f"(num_nextn_predict_layers 0); use off")
+    return has_mtp and config.synthetic is None, ""
+
+
+def resolve(spec: LaunchSpec, local_ranks: int | None = None) -> Resolution:
+    """The `Resolution` of `spec` on this host (`local_ranks`: set under torchrun, where each
+    node runs its share of the ranks and each rank checks its own device)."""
+    from runtime.launch.hardware import accelerator_count
+    from runtime.model.config import read_config
+
+    device, backend = target(spec)
+    here = local_ranks or spec.ranks
+    problems: list[Problem] = []
+    config = data = None
+    speculative = False
+    try:
+        data, config = read_config(spec.model)  # the launch's one read of config.json
+        config.check_ranks(spec.ranks)
+    except (UserError, ValueError, OSError) as e:
+        problems.append(Problem(kind=CHECK, text=str(e)))
+    if config is not None:
+        speculative, why = speculation(spec.speculative, config)
+        if why:
+            problems.append(Problem(kind=CHECK, text=why))
+    if device != "cpu" and local_ranks is None and here > (count := accelerator_count(device)):
+        problems.append(Problem(kind=CHECK, text=f"--ranks {spec.ranks} but this host has {count} {device} "
+                                f"device(s); one rank per device: run at most {count} ranks here (torchrun "
+                                f"--nnodes for more hosts)"))
+    return Resolution(device, backend, speculative, here, config, data, tuple(problems))
 
 
 def model_programs(spec: LaunchSpec, layout=None):
@@ -116,11 +198,9 @@ def model_programs(spec: LaunchSpec, layout=None):
 
 def program_keys(spec: LaunchSpec) -> dict[str, Any]:
     """Live cache keys of every program this model needs (what `cache ls --model` judges by)."""
-    from runtime.launch.hardware import resolve_device
     from runtime.programs.spec import program_key
 
-    device = resolve_device(spec.device)
-    backend = resolve_backend(spec.backend, device)
+    device, backend = target(spec)
     if backend == "eager":
         backend = "export"  # eager launches cache nothing; judge entries as the export key
     return {n: program_key(s, backend, device) for n, s in model_programs(spec).specs.items()}
@@ -134,24 +214,23 @@ def make_plan(spec: LaunchSpec, *, history: list[dict[str, Any]] | None = None,
     `dsv4 plan`); "remembered" never reads a shard (the console's refresh must stay cheap).
     `local_ranks`: the ranks of the service that run on this host (default: all of them), whose
     KV its devices hold (a service across hosts: each host sizes its own)."""
-    from runtime.launch.hardware import resolve_device
-
     started = time.perf_counter()
     plan = Plan(spec)
-    plan.device = resolve_device(spec.device)
-    plan.backend = resolve_backend(spec.backend, plan.device)
+    plan.resolution = r = resolve(spec, local_ranks)
+    plan.device, plan.backend, plan.config = r.device, r.backend, r.config
+    plan.problems.extend(r.problems)
     try:
-        from runtime.model.config import load_config
-        from runtime.weights.layout import PackedLayout
+        if plan.config is not None:
+            from runtime.weights.layout import PackedLayout
 
-        plan.config = load_config(spec.model)
-        plan.layout = PackedLayout(plan.config, spec.ranks)
-        plan.catalog = model_programs(spec, plan.layout)
+            plan.layout = PackedLayout(plan.config, spec.ranks)
+            plan.catalog = model_programs(spec, plan.layout)
     except (UserError, ValueError, OSError) as e:
-        plan.problems.append(Problem(kind=CHECK, text=str(e)))
+        if not r.problems:  # the ranks the experts do not divide is said once, by the resolution
+            plan.problems.append(Problem(kind=CHECK, text=str(e)))
     if plan.catalog is not None:
         plan.programs = judge_programs(plan, keep_verified)
-        plan.kv = _kv(plan, local_ranks or spec.ranks)
+        plan.kv = _kv(plan, r.ranks_here)
         if plan.kv.problem:
             plan.problems.append(Problem(kind=KV, text=plan.kv.problem))
         plan.content = _content(plan, compute=digests == "compute")
@@ -212,7 +291,7 @@ def _content(plan: Plan, compute: bool) -> dict[str, Any]:
     from store.content_id import content_id
 
     try:
-        plan.content_id = content_id(plan.spec.model, compute=compute)
+        plan.content_id = content_id(plan.spec.model, compute=compute, config=plan.config_bytes)
     except (UserError, OSError) as e:
         plan.problems.append(Problem(kind=CHECK, text=str(e)))
         return {"identity": None, "problem": str(e)}
@@ -232,7 +311,7 @@ def _sidecar(plan: Plan) -> SidecarPlan:
     key = None
     if plan.layout is not None:
         with contextlib.suppress(UserError, ValueError, OSError):
-            key = sidecar_key(spec.model, spec.ranks)  # hashed once: the verdict and the size share it
+            key = sidecar_key(spec.model, spec.ranks, plan.config_bytes)  # once: the verdict and the size share it
             size = sidecar_size(spec.model, spec.ranks, path, plan.layout, key)
     if not spec.use_sidecar:
         return SidecarPlan.of(repack(path, Reason.DISABLED, "--no-sidecar"), size)

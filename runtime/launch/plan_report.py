@@ -223,6 +223,8 @@ class PlanReport:
     device: str = "cpu"
     backend: str = "aoti"
     ready: str = "compiled"
+    speculative: str = "off"  # `--speculative` resolved: mtp | off
+    ranks_here: int = 1  # the service's ranks that run on this host (each sized on its devices)
     programs: tuple[ProgramPlan, ...] = ()
     sidecar: SidecarPlan | None = None
     kv: KvPlan | None = None
@@ -246,7 +248,8 @@ class PlanReport:
     def to_json(self) -> dict[str, Any]:
         return {
             "v": REPORT_VERSION, "model": self.model, "spec": self.spec.to_json(), "device": self.device,
-            "backend": self.backend, "ready": self.ready, "programs": [p.to_json() for p in self.programs],
+            "backend": self.backend, "ready": self.ready, "speculative": self.speculative,
+            "ranks_here": self.ranks_here, "programs": [p.to_json() for p in self.programs],
             "sidecar": self.sidecar.to_json() if self.sidecar else {}, "kv": self.kv.to_json() if self.kv else {},
             "predicted": dict(self.predicted), "basis": dict(self.basis),
             "compared": dict(self.compared) if self.compared is not None else None,
@@ -270,7 +273,8 @@ class PlanReport:
         spec = LaunchSpec.from_json(raw.get("spec") or {"model": raw.get("model")})
         return cls(model=str(raw.get("model") or spec.model or ""), spec=spec,
                    device=str(raw.get("device") or "cpu"), backend=str(raw.get("backend") or ""),
-                   ready=str(raw.get("ready") or "compiled"),
+                   ready=str(raw.get("ready") or "compiled"), speculative=str(raw.get("speculative") or "off"),
+                   ranks_here=int(raw.get("ranks_here") or spec.ranks),
                    programs=tuple(ProgramPlan.from_json(p) for p in raw.get("programs") or ()),
                    sidecar=SidecarPlan.from_json(raw["sidecar"]) if raw.get("sidecar") else None,
                    kv=KvPlan.from_json(raw["kv"]) if raw.get("kv") else None,

@@ -74,7 +74,7 @@ class Launched:
     def record(self, started: float, outcome: str, error: str = "", **extra: Any) -> None:
         """This launch's line in the launch history."""
         history.append(self.spec, self.phases, started, outcome, error, device=self.plan.device,
-                       backend=self.plan.backend, predicted=self.plan.predicted,
+                       backend=self.plan.backend, predicted=self.plan.predicted, config=self.plan.config,
                        extra={**({"hosts": list(self.hosts)} if self.hosts else {}), **extra})
 
     def close(self) -> None:
@@ -121,6 +121,7 @@ def register(spec: LaunchSpec, emitter: Emitter, *, rank_env=None, record: bool 
             device, backend = resolved(spec, phases.plan)
             history.append(spec, phases.records, started, "error", why(e), device=device, backend=backend,
                            predicted=phases.plan.predicted if phases.plan is not None else None,
+                           config=phases.plan.config if phases.plan is not None else None,
                            extra={"failed_phase": phases.failed,
                                   **({"hosts": list(phases.group.hosts)} if phases.group is not None else {})})
         raise
@@ -139,14 +140,12 @@ def _watch_hosts(group, emitter: Emitter, on_hosts):
 
 
 def resolved(spec: LaunchSpec, plan=None) -> tuple[str, str]:
-    """(device, backend) as the launch takes them: the plan's, or resolved now if none was made."""
+    """(device, backend) as the launch takes them: the plan's, or decided now if none was made."""
     if plan is not None:
         return plan.device, plan.backend
-    from runtime.launch.hardware import resolve_device
-    from runtime.launch.plan import resolve_backend
+    from runtime.launch.plan import target
 
-    device = resolve_device(spec.device)
-    return device, resolve_backend(spec.backend, device)
+    return target(spec)
 
 
 @dataclass
@@ -203,7 +202,7 @@ def _check(spec: LaunchSpec, rank_env, phases: PhaseRecorder, watch):
         d["plan"] = report.to_json()
         if (problem := report.problem(CHECK)) is not None:  # the kv phase reports its own, with the numbers
             raise RegistrationError(problem.line())
-        ckpt = Checkpoint.open(spec.model)
+        ckpt = Checkpoint.open(spec.model, config=plan.config_bytes)
         report = check_contract(ckpt, expected_tensors(plan.config))
         if not report.ok:
             raise RegistrationError(f"check: {spec.model} breaks the tensor contract "

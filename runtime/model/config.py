@@ -11,6 +11,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from store import safeio
+from store.checkpoint import MAX_JSON_BYTES
 from store.errors import UserError
 
 SLIDING, CSA, HCA = "sliding", "csa", "hca"
@@ -71,6 +73,9 @@ class DeepSeekV4Config:
     layer_types: tuple[str, ...] = ()  # each main layer's kind when the config names them (ours: sliding/csa/hca)
     # Where it was read from, for error messages; not part of equality.
     source: str = field(default="config.json", compare=False)
+    # The preset of a checkpoint `dsv4 synth` wrote (its `dsv4_synthetic` key), else None: what
+    # `--speculative auto` and the launch history ask, answered from the one read of the file.
+    synthetic: str | None = field(default=None, compare=False)
 
     # ---- derived facts ----
 
@@ -137,7 +142,7 @@ class DeepSeekV4Config:
             )
 
     def to_json(self) -> dict[str, Any]:
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("source", "layer_types")}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in APART}
         out["compress_ratios"] = list(self.compress_ratios)
         if self.layer_types:
             out["layer_types"] = list(self.layer_types)
@@ -174,6 +179,9 @@ def _field_type(f) -> str:
     return "tuple" if t.startswith("tuple") else t
 
 
+APART = ("source", "layer_types", "synthetic")  # not plain fields of the JSON: read and written on their own
+
+
 def from_dict(raw: Any, source: str = "config.json") -> DeepSeekV4Config:
     """Validate a parsed config.json; every problem names `source` and the field."""
     if not isinstance(raw, dict):
@@ -181,7 +189,7 @@ def from_dict(raw: Any, source: str = "config.json") -> DeepSeekV4Config:
     values: dict[str, Any] = {}
     raw = _named_layer_types(raw, source)
     for f in fields(DeepSeekV4Config):
-        if f.name in ("source", "layer_types"):
+        if f.name in APART:
             continue
         if f.name not in raw:
             if f.name == "model_type":
@@ -203,7 +211,10 @@ def from_dict(raw: Any, source: str = "config.json") -> DeepSeekV4Config:
                 except OverflowError:
                     raise ConfigError(f"{source}: field '{f.name}' = {str(v)[:24]}… is too large for a float") from None
         values[f.name] = v
-    cfg = DeepSeekV4Config(**values, layer_types=raw.get("layer_types", ()), source=source)
+    synthetic = raw.get("dsv4_synthetic")
+    preset = synthetic.get("preset") if isinstance(synthetic, dict) else None
+    cfg = DeepSeekV4Config(**values, layer_types=raw.get("layer_types", ()), source=source,
+                           synthetic=preset if isinstance(preset, str) else None)
     _check_consistency(cfg)
     return cfg
 
@@ -359,23 +370,24 @@ def _check_rope_scaling(c: DeepSeekV4Config, fail) -> None:
 
 def load_config(path: str | Path) -> DeepSeekV4Config:
     """Read `path` (a config.json, or a checkpoint dir holding one)."""
+    return read_config(path)[1]
+
+
+def read_config(path: str | Path) -> tuple[bytes, DeepSeekV4Config]:
+    """config.json's bytes and what they say, from one read: a launch parses, keys and hashes the
+    same bytes (`runtime.launch.plan.resolve`), never a file rewritten between two reads."""
     p = Path(path)
     if p.is_dir():
         p = p / "config.json"
-    if not p.is_file():
-        raise ConfigError(f"{p}: no config.json here; point at a DeepSeek V4 checkpoint directory")
+    try:  # a regular file only, opened without blocking (a FIFO there never hangs a launch)
+        data = safeio.read_regular(p, MAX_JSON_BYTES)
+    except FileNotFoundError:
+        raise ConfigError(f"{p}: no config.json here; point at a DeepSeek V4 checkpoint directory") from None
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read it ({e.strerror or e}); point at a DeepSeek V4 checkpoint "
+                          f"directory") from None
     try:
-        raw = json.loads(p.read_text())
+        raw = json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{p}: malformed JSON ({e})") from None
-    return from_dict(raw, source=str(p))
-
-
-def synthetic_preset(model_dir: str | Path) -> str | None:
-    """The preset of a checkpoint `dsv4 synth` wrote (its config.json says so); None for any
-    other checkpoint, or one whose config.json cannot be read."""
-    try:
-        raw = json.loads((Path(model_dir) / "config.json").read_text())
-        return (raw.get("dsv4_synthetic") or {}).get("preset")
-    except (OSError, ValueError, AttributeError):
-        return None
+    return data, from_dict(raw, source=str(p))

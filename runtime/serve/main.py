@@ -31,20 +31,6 @@ EXIT_BOUND_S = 10.0  # after failing closed, a drain that has not ended by then 
 # stuck in a collective no backend can abort) ends in a hard exit: the failure is recorded already
 
 
-def speculation(choice: str, model_dir: Path) -> bool:
-    """--speculative → whether MTP drafts; `mtp` on a checkpoint without an MTP layer: one line."""
-    from runtime.model.config import load_config, synthetic_preset
-
-    if choice == "off":
-        return False
-    has_mtp = load_config(model_dir).num_nextn_predict_layers > 0
-    if choice == "mtp" and not has_mtp:
-        raise UserError(f"--speculative mtp: {model_dir} has no MTP layer (num_nextn_predict_layers 0); use off")
-    if choice == "mtp":
-        return True
-    return has_mtp and synthetic_preset(model_dir) is None
-
-
 STOPPED_BY: list[int] = []  # the signals that asked this process to stop, first first
 
 
@@ -69,11 +55,8 @@ def run(spec: LaunchSpec, rank_env=None, display: Callable[[], tuple[Sink, Calla
     """`dsv4 serve` of `spec` (its model resolved). `rank_env`: this process is one rank (under
     torchrun or our launcher). `display()`: a terminal sink for registration's progress, and its
     stop (only when events do not go to stdout)."""
-    speculative = speculation(spec.speculative, spec.model)
-    if spec.ranks > 1:
-        check_ranks(spec, rank_env)
-        if rank_env is None:
-            return launch_ranks(spec)
+    if spec.ranks > 1 and rank_env is None:
+        return launch_ranks(spec)
     rank_env = rank_env if spec.ranks > 1 else None
     rank = rank_env.rank if rank_env is not None else 0
     sinks: list[Sink] = []
@@ -116,7 +99,7 @@ def run(spec: LaunchSpec, rank_env=None, display: Callable[[], tuple[Sink, Calla
             if shown:
                 shown[1]()
         stop_answering()  # the service's own server takes the socket, listening all along
-        code = _serve(launched, sock, emitter, announced, started, speculative, door)
+        code = _serve(launched, sock, emitter, announced, started, door)
     except KeyboardInterrupt:
         announced.end(stopped_how(), at.phase)
         raise
@@ -146,7 +129,7 @@ def announce(spec: LaunchSpec, rank_env):
     return Announcement(str(spec.model), events_file, **service_settings(spec))
 
 
-def _serve(launched, sock, emitter: Emitter, announced, started: float, speculative: bool, door) -> int:
+def _serve(launched, sock, emitter: Emitter, announced, started: float, door) -> int:
     from runtime.serve.app import Limits
     from runtime.serve.server import serve, url_of
 
@@ -190,7 +173,7 @@ def _serve(launched, sock, emitter: Emitter, announced, started: float, speculat
     if launched.group is not None:  # a rank that died, or a collective that failed: the service stops
         launched.group.on_lost = fail_closed
         launched.group.watch(fail_closed)
-    limits = Limits.of(spec, speculative)
+    limits = Limits.of(spec, launched.plan.speculative)  # --speculative as the plan resolved it
 
     def stats(engine: dict) -> None:
         rate = "" if engine["acceptance"] is None else f", MTP acceptance {engine['acceptance']:.0%}"
@@ -245,32 +228,20 @@ def run_rank(run_it: Callable[[], int]) -> NoReturn:
     os._exit(int(code or 0))
 
 
-def check_ranks(spec: LaunchSpec, rank_env) -> None:
-    """One line for rank settings that cannot work, before any rank starts."""
-    from runtime.launch.hardware import accelerator_count, resolve_device
-    from runtime.model.config import load_config
-
-    load_config(spec.model).check_ranks(spec.ranks)
-    device = resolve_device(spec.device)
-    if device != "cpu" and rank_env is None:  # under torchrun each rank checks its LOCAL_RANK's device
-        count = accelerator_count(device)
-        if spec.ranks > count:
-            raise UserError(f"--ranks {spec.ranks} but this host has {count} {device} device(s); one rank per "
-                            f"device: run at most {count} ranks here (torchrun --nnodes for more hosts)")
-
-
 def launch_ranks(spec: LaunchSpec) -> int:
     """`dsv4 serve --ranks N`: N rank processes of this same spec (runtime.serve.rank_launcher).
     The launcher is the service: it announces it (rank 0 fills in the URL), hands its identity to
     the ranks, keeps each rank's log apart beside its own, and records a rank's death as the
     service's ending."""
     from runtime.launch import history
-    from runtime.launch.registration import resolved
+    from runtime.launch.plan import resolve
     from runtime.serve.auth import Door
     from runtime.serve.rank_launcher import launch, rank_logs
     from runtime.serve.server import bind
     from store.services import Announcement, find, how
 
+    resolution = resolve(spec)  # settings that cannot work (ranks, devices, MTP): one line before any rank starts
+    resolution.check()
     Door.of(spec)  # a bad key file or certificate: one line now, not from rank 0 after N starts
     bind(spec.host, spec.port).close()  # the port in use is one line now, not after N registrations
     port = spec.master_port if spec.master_port is not None else int(os.environ.get("MASTER_PORT", 0) or 0)
@@ -290,8 +261,8 @@ def launch_ranks(spec: LaunchSpec) -> int:
                 open_sink(spec.events)(Event(Phase.SERVE, "error", message=line, detail={"rank": rank, "phase": phase},
                                              host=socket.gethostname()))
         announced.end(f"rank {rank} {how(code)}", phase, line, by="launcher")
-        device, backend = resolved(spec)
-        history.append(spec, {}, started, "error", line, device=device, backend=backend,
+        history.append(spec, {}, started, "error", line, device=resolution.device, backend=resolution.backend,
+                       config=resolution.config,
                        extra={"failed_phase": phase, "rank": rank, "end": f"rank {rank} {how(code)}"})
 
     env = announced.service.identity.to_env()

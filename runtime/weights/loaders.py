@@ -56,6 +56,7 @@ class MapSidecar:
     cold_policy: str
     ckpt: Any
     rank: int | None = None  # one rank of several: views of the shared tensors and its experts only
+    config: bytes | None = None  # config.json as the plan read it
     path: str = MAP
 
     def load(self, progress: Progress, log: Log) -> LoadedWeights:
@@ -63,7 +64,7 @@ class MapSidecar:
         from runtime.weights.prepack import open_prepacked
 
         verdict, mapped = open_prepacked(self.model_dir, self.ranks, cold_policy=self.cold_policy,
-                                         packed=self.packed)
+                                         packed=self.packed, config=self.config)
         log(verdict.line())
         if mapped is None:  # changed since the plan was made: repack, saying why
             return RepackCheckpoint(self.ckpt, self.packed, verdict.reason, verdict.detail,
@@ -80,6 +81,6 @@ def loader_for(plan, ckpt, rank: int = 0) -> WeightLoader:
     sidecar, spec = plan.sidecar, plan.spec
     share = rank if spec.ranks > 1 else None
     if sidecar is not None and sidecar.mapped:
-        return MapSidecar(spec.model, spec.ranks, plan.layout, spec.cold_policy, ckpt, share)
+        return MapSidecar(spec.model, spec.ranks, plan.layout, spec.cold_policy, ckpt, share, plan.config_bytes)
     return RepackCheckpoint(ckpt, plan.layout, sidecar.reason if sidecar else "", sidecar.detail if sidecar else "",
                             share)

@@ -28,8 +28,9 @@ from store.units import format_size
 T = TypeVar("T")
 
 
-def sidecar_key(model_dir: Path | str, ranks: int) -> Key:
-    """The key a sidecar of `model_dir` for `ranks` must carry to be current for this packer."""
+def sidecar_key(model_dir: Path | str, ranks: int, config: bytes | None = None) -> Key:
+    """The key a sidecar of `model_dir` for `ranks` must carry to be current for this packer
+    (`config`: config.json's bytes as a launch read them, else read here)."""
     # Read through the module so a bumped (or monkeypatched) PACKER_VERSION is seen.
     return sidecar.source_key(
         model_dir,
@@ -37,6 +38,7 @@ def sidecar_key(model_dir: Path | str, ranks: int) -> Key:
         packer_version=layout.PACKER_VERSION,
         ranks=ranks,
         layout=layout.PACK_LAYOUT,
+        config=config,
     )
 
 
@@ -243,15 +245,17 @@ def open_prepacked(
     cold_policy: str = "auto",
     cold_threshold: float = sidecar.DEFAULT_COLD_THRESHOLD,
     packed: layout.PackedLayout | None = None,
+    config: bytes | None = None,
 ) -> tuple[sidecar.Verdict, sidecar.MappedSidecar | None]:
     """Judge and, on MAP, map the sidecar (`store.sidecar.open_sidecar` with the live key and
     names); on REPACK the caller packs from the checkpoint (`pack.pack_in_memory`). A caller
-    that already built the layout (registration, from its plan) passes it (`packed`)."""
+    that already built the layout and read config.json (registration, from its plan) passes them
+    (`packed`, `config`): the shards are stat'ed again, so one changed since the plan is seen."""
     model_dir = _checkpoint_dir(model_dir)
     packed = packed if packed is not None else packed_layout(model_dir, ranks)
     return sidecar.open_sidecar(
         path if path is not None else sidecar.default_sidecar_path(model_dir, ranks),
-        expected_key=sidecar_key(model_dir, ranks),
+        expected_key=sidecar_key(model_dir, ranks, config),
         expected_tensors=sidecar_tensors(packed),
         cold_policy=cold_policy,
         cold_threshold=cold_threshold,

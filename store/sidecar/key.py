@@ -30,9 +30,10 @@ def _checkpoint_file(model_dir: Path, name: str) -> bytes:
         raise UserError(f"{path}: cannot read ({e.strerror}); check the file") from None
 
 
-def read_index(model_dir: Path) -> tuple[bytes, dict[str, Any]]:
-    """config.json's bytes and the index's weight_map (tensor → shard); one line when broken."""
-    config = _checkpoint_file(model_dir, CONFIG_NAME)
+def read_index(model_dir: Path, config: bytes | None = None) -> tuple[bytes, dict[str, Any]]:
+    """config.json's bytes (`config`: as the caller read them already) and the index's weight_map
+    (tensor → shard); one line when broken."""
+    config = config if config is not None else _checkpoint_file(model_dir, CONFIG_NAME)
     try:
         weight_map = json.loads(_checkpoint_file(model_dir, INDEX_NAME))["weight_map"]
         if not isinstance(weight_map, dict):
@@ -43,14 +44,16 @@ def read_index(model_dir: Path) -> tuple[bytes, dict[str, Any]]:
 
 
 def source_key(
-    model_dir: Path | str, *, format: str, packer_version: str, ranks: int, layout: dict
+    model_dir: Path | str, *, format: str, packer_version: str, ranks: int, layout: dict,
+    config: bytes | None = None,
 ) -> Key:
     """The key of the checkpoint a sidecar is packed from. Compute it BEFORE packing starts.
+    `config`: config.json's bytes as the caller read them (else read here).
 
     A shard that is gone reads as "<missing>"; one that is not a regular file as "<not a file>".
     """
     model_dir = Path(model_dir)
-    config, weight_map = read_index(model_dir)
+    config, weight_map = read_index(model_dir, config)
     components: list[tuple[str, Any]] = [
         ("format", format),
         ("packer_version", packer_version),
