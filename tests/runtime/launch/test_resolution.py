@@ -17,13 +17,13 @@ from runtime.launch.plan import make_plan, resolve
 from runtime.launch.plan_report import PlanReport
 from runtime.launch.spec import LaunchSpec
 
-READS: list[str] = []  # config.json files opened while `_counting` is on
+opened: list[str] = []  # config.json files opened while `_counting` is on
 _counting = [False]
 
 
 def _audit(event: str, args: tuple) -> None:
     if _counting[0] and event == "open" and isinstance(args[0], str | Path) and os.path.basename(args[0]) == "config.json":
-        READS.append(str(args[0]))
+        opened.append(str(args[0]))
 
 
 sys.addaudithook(_audit)  # (a hook stays for the process; it records only while a test counts)
@@ -75,14 +75,14 @@ def test_ranks_the_experts_do_not_divide_are_said_once(tiny_ckpt_ro):
 
 
 def test_a_launch_reads_config_json_once_and_serves_what_its_plan_resolved(tiny_ckpt_ro):
-    READS.clear()
+    opened.clear()
     _counting[0] = True
     try:
         launched, _ = launch(tiny_ckpt_ro, backend="eager", speculative="mtp")
     finally:
         _counting[0] = False
     try:
-        assert READS == [str(tiny_ckpt_ro / "config.json")]
+        assert opened == [str(tiny_ckpt_ro / "config.json")]
         assert launched.plan.speculative and launched.plan.report().speculative == "mtp"
         assert launched.plan.config.synthetic == "tiny"  # the history record's preset, from that one read
     finally:
