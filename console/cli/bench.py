@@ -221,6 +221,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     packing.add_argument("--json", action="store_true", help="print one JSON object")
     packing.set_defaults(func=_packing)
 
+    roof = sub.add_parser(
+        "roofline",
+        help="each step against this host's limit: decode vs memory bandwidth, prefill vs GEMM rate, by program family",
+        description="On the preset's checkpoint, launched in this process (no MTP): this host's memory bandwidth "
+        "(a read-only pass and a STREAM triad on the service's threads) and float32 GEMM rate at each shape a "
+        "prefill multiplies; a decode step of 1, 8 and 32 rows against the bytes it must read (each weight once, "
+        "the routed experts its rows picked, the head, the KV rows) and a prefill of 256 and 1024 tokens against "
+        "its GEMM bound, each split by program family so the least efficient part is named; all in turns. "
+        "Targets: decode ≥ 70 %% of the bound at 1 row, the 8-row step ≤ 1.5× the 1-row step, a 1024-token "
+        "prefill ≥ 50 %% of the GEMM bound. --json keys: bandwidth_gbs, decode_share_1, decode_share_8, "
+        "step_8_vs_1, prefill_share_1024.",
+    )
+    roof.add_argument("--preset", choices=("tiny", "small", "medium"), default="small",
+                      help="synthetic checkpoint (default %(default)s; made on first use)")
+    roof.add_argument("--backend", choices=("aoti", "export", "eager"), default="aoti",
+                      help="program backend (default %(default)s; compiled on the first run)")
+    roof.add_argument("--json", action="store_true", help="print one JSON object")
+    roof.set_defaults(func=_roofline)
+
     comp = sub.add_parser(
         "compile",
         help="a launch's programs compiled cold in both program forms: routed experts apart vs inside each layer",
@@ -290,6 +309,12 @@ def _compile(args: argparse.Namespace) -> int:
     if args.jobs is not None and args.jobs < 1:
         raise UserError("--jobs: 1 or more")
     return main(preset=args.preset, backend=args.backend, jobs=args.jobs, json_output=args.json)
+
+
+def _roofline(args: argparse.Namespace) -> int:
+    from bench.roofline_bench import main
+
+    return main(preset=args.preset, backend=args.backend, json_output=args.json)
 
 
 def _peer(args: argparse.Namespace) -> int:
