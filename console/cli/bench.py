@@ -284,6 +284,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                       help="tokens of each prompt (default %(default)s)")
     peer.add_argument("--new-tokens", type=int, default=NEW_TOKENS, metavar="N",
                       help="greedy tokens generated per prompt (default %(default)s)")
+    peer.add_argument("--peer", choices=("transformers", "llama.cpp"), default="transformers",
+                      help="the other side: transformers' generate (float32, default), or llama.cpp's llama-server "
+                      "built once from the llama-cpp-python package's vendored sources (cached under the user cache "
+                      "dir), the checkpoint converted by its own converter at its own types (and at float32 for the "
+                      "tokens); --json keys llamacpp_decode_ratio_1, llamacpp_decode_ratio_8")
     peer.add_argument("--json", action="store_true", help="print one JSON object")
     peer.set_defaults(func=_peer)
 
@@ -323,7 +328,7 @@ def _peer(args: argparse.Namespace) -> int:
     if args.prompt_tokens < 1 or args.new_tokens < 2:
         raise UserError("--prompt-tokens: 1 or more; --new-tokens: 2 or more (decode follows the first token)")
     return main(preset=args.preset, backend=args.backend, json_output=args.json,
-                prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens)
+                prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, peer=args.peer)
 
 
 def _cache_ship(args: argparse.Namespace) -> int:

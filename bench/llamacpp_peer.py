@@ -1,0 +1,240 @@
+"""`dsv4 bench peer --peer llama.cpp`: our `dsv4 serve` against llama.cpp's server on the same weights.
+
+The peer is the engine an operator would otherwise pick on a CPU: llama.cpp's `llama-server`, built
+once from the `llama-cpp-python` package's vendored sources (the sdist from PyPI, `pip download
+--no-binary`; cmake's `llama-server` target, release, this cpu's ISA) and kept under the user cache
+dir (`<cache>/dsv4-console/llama.cpp/build-<version>/`), never in the project. The checkpoint is
+converted by llama.cpp's own converter (`convert_hf_to_gguf.py`, its `deepseek4` architecture) at its
+own types (FP4 experts as MXFP4, FP8 as Q8_0, BF16 kept: about the bytes the service reads) for the
+figures, and at all-float32 for the tokens (flash attention off: then llama.cpp's greedy tokens are
+transformers', as the service's are), each once per checkpoint and kept beside the build.
+
+Both servers are real processes on loopback, on the same threads (torch's count: one rank's), and
+take turns: streamed greedy completions of the same token-id prompts (`ignore_eos`), 1 request and
+CONCURRENT at once (`-np` slots), REPEATS times, then first tokens alone (`bench.peer_bench`'s runs
+and medians). Ratios are service ÷ llama.cpp (above 1: the service is faster). Where llama.cpp cannot
+run a checkpoint (it refuses `tiny`: compression ratios other than 0/4/128, an indexer head under 64),
+the bench says why in one line.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+PACKAGE = "llama-cpp-python"
+PEER = "llama.cpp"
+SERVER = "llama-server"
+BUILD_TIMEOUT_S = 4 * 3600  # two cores build it in about an hour
+CONVERT_TIMEOUT_S = 3600
+START_TIMEOUT_S = 600
+OWN_TYPES, FLOAT32 = "auto", "f32"  # the converter's --outtype: its own types per tensor, or all float32
+
+
+class PeerUnavailable(RuntimeError):
+    """llama.cpp cannot be built, convert this checkpoint, or serve it: the one line why."""
+
+
+def cache_root() -> Path:
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("dsv4-console")) / "llama.cpp"
+
+
+def _run(cmd: list[str], log_file: Path, timeout: float, env: dict | None = None, cwd: Path | None = None) -> None:
+    with open(log_file, "w") as out:
+        done = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=timeout, env=env, cwd=cwd,
+                              stdin=subprocess.DEVNULL)
+    if done.returncode != 0:
+        tail = log_file.read_text(errors="replace").strip().splitlines()[-3:]
+        raise PeerUnavailable(f"{Path(cmd[0]).name} {' '.join(cmd[1:3])} failed ({log_file}): {' / '.join(tail)}")
+
+
+def sources(log: Callable[[str], None]) -> Path:
+    """The vendored llama.cpp of the newest `llama-cpp-python` sdist, downloaded and unpacked once."""
+    root = cache_root() / "src"
+    found = sorted(root.glob(f"{PACKAGE.replace('-', '_')}-*/vendor/llama.cpp"))
+    if found:
+        return found[-1]
+    root.mkdir(parents=True, exist_ok=True)
+    log(f"{PEER}: pip download {PACKAGE} --no-binary (its vendored sources) …")
+    _run([sys.executable, "-m", "pip", "download", PACKAGE, "--no-binary", ":all:", "--no-deps", "-d", str(root)],
+         root / "download.log", 600)
+    archive = sorted(root.glob(f"{PACKAGE.replace('-', '_')}-*.tar.gz"))[-1]
+    with tarfile.open(archive) as tar:
+        tar.extractall(root, filter="data")
+    return sorted(root.glob(f"{PACKAGE.replace('-', '_')}-*/vendor/llama.cpp"))[-1]
+
+
+def server(log: Callable[[str], None]) -> Path:
+    """The `llama-server` binary, built once (cmake, release, native ISA, no network code)."""
+    src = sources(log)
+    version = src.parents[1].name.rsplit("-", 1)[-1]
+    build = cache_root() / f"build-{version}"
+    binary = build / "bin" / SERVER
+    if binary.is_file():
+        return binary
+    log(f"{PEER}: building {SERVER} {version} from {src} (once; long on few cores) …")
+    configure = ["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
+                 "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DGGML_NATIVE=ON"]
+    if shutil.which("ninja"):
+        configure += ["-G", "Ninja"]
+    _run(configure, cache_root() / f"configure-{version}.log", 600)
+    _run(["cmake", "--build", str(build), "--target", SERVER, "-j", str(os.cpu_count() or 1)],
+         cache_root() / f"build-{version}.log", BUILD_TIMEOUT_S)
+    if not binary.is_file():
+        raise PeerUnavailable(f"{PEER}: the build made no {binary}")
+    return binary
+
+
+def _checkpoint_id(model: Path) -> str:
+    """The checkpoint as the conversion depends on it: its config and each file's name, size, mtime."""
+    h = hashlib.sha256((model / "config.json").read_bytes())
+    for f in sorted(model.iterdir()):
+        if f.is_file() and f.suffix in (".safetensors", ".json"):
+            st = f.stat()
+            h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
+
+
+def gguf(model: Path, outtype: str, log: Callable[[str], None]) -> Path:
+    """The checkpoint converted by llama.cpp's converter at `outtype`, once (written aside, renamed)."""
+    src = sources(log)
+    out = cache_root() / "gguf" / f"{model.name}-{_checkpoint_id(model)}.{outtype}.gguf"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log(f"{PEER}: converting {model} with its convert_hf_to_gguf.py (--outtype {outtype}) …")
+    partial = out.with_suffix(".partial")
+    env = {**os.environ, "PYTHONPATH": str(src / "gguf-py")}
+    _run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(model), "--outtype", outtype, "--outfile",
+          str(partial)], out.with_suffix(".log"), CONVERT_TIMEOUT_S, env=env)
+    os.replace(partial, out)
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A `llama-server` of one GGUF on loopback: `threads`, `slots` sequences of `ctx` tokens each."""
+
+    def __init__(self, binary: Path, model: Path, threads: int, slots: int, ctx: int, log_file: Path,
+                 flash_attention: bool = True):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port), "-t", str(threads),
+               "-tb", str(threads), "-np", str(slots), "-c", str(ctx * slots), "-fa", "on" if flash_attention else "off",
+               "--no-webui"]
+        self._log = open(log_file, "w")  # noqa: SIM115 — the server's whole life
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self._wait(log_file)
+
+    def _wait(self, log_file: Path) -> None:
+        import httpx
+
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                tail = [line for line in log_file.read_text(errors="replace").splitlines() if line.strip()][-3:]
+                raise PeerUnavailable(f"{SERVER} exited {self.proc.returncode} ({log_file}): {' / '.join(tail)}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.close()
+        raise PeerUnavailable(f"{SERVER} did not answer /health within {START_TIMEOUT_S} s ({log_file})")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _stream(client, url: str, prompt: list[int], new_tokens: int) -> tuple[float, float, float, list[int]]:
+    """One streamed greedy completion from llama-server's /completion (token ids in and out)."""
+    body = {"prompt": prompt, "n_predict": new_tokens, "temperature": 0, "top_k": 1, "stream": True,
+            "ignore_eos": True, "cache_prompt": False, "return_tokens": True}
+    ids: list[int] = []
+    sent = time.perf_counter()
+    first = last = sent
+    with client.stream("POST", f"{url}/completion", json=body) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                got = json.loads(line[6:]).get("tokens") or []
+                if got:
+                    last = time.perf_counter()
+                    if not ids:
+                        first = last
+                    ids += got
+    return sent, first, last, ids
+
+
+def peer_run(url: str, batch: list[list[int]], new_tokens: int):
+    """`bench.peer_bench.service_run` against llama-server: every prompt its own request, at once."""
+    import statistics
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from bench.peer_bench import Run
+
+    with httpx.Client(timeout=3600, limits=httpx.Limits(max_connections=len(batch))) as client, \
+            ThreadPoolExecutor(len(batch)) as pool:
+        done = list(pool.map(lambda p: _stream(client, url, p, new_tokens), batch))
+    firsts, lasts = [d[1] for d in done], [d[2] for d in done]
+    return Run(ttft_s=statistics.median(d[1] - d[0] for d in done), decode_s=max(lasts) - min(firsts),
+               decode_tokens=sum(max(len(d[3]) - 1, 0) for d in done),
+               interval_s=statistics.median((d[2] - d[1]) / max(len(d[3]) - 1, 1) for d in done),
+               tokens=tuple(tuple(d[3]) for d in done))
+
+
+def peer_first(url: str, batch: list[list[int]]) -> float:
+    return peer_run(url, batch, 1).ttft_s
+
+
+def sides(url: str) -> tuple[Callable, Callable]:
+    """(a run, a first token alone) of the llama.cpp side, as `bench.peer_bench.measure` takes them."""
+    return functools.partial(peer_run, url), functools.partial(peer_first, url)
+
+
+def reference_tokens(model: Path, batch: list[list[int]], new_tokens: int, threads: int, ctx: int,
+                     log: Callable[[str], None], work: Path) -> tuple[tuple[int, ...], ...]:
+    """llama.cpp's greedy tokens of every prompt on the all-float32 conversion, flash attention off."""
+    binary = server(log)
+    f32 = gguf(model, FLOAT32, log)
+    with Server(binary, f32, threads, 1, ctx, work / "llama-server-f32.log", flash_attention=False) as s:
+        return tuple(peer_run(s.url, [p], new_tokens).tokens[0] for p in batch)
+
+
+def scratch_dir() -> tempfile.TemporaryDirectory:
+    return tempfile.TemporaryDirectory(prefix="dsv4-bench-llamacpp-")
