@@ -118,11 +118,30 @@ def gguf(model: Path, outtype: str, log: Callable[[str], None]) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     log(f"{PEER}: converting {model} with its convert_hf_to_gguf.py (--outtype {outtype}) …")
     partial = out.with_suffix(".partial")
-    env = {**os.environ, "PYTHONPATH": str(src / "gguf-py")}
-    _run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(model), "--outtype", outtype, "--outfile",
-          str(partial)], out.with_suffix(".log"), CONVERT_TIMEOUT_S, env=env)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(src), str(src / "gguf-py")))}
+    _run([sys.executable, "-c", _CONVERT, str(src / "convert_hf_to_gguf.py"), str(model), "--outtype", outtype,
+          "--outfile", str(partial)], out.with_suffix(".log"), CONVERT_TIMEOUT_S, env=env)
     os.replace(partial, out)
     return out
+
+
+# The converter as is, but for one thing: it names the tokenizer's pre-tokenizer from a hash of its
+# output on a test text, and the synthetic checkpoints' byte-level BPE is none it knows
+# ("BPE pre-tokenizer was not recognized"). An unknown one converts as llama.cpp's "default": the
+# bench sends token ids, so no text is ever split by it.
+_CONVERT = """
+import runpy, sys
+import conversion.base as base
+known = base.TextModel.get_vocab_base_pre
+def pre(self, tokenizer):
+    try:
+        return known(self, tokenizer)
+    except NotImplementedError:
+        return "default"
+base.TextModel.get_vocab_base_pre = pre
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
 
 
 def _free_port() -> int:

@@ -74,6 +74,11 @@ class NativeProducts(Protocol):
     def dense_rows(self) -> int:
         """Up to how many rows `dense` is faster than a GEMM of the widened weight."""
 
+    def ffn(self, x: torch.Tensor, idx: torch.Tensor, gates: torch.Tensor, w13: tuple[torch.Tensor, ...],
+            w2: tuple[torch.Tensor, torch.Tensor], swiglu: Callable[..., torch.Tensor]) -> torch.Tensor | None:
+        """A layer's routed experts over rows x with their choices and gates, fused
+        (`moe.routed_fused`); None where it does not serve."""
+
 
 def weight(w: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     """A matmul weight [.., in, out] as float32: a packed one dequantised per block from the
