@@ -119,18 +119,23 @@ def gguf(model: Path, outtype: str, log: Callable[[str], None]) -> Path:
     log(f"{PEER}: converting {model} with its convert_hf_to_gguf.py (--outtype {outtype}) …")
     partial = out.with_suffix(".partial")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(src), str(src / "gguf-py")))}
-    _run([sys.executable, "-c", _CONVERT, str(src / "convert_hf_to_gguf.py"), str(model), "--outtype", outtype,
-          "--outfile", str(partial)], out.with_suffix(".log"), CONVERT_TIMEOUT_S, env=env)
+    _run([sys.executable, "-c", _CONVERT, "f32" if outtype == FLOAT32 else "own", str(src / "convert_hf_to_gguf.py"),
+          str(model), "--outtype", outtype, "--outfile", str(partial)], out.with_suffix(".log"), CONVERT_TIMEOUT_S,
+         env=env)
     os.replace(partial, out)
     return out
 
 
-# The converter as is, but for one thing: it names the tokenizer's pre-tokenizer from a hash of its
-# output on a test text, and the synthetic checkpoints' byte-level BPE is none it knows
-# ("BPE pre-tokenizer was not recognized"). An unknown one converts as llama.cpp's "default": the
-# bench sends token ids, so no text is ever split by it.
+# The converter as is, but for two things. It names the tokenizer's pre-tokenizer from a hash of its
+# output on a test text, and the synthetic checkpoints' byte-level BPE is none it knows ("BPE
+# pre-tokenizer was not recognized"): an unknown one converts as llama.cpp's "default" (the bench sends
+# token ids, so no text is ever split by it). And its deepseek4 model keeps its own types whatever
+# --outtype says (Q8_0 for FP8, MXFP4 experts, BF16): for the float32 conversion every tensor is
+# forced to F32 and each routed expert's FP4 codes are dequantised (e2m1 value x 2^(scale - 127), 32
+# inputs a scale) into an F32 stack, the numbers the service multiplies.
 _CONVERT = """
 import runpy, sys
+import numpy as np
 import conversion.base as base
 known = base.TextModel.get_vocab_base_pre
 def pre(self, tokenizer):
@@ -139,7 +144,25 @@ def pre(self, tokenizer):
     except NotImplementedError:
         return "default"
 base.TextModel.get_vocab_base_pre = pre
-sys.argv = sys.argv[1:]
+if sys.argv[1] == "f32":
+    import gguf, torch
+    import conversion.deepseek as ds
+    ds.DeepseekV4Model.tensor_force_quant = lambda self, name, new_name, bid, n_dims: gguf.GGMLQuantizationType.F32
+    E2M1 = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
+    def experts_f32(self, bid, proj, key):
+        stack, consumed = [], []
+        for eid in range(self.hparams["n_routed_experts"]):
+            w, s = (f"layers.{bid}.ffn.experts.{eid}.{proj}.{part}" for part in ("weight", "scale"))
+            packed = ds.LazyTorchTensor.to_eager(self.model_tensors[w]()).view(torch.uint8)
+            scale = ds.LazyTorchTensor.to_eager(self.model_tensors[s]()).view(torch.uint8)
+            codes = torch.stack((packed & 15, packed >> 4), dim=-1).reshape(packed.shape[0], -1).long()
+            values = E2M1[codes] * torch.exp2(scale.float() - 127).repeat_interleave(32, 1)
+            stack.append(values.float().numpy())
+            consumed += [w, s]
+        self.gguf_writer.add_tensor(self.format_tensor_name(key, bid), np.stack(stack))
+        return consumed
+    ds.DeepseekV4Model._write_mxfp4_expert_tensor = experts_f32
+sys.argv = sys.argv[2:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
