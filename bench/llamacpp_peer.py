@@ -19,7 +19,6 @@ the bench says why in one line.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
@@ -28,7 +27,6 @@ import socket
 import subprocess
 import sys
 import tarfile
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -221,8 +219,9 @@ class Server:
         self.close()
 
 
-def _stream(client, url: str, prompt: list[int], new_tokens: int) -> tuple[float, float, float, list[int]]:
-    """One streamed greedy completion from llama-server's /completion (token ids in and out)."""
+def stream(client, url: str, prompt: list[int], new_tokens: int) -> tuple[float, float, float, list[int]]:
+    """One streamed greedy completion from llama-server's /completion (token ids in and out): (sent,
+    first token, last token) perf_counter times, ids (`bench.peer_bench.service_run`'s `stream`)."""
     body = {"prompt": prompt, "n_predict": new_tokens, "temperature": 0, "top_k": 1, "stream": True,
             "ignore_eos": True, "cache_prompt": False, "return_tokens": True}
     ids: list[int] = []
@@ -241,42 +240,13 @@ def _stream(client, url: str, prompt: list[int], new_tokens: int) -> tuple[float
     return sent, first, last, ids
 
 
-def peer_run(url: str, batch: list[list[int]], new_tokens: int):
-    """`bench.peer_bench.service_run` against llama-server: every prompt its own request, at once."""
-    import statistics
-    from concurrent.futures import ThreadPoolExecutor
-
-    import httpx
-
-    from bench.peer_bench import Run
-
-    with httpx.Client(timeout=3600, limits=httpx.Limits(max_connections=len(batch))) as client, \
-            ThreadPoolExecutor(len(batch)) as pool:
-        done = list(pool.map(lambda p: _stream(client, url, p, new_tokens), batch))
-    firsts, lasts = [d[1] for d in done], [d[2] for d in done]
-    return Run(ttft_s=statistics.median(d[1] - d[0] for d in done), decode_s=max(lasts) - min(firsts),
-               decode_tokens=sum(max(len(d[3]) - 1, 0) for d in done),
-               interval_s=statistics.median((d[2] - d[1]) / max(len(d[3]) - 1, 1) for d in done),
-               tokens=tuple(tuple(d[3]) for d in done))
-
-
-def peer_first(url: str, batch: list[list[int]]) -> float:
-    return peer_run(url, batch, 1).ttft_s
-
-
-def sides(url: str) -> tuple[Callable, Callable]:
-    """(a run, a first token alone) of the llama.cpp side, as `bench.peer_bench.measure` takes them."""
-    return functools.partial(peer_run, url), functools.partial(peer_first, url)
-
-
 def reference_tokens(model: Path, batch: list[list[int]], new_tokens: int, threads: int, ctx: int,
                      log: Callable[[str], None], work: Path) -> tuple[tuple[int, ...], ...]:
     """llama.cpp's greedy tokens of every prompt on the all-float32 conversion, flash attention off."""
+    import httpx
+
     binary = server(log)
     f32 = gguf(model, FLOAT32, log)
-    with Server(binary, f32, threads, 1, ctx, work / "llama-server-f32.log", flash_attention=False) as s:
-        return tuple(peer_run(s.url, [p], new_tokens).tokens[0] for p in batch)
-
-
-def scratch_dir() -> tempfile.TemporaryDirectory:
-    return tempfile.TemporaryDirectory(prefix="dsv4-bench-llamacpp-")
+    with Server(binary, f32, threads, 1, ctx, work / "llama-server-f32.log", flash_attention=False) as s, \
+            httpx.Client(timeout=3600) as client:
+        return tuple(tuple(stream(client, s.url, p, new_tokens)[3]) for p in batch)

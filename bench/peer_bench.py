@@ -118,16 +118,18 @@ def _stream(client, url: str, prompt: list[int], new_tokens: int) -> tuple[float
     return sent, first, last, ids
 
 
-def service_run(url: str, batch: list[list[int]], new_tokens: int) -> Run:
+def service_run(url: str, batch: list[list[int]], new_tokens: int, stream: Callable[..., Any] | None = None) -> Run:
     """Every prompt of `batch` as its own request, all at once, on one client made before the
     clock starts: a client of its own per request spent 20-40 ms each building an SSL context,
     in the time to first token, and eight of them under one GIL spread the "concurrent" requests
-    over 50-75 ms."""
+    over 50-75 ms. `stream`: how one request streams (default the service's /v1/completions;
+    llama-server's /completion: `bench.llamacpp_peer.stream`)."""
     import httpx
 
+    stream = stream or _stream
     with httpx.Client(timeout=3600, limits=httpx.Limits(max_connections=len(batch))) as client, \
             ThreadPoolExecutor(len(batch)) as pool:
-        done = list(pool.map(lambda p: _stream(client, url, p, new_tokens), batch))
+        done = list(pool.map(lambda p: stream(client, url, p, new_tokens), batch))
     firsts, lasts = [d[1] for d in done], [d[2] for d in done]
     return Run(ttft_s=statistics.median(d[1] - d[0] for d in done), decode_s=max(lasts) - min(firsts),
                decode_tokens=sum(max(len(d[3]) - 1, 0) for d in done),
@@ -147,9 +149,9 @@ def _generate(peer: Any, batch: list[list[int]], new_tokens: int) -> tuple[float
     return time.perf_counter() - t0, out[:, ids.shape[1]:]
 
 
-def service_first(url: str, batch: list[list[int]]) -> float:
+def service_first(url: str, batch: list[list[int]], stream: Callable[..., Any] | None = None) -> float:
     """The service's time to first token alone: every prompt a one-token request, all at once."""
-    return service_run(url, batch, 1).ttft_s
+    return service_run(url, batch, 1, stream).ttft_s
 
 
 def peer_first(peer: Any, batch: list[list[int]]) -> float:
@@ -286,7 +288,8 @@ def measure(preset: str = "tiny", backend: str = "aoti", prompt_tokens: int = PR
                 log(f"{LLAMA_CPP}: {binary.name} of {own.name}, {threads} threads, {max(loads)} slots …")
                 server = stack.enter_context(lc.Server(binary, own, threads, max(loads), max_seq,
                                                        Path(tmp) / "llama-server.log"))
-                peer_side, peer_alone = lc.sides(server.url)
+                peer_side = functools.partial(service_run, server.url, stream=lc.stream)
+                peer_alone = functools.partial(service_first, server.url, stream=lc.stream)
             else:
                 from bench.hf_peer import main_model_peer
 
