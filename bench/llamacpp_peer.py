@@ -222,21 +222,27 @@ class Server:
 def stream(client, url: str, prompt: list[int], new_tokens: int) -> tuple[float, float, float, list[int]]:
     """One streamed greedy completion from llama-server's /completion (token ids in and out): (sent,
     first token, last token) perf_counter times, ids (`bench.peer_bench.service_run`'s `stream`)."""
-    body = {"prompt": prompt, "n_predict": new_tokens, "temperature": 0, "top_k": 1, "stream": True,
+    # the last token it predicts never reaches the stream (its final chunk carries none): one more is
+    # asked, and the first `new_tokens` kept
+    body = {"prompt": prompt, "n_predict": new_tokens + 1, "temperature": 0, "top_k": 1, "stream": True,
             "ignore_eos": True, "cache_prompt": False, "return_tokens": True}
     ids: list[int] = []
     sent = time.perf_counter()
     first = last = sent
-    with client.stream("POST", f"{url}/completion", json=body) as r:
+    # a connection of its own: llama-server drops one kept alive after a stream, and the next request
+    # on it failed ("Server disconnected without sending a response")
+    with client.stream("POST", f"{url}/completion", json=body, headers={"Connection": "close"}) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if line.startswith("data: {"):
-                got = json.loads(line[6:]).get("tokens") or []
+                got = (json.loads(line[6:]).get("tokens") or [])[:new_tokens - len(ids)]
                 if got:
                     last = time.perf_counter()
                     if not ids:
                         first = last
                     ids += got
+                if len(ids) >= new_tokens:
+                    break
     return sent, first, last, ids
 
 
