@@ -175,12 +175,12 @@ class Server:
     """A `llama-server` of one GGUF on loopback: `threads`, `slots` sequences of `ctx` tokens each."""
 
     def __init__(self, binary: Path, model: Path, threads: int, slots: int, ctx: int, log_file: Path,
-                 flash_attention: bool = True):
+                 flash_attention: bool = True, float_cache: bool = False):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port), "-t", str(threads),
                "-tb", str(threads), "-np", str(slots), "-c", str(ctx * slots), "-fa", "on" if flash_attention else "off",
-               "--no-webui"]
+               "--no-webui", *(("-ctk", "f32", "-ctv", "f32") if float_cache else ())]
         self._log = open(log_file, "w")  # noqa: SIM115 — the server's whole life
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self._wait(log_file)
@@ -248,11 +248,13 @@ def stream(client, url: str, prompt: list[int], new_tokens: int) -> tuple[float,
 
 def reference_tokens(model: Path, batch: list[list[int]], new_tokens: int, threads: int, ctx: int,
                      log: Callable[[str], None], work: Path) -> tuple[tuple[int, ...], ...]:
-    """llama.cpp's greedy tokens of every prompt on the all-float32 conversion, flash attention off."""
+    """llama.cpp's greedy tokens of every prompt on the all-float32 conversion, its KV cache float32
+    too (its default is float16), flash attention off."""
     import httpx
 
     binary = server(log)
     f32 = gguf(model, FLOAT32, log)
-    with Server(binary, f32, threads, 1, ctx, work / "llama-server-f32.log", flash_attention=False) as s, \
+    with Server(binary, f32, threads, 1, ctx, work / "llama-server-f32.log", flash_attention=False,
+                float_cache=True) as s, \
             httpx.Client(timeout=3600) as client:
         return tuple(tuple(stream(client, s.url, p, new_tokens)[3]) for p in batch)

@@ -321,7 +321,8 @@ def measure(preset: str = "tiny", backend: str = "aoti", prompt_tokens: int = PR
         result[side] = {n: _median(rs, firsts[side][n]) for n, rs in by_load.items()}
     if peer == LLAMA_CPP:  # the service's tokens against llama.cpp's float32 ones (its own types round otherwise)
         result["tokens_equal"] = all(r.tokens == reference[:n] for n in loads for r in runs[SERVICE][n])
-        result["reference"] = "llama.cpp float32 conversion, flash attention off"
+        result["reference"] = "llama.cpp float32 conversion and KV cache, flash attention off"
+        result["reference_tokens"] = [list(t) for t in reference]
     else:
         result["tokens_equal"] = all(r.tokens == result[PEER][n].tokens for side in runs for n in loads
                                      for r in runs[side][n])
