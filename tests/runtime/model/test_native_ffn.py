@@ -6,25 +6,13 @@ choices skipped, and a row's numbers whatever rows share its step."""
 from __future__ import annotations
 
 import pytest
+import test_native
 import torch
 
 from runtime.model import moe
 from runtime.model.dims import Dims
-from runtime.model.native import ISA_AVX2, ISA_BEST, ISA_SCALAR, Native, build, load
 
-
-@pytest.fixture(scope="module")
-def library(tmp_path_factory) -> bytes:
-    out = tmp_path_factory.mktemp("ffn") / "native.so"
-    build(out)
-    return out.read_bytes()
-
-
-@pytest.fixture(params=[ISA_SCALAR, ISA_AVX2, ISA_BEST], ids=["c", "avx2", "best"])
-def native(library, request) -> Native:
-    lib = load(library)
-    lib.isa = request.param
-    return lib
+library, native = test_native.library, test_native.native  # fixtures: the library built once, each ISA path
 
 
 def _layer(experts: int, hidden: int, inter: int, gen) -> dict[str, torch.Tensor]:
