@@ -165,6 +165,17 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
+def _first_error(log_file: Path) -> str:
+    """The first error line of a llama-server log, without its timestamp (`E llama_model_load: error
+    loading model: DeepSeek-V4 loader only supports compression ratios 0, 4, and 128`), else its last line."""
+    lines = [line.strip() for line in log_file.read_text(errors="replace").splitlines() if line.strip()]
+    for line in lines:
+        head, sep, rest = line.partition(" E ")
+        if sep and not head.strip(" .0123456789"):
+            return rest.split("error loading model: ", 1)[-1]
+    return lines[-1] if lines else "no output"
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -191,8 +202,7 @@ class Server:
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                tail = [line for line in log_file.read_text(errors="replace").splitlines() if line.strip()][-3:]
-                raise PeerUnavailable(f"{SERVER} exited {self.proc.returncode} ({log_file}): {' / '.join(tail)}")
+                raise PeerUnavailable(f"{SERVER} exited {self.proc.returncode}: {_first_error(log_file)}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
                     return

@@ -1,5 +1,5 @@
 """The llama.cpp side of `dsv4 bench peer` without building it: a server that cannot start is one
-line naming its log's last words, and a converted checkpoint is found again only while its files
+line naming its log's first error, and a converted checkpoint is found again only while its files
 are the same."""
 
 from __future__ import annotations
@@ -12,11 +12,14 @@ import pytest
 from bench import llamacpp_peer as lc
 
 
-def test_a_server_that_exits_is_one_line_with_its_last_words(tmp_path):
+def test_a_server_that_exits_is_one_line_with_its_first_error(tmp_path):
     fake = tmp_path / "llama-server"
-    fake.write_text("#!/bin/sh\necho 'error: unknown model architecture: deepseek9'\nexit 3\n")
+    fake.write_text("#!/bin/sh\necho '0.00.000.100 I srv load_model: loading'\n"
+                    "echo '0.00.076.704 E llama_model_load: error loading model: DeepSeek-V4 loader only supports "
+                    "compression ratios 0, 4, and 128'\necho '0.00.098.482 E srv llama_server: exiting'\nexit 3\n")
     fake.chmod(0o755)
-    with pytest.raises(lc.PeerUnavailable, match=r"llama-server exited 3 .*unknown model architecture: deepseek9"):
+    with pytest.raises(lc.PeerUnavailable,
+                       match=r"^llama-server exited 3: DeepSeek-V4 loader only supports compression ratios 0, 4, and 128$"):
         lc.Server(fake, tmp_path / "m.gguf", threads=1, slots=1, ctx=64, log_file=tmp_path / "server.log")
 
 
