@@ -36,6 +36,7 @@ Reported, never asserted.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -53,6 +54,8 @@ REPEATS = 3
 TTFT_ROUNDS = 8  # first tokens alone per side and concurrency, beside the runs'
 TARGET = 1.0  # decode tokens/s, service ÷ transformers, at both concurrencies
 SERVICE, PEER = "service", "transformers"
+LLAMA_CPP = "llama.cpp"  # the other peer (`bench.llamacpp_peer`)
+PEERS = (PEER, LLAMA_CPP)
 WHO = "dsv4 bench peer"
 
 
@@ -115,16 +118,18 @@ def _stream(client, url: str, prompt: list[int], new_tokens: int) -> tuple[float
     return sent, first, last, ids
 
 
-def service_run(url: str, batch: list[list[int]], new_tokens: int) -> Run:
+def service_run(url: str, batch: list[list[int]], new_tokens: int, stream: Callable[..., Any] | None = None) -> Run:
     """Every prompt of `batch` as its own request, all at once, on one client made before the
     clock starts: a client of its own per request spent 20-40 ms each building an SSL context,
     in the time to first token, and eight of them under one GIL spread the "concurrent" requests
-    over 50-75 ms."""
+    over 50-75 ms. `stream`: how one request streams (default the service's /v1/completions;
+    llama-server's /completion: `bench.llamacpp_peer.stream`)."""
     import httpx
 
+    stream = stream or _stream
     with httpx.Client(timeout=3600, limits=httpx.Limits(max_connections=len(batch))) as client, \
             ThreadPoolExecutor(len(batch)) as pool:
-        done = list(pool.map(lambda p: _stream(client, url, p, new_tokens), batch))
+        done = list(pool.map(lambda p: stream(client, url, p, new_tokens), batch))
     firsts, lasts = [d[1] for d in done], [d[2] for d in done]
     return Run(ttft_s=statistics.median(d[1] - d[0] for d in done), decode_s=max(lasts) - min(firsts),
                decode_tokens=sum(max(len(d[3]) - 1, 0) for d in done),
@@ -144,9 +149,9 @@ def _generate(peer: Any, batch: list[list[int]], new_tokens: int) -> tuple[float
     return time.perf_counter() - t0, out[:, ids.shape[1]:]
 
 
-def service_first(url: str, batch: list[list[int]]) -> float:
+def service_first(url: str, batch: list[list[int]], stream: Callable[..., Any] | None = None) -> float:
     """The service's time to first token alone: every prompt a one-token request, all at once."""
-    return service_run(url, batch, 1).ttft_s
+    return service_run(url, batch, 1, stream).ttft_s
 
 
 def peer_first(peer: Any, batch: list[list[int]]) -> float:
@@ -228,25 +233,26 @@ def step_split(engine: Any, spent: dict[str, float], batch: list[list[int]], new
 def measure(preset: str = "tiny", backend: str = "aoti", prompt_tokens: int = PROMPT_TOKENS,
             new_tokens: int = NEW_TOKENS, concurrent: int = CONCURRENT, repeats: int = REPEATS,
             ttft_rounds: int = TTFT_ROUNDS, model: Path | None = None,
-            log: Callable[[str], None] = print) -> dict[str, Any]:
+            log: Callable[[str], None] = print, peer: str = PEER) -> dict[str, Any]:
     """Both sides on the preset's checkpoint (or `model`), 1 and `concurrent` sequences, each
     `repeats` times and `ttft_rounds` first tokens alone (the sides taking turns); each side's run
-    of median decode tokens/s, with its median first token."""
-    from bench.hf_peer import main_model_peer, require_transformers
-
-    require_transformers(WHO)
+    of median decode tokens/s, with its median first token. `peer`: transformers' generate, or
+    llama.cpp's server (`bench.llamacpp_peer`)."""
     import torch
-    from transformers.utils import logging as hf_logging
 
-    hf_logging.set_verbosity_error()  # its notes on the synthetic config's rope fields are not figures
-    hf_logging.disable_progress_bar()
-
-    from bench.service_bench import _start
-    from runtime.events import Emitter
-    from runtime.launch.registration import register
-    from runtime.launch.spec import DEFAULTS, LaunchSpec
     from runtime.model.config import load_config
     from runtime.synth.checkpoint import ensure_default_model
+
+    if peer == PEER:
+        from bench.hf_peer import require_transformers
+
+        require_transformers(WHO)
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()  # its notes on the synthetic config's rope fields are not figures
+        hf_logging.disable_progress_bar()
+    from bench.service_bench import _start
+    from runtime.launch.spec import DEFAULTS
     from store.paths import kernel_cache_dir
 
     model = model or ensure_default_model(preset)[0]
@@ -258,24 +264,41 @@ def measure(preset: str = "tiny", backend: str = "aoti", prompt_tokens: int = PR
     cache = kernel_cache_dir()
     result: dict[str, Any] = {"preset": preset, "backend": backend, "threads": threads, "cpus": os.cpu_count(),
                               "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "max_seq": max_seq,
-                              "loads": loads, "repeats": repeats, "ttft_rounds": ttft_rounds, "split_s": {}}
+                              "loads": loads, "repeats": repeats, "ttft_rounds": ttft_rounds, "split_s": {},
+                              "peer": peer}
     def per_side() -> dict[str, dict[int, list]]:
-        return {side: {n: [] for n in loads} for side in (SERVICE, PEER)}
+        return {side: {n: [] for n in loads} for side in (SERVICE, peer)}
 
     runs: dict[str, dict[int, list[Run]]] = per_side()
     firsts: dict[str, dict[int, list[float]]] = per_side()  # first tokens measured alone
-    with tempfile.TemporaryDirectory(prefix="dsv4-bench-peer-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="dsv4-bench-peer-") as tmp, contextlib.ExitStack() as stack:
+        if peer == LLAMA_CPP:  # built and converted (once, cached) before either side runs
+            from bench import llamacpp_peer as lc
+
+            binary, own = lc.server(log), lc.gguf(model, lc.OWN_TYPES, log)
+            log(f"{LLAMA_CPP}: greedy tokens of the float32 conversion (flash attention off) …")
+            reference = lc.reference_tokens(model, batches[max(loads)], new_tokens, threads, max_seq, log, Path(tmp))
         run_dir = Path(tmp) / "serve"
         run_dir.mkdir()
         log(f"{SERVICE}: starting dsv4 serve --backend {backend} (programs in {cache}) …")
         proc, url = _start(model, run_dir, backend, cache_dir=cache, max_seq=max_seq, slots=max(loads),
                            env={"OMP_NUM_THREADS": str(threads)})
         try:
-            log(f"{PEER}: float32 copy of the checkpoint, from_pretrained …")
-            torch.set_num_threads(threads)
-            peer = main_model_peer(model, Path(tmp) / "peer")
-            sides = {SERVICE: functools.partial(service_run, url), PEER: functools.partial(peer_run, peer)}
-            first = {SERVICE: functools.partial(service_first, url), PEER: functools.partial(peer_first, peer)}
+            if peer == LLAMA_CPP:
+                log(f"{LLAMA_CPP}: {binary.name} of {own.name}, {threads} threads, {max(loads)} slots …")
+                server = stack.enter_context(lc.Server(binary, own, threads, max(loads), max_seq,
+                                                       Path(tmp) / "llama-server.log"))
+                peer_side = functools.partial(service_run, server.url, stream=lc.stream)
+                peer_alone = functools.partial(service_first, server.url, stream=lc.stream)
+            else:
+                from bench.hf_peer import main_model_peer
+
+                log(f"{PEER}: float32 copy of the checkpoint, from_pretrained …")
+                torch.set_num_threads(threads)
+                hf = main_model_peer(model, Path(tmp) / "peer")
+                peer_side, peer_alone = functools.partial(peer_run, hf), functools.partial(peer_first, hf)
+            sides = {SERVICE: functools.partial(service_run, url), peer: peer_side}
+            first = {SERVICE: functools.partial(service_first, url), peer: peer_alone}
             for n in loads:  # first calls of each shape (allocations, caches) are not the figures
                 for run in sides.values():
                     run(batches[n], min(new_tokens, 4))
@@ -289,18 +312,46 @@ def measure(preset: str = "tiny", backend: str = "aoti", prompt_tokens: int = PR
                 for n in loads:
                     for side, run in _turns(first, i):
                         firsts[side][n].append(run(batches[n]))
-            del peer, sides, first, run  # the float32 copy's memory, before the launch below
+            del sides, first, run, peer_side, peer_alone  # the peer's memory, before the launch below
+            stack.close()
         finally:
             proc.terminate()
             proc.wait(timeout=120)
     for side, by_load in runs.items():
         result[side] = {n: _median(rs, firsts[side][n]) for n, rs in by_load.items()}
-    result["tokens_equal"] = all(r.tokens == result[PEER][n].tokens for side in runs for n in loads
-                                 for r in runs[side][n])
+    if peer == LLAMA_CPP:  # the service's tokens against llama.cpp's float32 ones (its own types round otherwise)
+        result["tokens_equal"] = all(r.tokens == reference[:n] for n in loads for r in runs[SERVICE][n])
+        result["reference"] = "llama.cpp float32 conversion and KV cache, flash attention off"
+        result["reference_tokens"] = [list(t) for t in reference]
+    else:
+        result["tokens_equal"] = all(r.tokens == result[PEER][n].tokens for side in runs for n in loads
+                                     for r in runs[side][n])
+    result["split_s"] = service_split(model, cache, backend, max_seq, loads, batches, new_tokens, repeats, log)
+    ours, theirs = result[SERVICE], result[peer]
+    prefix = "llamacpp_" if peer == LLAMA_CPP else ""
+    for n in loads:
+        a, b = ours[n], theirs[n]
+        result[f"{prefix}decode_ratio_{n}"] = round(a.decode_tokens_per_s / b.decode_tokens_per_s, 3) \
+            if b.decode_tokens_per_s else None
+        result[f"{prefix}ttft_ratio_{n}"] = round(b.ttft_s / a.ttft_s, 3) if a.ttft_s else None
+    result["target"] = TARGET
+    return result
+
+
+def service_split(model: Path, cache: Path, backend: str, max_seq: int, loads: list[int],
+                  batches: dict[int, list[list[int]]], new_tokens: int, repeats: int,
+                  log: Callable[[str], None]) -> dict[int, dict[str, float]]:
+    """Where a service decode step goes: the same launch in this process, the same decode timed
+    step by step (the median step's split of `repeats` replays, after a warm-up)."""
+    from runtime.events import Emitter
+    from runtime.launch.registration import register
+    from runtime.launch.spec import LaunchSpec
+
     log("where a service decode step goes: its launch in this process, the same decode step by step …")
     spec = LaunchSpec(model, kernel_cache_dir=cache, backend=backend, device="cpu", max_seq=max_seq,
                       max_slots=max(loads))
     launched = register(spec, Emitter(lambda _e: None), record=False)
+    split = {}
     try:
         spent = time_programs(launched.engine)
         for n in loads:  # warm-up: the first steps after a launch run slower for seconds
@@ -308,16 +359,10 @@ def measure(preset: str = "tiny", backend: str = "aoti", prompt_tokens: int = PR
         for n in loads:
             splits = sorted((step_split(launched.engine, spent, batches[n], new_tokens) for _ in range(repeats)),
                             key=lambda s: s["engine step"])
-            result["split_s"][n] = splits[(len(splits) - 1) // 2]  # the median step's split
+            split[n] = splits[(len(splits) - 1) // 2]  # the median step's split
     finally:
         launched.close()
-    ours, theirs = result[SERVICE], result[PEER]
-    for n in loads:
-        a, b = ours[n], theirs[n]
-        result[f"decode_ratio_{n}"] = round(a.decode_tokens_per_s / b.decode_tokens_per_s, 3) if b.decode_tokens_per_s else None
-        result[f"ttft_ratio_{n}"] = round(b.ttft_s / a.ttft_s, 3) if a.ttft_s else None
-    result["target"] = TARGET
-    return result
+    return split
 
 
 def as_json(r: dict[str, Any]) -> dict[str, Any]:
@@ -325,28 +370,32 @@ def as_json(r: dict[str, Any]) -> dict[str, Any]:
     def side(runs: dict[int, Run]) -> dict[str, Any]:
         return {str(n): run.to_json() for n, run in runs.items()}
 
-    return {**r, SERVICE: side(r[SERVICE]), PEER: side(r[PEER]),
+    return {**r, SERVICE: side(r[SERVICE]), r["peer"]: side(r[r["peer"]]),
             "split_s": {str(n): {k: round(v, 6) for k, v in s.items()} for n, s in r["split_s"].items()}}
 
 
 def tables(r: dict[str, Any]) -> list[tuple[str, list[str], list[list]]]:
     """The side-by-side table and the step split, from `measure`'s result."""
-    rows = []
+    rows, peer = [], r["peer"]
+    prefix = "llamacpp_" if peer == LLAMA_CPP else ""
     for n in r["loads"]:
-        a, b = r[SERVICE][n], r[PEER][n]
-        ratio, target = r[f"decode_ratio_{n}"], f"≥ {r['target']}×"
+        a, b = r[SERVICE][n], r[peer][n]
+        ratio, target = r[f"{prefix}decode_ratio_{n}"], f"≥ {r['target']}×"
         verdict = "" if ratio is None else ("met" if ratio >= r["target"] else "MISSED")
         rows += [[f"decode tokens/s, {n} at once", f"{b.decode_tokens_per_s:.1f}", f"{a.decode_tokens_per_s:.1f}",
                   f"{ratio}×", target, verdict],
                  [f"time to first token (ms), {n} at once", f"{b.ttft_s * 1e3:.1f}", f"{a.ttft_s * 1e3:.1f}",
-                  f"{r[f'ttft_ratio_{n}']}×", "", ""],
+                  f"{r[f'{prefix}ttft_ratio_{n}']}×", "", ""],
                  [f"per-token interval of a sequence (ms), {n} at once", f"{b.interval_s * 1e3:.2f}",
                   f"{a.interval_s * 1e3:.2f}", "", "", ""]]
-    rows.append(["greedy tokens equal", "", "", "", "", "yes" if r["tokens_equal"] else "NO"])
-    main = (f"{r['preset']}: dsv4 serve ({r['backend']}) against transformers generate (float32, same weights), "
-            f"{r['prompt_tokens']}-token prompts, {r['new_tokens']} greedy tokens, {r['threads']} torch threads on "
-            f"{r['cpus']} CPUs — ratio: service ÷ transformers (above 1 faster)",
-            ["figure", PEER, SERVICE, "ratio", "target", ""], rows)
+    rows.append([f"greedy tokens equal ({r.get('reference', peer)})", "", "", "", "",
+                 "yes" if r["tokens_equal"] else "NO"])
+    against = ("llama.cpp's llama-server (its own types: MXFP4 experts, Q8_0, BF16)" if peer == LLAMA_CPP
+               else "transformers generate (float32, same weights)")
+    main = (f"{r['preset']}: dsv4 serve ({r['backend']}) against {against}, "
+            f"{r['prompt_tokens']}-token prompts, {r['new_tokens']} greedy tokens, {r['threads']} threads on "
+            f"{r['cpus']} CPUs — ratio: service ÷ {peer} (above 1 faster)",
+            ["figure", peer, SERVICE, "ratio", "target", ""], rows)
     split_rows = []
     keys = list(dict.fromkeys(k for s in r["split_s"].values() for k in s))
     for k in keys:
@@ -363,13 +412,22 @@ def tables(r: dict[str, Any]) -> list[tuple[str, list[str], list[list]]]:
 
 
 def main(preset: str = "tiny", backend: str = "aoti", json_output: bool = False,
-         prompt_tokens: int = PROMPT_TOKENS, new_tokens: int = NEW_TOKENS) -> int:
+         prompt_tokens: int = PROMPT_TOKENS, new_tokens: int = NEW_TOKENS, peer: str = PEER) -> int:
     import sys
 
     from bench.report import print_json, print_table
 
-    r = measure(preset, backend, prompt_tokens, new_tokens,
-                log=(lambda s: None) if json_output else (lambda s: print(s, file=sys.stderr, flush=True)))
+    log = (lambda s: None) if json_output else (lambda s: print(s, file=sys.stderr, flush=True))
+    if peer == LLAMA_CPP:
+        from bench.llamacpp_peer import PeerUnavailable
+
+        try:
+            r = measure(preset, backend, prompt_tokens, new_tokens, log=log, peer=peer)
+        except PeerUnavailable as e:  # llama.cpp cannot run this checkpoint here: why, in one line
+            print(f"dsv4 bench peer: llama.cpp cannot run {preset} here: {e}", file=sys.stderr)
+            return 1
+    else:
+        r = measure(preset, backend, prompt_tokens, new_tokens, log=log)
     if json_output:
         print_json(as_json(r))
     else:

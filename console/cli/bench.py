@@ -237,6 +237,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     packing.add_argument("--json", action="store_true", help="print one JSON object")
     packing.set_defaults(func=_packing)
 
+    roof = sub.add_parser(
+        "roofline",
+        help="each step against this host's limit: decode vs memory bandwidth, prefill vs GEMM rate, by program family",
+        description="On the preset's checkpoint, launched in this process (no MTP): this host's memory bandwidth "
+        "(a read-only pass and a STREAM triad on the service's threads) and float32 GEMM rate at each shape a "
+        "prefill multiplies; a decode step of 1, 8 and 32 rows against the bytes it must read (each weight once, "
+        "the routed experts its rows picked, the head, the KV rows) and a prefill of 256 and 1024 tokens against "
+        "its GEMM bound, each split by program family so the least efficient part is named; all in turns. "
+        "Targets: decode ≥ 70 %% of the bound at 1 row, the 8-row step ≤ 1.5× the 1-row step, a 1024-token "
+        "prefill ≥ 50 %% of the GEMM bound. --json keys: bandwidth_gbs, decode_share_1, decode_share_8, "
+        "step_8_vs_1, prefill_share_1024.",
+    )
+    roof.add_argument("--preset", choices=("tiny", "small", "medium"), default="small",
+                      help="synthetic checkpoint (default %(default)s; made on first use)")
+    roof.add_argument("--backend", choices=("aoti", "export", "eager"), default="aoti",
+                      help="program backend (default %(default)s; compiled on the first run)")
+    roof.add_argument("--json", action="store_true", help="print one JSON object")
+    roof.set_defaults(func=_roofline)
+
     comp = sub.add_parser(
         "compile",
         help="a launch's programs compiled cold in both program forms: routed experts apart vs inside each layer",
@@ -281,6 +300,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                       help="tokens of each prompt (default %(default)s)")
     peer.add_argument("--new-tokens", type=int, default=NEW_TOKENS, metavar="N",
                       help="greedy tokens generated per prompt (default %(default)s)")
+    peer.add_argument("--peer", choices=("transformers", "llama.cpp"), default="transformers",
+                      help="the other side: transformers' generate (float32, default), or llama.cpp's llama-server "
+                      "built once from the llama-cpp-python package's vendored sources (cached under the user cache "
+                      "dir), the checkpoint converted by its own converter at its own types (and at float32 for the "
+                      "tokens); --json keys llamacpp_decode_ratio_1, llamacpp_decode_ratio_8")
     peer.add_argument("--json", action="store_true", help="print one JSON object")
     peer.set_defaults(func=_peer)
 
@@ -308,13 +332,19 @@ def _compile(args: argparse.Namespace) -> int:
     return main(preset=args.preset, backend=args.backend, jobs=args.jobs, json_output=args.json)
 
 
+def _roofline(args: argparse.Namespace) -> int:
+    from bench.roofline_bench import main
+
+    return main(preset=args.preset, backend=args.backend, json_output=args.json)
+
+
 def _peer(args: argparse.Namespace) -> int:
     from bench.peer_bench import main
 
     if args.prompt_tokens < 1 or args.new_tokens < 2:
         raise UserError("--prompt-tokens: 1 or more; --new-tokens: 2 or more (decode follows the first token)")
     return main(preset=args.preset, backend=args.backend, json_output=args.json,
-                prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens)
+                prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, peer=args.peer)
 
 
 def _cache_ship(args: argparse.Namespace) -> int:

@@ -47,6 +47,7 @@ class Launched:
     group: Any = None  # runtime.launch.ranks.Group: the other ranks of this service (None: one rank)
     hosts: tuple[str, ...] = ()  # each rank's host, in rank order (a service of several ranks)
     _closers: list = field(default_factory=list)
+    after_ready: Any = None  # runtime.programs.after_ready.AfterReady: what compiled after ready
 
     @property
     def spec(self) -> LaunchSpec:
@@ -176,6 +177,11 @@ def _register(spec: LaunchSpec, rank_env, emitter: Emitter, phases: PhaseRecorde
         release(False)
         raise
     release(True)
+    from runtime.programs.after_ready import arm
+
+    launched.after_ready = arm(runners, spec.compile_after_ready,
+                               lambda message, **detail: emitter.log(Phase.SERVE, message, **detail))
+    launched._closers.append(launched.after_ready.disarm)
     return launched
 
 

@@ -28,6 +28,7 @@ SERVE, COMPILE, PLAN, CONSOLE, PREPACK, CACHE, SIDECAR_PURGE = (
     "serve", "compile", "plan", "console", "prepack", "cache", "sidecar purge")
 LAUNCH = (SERVE, CONSOLE)  # the whole spec: the console launches what `dsv4 serve` would
 READY_CHOICES = ("compiled", "early", "auto")
+COMPILE_AFTER_READY_CHOICES = ("warn", "error")  # runtime.programs.after_ready.MODES
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class LaunchSpec:
     use_sidecar: bool = True
     cold_policy: str = "auto"
     ready: str = "compiled"
+    compile_after_ready: str = "warn"
     jobs: int | None = None  # None: the CPUs this process may use, capped by memory
     speculative: str = "auto"
     validate_tokens: int = 8
@@ -206,6 +208,10 @@ FLAGS: tuple[Flag, ...] = (
          "once and swap each program in as it compiles (one rank only); auto: early when the plan misses "
          "programs and one rank serves, else compiled (default %(default)s)", (*LAUNCH, PLAN), choices=READY_CHOICES,
          defaults={CONSOLE: "auto"}),
+    Flag("compile_after_ready", "--compile-after-ready", "a program compiled, loaded or specialised after the "
+         "service turned ready (dsv4_compiles_after_ready_total; --ready early's tier swaps are counted, never "
+         "refused): warn logs it, error fails the step that did it (default %(default)s)", LAUNCH,
+         choices=COMPILE_AFTER_READY_CHOICES),
     Flag("jobs", "--jobs", "compile missing programs in N worker processes (default: the CPUs this process "
          "may use, capped by memory)", (SERVE, COMPILE, CONSOLE), type=int, metavar="N", lo=1, hi=1024),
     Flag("speculative", "--speculative", "mtp: the MTP layer drafts a token that the main model verifies in "

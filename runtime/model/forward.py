@@ -48,7 +48,7 @@ from runtime.model.attention import Rows, attention
 from runtime.model.config import CSA, HCA, SLIDING
 from runtime.model.dims import Dims
 from runtime.model.hyper_connections import hc_head, hc_post, hc_pre
-from runtime.model.moe import moe, route, routed, shared_expert
+from runtime.model.moe import moe, route, routed_fused, shared_expert
 from runtime.model.ops import NORM_EPS, NativeProducts, linear, rms_norm, weight
 
 __all__ = ["FFN_PARTS", "KINDS", "NORM_EPS", "ROUTED_INPUT", "Rows", "block", "embed", "experts", "ffn_out", "head",
@@ -89,8 +89,9 @@ def experts(d: Dims, w: dict[str, torch.Tensor], h: torch.Tensor, idx: torch.Ten
             native: NativeProducts | None = None) -> torch.Tensor:
     """This rank's routed experts over rows from any rank (their choices of other ranks'
     experts weigh 0 here): each row's share of its routed sum (`expert_base` None: one rank
-    holding every expert); `picked`: only that way; `native`: the FP4 products (`moe.routed`)."""
-    return routed(d, w, h, idx, weights, expert_base, picked, native)
+    holding every expert); `picked`: only that way; `native`: the FP4 products (`moe.routed`), a
+    layer's experts in two native calls where they serve (`moe.routed_fused`)."""
+    return routed_fused(d, w, h, idx, weights, expert_base, picked, native)
 
 
 def embed(d: Dims, w: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:

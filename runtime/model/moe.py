@@ -90,6 +90,34 @@ def _experts_grouped(d: Dims, experts: dict[str, torch.Tensor], h: torch.Tensor,
     return out.index_add_(0, rows, torch.cat(ys) * gates[:, None]) if ys else out
 
 
+def routed_fused(d: Dims, w: dict[str, torch.Tensor], h: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
+                 expert_base: torch.Tensor | None = None, picked: bool | None = None,
+                 native: NativeProducts | None = None) -> torch.Tensor:
+    """`routed`, with the native library's fused calls first where they serve: run eagerly on the
+    cpu (`experts.native`: the grouped way), a layer's routed experts in two calls
+    (`_ffn_native`); anything else as `routed` runs it. Apart from `routed` so the programs that
+    trace `routed` (every layer program reaches it by name) keep their keys."""
+    if native is not None and h.device.type == "cpu" and not torch.compiler.is_compiling():
+        local = idx if expert_base is None else idx - expert_base
+        if (y := _ffn_native(d, _expert_tensors(w), h, local, weights, native)) is not None:
+            return y
+    return routed(d, w, h, idx, weights, expert_base, picked, native)
+
+
+def _ffn_native(d: Dims, experts: dict[str, torch.Tensor], h: torch.Tensor, idx: torch.Tensor,
+                weights: torch.Tensor, native: NativeProducts) -> torch.Tensor | None:
+    """The whole grouped way of `_experts_grouped` in the native library's two calls a layer
+    (`runtime.model.native_ffn`: the sort, gather, products and gate-weighted sum; the SwiGLU
+    between them this module's): the same numbers, without the twenty-odd torch ops and three
+    calls a layer around them. None where it does not serve (not FP4-packed): the torch ops then."""
+    ffn = getattr(native, "ffn", None)
+    mats = [(experts.get(f"{name}.qweight"), experts.get(f"{name}.qscale")) for name in EXPERT_MATS]
+    if ffn is None or any(q is None or s is None or q.dtype != torch.uint8 for q, s in mats):
+        return None
+    (p1, q1), (p3, q3), w2 = mats
+    return ffn(h, idx, weights, (p1, q1, p3, q3), w2, lambda a, b: _swiglu(d, a, b))
+
+
 def _grouped_native(d: Dims, experts: dict[str, torch.Tensor], x: torch.Tensor, counts: list[int],
                     native: NativeProducts) -> torch.Tensor | None:
     """`expert_ffn` of every used expert over its rows (x: each expert's rows together, in expert

@@ -42,11 +42,13 @@ from pathlib import Path
 import torch
 
 from runtime.model.native_dense import DENSE_SOURCE, DENSE_TILE
+from runtime.model.native_ffn import FFN_SOURCE
 from runtime.model.native_fp4 import FP4_SOURCE
 
 # the C++ of every native product: the FP4 experts' (`native_fp4`), the dense weights' after it
-# (`native_dense`, which calls the FP4 source's helpers)
-SOURCE = FP4_SOURCE + DENSE_SOURCE
+# (`native_dense`, which calls the FP4 source's helpers), a layer's routed experts' (`native_ffn`)
+SOURCE = FP4_SOURCE + DENSE_SOURCE + FFN_SOURCE
+FFN_MAX_TOPK = 64  # the most choices a row `dsv4_fp4_ffn_out` sums (its per-row list)
 
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-x", "c++")
 
@@ -102,6 +104,12 @@ class Native:
         self._dense.restype = None
         self._dense.argtypes = [ptr, i64, i64, ptr, i64, ctypes.c_int, ptr, i64, i64, i64, ptr, i64, ctypes.c_int,
                                 ctypes.c_int]
+        self._ffn_in, self._ffn_out = library.dsv4_fp4_ffn_in, library.dsv4_fp4_ffn_out
+        self._ffn_in.restype, self._ffn_out.restype = i64, None
+        self._ffn_in.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ptr,
+                                 ptr, ptr, ptr, ctypes.c_int, ctypes.c_int]
+        self._ffn_out.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, ptr,
+                                  ctypes.c_int, ctypes.c_int]
         self.isa = ISA_BEST
         self._cpu_isa = _TORCH_ISA.get(torch.backends.cpu.get_cpu_capability(), ISA_SCALAR)
 
@@ -139,6 +147,48 @@ class Native:
                           len(ids), packed.data_ptr(), packed.stride(0), packed.stride(1), scale.data_ptr(),
                           scale.stride(0), scale.stride(1), out.data_ptr(), half, cols, 2 * half // scale.shape[1],
                           torch.get_num_threads(), self.isa)
+        return out
+
+    def ffn(self, x: torch.Tensor, idx: torch.Tensor, gates: torch.Tensor, w13: tuple[torch.Tensor, ...],
+            w2: tuple[torch.Tensor, torch.Tensor], swiglu) -> torch.Tensor | None:
+        """A layer's routed experts over rows x [rows, hidden] with their choices idx [rows, k]
+        (local ids; outside 0..n-1 skipped) and gates [rows, k]: w13 = (w1, w1's scale, w3, w3's
+        scale) [n, hidden/2, inter] / [n, hidden/group, inter], w2 = (w2, its scale) [n, inter/2,
+        hidden], `swiglu(a, b)` the activation between them (torch's): each row's gate-weighted sum
+        of its experts' outputs [rows, hidden], `native_ffn`'s two calls; None if these are not such."""
+        p1, q1, p3, q3 = w13
+        p2, q2 = w2
+        rows, hidden = x.shape if x.dim() == 2 else (0, 0)
+        if (x.dim() != 2 or x.dtype != torch.float32 or not x.is_cpu or idx.dim() != 2 or idx.shape[0] != rows
+                or idx.dtype != torch.int64 or not idx.is_cpu or gates.shape != idx.shape or gates.dtype != torch.float32
+                or not gates.is_cpu or not 0 < idx.shape[1] <= FFN_MAX_TOPK or p1.dim() != 3 or p2.dim() != 3
+                or q1.dim() != 3 or q2.dim() != 3 or p1.shape != p3.shape or q1.shape != q3.shape
+                or p1.stride() != p3.stride() or q1.stride() != q3.stride() or not 0 < p1.shape[0] == q1.shape[0]
+                or p2.shape[0] != p1.shape[0] or q2.shape[0] != p1.shape[0] or 2 * p1.shape[1] != hidden
+                or p2.shape[2] != hidden or 2 * p2.shape[1] != p1.shape[2]
+                or not all(self._takes(p[0], q[0]) for p, q in ((p1, q1), (p3, q3), (p2, q2)))):
+            return None
+        n, k, inter = p1.shape[0], idx.shape[1], p1.shape[2]
+        if rows == 0:
+            return torch.zeros(0, hidden)
+        x, idx, gates = x.contiguous(), idx.contiguous(), gates.contiguous()
+        choices = rows * k
+        plan = torch.empty(2 * choices + 2 * n + 2, dtype=torch.int64)
+        scratch = torch.empty(choices * (hidden + 2 * inter), dtype=torch.float32)
+        threads = torch.get_num_threads()
+        pairs = self._ffn_in(x.data_ptr(), rows, hidden, idx.data_ptr(), k, n, p1.data_ptr(), q1.data_ptr(),
+                             p3.data_ptr(), q3.data_ptr(), p1.stride(0), p1.stride(1), q1.stride(0), q1.stride(1),
+                             2 * p1.shape[1] // q1.shape[1], inter, plan.data_ptr(), scratch.data_ptr(),
+                             scratch[choices * hidden:].data_ptr(), scratch[choices * (hidden + inter):].data_ptr(),
+                             threads, self.isa)
+        a = scratch[choices * hidden:choices * hidden + pairs * inter].view(pairs, inter)
+        b = scratch[choices * (hidden + inter):choices * (hidden + inter) + pairs * inter].view(pairs, inter)
+        act = swiglu(a, b).contiguous()
+        y = scratch[:pairs * hidden]  # the gathered rows are spent: w2's outputs take their place
+        out = torch.empty(rows, hidden, dtype=torch.float32)
+        self._ffn_out(act.data_ptr(), rows, hidden, gates.data_ptr(), k, n, p2.data_ptr(), q2.data_ptr(), p2.stride(0),
+                      p2.stride(1), q2.stride(0), q2.stride(1), 2 * p2.shape[1] // q2.shape[1], inter, plan.data_ptr(),
+                      y.data_ptr(), out.data_ptr(), threads, self.isa)
         return out
 
     def dense(self, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor | None:

@@ -282,28 +282,45 @@ static void tile_rows(const float *x, int64_t rows, const uint8_t *packed, int64
 /* the routed experts of a layer, grouped by expert: x [pairs, 2 half] holds expert ids[k]'s rows
    from starts[k] to starts[k + 1]; each times its expert's weight (packed + ids[k] * packed_stride,
    scale + ids[k] * scale_stride) into out [pairs, cols]. One parallel loop over (expert, tile):
-   the experts' rows differ, so the units are handed out as threads free up. */
+   the experts' rows differ, so the units are handed out as threads free up; of two weights of the
+   same shape (w1 and w3), both in that one loop. Run by a team already started (`omp for`s, the last
+   with its barrier): `dsv4_fp4_grouped` alone, or a phase of `dsv4_fp4_ffn_in`'s and `_out`'s
+   (`native_ffn`). */
+struct Weights {  /* weights[count] (stacks of the same shape): their products share one loop */
+    const uint8_t *packed[2], *scale[2];
+    float *out[2];
+    int count;
+};
+
+static void grouped_in_team(const float *x, const int64_t *ids, const int64_t *starts, int64_t used,
+                            const Weights &w, int64_t packed_stride, int64_t ld_packed, int64_t scale_stride,
+                            int64_t ld_scale, int64_t half, int64_t cols, int64_t group, int avx512, int avx2) {
+    const int64_t width = tile_width(avx512, avx2), tiles = cols / width, units = used * tiles;
+#pragma omp for schedule(dynamic, 4) nowait
+    for (int64_t u = 0; u < w.count * units; u++) {
+        const int64_t m = u / units, k = (u % units) / tiles, e = ids[k];
+        tile_rows(x + starts[k] * 2 * half, starts[k + 1] - starts[k], w.packed[m] + e * packed_stride, ld_packed,
+                  w.scale[m] + e * scale_stride, ld_scale, w.out[m] + starts[k] * cols, half, cols, group,
+                  width * (u % tiles), avx512, avx2);
+    }
+#pragma omp for schedule(static)
+    for (int64_t mk = 0; mk < w.count * used; mk++) {
+        const int64_t m = mk / used, k = mk % used;
+        for (int64_t o = width * tiles; o < cols; o++)
+            column_scalar(x + starts[k] * 2 * half, starts[k + 1] - starts[k], w.packed[m] + ids[k] * packed_stride,
+                          ld_packed, w.scale[m] + ids[k] * scale_stride, ld_scale, w.out[m] + starts[k] * cols, half,
+                          cols, group, o);
+    }
+}
+
 extern "C" void dsv4_fp4_grouped(const float *x, const int64_t *ids, const int64_t *starts, int64_t used,
                                  const uint8_t *packed, int64_t packed_stride, int64_t ld_packed, const uint8_t *scale,
                                  int64_t scale_stride, int64_t ld_scale, float *out, int64_t half, int64_t cols,
                                  int64_t group, int threads, int isa) {
     const int avx512 = isa >= 2 && cpu_isa() >= 2, avx2 = isa >= 1 && cpu_isa() >= 1;
-    const int64_t width = tile_width(avx512, avx2), tiles = cols / width;
+    const Weights w = {{packed, nullptr}, {scale, nullptr}, {out, nullptr}, 1};
 #pragma omp parallel num_threads(threads)
-    {
-#pragma omp for schedule(dynamic, 4) nowait
-        for (int64_t u = 0; u < used * tiles; u++) {
-            const int64_t k = u / tiles, e = ids[k];
-            tile_rows(x + starts[k] * 2 * half, starts[k + 1] - starts[k], packed + e * packed_stride, ld_packed,
-                      scale + e * scale_stride, ld_scale, out + starts[k] * cols, half, cols, group,
-                      width * (u % tiles), avx512, avx2);
-        }
-#pragma omp for schedule(static)
-        for (int64_t k = 0; k < used; k++)
-            for (int64_t o = width * tiles; o < cols; o++)
-                column_scalar(x + starts[k] * 2 * half, starts[k + 1] - starts[k], packed + ids[k] * packed_stride,
-                              ld_packed, scale + ids[k] * scale_stride, ld_scale, out + starts[k] * cols, half, cols,
-                              group, o);
-    }
+    grouped_in_team(x, ids, starts, used, w, packed_stride, ld_packed, scale_stride, ld_scale, half, cols, group,
+                    avx512, avx2);
 }
 """

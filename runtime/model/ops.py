@@ -74,6 +74,11 @@ class NativeProducts(Protocol):
     def dense_rows(self) -> int:
         """Up to how many rows `dense` is faster than a GEMM of the widened weight."""
 
+    def ffn(self, x: torch.Tensor, idx: torch.Tensor, gates: torch.Tensor, w13: tuple[torch.Tensor, ...],
+            w2: tuple[torch.Tensor, torch.Tensor], swiglu: Callable[..., torch.Tensor]) -> torch.Tensor | None:
+        """A layer's routed experts over rows x with their choices and gates, fused
+        (`moe.routed_fused`); None where it does not serve."""
+
 
 def weight(w: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     """A matmul weight [.., in, out] as float32: a packed one dequantised per block from the
@@ -255,7 +260,11 @@ def dense_calls(on: bool = True) -> Iterator[None]:
 def dense(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     """x @ w (FP8 with its block scales, or BF16), run eagerly by `linear`: natively if the native
     products are loaded, take it and are the faster at these rows, else dequantised for a GEMM:
-    what `dsv4::dense` runs."""
+    what `dsv4::dense` runs. The native product is asked first, as `linear` would: a program calls
+    this some 170 times a decode step of small, and the weight dict and checks `linear` builds
+    around it are time in Python each call."""
+    if (out := _native_product(x, w, scale)) is not None:
+        return out
     return linear({"w.weight": w} if scale is None else {"w.qweight": w, "w.qscale": scale}, "w", x)
 
 

@@ -173,6 +173,9 @@ def export_program(spec: ProgramSpec, device: str = "cpu") -> Any:
 
 
 def _build(spec: ProgramSpec, backend: str, device: str, out_dir: Path) -> None:
+    from runtime.programs.after_ready import COMPILE, loading
+
+    loading(spec.name, COMPILE)  # a ready service in this process counts it
     if is_native(spec):  # compiled from C++ source, not traced
         from runtime.model import native
 
@@ -197,6 +200,9 @@ def _load(spec: ProgramSpec, backend: str, data: bytes) -> Callable[..., Any]:
 
     # importing ops registers `dsv4::matmul` and `dsv4::dense`, which programs compiled for the cpu call
     from runtime.model.ops import use_native
+    from runtime.programs.after_ready import loading
+
+    loading(spec.name)  # a ready service in this process counts it
 
     if is_native(spec):
         from runtime.model import native

@@ -239,6 +239,8 @@ def _pool(plan, root: Path, emitter: Emitter, phase: str, stop: threading.Event 
 def _compile_in_background(pool, missing, cache, backend, device_kind, table, emitter: Emitter, phase: str) -> None:
     """--ready early: each program loaded and staged the moment it publishes, so they swap in one
     by one; a failure leaves it eager, once said."""
+    from runtime.programs.after_ready import for_tier_swap
+
     if not table.compiles_may_start():
         return  # the launch failed: nothing will serve
     by_name = {s.name: s for s in missing}
@@ -249,11 +251,14 @@ def _compile_in_background(pool, missing, cache, backend, device_kind, table, em
         try:
             if not done.ok:
                 raise RuntimeError(done.error)
-            table.stage(done.program, _load(by_name[done.program], cache, backend, device_kind).run)
+            with for_tier_swap():
+                table.stage(done.program, _load(by_name[done.program], cache, backend, device_kind).run)
         except Exception as e:
             _stays_eager(table, done.program, e, emitter, phase)
 
-    with _loader() as loader:
+    # what this thread compiles in process (the pool's serial fallback) and the loader loads is the
+    # tier swap's: counted after ready when each program swaps in
+    with _loader() as loader, for_tier_swap():
         try:
             _run_pool(pool, missing, emitter, phase, lambda done: loader.submit(stage, done))
         except Exception as e:  # the service keeps serving on the eager tier

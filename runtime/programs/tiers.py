@@ -4,13 +4,20 @@
 background compile pool at any time but are only *staged*; the engine calls `swap_point()` at the
 start of each step, so a swap always lands between two steps, never inside one. Tokens never
 depend on the tier (the compiled program computes what the eager one does).
+
+Once the service is ready its table carries a watch (`runtime.programs.after_ready`): each program
+call is looked up through it, so a JIT compile during the call counts for that program, and each
+swap counts as the one compiling after ready the design allows.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from runtime.programs.after_ready import AfterReady
 
 EAGER, COMPILED = "eager", "compiled"
 
@@ -31,6 +38,12 @@ class TieredRunners(dict):
         # with its own phases (weights, KV, validation on the eager tier), which decide time to ready
         self._released = threading.Event()
         self._go = False
+        self.watch: AfterReady | None = None  # set once the service is ready (`after_ready.arm`)
+
+    def __getitem__(self, name: str) -> Callable[..., Any]:
+        runner = super().__getitem__(name)
+        watch = self.watch
+        return runner if watch is None else watch.watched(name, runner)
 
     def release_compiles(self, go: bool) -> None:
         """The launch is ready (go) or failed (not go): background compiles start, or never do."""
@@ -50,8 +63,8 @@ class TieredRunners(dict):
         with self._lock:
             self.failed[name] = reason
 
-    def swap_point(self) -> None:
-        """Between two steps: install the compiled programs staged since the last step."""
+    def swap_point(self) -> list[str]:
+        """Between two steps: install the compiled programs staged since the last step; their names."""
         with self._lock:
             staged, self._staged = self._staged, {}
             for name, runner in staged.items():
@@ -60,6 +73,10 @@ class TieredRunners(dict):
             self.steps[EAGER if EAGER in self.tiers.values() else COMPILED] += 1
         for name in staged:
             self._on_swap(name)
+        if self.watch is not None:
+            self.watch.check()
+            self.watch.swapped(staged)
+        return list(staged)
 
     def status(self) -> str:
         """For /health: "compiled", or "compiling 9/14" while some still run eager."""

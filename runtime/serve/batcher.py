@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from runtime.serve.sampling import Sampler, logprobs
+from store.errors import UserError
 
 log = logging.getLogger(__name__)
 PACK_PROMPT = 128  # prompts up to this many tokens prefill packed into the shared step
@@ -159,8 +160,10 @@ class Batcher:
                   for r, (_, tokens) in zip(runs, batch, strict=True)]
         try:
             step = self.engine.step(batch, prefill=prefill, logits_rows=wanted)
-        except Exception:
-            log.exception("engine step failed (%d sequences, %d rows)", len(runs), sum(len(t) for _, t in batch))
+        except Exception as e:  # one of ours that knows its cause is one line (a compile after ready refused)
+            (log.error if isinstance(e, UserError) else log.exception)(
+                "engine step failed (%d sequences, %d rows)%s", len(runs), sum(len(t) for _, t in batch),
+                f": {e}" if isinstance(e, UserError) else "")
             return [r for r in runs if self.end(r, "error")]
         decoding = [r for r in runs if r.prefilled]
         if decoding:

@@ -179,6 +179,10 @@ SIDECAR_VERDICT = Metric("dsv4_sidecar_verdict", "gauge", "1 for the weights pat
                          ("path", "reason"))
 STEPS_BY_TIER = Metric("dsv4_steps_by_tier", "gauge", "Engine steps run while any program was eager, or all compiled",
                        ("tier",))
+COMPILES_AFTER_READY = Metric(
+    "dsv4_compiles_after_ready", "counter", "Programs compiled, loaded or specialised after the service turned "
+    "ready, by program and kind (jit, load, compile; tier-swap: --ready early's compiled tier swapping in)",
+    ("program", "kind"))
 ENGINE = {  # gauges read from the engine thread's counters (Scheduler.stats) at every scrape
     Metric("dsv4_decode_steps", "gauge", "Decode steps the engine ran"): "steps",
     Metric("dsv4_decode_batch_mean", "gauge", "Mean sequences per decode step"): "mean_batch",
@@ -190,5 +194,5 @@ ENGINE = {  # gauges read from the engine thread's counters (Scheduler.stats) at
 }
 METRICS = (REQUESTS, API_KEYS, TOKENS, GENERATED, GENERATIONS, REQUEST_SECONDS, QUEUE_WAIT, TTFT, ITL, QUEUE_DEPTH,
            RUNNING, KV_SLOTS, KV_SLOTS_USED, PHASE_SECONDS, PROGRAM_OUTCOMES, SIDECAR_VERDICT, STEPS_BY_TIER,
-           *ENGINE)
+           COMPILES_AFTER_READY, *ENGINE)
 GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions")

@@ -1,6 +1,6 @@
 """/metrics: the exporter of the contract's metrics (`runtime.serve.contract.METRICS`): every
 response by endpoint and status, generations, tokens, time to first token and between tokens,
-queue, KV slots in use, launch facts."""
+queue, KV slots in use, launch facts, what compiled after ready."""
 
 from __future__ import annotations
 
@@ -40,6 +40,10 @@ class Metrics:
         m[c.SIDECAR_VERDICT.name].labels(weights.get("path", "unknown"), weights.get("reason", "")).set(1)
         for metric, key in c.ENGINE.items():
             m[metric.name].set_function(lambda key=key: scheduler.stats[key] or 0.0)
+        watch = getattr(launched, "after_ready", None)  # runtime.programs.after_ready.AfterReady
+        if watch is not None:
+            compiles = m[c.COMPILES_AFTER_READY.name]
+            watch.listen(lambda program, kind, n: compiles.labels(program, kind).inc(n))
         tiers = getattr(launched, "tiers", None)
         if hasattr(tiers, "steps"):  # --ready early: how many steps ran with some program still eager
             for tier in tiers.steps:

@@ -18,7 +18,7 @@ SAMPLES = {
     "model": Path("/models/v4"), "kernel_cache_dir": Path("/cache/k"), "backend": "export", "device": "cpu",
     "ranks": 2, "max_seq": 512, "max_slots": 7, "max_batch": 3, "memory_utilization": 0.5,
     "device_memory": 8 << 30, "use_sidecar": False, "cold_policy": "read", "ready": "auto", "jobs": 3,
-    "speculative": "off", "validate_tokens": 2, "max_body": 1 << 20, "queue_timeout": 2.5, "host": "0.0.0.0",
+    "speculative": "off", "compile_after_ready": "error", "validate_tokens": 2, "max_body": 1 << 20, "queue_timeout": 2.5, "host": "0.0.0.0",
     "port": 0, "master_port": 29400, "rendezvous_timeout": 5.0, "rank_timeout": 2.5, "stall_timeout": 30.0,
     "signing_key": Path("/keys/signing.key"), "trusted_keys": Path("/keys/trusted"), "events": "-",
     "api_key_file": Path("/keys/api"), "status_needs_key": False, "ssl_certfile": Path("/tls/cert.pem"),

@@ -170,6 +170,8 @@ def test_tokens_do_not_depend_on_the_tier_even_across_a_swap_mid_generation(tiny
     assert early.tiers.status() == COMPILED
     swaps = [e for e in events if e.kind == "log" and (e.detail or {}).get("tier") == COMPILED]
     assert len(swaps) == len(specs)
+    # after ready, the tier swaps are the only compiling, each program's once and named so (issue 72)
+    assert early.after_ready.counts == {(name, "tier-swap"): 1 for name in specs}
     # the compiles waited for the launch to be ready: they never competed with its phases
     validated = next(i for i, e in enumerate(events) if e.phase == "validate" and e.kind == "end")
     queued = next(i for i, e in enumerate(events) if (e.detail or {}).get("state") == "queued")
