@@ -52,7 +52,7 @@ def test_the_health_contract_round_trips_against_a_served_instance(tiny_server):
 
 @pytest.mark.parametrize(("body", "says"), [
     ({"status": "ok", "slots": 4}, "v1 (an older dsv4, unversioned)"),
-    ({"v": 4, "status": "ok"}, "v4 (a newer dsv4)"),
+    ({"v": 5, "status": "ok"}, "v5 (a newer dsv4)"),
     ({"v": 2, "status": "ok"}, "v2 (another dsv4)"),  # before /health answered while registering
     (["not", "an", "object"], "not a JSON object"),
     ({"v": contract.HEALTH_VERSION, "status": "ok"}, "malformed"),
