@@ -46,8 +46,10 @@ class Node:
     events: str
     supervisor: int = 0
     started: float = 0.0
-    ending: dict[str, Any] | None = None  # at, how, lines (the log's last lines)
+    ending: dict[str, Any] | None = None  # at, how, reason (the failing rank's own words), lines (the log's last)
     argv: tuple[str, ...] = field(default_factory=tuple)
+    service_logs: tuple[str, ...] = ()  # this host's ranks' own logs (runtime.serve.log), rank order
+    previous_log: str = ""  # the node before this one on this host: its torchrun log
 
     @property
     def alive(self) -> bool:
@@ -69,6 +71,7 @@ class Node:
     def from_json(cls, raw: dict[str, Any]) -> Node:
         known = {k: raw[k] for k in cls.__dataclass_fields__ if k in raw}
         known["argv"] = tuple(known.get("argv") or ())
+        known["service_logs"] = tuple(str(p) for p in known.get("service_logs") or ())
         return cls(**known)
 
 
@@ -101,13 +104,15 @@ def nodes() -> list[Node]:
     return sorted(found, key=lambda n: n.started, reverse=True)
 
 
-def ended(node: Node, code: int, asked: bool = False) -> Node:
-    """Record the agent's exit status (negative: the signal that killed it); `asked`: a stop was
-    asked for (torchrun answers SIGTERM with exit 1: that is a stop, not a failure)."""
+def ended(node: Node, code: int, asked: bool = False, reason: str = "") -> Node:
+    """Record the agent's exit status (negative: the signal that killed it) and the cause in words
+    (`reason`: the failing rank's own line, not torchrun's footer); `asked`: a stop was asked for
+    (torchrun answers SIGTERM with exit 1: that is a stop, not a failure)."""
     from store.services import how, log_tail
 
     said = "stopped by SIGTERM" if asked and code != -signal.SIGKILL else how(code)
-    done = replace(node, ending={"at": round(time.time(), 3), "how": said, "lines": list(log_tail(node.log, LOG_LINES))})
+    done = replace(node, ending={"at": round(time.time(), 3), "how": said, "reason": "" if asked else reason[:500],
+                                 "lines": list(log_tail(node.log, LOG_LINES))})
     write(done)
     return done
 

@@ -190,6 +190,7 @@ class RankStore:
         self.rank, self.world = env.rank, env.world
         self.lost: str | None = None  # set once the service is lost: every collective and wait fails
         self._beat: Heartbeat | None = None
+        self.usage = None  # runtime.serve.usage.Usage once it beats: this rank's CPU, RSS and device
         # the abort line's connection: once beating, the heartbeat's (its calls wait at most the
         # rank timeout), so failing the service never blocks long on a store that is gone
         self._quick = store
@@ -318,6 +319,15 @@ class RankStore:
             time.sleep(POLL_S)
         return [self.store.get(k).decode() for k in keys]
 
+    def collect(self, key: str, timeout: float) -> dict[int, str]:
+        """What each rank posted for `key`, waiting at most `timeout` for all of them (a rank that
+        has not posted by then is left out): for a figure, never a sync point."""
+        keys = {r: f"{PREFIX}{key}/{r}" for r in range(self.world)}
+        deadline = time.monotonic() + timeout
+        while not self.store.check(list(keys.values())) and time.monotonic() < deadline and self.lost is None:
+            time.sleep(POLL_S)
+        return {r: self.store.get(k).decode(errors="replace") for r, k in keys.items() if self.store.check([k])}
+
     def _missing(self, ranks: list[int], keys: list[str]) -> list[int]:
         return [r for r, k in zip(ranks, keys, strict=True) if not self.store.check([k])]
 
@@ -342,8 +352,11 @@ class RankStore:
         def posted(r: int) -> str | None:
             return read(self.store, f"member/{r}")
 
+        usage = dict(self._beat.usage) if self._beat is not None else {}
+        if self.usage is not None:
+            usage[self.rank] = self.usage.read()
         return roster(self.world, self.rank, self.phase, self._members, posted,
-                      self._beat.ages() if self._beat is not None else {}, self.errors)
+                      self._beat.ages() if self._beat is not None else {}, self.errors, usage)
 
 
 class _Waiting:

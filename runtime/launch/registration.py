@@ -27,6 +27,9 @@ from runtime.launch.spec import LaunchSpec
 from store.sidecar import REPACK
 from store.units import format_size
 
+PHASES_KEY = "phase-seconds"  # where each rank posts its phases' seconds once it registered
+PHASES_WAIT_S = 5.0  # rank 0 waits this long at most for the others' seconds (they post as it serves)
+
 
 @dataclass
 class Launched:
@@ -45,6 +48,7 @@ class Launched:
     _on_failure: list = field(default_factory=list)  # told the reason once `fail` sets it (the scheduler)
     group: Any = None  # runtime.launch.ranks.Group: the other ranks of this service (None: one rank)
     hosts: tuple[str, ...] = ()  # each rank's host, in rank order (a service of several ranks)
+    registration_seconds: float | None = None  # check through validate, as this rank lived them
     _closers: list = field(default_factory=list)
 
     @property
@@ -71,10 +75,28 @@ class Launched:
         self._on_failure.append(listener)
 
     def record(self, started: float, outcome: str, error: str = "", **extra: Any) -> None:
-        """This launch's line in the launch history."""
+        """This launch's line in the launch history: its phases (of several ranks, each the slowest
+        rank's, `slowest_phases`), its registration span and the plan's prediction of that span."""
+        spans = {"registration_seconds": self.registration_seconds,
+                 "predicted_registration_seconds": history.span(self.plan.predicted or {})}
         history.append(self.spec, self.phases, started, outcome, error, device=self.plan.device,
                        backend=self.plan.backend, predicted=self.plan.predicted,
-                       extra={**({"hosts": list(self.hosts)} if self.hosts else {}), **extra})
+                       extra={**({"hosts": list(self.hosts)} if self.hosts else {}),
+                              **{k: v for k, v in spans.items() if v is not None}, **extra})
+
+    def slowest_phases(self, wait: float = PHASES_WAIT_S) -> None:
+        """Rank 0 of several: each phase's seconds become its slowest rank's, as every rank posted
+        them when it registered (`register`), waiting at most `wait` for a rank still posting."""
+        if self.group is None:
+            return
+        import json
+
+        posted = self.group.collect(PHASES_KEY, wait)
+        by_rank = {}
+        for rank, text in posted.items():
+            with contextlib.suppress(ValueError, TypeError):
+                by_rank[rank] = dict(json.loads(text))
+        self.phases = history.slowest(self.phases, by_rank)
 
     def close(self) -> None:
         """Release device memory and the sidecar mapping; rank 0 of several tells the others to stop."""
@@ -104,7 +126,7 @@ def register(spec: LaunchSpec, emitter: Emitter, *, rank_env=None, record: bool 
     host's phase or the slowest host changes, and every pass told to `on_hosts(ranks, hosts,
     slowest)` (what its /health says meanwhile)."""
     phases = PhaseRecorder(emitter)
-    started = time.time()
+    started, t0 = time.time(), time.perf_counter()
     rank = rank_env.rank if rank_env is not None else 0
     watch: list = []
     try:
@@ -127,6 +149,12 @@ def register(spec: LaunchSpec, emitter: Emitter, *, rank_env=None, record: bool 
         for w in watch:
             w.stop()
     launched.phases = phases.records
+    launched.registration_seconds = round(time.perf_counter() - t0, 4)
+    if launched.group is not None:  # rank 0 records the slowest rank's seconds of each phase
+        import json
+
+        with contextlib.suppress(Exception):
+            launched.group.post(PHASES_KEY, json.dumps({p: r.get("seconds") for p, r in phases.records.items()}))
     return launched
 
 
