@@ -27,9 +27,6 @@ from runtime.launch.spec import LaunchSpec
 from store.sidecar import REPACK
 from store.units import format_size
 
-PHASES_KEY = "phase-seconds"  # where each rank posts its phases' seconds once it registered
-PHASES_WAIT_S = 5.0  # rank 0 waits this long at most for the others' seconds (they post as it serves)
-
 
 @dataclass
 class Launched:
@@ -84,19 +81,11 @@ class Launched:
                        extra={**({"hosts": list(self.hosts)} if self.hosts else {}),
                               **{k: v for k, v in spans.items() if v is not None}, **extra})
 
-    def slowest_phases(self, wait: float = PHASES_WAIT_S) -> None:
+    def slowest_phases(self) -> None:
         """Rank 0 of several: each phase's seconds become its slowest rank's, as every rank posted
-        them when it registered (`register`), waiting at most `wait` for a rank still posting."""
-        if self.group is None:
-            return
-        import json
-
-        posted = self.group.collect(PHASES_KEY, wait)
-        by_rank = {}
-        for rank, text in posted.items():
-            with contextlib.suppress(ValueError, TypeError):
-                by_rank[rank] = dict(json.loads(text))
-        self.phases = history.slowest(self.phases, by_rank)
+        them once it registered (`RankStore.phase_seconds`)."""
+        if self.group is not None:
+            self.phases = history.slowest(self.phases, self.group.phase_seconds())
 
     def close(self) -> None:
         """Release device memory and the sidecar mapping; rank 0 of several tells the others to stop."""
@@ -151,10 +140,8 @@ def register(spec: LaunchSpec, emitter: Emitter, *, rank_env=None, record: bool 
     launched.phases = phases.records
     launched.registration_seconds = round(time.perf_counter() - t0, 4)
     if launched.group is not None:  # rank 0 records the slowest rank's seconds of each phase
-        import json
-
         with contextlib.suppress(Exception):
-            launched.group.post(PHASES_KEY, json.dumps({p: r.get("seconds") for p, r in phases.records.items()}))
+            launched.group.post_phase_seconds(phases.records)
     return launched
 
 
@@ -242,7 +229,7 @@ def _check(spec: LaunchSpec, rank_env, phases: PhaseRecorder, watch):
         device = get_device(plan.device, spec.device_memory, rank_env.local_rank if rank_env is not None else 0)
         group = None
         if rank_env is not None:
-            from runtime.launch.agree import Join
+            from runtime.launch.agree import Join, plan_parts
             from runtime.launch.ranks import rendezvous
 
             join = Join.of(plan_parts(plan), plan.content_id)
@@ -254,20 +241,6 @@ def _check(spec: LaunchSpec, rank_env, phases: PhaseRecorder, watch):
         d.update(tensors=report.checked, device=device.describe(), programs=len(plan.catalog.specs),
                  layers=plan.config.summary(), tokenizer=tokenizer.kind)
     return plan, _Checked(ckpt, device, tokenizer, group, rank_env.rank if rank_env is not None else 0)
-
-
-def plan_parts(plan) -> dict[str, Any]:
-    """What must be the same on every rank, by part (the rendezvous names the part that differs):
-    the checkpoint by content (never by mtimes: each host may hold its own copy), every
-    program's fingerprint, and the launch settings."""
-    from store.fingerprint import sha256_hex
-
-    spec = plan.spec
-    programs = sha256_hex("\n".join(f"{p.program}={p.fingerprint}" for p in plan.programs))
-    return {"checkpoint": plan.content_id.identity, "programs": programs[:16],
-            "ranks": spec.ranks, "backend": plan.backend, "device": plan.device, "max_seq": spec.max_seq,
-            "max_slots": spec.max_slots, "memory_utilization": spec.memory_utilization,
-            "ready": plan.ready, "use_sidecar": spec.use_sidecar}
 
 
 def _programs_and_weights(plan, c: _Checked, emitter: Emitter, phases: PhaseRecorder):
