@@ -69,8 +69,9 @@ class Metrics:
         m[c.KV_SLOTS.name].set(scheduler.slots)
         m[c.KV_SLOTS_USED.name].set_function(lambda: scheduler.slots - scheduler.free_slots)
         m[c.FAILED_NOW.name].set_function(lambda: float(bool(getattr(launched, "failure", None) or scheduler.failure)))
-        for name, rec in (launched.phases or {}).items():
-            m[c.PHASE_SECONDS.name].labels(name).set(rec.get("seconds", 0.0))
+        for name in (launched.phases or {}):  # read at each scrape: of several ranks, the slowest rank's once known
+            m[c.PHASE_SECONDS.name].labels(name).set_function(
+                lambda name=name: float((launched.phases.get(name) or {}).get("seconds") or 0.0))
         for outcome, n in ((launched.phases.get("programs") or {}).get("counts") or {}).items():
             m[c.PROGRAM_OUTCOMES.name].labels(outcome).set(n)
         weights = launched.phases.get("weights") or {}
