@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from store.units import format_age, format_size
+from store.units import format_age, format_duration, format_size
 
 
 def bar(fraction: float | None, width: int = 12) -> str:
@@ -32,14 +32,7 @@ def secs(s: float | None) -> str:
 
 def duration(s: float | None) -> str:
     """`42s`, `3m05s`, `1h02m`: elapsed times, uptimes and ETAs."""
-    if s is None:
-        return "-"
-    s = max(0, round(s))
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return format_duration(s)
 
 
 def progress(label: str, done: float | None, total: float | None, unit: str, elapsed: float,

@@ -36,19 +36,21 @@ def nodes_dir() -> Path:
 
 @dataclass(frozen=True, kw_only=True)
 class NodeEnding:
-    """How a node ended: when, in words ("stopped by SIGTERM", "exited 1"), and its log's last lines."""
+    """How a node ended: when, in words ("stopped by SIGTERM", "exited 1"), why (the failing rank's
+    own words, when it said them), and its log's last lines."""
 
     at: float
     how: str
+    reason: str = ""
     lines: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
-        return {"at": self.at, "how": self.how, "lines": list(self.lines)}
+        return {"at": self.at, "how": self.how, "reason": self.reason, "lines": list(self.lines)}
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> NodeEnding:
         return cls(at=float(raw.get("at") or 0.0), how=str(raw.get("how") or "ended"),
-                   lines=tuple(str(x) for x in raw.get("lines") or ()))
+                   reason=str(raw.get("reason") or ""), lines=tuple(str(x) for x in raw.get("lines") or ()))
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,8 @@ class Node:
     started: float = 0.0
     ending: NodeEnding | None = None
     argv: tuple[str, ...] = field(default_factory=tuple)
+    service_logs: tuple[str, ...] = ()  # this host's ranks' own logs (runtime.serve.log), rank order
+    previous_log: str = ""  # the node before this one on this host: its torchrun log
 
     @property
     def alive(self) -> bool:
@@ -92,6 +96,7 @@ class Node:
         known["argv"] = tuple(known.get("argv") or ())
         ending = raw.get("ending")
         known["ending"] = NodeEnding.from_json(ending) if isinstance(ending, dict) else None
+        known["service_logs"] = tuple(str(p) for p in known.get("service_logs") or ())
         return cls(**known)
 
 
@@ -124,13 +129,15 @@ def nodes() -> list[Node]:
     return sorted(found, key=lambda n: n.started, reverse=True)
 
 
-def ended(node: Node, code: int, asked: bool = False) -> Node:
-    """Record the agent's exit status (negative: the signal that killed it); `asked`: a stop was
-    asked for (torchrun answers SIGTERM with exit 1: that is a stop, not a failure)."""
+def ended(node: Node, code: int, asked: bool = False, reason: str = "") -> Node:
+    """Record the agent's exit status (negative: the signal that killed it) and the cause in words
+    (`reason`: the failing rank's own line, not torchrun's footer); `asked`: a stop was asked for
+    (torchrun answers SIGTERM with exit 1: that is a stop, not a failure)."""
     from store.services import how, log_tail
 
     said = "stopped by SIGTERM" if asked and code != -signal.SIGKILL else how(code)
-    done = replace(node, ending=NodeEnding(at=round(time.time(), 3), how=said, lines=tuple(log_tail(node.log, LOG_LINES))))
+    done = replace(node, ending=NodeEnding(at=round(time.time(), 3), how=said, reason="" if asked else reason[:500],
+                                           lines=tuple(log_tail(node.log, LOG_LINES))))
     write(done)
     return done
 

@@ -153,7 +153,10 @@ class Service:
     device: str = ""
     max_seq: int | None = None
     ranks: int = 1
-    rank_logs: tuple[str, ...] = ()  # rank r's own log (the launcher of several ranks keeps them apart)
+    rank_logs: tuple[str, ...] = ()  # rank r's output (the launcher of several ranks keeps them apart)
+    log_file: str = ""  # the service's own log (of several ranks, rank 0's): capped, rotated (store.logs)
+    previous_log: str = ""  # the previous run's log of the same slot, kept beside it
+    rank_log_files: tuple[str, ...] = ()  # each rank's own log, on its host (a service of several ranks)
     ending: Ending | None = None
     v: int = VERSION
 
@@ -172,13 +175,14 @@ class Service:
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "cmdline": list(self.cmdline), "rank_logs": list(self.rank_logs),
-                "ending": self.ending.to_json() if self.ending else None}
+                "rank_log_files": list(self.rank_log_files), "ending": self.ending.to_json() if self.ending else None}
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> Service:
         known = {k: raw[k] for k in cls.__dataclass_fields__ if k in raw}
         ending = raw.get("ending")
         return cls(**{**known, "cmdline": tuple(raw["cmdline"]), "rank_logs": tuple(raw.get("rank_logs") or ()),
+                      "rank_log_files": tuple(raw.get("rank_log_files") or ()),
                       "ending": Ending.from_json(ending) if isinstance(ending, dict) else None, "v": VERSION})
 
 

@@ -32,3 +32,15 @@ def format_age(seconds: float | None) -> str:
         if seconds >= size:
             return f"{seconds / size:.0f}{unit}"
     return f"{seconds:.0f}s"
+
+
+def format_duration(seconds: float | None) -> str:
+    """`42s`, `3m05s`, `1h02m`: elapsed times, uptimes and ETAs; '-' when unknown."""
+    if seconds is None:
+        return "-"
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"

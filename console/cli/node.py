@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -132,8 +133,14 @@ def cmd_start(args: argparse.Namespace) -> int:
     argv = [sys.executable, "-m", "runtime.launch.torchrun", "--nnodes", str(hosts), "--nproc-per-node", str(per),
             "--node-rank", str(rank), "--master-addr", addr, "--master-port", str(port),
             *_dsv4_program(), "serve", *spec.argv(SERVE)]
+    from runtime.serve.log import log_path
+
+    earlier = nodes.nodes()  # newest first: the node before this one keeps its log for `p`
     plan = {"argv": argv, "node_rank": rank, "nnodes": hosts, "master": f"{addr}:{port}",
-            "model": str(spec.model), "log": str(log), "events": spec.events, "started": time.time()}
+            "model": str(spec.model), "log": str(log), "events": spec.events, "started": time.time(),
+            # each of this host's ranks keeps its own log (runtime.serve.log), named by the service's port
+            "service_logs": [str(log_path(spec, spec.port, r)) for r in range(rank * per, (rank + 1) * per)],
+            "previous_log": earlier[0].log if earlier else ""}
     handoff = nodes.nodes_dir() / f"node-{stamp}.start.json"
     handoff.write_text(json.dumps(plan))
     with open(log, "ab") as out:
@@ -158,11 +165,12 @@ def cmd_start(args: argparse.Namespace) -> int:
 
 
 def cmd_supervise(args: argparse.Namespace) -> int:
-    """The detached supervisor: start torchrun, record it, wait, record how it ended."""
+    """The detached supervisor: start torchrun, record it, wait, record how it ended and why (the
+    failing rank's own line: `node_reason`), in the node's record and this host's timeline."""
     import os
     import signal
 
-    from store import nodes
+    from store import nodes, timeline
 
     handoff = Path(args.record)
     plan = json.loads(handoff.read_text())
@@ -172,7 +180,8 @@ def cmd_supervise(args: argparse.Namespace) -> int:
 
     node = nodes.Node(agent.pid, psutil.Process(agent.pid).create_time(), plan["node_rank"], plan["nnodes"],
                       plan["master"], plan["model"], plan["log"], plan["events"], os.getpid(), plan["started"],
-                      argv=tuple(plan["argv"]))
+                      argv=tuple(plan["argv"]), service_logs=tuple(plan.get("service_logs") or ()),
+                      previous_log=plan.get("previous_log") or "")
     nodes.write(node)
     asked: list[int] = []
 
@@ -183,8 +192,43 @@ def cmd_supervise(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     code = agent.wait()
-    nodes.ended(node, code, asked=bool(asked))
+    done = nodes.ended(node, code, asked=bool(asked), reason=node_reason(node.log) if code else "")
+    how, reason = done.ending.how, done.ending.reason
+    if code and not asked:
+        timeline.record(timeline.FAILED, pid=node.pid, text=f"node {node.node_rank} of {node.nnodes} {how}"
+                        + (f": {reason}" if reason else ""), rank=_rank_of(reason))
+    else:
+        timeline.record(timeline.STOPPED, pid=node.pid, text=f"node {node.node_rank} of {node.nnodes} {how}")
     return 0
+
+
+NODE_LOG_TAIL = 64 << 10  # bytes of a node's log read for its ending's reason
+_RANK_PREFIX = re.compile(r"^\[(?:rank|default)\d+\]:\s?")  # torchrun's --tee/--log-dir line prefixes
+
+
+def node_reason(log: str) -> str:
+    """Why a node ended, from its log: the failing rank's own last error line (runtime.serve.log),
+    or, when the rank that failed first was killed and could say nothing, torchrun's line naming
+    it (runtime.launch.torchrun); never torchrun's footer. "" when neither is there."""
+    from runtime.launch.torchrun import SAID
+    from runtime.serve.log import error_of
+    from store.safeio import tail_lines
+
+    first = own = ""
+    for raw in tail_lines(log, NODE_LOG_TAIL):
+        line = _RANK_PREFIX.sub("", raw)
+        if line.startswith(SAID):
+            first = line.removeprefix(SAID)
+        elif said := error_of(line):
+            own = said
+    if first and " killed by " in first:  # the first to fail died without a word: that death is the cause
+        return first
+    return own or first
+
+
+def _rank_of(reason: str) -> int | None:
+    m = re.search(r"\brank (\d+)\b", reason)
+    return int(m.group(1)) if m else None
 
 
 def cmd_stop(args: argparse.Namespace) -> int:

@@ -19,6 +19,20 @@ ADVICE = "start every rank with the same checkpoint and settings"
 SHOWN_SHARDS = 3  # a refusal names this many differing shards, then counts the rest
 
 
+def plan_parts(plan) -> dict[str, Any]:
+    """What must be the same on every rank, by part (the rendezvous names the part that differs):
+    the checkpoint by content (never by mtimes: each host may hold its own copy), every
+    program's fingerprint, and the launch settings."""
+    from store.fingerprint import sha256_hex
+
+    spec = plan.spec
+    programs = sha256_hex("\n".join(f"{p.program}={p.fingerprint}" for p in plan.programs))
+    return {"checkpoint": plan.content_id.identity, "programs": programs[:16],
+            "ranks": spec.ranks, "backend": plan.backend, "device": plan.device, "max_seq": spec.max_seq,
+            "max_slots": spec.max_slots, "memory_utilization": spec.memory_utilization,
+            "ready": plan.ready, "use_sidecar": spec.use_sidecar}
+
+
 @dataclass(frozen=True)
 class Join:
     """One rank's plan parts (checkpoint identity, programs, settings), its host and what its

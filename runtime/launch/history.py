@@ -5,7 +5,15 @@ Launches are compared like with like: `comparable` is the one matcher (the plan'
 the console's "compared" and "best warm" launch). Two launches are alike when their settings
 are — model, backend and device as resolved, ranks, max_seq, sidecar use and path — and, for the
 programs and weights phases, when they took the same path there (compiled something or not,
-MAP or REPACK). A record without a setting (one an older dsv4 wrote) is like nothing.
+MAP or REPACK). A record without a setting (one an older dsv4 wrote) is like nothing. A launch
+that registered predicts like one whatever ended it later (`registered`): a service killed after
+a day of serving took the phases it took.
+
+One launch, one set of numbers: a launch of several ranks records each phase's seconds as its
+slowest rank's (`slowest`, with every rank's beside them) — what its Registration pane showed —
+its whole seconds (`seconds`: from the service's process start to serving), and its registration
+span beside the plan's prediction of the same span (`span`: check, programs ∥ weights, upload,
+kv, validate), so "predicted · actual" compares like with like.
 """
 
 from __future__ import annotations
@@ -86,14 +94,21 @@ def likeness(plan) -> Likeness:
     return Likeness(plan_settings(plan), not plan.all_hit(), plan.weights_path())
 
 
+def registered(record: dict[str, Any]) -> bool:
+    """The launch registered: it served (its serve phase has its URL), whatever ended it later,
+    or its outcome is ok."""
+    serve = (record.get("phases") or {}).get(Phase.SERVE) or {}
+    return record.get("outcome") == "ok" or bool(serve.get("url"))
+
+
 def comparable(history: list[dict[str, Any]], like: Likeness | None, phase: str | None = None) -> list[dict[str, Any]]:
-    """The successful launches like `like` (oldest first): the same settings and, for `phase`
-    programs or weights, the same path through it; [] for no likeness (a plan that failed)."""
+    """The launches that registered like `like` (oldest first): the same settings and, for
+    `phase` programs or weights, the same path through it; [] for no likeness (a plan that failed)."""
     if like is None:
         return []
     out = []
     for record in history:
-        if record.get("outcome") != "ok" or any(record.get(k) != v for k, v in like.settings.items()):
+        if not registered(record) or any(record.get(k) != v for k, v in like.settings.items()):
             continue
         if phase == Phase.PROGRAMS and recompiled(record) != like.compiles:
             continue
@@ -128,14 +143,48 @@ def weights_path(record: dict[str, Any]) -> str | None:
 
 
 def is_warm(record: dict[str, Any]) -> bool:
-    """A successful launch that compiled nothing and mapped its sidecar: the fast path."""
-    return record.get("outcome") == "ok" and not recompiled(record) and weights_path(record) == MAP
+    """A launch that registered, compiled nothing and mapped its sidecar: the fast path."""
+    return registered(record) and not recompiled(record) and weights_path(record) == MAP
 
 
 def launch_seconds(record: dict[str, Any]) -> float:
-    """The seconds of every phase the launch ran, through serve."""
+    """The whole launch's seconds: from its process's start to serving (`seconds`); a record of an
+    older dsv4 without them, the sum of its phases' through serve."""
+    if isinstance(record.get("seconds"), int | float):
+        return float(record["seconds"])
     phases = record.get("phases") or {}
     return sum(float((phases.get(p) or {}).get("seconds") or 0) for p in PHASES)
+
+
+def span(seconds: dict[str, Any]) -> float | None:
+    """Registration's span from each phase's seconds: check, then programs and weights side by
+    side (the longer counts), then upload, kv and validate; None when a phase's are unknown. The
+    one formula for a prediction (the plan's per phase) and for what a launch measured."""
+    def of(phase: str) -> float | None:
+        value = seconds.get(phase)
+        value = value.get("seconds") if isinstance(value, dict) else value
+        return float(value) if isinstance(value, int | float) else None
+
+    parts = [of(p) for p in (Phase.CHECK, Phase.PROGRAMS, Phase.WEIGHTS, Phase.UPLOAD, Phase.KV, Phase.VALIDATE)]
+    if any(p is None for p in parts):
+        return None
+    check, programs, weights, *rest = parts
+    return round(check + max(programs, weights) + sum(rest), 4)
+
+
+def slowest(phases: dict[str, dict[str, Any]], by_rank: dict[int, dict[str, float]]) -> dict[str, dict[str, Any]]:
+    """Rank 0's phase records with each phase's seconds the slowest rank's (`by_rank`: each rank's
+    seconds per phase, as it posted them), that rank and every rank's seconds beside them."""
+    out = {}
+    for phase, record in phases.items():
+        times = {r: float(s[phase]) for r, s in sorted(by_rank.items()) if isinstance(s.get(phase), int | float)}
+        if len(times) < 2:
+            out[phase] = record
+            continue
+        rank = max(times, key=lambda r: times[r])
+        out[phase] = {**record, "seconds": round(times[rank], 4), "slowest_rank": rank,
+                      "by_rank": [times.get(r) for r in range(max(times) + 1)]}
+    return out
 
 
 def basis_line(basis: dict[str, str | None], compared: dict[str, Any] | None) -> str:

@@ -24,16 +24,18 @@ BEATS_PER_TIMEOUT = 5
 MIN_BEAT_S = 0.05
 
 
-def member(rank: int, device: str = "") -> str:
-    """What a rank posts about itself when it joins: where to look for it."""
-    return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "rank": rank, "device": device})
+def member(rank: int, device: str = "", log: str = "") -> str:
+    """What a rank posts about itself when it joins: where to look for it, and its log file."""
+    return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "rank": rank, "device": device, "log": log})
 
 
 def roster(world: int, me: int, my_phase: str, known: dict[int, dict], posted: Callable[[int], str | None],
-           ages: dict[int, tuple[float, str | None]], errors: dict[int, str] | None = None) -> list[dict]:
-    """Every rank: host, pid and device (what it posted when it joined, read once into `known`),
-    its phase, the seconds since its heartbeat last moved (`me`: 0, and its own phase) and its
-    last error (`errors`: the line that named it, e.g. the launcher's on its death)."""
+           ages: dict[int, tuple[float, str | None]], errors: dict[int, str] | None = None,
+           usage: dict[int, dict] | None = None) -> list[dict]:
+    """Every rank: host, pid, device and log (what it posted when it joined, read once into
+    `known`), its phase, the seconds since its heartbeat last moved (`me`: 0, and its own phase),
+    its last error (`errors`: the line that named it, e.g. the launcher's on its death) and what
+    it uses (`usage`: CPU, RSS, device, as its heartbeat last posted them)."""
     if len(known) < world:
         with contextlib.suppress(Exception):  # a store gone: what is known so far
             for r in range(world):
@@ -45,7 +47,7 @@ def roster(world: int, me: int, my_phase: str, known: dict[int, dict], posted: C
         age, phase = (0.0, my_phase) if r == me else ages.get(r, (None, None))
         out.append({"rank": r, "host": m.get("host", ""), "pid": m.get("pid"), "device": m.get("device", ""),
                     "phase": phase or "", "heartbeat_age": None if age is None else round(age, 2),
-                    "error": (errors or {}).get(r, "")})
+                    "error": (errors or {}).get(r, ""), "log": m.get("log", ""), **(usage or {}).get(r, {})})
     return out
 
 
@@ -62,12 +64,15 @@ class Heartbeat:
     """Beat for `rank`, watch `peers`; `lose(reason)` once when one goes silent or the store
     stops answering, after `blame(rank, reason, post)` names the rank the reason is about (the
     silent one, or this one when it lost the store: nothing to post to then). `store` is this
-    watch's own connection (its timeout: the rank timeout)."""
+    watch's own connection (its timeout: the rank timeout). `usage()`: what this rank uses (JSON,
+    runtime.serve.usage), posted with each beat; the peers' are read on the same pass (`usage`)."""
 
     def __init__(self, store, prefix: str, rank: int, peers: list[int], rank_timeout: float,
-                 lose: Callable[[str], None], blame: Callable[[int, str, bool], None] | None = None):
+                 lose: Callable[[str], None], blame: Callable[[int, str, bool], None] | None = None,
+                 usage: Callable[[], str] | None = None):
         self.store, self.prefix, self.rank, self.peers = store, prefix, rank, peers
-        self.rank_timeout, self.lose = rank_timeout, lose
+        self.rank_timeout, self.lose, self.posts_usage = rank_timeout, lose, usage
+        self.usage: dict[int, dict] = {}  # each rank's last posted use (this one's included)
         self.blame = blame or (lambda rank, reason, post: None)
         self.every = max(MIN_BEAT_S, rank_timeout / BEATS_PER_TIMEOUT)
         self._stop = threading.Event()
@@ -92,12 +97,15 @@ class Heartbeat:
             try:
                 beat += 1
                 self.store.set(self._key("beat", self.rank), str(beat))
+                if self.posts_usage is not None:
+                    self.store.set(self._key("usage", self.rank), self.posts_usage())
                 now = time.monotonic()
                 for r, (last, since) in heard.items():
                     value = self._read("beat", r)
                     if value != last:
                         heard[r] = (value, now)
                         self.heard[r] = (now, self._read("phase", r))
+                        self._read_usage(r)
                     elif now - since > self.rank_timeout:
                         reason = self._silent(r, now - since)
                         self.blame(r, reason, True)
@@ -120,6 +128,12 @@ class Heartbeat:
     def _read(self, what: str, rank: int) -> str | None:
         key = self._key(what, rank)
         return self.store.get(key).decode(errors="replace") if self.store.check([key]) else None
+
+    def _read_usage(self, rank: int) -> None:
+        with contextlib.suppress(ValueError, TypeError):
+            posted = json.loads(self._read("usage", rank) or "null")
+            if isinstance(posted, dict):
+                self.usage[rank] = posted
 
     def _silent(self, rank: int, seconds: float) -> str:
         posted = phase = None

@@ -28,6 +28,8 @@ PREFIX = "dsv4/"
 POLL_S = 0.05
 PROGRESS_EVERY_S = 0.5  # a rank posts its progress at most this often; a waiter reads it as often
 SHOW_WAIT_EVERY_S = 5.0  # a waiting rank says whom it waits for, and what they do, this often
+PHASE_SECONDS = "phase-seconds"  # where each rank posts its phases' seconds once it registered
+PHASE_SECONDS_WAIT_S = 5.0  # rank 0 waits this long at most for them (the others post as it serves)
 
 
 class RankError(UserError):
@@ -190,6 +192,7 @@ class RankStore:
         self.rank, self.world = env.rank, env.world
         self.lost: str | None = None  # set once the service is lost: every collective and wait fails
         self._beat: Heartbeat | None = None
+        self.usage = None  # runtime.serve.usage.Usage once it beats: this rank's CPU, RSS and device
         # the abort line's connection: once beating, the heartbeat's (its calls wait at most the
         # rank timeout), so failing the service never blocks long on a store that is gone
         self._quick = store
@@ -318,6 +321,24 @@ class RankStore:
             time.sleep(POLL_S)
         return [self.store.get(k).decode() for k in keys]
 
+    def post_phase_seconds(self, records: dict[str, dict[str, Any]]) -> None:
+        """This rank registered: each phase's seconds, for rank 0's launch record (`phase_seconds`)."""
+        self.post(PHASE_SECONDS, json.dumps({p: r.get("seconds") for p, r in records.items()}))
+
+    def phase_seconds(self, timeout: float = PHASE_SECONDS_WAIT_S) -> dict[int, dict[str, Any]]:
+        """Each rank's phase seconds as it posted them, waiting at most `timeout` for all of them (a
+        rank that has not posted by then is left out): a figure, never a sync point."""
+        keys = {r: f"{PREFIX}{PHASE_SECONDS}/{r}" for r in range(self.world)}
+        deadline = time.monotonic() + timeout
+        while not self.store.check(list(keys.values())) and time.monotonic() < deadline and self.lost is None:
+            time.sleep(POLL_S)
+        out = {}
+        for r, k in keys.items():
+            with contextlib.suppress(ValueError, TypeError):
+                if self.store.check([k]):
+                    out[r] = dict(json.loads(self.store.get(k).decode(errors="replace")))
+        return out
+
     def _missing(self, ranks: list[int], keys: list[str]) -> list[int]:
         return [r for r, k in zip(ranks, keys, strict=True) if not self.store.check([k])]
 
@@ -342,8 +363,11 @@ class RankStore:
         def posted(r: int) -> str | None:
             return read(self.store, f"member/{r}")
 
+        usage = dict(self._beat.usage) if self._beat is not None else {}
+        if self.usage is not None:
+            usage[self.rank] = self.usage.read()
         return roster(self.world, self.rank, self.phase, self._members, posted,
-                      self._beat.ages() if self._beat is not None else {}, self.errors)
+                      self._beat.ages() if self._beat is not None else {}, self.errors, usage)
 
 
 class _Waiting:

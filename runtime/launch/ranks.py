@@ -235,11 +235,16 @@ class Group(RankStore):
         """Beat in the store and watch every other rank's beat (runtime.launch.liveness), on a
         connection of its own whose calls wait at most `rank_timeout`: a rank silent that long,
         or a store that stops answering, loses the service."""
-        self.store.set(f"{PREFIX}member/{self.rank}", member(self.rank, device))
+        from runtime.serve.log import current
+        from runtime.serve.usage import Usage
+
+        self.usage = Usage(device)  # this rank's CPU, RSS and device, posted with each beat
+        self.store.set(f"{PREFIX}member/{self.rank}", member(self.rank, device, str(current().path or "")))
         store = open_store(self.env, rank_timeout, client=True)
         peers = [r for r in range(self.world) if r != self.rank]
         self._quick = store
-        self._beat = Heartbeat(store, PREFIX, self.rank, peers, rank_timeout, self.lose, self.blame).start()
+        self._beat = Heartbeat(store, PREFIX, self.rank, peers, rank_timeout, self.lose, self.blame,
+                               self.usage.line).start()
 
     def lose(self, reason: str) -> str:
         """The service is lost (a rank silent, a collective failed): say so once, to every rank

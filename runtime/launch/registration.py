@@ -46,6 +46,7 @@ class Launched:
     _on_failure: list = field(default_factory=list)  # told the reason once `fail` sets it (the scheduler)
     group: Any = None  # runtime.launch.ranks.Group: the other ranks of this service (None: one rank)
     hosts: tuple[str, ...] = ()  # each rank's host, in rank order (a service of several ranks)
+    registration_seconds: float | None = None  # check through validate, as this rank lived them
     _closers: list = field(default_factory=list)
     after_ready: Any = None  # runtime.programs.after_ready.AfterReady: what compiled after ready
 
@@ -73,10 +74,20 @@ class Launched:
         self._on_failure.append(listener)
 
     def record(self, started: float, outcome: str, error: str = "", **extra: Any) -> None:
-        """This launch's line in the launch history."""
+        """This launch's line in the launch history: its phases (of several ranks, each the slowest
+        rank's, `slowest_phases`), its registration span and the plan's prediction of that span."""
+        spans = {"registration_seconds": self.registration_seconds,
+                 "predicted_registration_seconds": history.span(self.plan.predicted or {})}
         history.append(self.spec, self.phases, started, outcome, error, device=self.plan.device,
                        backend=self.plan.backend, predicted=self.plan.predicted, config=self.plan.config,
-                       extra={**({"hosts": list(self.hosts)} if self.hosts else {}), **extra})
+                       extra={**({"hosts": list(self.hosts)} if self.hosts else {}),
+                              **{k: v for k, v in spans.items() if v is not None}, **extra})
+
+    def slowest_phases(self) -> None:
+        """Rank 0 of several: each phase's seconds become its slowest rank's, as every rank posted
+        them once it registered (`RankStore.phase_seconds`)."""
+        if self.group is not None:
+            self.phases = history.slowest(self.phases, self.group.phase_seconds())
 
     def close(self) -> None:
         """Release device memory and the sidecar mapping; rank 0 of several tells the others to stop."""
@@ -106,7 +117,7 @@ def register(spec: LaunchSpec, emitter: Emitter, *, rank_env=None, record: bool 
     host's phase or the slowest host changes, and every pass told to `on_hosts(ranks, hosts,
     slowest)` (what its /health says meanwhile)."""
     phases = PhaseRecorder(emitter)
-    started = time.time()
+    started, t0 = time.time(), time.perf_counter()
     rank = rank_env.rank if rank_env is not None else 0
     watch: list = []
     try:
@@ -130,6 +141,10 @@ def register(spec: LaunchSpec, emitter: Emitter, *, rank_env=None, record: bool 
         for w in watch:
             w.stop()
     launched.phases = phases.records
+    launched.registration_seconds = round(time.perf_counter() - t0, 4)
+    if launched.group is not None:  # rank 0 records the slowest rank's seconds of each phase
+        with contextlib.suppress(Exception):
+            launched.group.post_phase_seconds(phases.records)
     return launched
 
 
@@ -220,7 +235,7 @@ def _check(spec: LaunchSpec, rank_env, phases: PhaseRecorder, watch):
         device = get_device(plan.device, spec.device_memory, rank_env.local_rank if rank_env is not None else 0)
         group = None
         if rank_env is not None:
-            from runtime.launch.agree import Join
+            from runtime.launch.agree import Join, plan_parts
             from runtime.launch.ranks import rendezvous
 
             join = Join.of(plan_parts(plan), plan.content_id)
@@ -232,20 +247,6 @@ def _check(spec: LaunchSpec, rank_env, phases: PhaseRecorder, watch):
         d.update(tensors=report.checked, device=device.describe(), programs=len(plan.catalog.specs),
                  layers=plan.config.summary(), tokenizer=tokenizer.kind)
     return plan, _Checked(ckpt, device, tokenizer, group, rank_env.rank if rank_env is not None else 0)
-
-
-def plan_parts(plan) -> dict[str, Any]:
-    """What must be the same on every rank, by part (the rendezvous names the part that differs):
-    the checkpoint by content (never by mtimes: each host may hold its own copy), every
-    program's fingerprint, and the launch settings."""
-    from store.fingerprint import sha256_hex
-
-    spec = plan.spec
-    programs = sha256_hex("\n".join(f"{p.program}={p.fingerprint}" for p in plan.programs))
-    return {"checkpoint": plan.content_id.identity, "programs": programs[:16],
-            "ranks": spec.ranks, "backend": plan.backend, "device": plan.device, "max_seq": spec.max_seq,
-            "max_slots": spec.max_slots, "memory_utilization": spec.memory_utilization,
-            "ready": plan.ready, "use_sidecar": spec.use_sidecar}
 
 
 def _programs_and_weights(plan, c: _Checked, emitter: Emitter, phases: PhaseRecorder):

@@ -72,6 +72,9 @@ class LaunchSpec:
     ca_file: Path | None = None  # a client's (the console's): the CA of the services' certificates
     read_timeout: float = 10.0  # a request's head, and each piece of its body, within this
     root_path: str = ""  # the prefix a proxy in front strips (uvicorn's --root-path)
+    # What happened (runtime.serve.log): the service's log, as text or JSON lines, and where it is kept
+    log_format: str = "text"
+    log_file: Path | None = None  # None: <state dir>/services/logs/serve-<port>.log
 
     def with_(self, **changes: Any) -> LaunchSpec:
         return replace(self, **changes)
@@ -132,6 +135,11 @@ class LaunchSpec:
                                 f"or choose another path")
             if events.exists() and not events.is_file():  # appending to a FIFO would block for a reader
                 raise UserError(f"--events {self.events}: not a regular file; choose another path")
+        if self.log_file is not None and Path(self.log_file).expanduser().is_dir():
+            raise UserError(f"--log-file {self.log_file}: a directory; name a file (its directory must exist)")
+        if self.log_file is not None and not Path(self.log_file).expanduser().parent.is_dir():
+            raise UserError(f"--log-file {self.log_file}: directory {Path(self.log_file).parent} does not exist; "
+                            f"create it or choose another path")
         if self.root_path and not (self.root_path.startswith("/") and not self.root_path.endswith("/")
                                    and self.root_path.isascii() and self.root_path.isprintable()):
             raise UserError(f"--root-path {self.root_path!r}: a path prefix like /dsv4 (starting with /, "
@@ -266,6 +274,12 @@ FLAGS: tuple[Flag, ...] = (
          metavar="SECONDS", lo=0.1, hi=3600, allowed="0.1 to 3600 seconds"),
     Flag("root_path", "--root-path", "the path prefix a proxy in front of the service strips before forwarding "
          "(uvicorn's --root-path; default none)", LAUNCH, metavar="PREFIX"),
+    Flag("log_format", "--log-format", "the service's log (a line per request, a summary every 10 s, each phase "
+         "and warning): text lines, or json lines with the same words and each figure a field (default %(default)s)",
+         LAUNCH, choices=("text", "json")),
+    Flag("log_file", "--log-file", "where the service keeps its log, capped and rotated, the previous run's beside it "
+         "as NAME.prev.log (default <state dir>/services/logs/serve-PORT.log; rank r of several: NAME.rankR.log)",
+         (SERVE,), type=Path, metavar="FILE"),
 )
 
 

@@ -18,9 +18,10 @@ from runtime.serve.api import ApiError
 from runtime.serve.auth import OPEN_DOOR, Door, RequireKey
 from runtime.serve.http import (
     CLIENT_GONE,
+    AccessLog,
     ClientGone,
-    CountStatuses,
     SafeJSONResponse,
+    access_of,
     error_response,
 )
 from runtime.serve.metrics import Metrics
@@ -61,21 +62,25 @@ def create_app(launched, limits: Limits = Limits(), scheduler: Scheduler | None 
     metrics = Metrics(launched, scheduler)
     scheduler.on_token = metrics.on_token
     app.state.service = service = Service(launched, scheduler, metrics, limits)
+    metrics.watch_ranks(service.ranks)
     app.include_router(status_routes)
     if door.keys:
         app.add_middleware(RequireKey, door=door, count=metrics.count_key)
-    app.add_middleware(CountStatuses, count=metrics.count_response)  # outermost: 401s are counted too
+    app.add_middleware(AccessLog, count=metrics.count_response)  # outermost: 401s are counted and said too
 
     @app.exception_handler(ApiError)
-    async def _api_error(_request: Request, exc: ApiError) -> SafeJSONResponse:
+    async def _api_error(request: Request, exc: ApiError) -> SafeJSONResponse:
+        access_of(request).error = exc.message
         return error_response(exc)
 
     @app.exception_handler(ClientGone)
-    async def _gone(_request: Request, _exc: ClientGone) -> Response:
-        return Response(status_code=CLIENT_GONE)  # nobody reads it: it is for the metrics
+    async def _gone(request: Request, _exc: ClientGone) -> Response:
+        access_of(request).error = "the client left before its answer"
+        return Response(status_code=CLIENT_GONE)  # nobody reads it: it is for the metrics and the log
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_request: Request, exc: StarletteHTTPException) -> SafeJSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> SafeJSONResponse:
+        access_of(request).error = str(exc.detail)
         return error_response(ApiError(exc.status_code, str(exc.detail), code=str(exc.status_code),
                                        headers=dict(exc.headers or {})))  # a 405's Allow
 

@@ -132,5 +132,7 @@ class RequireKey:
         if scope["type"] == "websocket":  # none is served; refused all the same
             return await send({"type": "websocket.close", "code": 1008})
         status, headers, body = refusal(result)
+        if (access := (scope.get("state") or {}).get("access")) is not None:  # its access line says why
+            access.error = NEEDS_KEY if result == MISSING else WRONG_KEY
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})

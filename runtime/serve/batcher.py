@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.serve.log import failed
 from runtime.serve.sampling import Sampler, logprobs
-from store.errors import UserError
 
 log = logging.getLogger(__name__)
 PACK_PROMPT = 128  # prompts up to this many tokens prefill packed into the shared step
@@ -160,10 +160,8 @@ class Batcher:
                   for r, (_, tokens) in zip(runs, batch, strict=True)]
         try:
             step = self.engine.step(batch, prefill=prefill, logits_rows=wanted)
-        except Exception as e:  # one of ours that knows its cause is one line (a compile after ready refused)
-            (log.error if isinstance(e, UserError) else log.exception)(
-                "engine step failed (%d sequences, %d rows)%s", len(runs), sum(len(t) for _, t in batch),
-                f": {e}" if isinstance(e, UserError) else "")
+        except Exception as e:
+            failed(log, e, "engine step failed (%d sequences, %d rows)", len(runs), sum(len(t) for _, t in batch))
             return [r for r in runs if self.end(r, "error")]
         decoding = [r for r in runs if r.prefilled]
         if decoding:
@@ -181,8 +179,8 @@ class Batcher:
                     going.append(r)
                 if first_step:
                     self._fork(r, logits[-1])
-            except Exception:  # this sequence's sampling or hand-over: it alone ends, with an error
-                log.exception("sequence on slot %d failed after its step", r.slot)
+            except Exception as e:  # this sequence's sampling or hand-over: it alone ends, with an error
+                failed(log, e, "sequence on slot %d failed after its step", r.slot)
                 self.end(r, "error")
                 if r in going:
                     going.remove(r)
@@ -245,8 +243,8 @@ class Batcher:
     def _draft(self, mtp: list[MTPRows]) -> None:
         try:
             drafts = self.drafter(self.engine, mtp)
-        except Exception:  # a draft is an optimisation: without one the sequence decodes plainly
-            log.exception("MTP draft failed; decoding without drafts this step")
+        except Exception as e:  # a draft is an optimisation: without one the sequence decodes plainly
+            failed(log, e, "MTP draft failed; decoding without drafts this step")
             return
         for rows, draft in zip(mtp, drafts, strict=True):
             rows.run.draft = int(draft)

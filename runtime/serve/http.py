@@ -1,10 +1,14 @@
-"""HTTP plumbing under the routes: safe JSON, status counting, capped bodies, disconnects."""
+"""HTTP plumbing under the routes: safe JSON, status counting and access lines, capped bodies,
+disconnects."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+import re
+import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -13,6 +17,7 @@ from fastapi.responses import JSONResponse
 from starlette._utils import get_route_path
 
 from runtime.serve.api import ApiError
+from runtime.serve.log import Access, access_line
 
 CLIENT_GONE = 499  # nginx's "client closed request": counted, never seen by the client
 ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/models/{model}", "/v1/completions",
@@ -35,8 +40,14 @@ def error_response(e: ApiError) -> SafeJSONResponse:
     return SafeJSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
-class CountStatuses:
-    """ASGI middleware: every response counted by endpoint and status, 500s of our bugs too."""
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+
+
+class AccessLog:
+    """ASGI middleware, outermost: every response counted by endpoint and status (500s of our
+    bugs too) and said in one access line (runtime.serve.log.access_line) once its last byte is
+    sent. The request's `Access` (scope state `access`) is what the routes fill in; its id is the
+    client's X-Request-Id when it sent a sane one, and goes back in the answer's header."""
 
     def __init__(self, app, count: Callable[[str, int], None]):
         self.app, self.count = app, count
@@ -44,17 +55,36 @@ class CountStatuses:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        sent = dict(scope.get("headers") or ()).get(b"x-request-id", b"").decode("latin-1")
+        given = bool(REQUEST_ID.fullmatch(sent))
+        access = Access(sent if given else f"req-{uuid.uuid4().hex[:16]}", time.perf_counter(), sent=given)
+        scope.setdefault("state", {})["access"] = access
         status: list[int] = []
 
         async def counting_send(message):
             if message["type"] == "http.response.start":
                 status.append(message["status"])
+                message = {**message, "headers": [*message.get("headers", ()),
+                                                  (b"x-request-id", access.id.encode("latin-1"))]}
             await send(message)
 
         try:
             await self.app(scope, receive, counting_send)
         finally:
-            self.count(endpoint_of(scope), status[0] if status else 500)
+            code = status[0] if status else 500
+            self.count(endpoint_of(scope), code)
+            client = scope.get("client")
+            access_line(access, f"{client[0]}:{client[1]}" if client else "-", scope.get("method", ""),
+                        scope.get("path", ""), code, scope["state"].get("api_key") or None,
+                        time.perf_counter() - access.started)
+
+
+def access_of(request: Request) -> Access:
+    """The request's access record (a request served outside the middleware gets a fresh one)."""
+    found = request.scope.setdefault("state", {}).get("access")
+    if found is None:
+        found = request.scope["state"]["access"] = Access(f"req-{uuid.uuid4().hex[:16]}", time.perf_counter())
+    return found
 
 
 def endpoint_of(scope: dict) -> str:

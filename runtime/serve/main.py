@@ -24,7 +24,10 @@ from typing import NoReturn
 
 from runtime.events import Emitter, Event, Phase, Sink, open_sink
 from runtime.launch.spec import SERVE, LaunchSpec
+from runtime.serve import log as service_log
+from store import timeline
 from store.errors import UserError
+from store.services import ServiceId
 
 FAIL_CLOSED_GRACE_S = 1.0  # 503s saying why, then drain and stop (well inside a lease-break time)
 EXIT_BOUND_S = 10.0  # after failing closed, a drain that has not ended by then (an engine thread
@@ -66,12 +69,12 @@ def run(spec: LaunchSpec, rank_env=None, display: Callable[[], tuple[Sink, Calla
         except OSError as e:
             raise UserError(f"--events {spec.events}: cannot open ({e.strerror}); choose another path") from None
     if rank > 0:
-        return _follow(spec, rank_env, Emitter(*sinks, rank=rank))
+        service_log.install(spec.log_format, service_log.log_path(spec, spec.port, rank))
+        return _follow(spec, rank_env, Emitter(*sinks, service_log.PhaseLines(), rank=rank))
     from runtime.launch.registration import register
     from runtime.serve.auth import Door
     from runtime.serve.registering import Registering, answer_while_registering
     from runtime.serve.server import bind
-    from store.services import ServiceId
 
     door = Door.of(spec)  # a bad key file or certificate is one line before anything starts
     # the port first: one in use is one line now, not after every registration phase; until it
@@ -80,11 +83,15 @@ def run(spec: LaunchSpec, rank_env=None, display: Callable[[], tuple[Sink, Calla
     shown = display() if display is not None and spec.events != "-" else None
     if shown:
         sinks.append(shown[0])
-    emitter = Emitter(*sinks, rank=0 if rank_env is not None else None)
+    # one rank alone names its log by the port it holds; ranks of several by the port asked (rank 0's)
+    port = spec.port if rank_env is not None else sock.getsockname()[1]
+    files = service_log.install(spec.log_format, service_log.log_path(spec, port, rank if rank_env else None),
+                                shown=bool(shown))
+    emitter = Emitter(*sinks, service_log.PhaseLines(), rank=0 if rank_env is not None else None)
     signal.signal(signal.SIGTERM, interrupt)  # during registration, and re-raised by uvicorn after its drain
     never_silent()
     started = time.time()
-    announced = announce(spec, rank_env)
+    announced = announce(spec, rank_env, files, port)
     at = Registering(spec, ServiceId.of_this_process())  # the phase the launch is in: its ending names it
     emitter.sinks.append(at)
     try:
@@ -102,31 +109,55 @@ def run(spec: LaunchSpec, rank_env=None, display: Callable[[], tuple[Sink, Calla
         code = _serve(launched, sock, emitter, announced, started, door)
     except KeyboardInterrupt:
         announced.end(stopped_how(), at.phase)
+        ended(timeline.STOPPED, f"{stopped_how()} during {at.phase}")
         raise
     except UserError as e:
         announced.end(f"exited {e.exit_code}", at.phase, str(e))
+        ended(timeline.FAILED, str(e))
         raise
     except BaseException as e:
         announced.end("exited 1", at.phase, f"{type(e).__name__}: {e}")
+        ended(timeline.FAILED, f"{type(e).__name__}: {e}")
         raise
     announced.end(stopped_how(), Phase.SERVE, "drained")
+    ended(timeline.STOPPED, f"{stopped_how()}, drained")
     return code
 
 
-def announce(spec: LaunchSpec, rank_env):
-    """The service's record in the registry: rank 0 under the project's launcher fills in the
-    launcher's (the service is the launcher's identity); otherwise this process's own."""
+_ENDED: list[str] = []  # the timeline's word on this process's end, said once (the first cause holds)
+
+
+def ended(kind: str, text: str, **fields) -> None:
+    """This service's end in this host's timeline (store.timeline), once."""
+    if not _ENDED:
+        _ENDED.append(kind)
+        timeline.record(kind, text=text, pid=ServiceId.of_this_process().pid, **fields)
+
+
+def announce(spec: LaunchSpec, rank_env, files: service_log.LogFiles, port: int):
+    """The service's record in the registry, with its log and the previous run's: rank 0 under the
+    project's launcher fills in the launcher's (the service is the launcher's identity; its log is
+    rank 0's); otherwise this process's own, and its start in the timeline."""
     from runtime.launch import history
-    from store.services import Announcement, ServiceId
+    from store.services import Announcement
 
     identity = ServiceId.of_this_process()
     history.SERVICE_LAUNCH = identity.key  # this process serves one launch: its lines are one record
     if rank_env is not None and identity.pid != os.getpid():
         adopted = Announcement.adopt(identity)
         if adopted is not None:
+            adopted.update(**files.to_json())
             return adopted
     events_file = "" if spec.events in (None, "-") else str(Path(spec.events).resolve())
-    return Announcement(str(spec.model), events_file, **service_settings(spec))
+    announced = Announcement(str(spec.model), events_file, **service_settings(spec), **files.to_json())
+    started_in_timeline(spec, files, port)
+    return announced
+
+
+def started_in_timeline(spec: LaunchSpec, files: service_log.LogFiles, port: int) -> None:
+    """`registering`, or `relaunched` when the log slot had a run before this one."""
+    kind = timeline.RELAUNCHED if files.previous is not None else timeline.REGISTERING
+    timeline.record(kind, pid=os.getpid(), text=f"{spec.model} on port {port}")
 
 
 def _serve(launched, sock, emitter: Emitter, announced, started: float, door) -> int:
@@ -141,12 +172,18 @@ def _serve(launched, sock, emitter: Emitter, announced, started: float, door) ->
 
     def ready(url: str) -> None:
         seconds = time.perf_counter() - t0
-        launched.phases[Phase.SERVE] = {"seconds": round(seconds, 4), "url": url}
         emitter.emit(Phase.SERVE, "end", seconds=seconds, detail={"url": url})
-        launched.record(started, "ok", url=url)
+        with contextlib.suppress(Exception):  # a store gone meanwhile: rank 0's own seconds stand
+            launched.slowest_phases()
+        launched.phases[Phase.SERVE] = {"seconds": round(seconds, 4), "url": url}
+        # the whole launch: from the service's first process (the launcher of several ranks) to serving
+        launched.record(started, "ok", url=url, seconds=round(time.time() - ServiceId.of_this_process().started, 3))
         announced.serving(url)
-        if spec.events != "-":
-            print(f"serving {spec.model} at {url} (Ctrl-C or SIGTERM to stop)", file=sys.stderr)
+        if launched.group is not None:  # each rank's own log, on its host, as it posted it when it joined
+            with contextlib.suppress(Exception):
+                announced.update(rank_log_files=tuple(m.get("log", "") for m in launched.group.members()))
+        service_log.SERVICE.info("serving %s at %s (Ctrl-C or SIGTERM to stop)", spec.model, url)
+        timeline.record(timeline.SERVING, url=url, pid=ServiceId.of_this_process().pid)
 
     failing = threading.Lock()
 
@@ -157,8 +194,15 @@ def _serve(launched, sock, emitter: Emitter, announced, started: float, door) ->
         if not failing.acquire(blocking=False):
             return  # the first reason holds
         launched.fail(reason)  # 503 from now on; queued requests get theirs at once
+        service_log.SERVICE.error("failed: %s", reason)
         if launched.group is None or not launched.group.said_by_launcher(reason):  # a death is one event
             emitter.emit(Phase.SERVE, "error", message=reason)
+            rank = lost_rank(launched.group, reason)
+            ended(timeline.FAILED, reason, rank=rank,
+                  **({"host": launched.group.hosts[rank]} if rank is not None and rank < len(launched.group.hosts)
+                     else {}))
+        else:
+            _ENDED.append(timeline.FAILED)  # the launcher said it, with the rank
         launched.record(started, "error", reason, failed_phase=Phase.SERVE, end="exited 1")
         announced.end("exited 1", Phase.SERVE, reason)  # before any hard exit could skip it
         threading.Timer(FAIL_CLOSED_GRACE_S, os.kill, (os.getpid(), signal.SIGTERM)).start()
@@ -198,13 +242,20 @@ def _serve(launched, sock, emitter: Emitter, announced, started: float, door) ->
         hint = "run `dsv4 sidecar status`, then launch again" if sidecar else "launch again"
         raise UserError(f"{launched.failure}; stopped serving ({hint})")
     emitter.emit(Phase.SERVE, "log", message="stopped: drained and released device memory")
+    service_log.SERVICE.info("stopped: drained and released device memory")
     launched.record(started, "ok", end=stopped_how())  # the launch's true end, in its one record
     return 0
 
 
+def lost_rank(group, reason: str) -> int | None:
+    """The rank a failure's reason is about (the rank whose last error it is), if any."""
+    if group is None:
+        return None
+    return next((r for r, line in sorted(group.errors.items()) if line == reason), None)
+
+
 def hard_exit(reason: str) -> NoReturn:
-    print(f"dsv4 serve: {reason}; the drain did not end within {EXIT_BOUND_S:g} s, exiting", file=sys.stderr,
-          flush=True)
+    service_log.say_error(f"{reason}; the drain did not end within {EXIT_BOUND_S:g} s, exiting")
     os._exit(1)
 
 
@@ -217,10 +268,10 @@ def run_rank(run_it: Callable[[], int]) -> NoReturn:
     try:
         code = run_it()
     except UserError as e:
-        print(f"dsv4 serve: {e}", file=sys.stderr)
+        service_log.say_error(str(e))
         code = e.exit_code
     except KeyboardInterrupt:
-        print("dsv4 serve: interrupted", file=sys.stderr)
+        service_log.say_error("interrupted")
         code = 130
     atexit._run_exitfuncs()
     sys.stdout.flush()
@@ -246,8 +297,10 @@ def launch_ranks(spec: LaunchSpec) -> int:
     bind(spec.host, spec.port).close()  # the port in use is one line now, not after N registrations
     port = spec.master_port if spec.master_port is not None else int(os.environ.get("MASTER_PORT", 0) or 0)
     started = time.time()
+    files = service_log.install(spec.log_format, service_log.log_path(spec, spec.port, None))
     events_file = "" if spec.events in (None, "-") else str(Path(spec.events).resolve())
-    announced = Announcement(str(spec.model), events_file, **service_settings(spec))
+    announced = Announcement(str(spec.model), events_file, **service_settings(spec), **files.to_json())
+    started_in_timeline(spec, files, spec.port)
     history.SERVICE_LAUNCH = announced.service.identity.key
     logs = rank_logs(announced.service.log, spec.ranks)
     announced.update(rank_logs=tuple(map(str, logs)))
@@ -260,6 +313,7 @@ def launch_ranks(spec: LaunchSpec) -> int:
             with contextlib.suppress(OSError):
                 open_sink(spec.events)(Event(Phase.SERVE, "error", message=line, detail={"rank": rank, "phase": phase},
                                              host=socket.gethostname()))
+        timeline.record(timeline.FAILED, rank=rank, text=line, pid=os.getpid())
         announced.end(f"rank {rank} {how(code)}", phase, line, by="launcher")
         history.append(spec, {}, started, "error", line, device=resolution.device, backend=resolution.backend,
                        config=resolution.config,
@@ -287,7 +341,7 @@ def _follow(spec: LaunchSpec, rank_env, emitter: Emitter) -> int:
     launched = register(spec, emitter, rank_env=rank_env, record=False)
 
     def aborted(reason: str) -> None:
-        print(f"dsv4 serve: rank {rank_env.rank} stopping: {reason}", file=sys.stderr, flush=True)
+        service_log.say_error(f"rank {rank_env.rank} stopping: {reason}")
         os._exit(1)  # blocked in a collective: nothing else would return
 
     launched.group.on_lost = aborted  # a rank silent past --rank-timeout, or a collective that failed

@@ -36,6 +36,7 @@ from runtime.launch.rank_store import (
     phase_of,
     read,
 )
+from runtime.serve.log import say_error
 
 STOP_TIMEOUT_S = 10.0  # after a failure, or rank 0's end, the other ranks have this long to exit
 POLL_S = 0.1
@@ -114,7 +115,7 @@ def launch(argv: Sequence[str], world: int, addr: str = "127.0.0.1", port: int =
                         held = first_wins(store, "abort", line)
                         failed = True
                         if held == line:
-                            print(f"dsv4 serve: {line}; stopping every rank", file=sys.stderr, flush=True)
+                            say_error(f"{line}; stopping every rank")
                             if on_failure is not None:
                                 on_failure(r, phase, line, code)
                         break

@@ -29,7 +29,8 @@ from runtime.serve.api import (
     sampling_fields,
 )
 from runtime.serve.batch import Prompt, best, check_fits, draws_of
-from runtime.serve.http import ClientGone, SafeJSONResponse, read_body, until_disconnect
+from runtime.serve.http import ClientGone, SafeJSONResponse, access_of, read_body, until_disconnect
+from runtime.serve.log import Access
 from runtime.serve.responses import ChatShape, CompletionShape, TextRun, merged, sse, usage
 from runtime.serve.routes_status import Service
 from runtime.serve.scheduler import Cancelled, Failed, QueueTimeout, Sampling
@@ -75,8 +76,9 @@ class Generation:
                                 f"max_model_len {self.max_seq} (at most {room} fit)", param="max_tokens")
         return wanted
 
-    def completion_prompt(self, body: bytes):
+    def completion_prompt(self, body: bytes, access: Access):
         req = parse_completion(body)
+        access.model = req.model  # the access line names the model the client asked for, found or not
         self.service.check_model(req.model)
         return req, [self.one_prompt(req, p, "prompt" if p is req.prompt else f"prompt.{i}")
                      for i, p in enumerate(req.prompts)]
@@ -102,8 +104,9 @@ class Generation:
         echo = (prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)) if req.echo else None
         return Prompt(ids, self.fit(ids, req, field, COMPLETION_DEFAULT_TOKENS), echo)
 
-    def chat_prompt(self, body: bytes):
+    def chat_prompt(self, body: bytes, access: Access):
         req = parse_chat(body)
+        access.model = req.model
         self.service.check_model(req.model)
         self.too_long(sum(len(m.content) for m in req.messages), "messages")
         parts = chat_template.render([(m.role, m.content) for m in req.messages])
@@ -134,7 +137,7 @@ class Generation:
                 for job in jobs:
                     job.cancel()
                 watcher.cancel()
-        self.metrics.queue_wait.observe(jobs[0].started_at - jobs[0].queued_at)
+        self.metrics.waited(jobs[0].started_at - jobs[0].queued_at)
         return jobs, watcher
 
     def sampling_of(self, req) -> tuple[Sampling, bool]:
@@ -154,8 +157,9 @@ class Generation:
         if reason := self.service.failure():
             raise self.unavailable(reason)
         started = time.perf_counter()
+        access = access_of(request)
         body = await read_body(request, self.limits.max_body_bytes, self.limits.read_timeout)
-        req, prompts = await run_in_threadpool(parse, body)
+        req, prompts = await run_in_threadpool(parse, body, access)
         n, draws = req.n or 1, getattr(req, "draws", req.n or 1)
         check_fits(self.scheduler, len(prompts), draws, "best_of" if draws > n else "n")
         sampling, shown = self.sampling_of(req)
@@ -164,12 +168,18 @@ class Generation:
         runs = [TextRun(job, self.tokenizer, req.stop, prompts[i // draws].echo, index=i, prompt=i // draws,
                         logprobs=shown) for i, job in enumerate(jobs)]
         rid = f"{shape.prefix}-{uuid.uuid4().hex[:24]}"
+        if not access.sent:  # the answer's id names the request in its access line, unless the client named it
+            access.id = rid
 
         def done() -> None:
             for job in jobs:
                 job.cancel()
             watcher.cancel()
-            self.metrics.account(runs, time.perf_counter() - started)
+            counts = self.metrics.account(runs, time.perf_counter() - started)
+            access.prompt_tokens, access.completion_tokens = counts["prompt_tokens"], counts["completion_tokens"]
+            firsts = [t for job in jobs if (t := getattr(job, "first_token_at", None)) is not None]
+            access.ttft = min(firsts) - access.started if firsts else None
+            access.finish = ",".join(sorted({run.finish or "cancelled" for run in runs}))
 
         if not req.stream:
             async def text_of(run: TextRun) -> str:

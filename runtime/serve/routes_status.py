@@ -18,10 +18,12 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from runtime.serve import schema
 from runtime.serve.api import ApiError
-from runtime.serve.contract import FAILED, OK, Health, RankHealth
-from runtime.serve.http import SafeJSONResponse
+from runtime.serve.contract import FAILED, OK, DeviceUse, Health, RankHealth
+from runtime.serve.http import SafeJSONResponse, access_of
+from runtime.serve.log import current
 from runtime.serve.metrics import Metrics
 from runtime.serve.scheduler import Scheduler
+from runtime.serve.usage import Usage
 from store.services import ServiceId
 
 router = APIRouter()
@@ -37,6 +39,7 @@ class Service:
     limits: Any  # runtime.serve.app.Limits
     identity: ServiceId = field(default_factory=ServiceId.of_this_process)
     created: int = field(default_factory=lambda: int(time.time()))
+    usage: Usage | None = None  # one rank alone: this process's CPU, RSS and device, read when asked
 
     @property
     def model_dir(self):
@@ -57,14 +60,24 @@ class Service:
         return getattr(self.launched, "failure", None) or self.scheduler.failure
 
     def ranks(self) -> tuple[RankHealth, ...]:
-        """Each rank's own slots (it holds their sequences' KV), and where it runs and beats."""
+        """Each rank's own slots (it holds their sequences' KV), where it runs and beats, what it
+        uses (CPU, RSS, device: each rank posts its own with its heartbeat) and its log."""
         group = getattr(self.launched, "group", None)
         members = group.members() if group is not None else [
             {"rank": 0, "host": self.identity.host, "pid": self.identity.pid, "device": self._device(),
-             "phase": "serve", "heartbeat_age": None, "error": self.failure() or ""}]
+             "phase": "serve", "heartbeat_age": None, "error": self.failure() or "", "log": str(current().path or ""),
+             **self._usage().read()}]
         slots = {r["rank"]: r for r in self.scheduler.per_rank()}
-        return tuple(RankHealth(**{**slots.get(m["rank"], {"slots": 0, "free_slots": 0, "running": 0}), **m})
+        known = set(RankHealth.__dataclass_fields__)
+        return tuple(RankHealth(**{**slots.get(m["rank"], {"slots": 0, "free_slots": 0, "running": 0}),
+                                   **{k: v for k, v in m.items() if k in known},
+                                   "device_use": DeviceUse.from_json(m.get("device_use"))})
                      for m in members)
+
+    def _usage(self) -> Usage:
+        if self.usage is None:
+            self.usage = Usage(str(getattr(getattr(self.launched, "device", None), "torch_device", "cpu")))
+        return self.usage
 
     def _device(self) -> str:
         device = getattr(self.launched, "device", None)
@@ -82,7 +95,7 @@ class Service:
             tokenizer=getattr(self.launched.tokenizer, "kind", "bytes"),
             programs=tiers.status() if hasattr(tiers, "status") else "compiled",
             engine={**s.stats, "speculative": "mtp" if self.limits.speculative else "off"},
-            ranks=self.ranks(), reason=reason, open_fds=open_fds())
+            ranks=self.ranks(), reason=reason, open_fds=open_fds(), recent=self.metrics.recent.windows())
 
     def model_card(self) -> dict[str, Any]:
         """OpenAI's model object. `root` is the model's id, not its directory: an API client is
@@ -127,6 +140,7 @@ async def models(request: Request) -> dict[str, Any]:
 
 @router.get("/v1/models/{model}", **schema.MODEL)
 async def model(request: Request, model: str) -> dict[str, Any]:
+    access_of(request).model = model
     service = service_of(request)
     service.check_model(model)
     return service.model_card()

@@ -32,6 +32,8 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
+from runtime.serve.log import failed
+
 log = logging.getLogger(__name__)
 
 IDLE_TICK_S = 1.0  # an idle engine thread wakes this often (engine.idle: keep other ranks alive)
@@ -359,7 +361,7 @@ class Scheduler:
         try:
             self._steps()
         except BaseException as e:
-            log.exception("the engine thread died")
+            failed(log, e, "the engine thread died")
             reason = f"the engine thread died ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})"
             self.fail(reason)
             self.on_fatal(reason)
@@ -370,8 +372,8 @@ class Scheduler:
         def running(job: Job, slot: int):
             try:
                 return Running(job, slot)
-            except Exception:  # its sampler could not be made: this job fails, the others go on
-                log.exception("a job on slot %d could not start", slot)
+            except Exception as e:  # its sampler could not be made: this job fails, the others go on
+                failed(log, e, "a job on slot %d could not start", slot)
                 job._call(self._finished, job, slot, "error")
                 return None
 
@@ -399,8 +401,8 @@ class Scheduler:
         with an error (each request gets one clear answer) and the engine goes on."""
         try:
             return self.batcher.step(active, admitted)
-        except Exception:
-            log.exception("engine step failed; its %d sequences end with an error", len(active) + len(admitted))
+        except Exception as e:
+            failed(log, e, "engine step failed; its %d sequences end with an error", len(active) + len(admitted))
             for run in active + admitted:
                 self.batcher.end(run, "error")
             return []

@@ -12,6 +12,7 @@ import time
 
 from runtime.serve.app import Limits, create_app
 from runtime.serve.auth import OPEN_DOOR, Door
+from runtime.serve.log import SUMMARY_EVERY_S, log_summary
 from runtime.serve.openmp import release_this_threads_team
 from runtime.serve.wire import MAX_HEAD_BYTES, protocol
 from store.errors import UserError
@@ -62,20 +63,24 @@ def server_config(app, limits: Limits, door: Door):
     import uvicorn
 
     tls = door.tls
-    return uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=30,
+    # uvicorn's own lines go through the service's log (runtime.serve.log: its warnings only); its
+    # access lines are replaced by ours (runtime.serve.http.AccessLog), which say more
+    return uvicorn.Config(app, log_level="warning", log_config=None, access_log=False, lifespan="on",
+                          timeout_graceful_shutdown=30,
                           http=protocol(limits.read_timeout), h11_max_incomplete_event_size=MAX_HEAD_BYTES,
                           root_path=door.root_path,
                           ssl_context_factory=(lambda _config, _default: tls) if tls is not None else None)
 
 
 def serve(launched, sock: socket.socket, limits: Limits | None = None, on_ready=None, on_stats=None,
-          stats_every: float = 10.0, door: Door = OPEN_DOOR, url: str | None = None, on_fatal=None) -> None:
+          stats_every: float = SUMMARY_EVERY_S, door: Door = OPEN_DOOR, url: str | None = None, on_fatal=None) -> None:
     """Serve on `sock` (from `bind`) until SIGTERM/SIGINT: uvicorn stops accepting, drains
     in-flight requests, then every job is stopped and device memory released. `door`: the
     keys and TLS; `url`: what to announce (default from the socket); `on_fatal(reason)`: the
     engine thread died (runtime.serve.app.create_app).
-    `on_ready(url)` is called once the server accepts requests; `on_stats(stats)` every
-    `stats_every` seconds the engine ran steps (batch size, MTP acceptance: for the events)."""
+    `on_ready(url)` is called once the server accepts requests; every `stats_every` seconds
+    while there is work, a summary line (runtime.serve.log.log_summary) and `on_stats(stats)`
+    (batch size, MTP acceptance: for the events)."""
     import uvicorn
 
     url = url or url_of(sock, door.tls is not None)
@@ -97,9 +102,8 @@ def serve(launched, sock: socket.socket, limits: Limits | None = None, on_ready=
             on_ready(url)
 
     threading.Thread(target=announce, daemon=True, name="serve-ready").start()
-    if on_stats is not None:
-        threading.Thread(target=_report_stats, args=(app.state.scheduler, server, on_stats, stats_every),
-                         daemon=True, name="serve-stats").start()
+    threading.Thread(target=_report_stats, args=(app.state.scheduler, app.state.service.metrics, server, on_stats,
+                                                 stats_every), daemon=True, name="serve-stats").start()
     # this thread registered and runs no torch from here: its OpenMP workers go, so the engine
     # thread's are the only ones and spin between a step's kernels (runtime.serve.openmp)
     release_this_threads_team()
@@ -111,11 +115,17 @@ def serve(launched, sock: socket.socket, limits: Limits | None = None, on_ready=
         launched.close()
 
 
-def _report_stats(scheduler, server, on_stats, every: float) -> None:
+def _report_stats(scheduler, metrics, server, on_stats, every: float) -> None:
+    """Every `every` seconds there was work (a request answered, a token made, one running or
+    waiting): the summary line of the last `every` seconds; the engine's stats to `on_stats`
+    when it ran steps."""
     last = None
     while not server.should_exit:
         time.sleep(every)
-        stats = scheduler.stats
-        if stats["steps"] != (last or {}).get("steps"):
+        recent, stats = metrics.recent.figures(every), scheduler.stats
+        if recent.requests_s or recent.generation_tokens_s or scheduler.running or scheduler.queued:
+            log_summary(recent, scheduler.running, scheduler.queued, scheduler.slots, scheduler.free_slots,
+                        stats.get("acceptance"))
+        if on_stats is not None and stats["steps"] != (last or {}).get("steps"):
             on_stats(stats)
             last = stats

@@ -211,7 +211,7 @@ def test_a_killed_rank_stops_the_service(tiny_ckpt_ro, tmp_path):
     assert record["outcome"] == "error" and "rank 1" in record["error"] and record["pid"] == proc.pid
     [ended] = services.services()  # the service stays a row, saying how it ended
     assert (ended.pid, ended.ending.how, ended.ending.phase) == (proc.pid, "rank 1 killed by SIGKILL", "serve")
-    assert "sidecar" not in err  # advice that does not apply is not given
+    assert "dsv4 sidecar status" not in err  # advice that does not apply is not given (the log says the phases)
 
 
 def _rank(model, rank: int, world: int, port: int, tmp_path, *extra) -> subprocess.Popen:
@@ -313,7 +313,12 @@ def test_a_lost_node_fails_closed_with_503s_never_a_5xx(tiny_ckpt_ro, tmp_path, 
         assert health.ranks[1].error.startswith("rank 1 on ")  # the silent rank's line, by its rank
         assert set(statuses) <= {200, 503} and 503 in statuses, statuses
         assert nodes.agents[0].wait(timeout=60) != 0  # node 0's agent reports the failure
+    from console.cli.node import node_reason
     from store.history import read_history
+
+    node0 = (tmp_path / "node0.log").read_text()  # a host lost is lines with its cause, never a traceback
+    assert "Traceback" not in node0 and "To enable traceback" not in node0, node0[-3000:]
+    assert "rank 1 on " in node_reason(str(tmp_path / "node0.log"))
 
     record = [r for r in read_history() if r.get("model") == str(tiny_ckpt_ro)][-1]
     assert record["outcome"] == "error" and "rank 1" in record["error"]

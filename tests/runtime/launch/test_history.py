@@ -78,3 +78,35 @@ def test_a_hot_launch_with_no_like_one_is_predicted_from_its_artifact_bytes_and_
     assert plan.basis["programs"] == "model" and plan.compared is None
     other_backend = {**cold, "backend": "export"}
     assert predict_seconds(plan, [other_backend])["programs"] is None  # another backend loads at its own rate
+
+
+def test_a_launch_that_registered_and_died_later_still_predicts_the_next():
+    """Killed after a day of serving: the console's line says so, the phases it took stand."""
+    from runtime.launch.history import comparable, likeness, registered
+    from store.history import merge
+
+    served = _record({"a": "HIT"}, 0.3)
+    served["phases"]["serve"] = {"seconds": 0.05, "url": "http://127.0.0.1:8000"}
+    merge(served, {"outcome": "killed", "error": "killed by SIGKILL", "end": "killed by SIGKILL"})
+    never = {**_record({"a": "HIT"}, 0.1), "outcome": "error", "error": "kv: not even one slot"}
+    plan = _plan(Outcome.HIT)
+    assert registered(served) and not registered(never)
+    assert comparable([served, never], likeness(plan)) == [served]
+    assert predict_seconds(plan, [served, never])["programs"] == 0.3 and plan.compared is not None
+
+
+def test_each_phase_is_the_slowest_ranks_and_the_span_is_one_formula():
+    from runtime.launch.history import launch_seconds, slowest, span
+
+    rank0 = {"check": {"seconds": 0.5}, "programs": {"seconds": 19.12, "counts": {"MISS": 4}},
+             "weights": {"seconds": 3.0}, "upload": {"seconds": 0.1}, "kv": {"seconds": 0.2},
+             "validate": {"seconds": 1.0}}
+    merged = slowest(rank0, {0: {p: r["seconds"] for p, r in rank0.items()}, 1: {"programs": 40.24, "check": 0.4}})
+    assert merged["programs"] == {"seconds": 40.24, "counts": {"MISS": 4}, "slowest_rank": 1, "by_rank": [19.12, 40.24]}
+    assert merged["check"]["seconds"] == 0.5 and merged["check"]["slowest_rank"] == 0
+    assert merged["weights"] == {"seconds": 3.0}  # one rank said it: as it was
+    assert span(merged) == round(0.5 + 40.24 + 0.1 + 0.2 + 1.0, 4)  # programs ∥ weights: the longer counts
+    assert span({"check": 1.0, "programs": 2.0, "weights": 5.0, "upload": 0.0, "kv": 0.0, "validate": 1.0}) == 7.0
+    assert span({"check": 1.0, "programs": None}) is None
+    assert launch_seconds({"seconds": 64.92, "phases": merged}) == 64.92  # the whole launch, as recorded
+    assert launch_seconds({"phases": {"check": {"seconds": 1.0}, "serve": {"seconds": 0.5}}}) == 1.5  # an older record

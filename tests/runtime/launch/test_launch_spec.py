@@ -23,7 +23,7 @@ SAMPLES = {
     "signing_key": Path("/keys/signing.key"), "trusted_keys": Path("/keys/trusted"), "events": "-",
     "api_key_file": Path("/keys/api"), "status_needs_key": False, "ssl_certfile": Path("/tls/cert.pem"),
     "ssl_keyfile": Path("/tls/key.pem"), "ssl_ca_certs": Path("/tls/clients.pem"), "ca_file": Path("/tls/ca.pem"),
-    "read_timeout": 30.0, "root_path": "/dsv4",
+    "read_timeout": 30.0, "root_path": "/dsv4", "log_format": "json", "log_file": Path("/tmp/dsv4-serve.log"),
 }
 COMMANDS = (S.SERVE, S.COMPILE, S.PLAN, S.CONSOLE, S.PREPACK, S.CACHE, S.SIDECAR_PURGE)
 
@@ -75,6 +75,7 @@ def test_parsers_take_their_defaults_from_the_spec(tmp_path):
     (["--ready", "early", "--ranks", "2"], "--ready early serves one rank only"),
     (["--events", "/no/such/dir/events.jsonl"], "--events /no/such/dir/events.jsonl: directory /no/such/dir does not exist"),
     (["/no/such/model"], "/no/such/model: no such directory; point at a checkpoint directory"),
+    (["--log-file", "/no/such/dir/serve.log"], "--log-file /no/such/dir/serve.log: directory /no/such/dir does not exist"),
 ])
 def test_a_bad_setting_is_one_line(argv, says):
     with pytest.raises(UserError) as e:
