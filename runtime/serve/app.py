@@ -49,7 +49,7 @@ class Limits:
 
 def create_app(launched, limits: Limits = Limits(), scheduler: Scheduler | None = None, door: Door = OPEN_DOOR,
                on_fatal: Callable[[str], None] | None = None) -> FastAPI:
-    """An app serving `launched` (runtime.launch.registration.Launched) through `scheduler` (by
+    """An app serving `launched` (runtime.launch.launched.Launched) through `scheduler` (by
     default continuous batching over every KV slot of launched.engine), behind `door` (its API
     keys: runtime.serve.auth). `on_fatal(reason)`: the engine thread died (default
     `launched.fail`: 503 from then on; `dsv4 serve` also exits non-zero)."""

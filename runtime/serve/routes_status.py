@@ -33,7 +33,7 @@ router = APIRouter()
 class Service:
     """What the routes serve: the launch, its scheduler and metrics, and the service's identity."""
 
-    launched: Any  # runtime.launch.registration.Launched
+    launched: Any  # runtime.launch.launched.Launched
     scheduler: Scheduler
     metrics: Metrics
     limits: Any  # runtime.serve.app.Limits
