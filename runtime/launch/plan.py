@@ -178,7 +178,9 @@ def resolve(spec: LaunchSpec, local_ranks: int | None = None) -> Resolution:
         speculative, why = speculation(spec.speculative, config)
         if why:
             problems.append(Problem(kind=CHECK, text=why))
-    if device != "cpu" and local_ranks is None and here > (count := accelerator_count(device)):
+    # one rank a device: several ranks need as many devices here (a lone rank's missing device is
+    # the device's own error, which says what is missing); under torchrun each rank checks its own
+    if device != "cpu" and local_ranks is None and here > 1 and here > (count := accelerator_count(device)):
         problems.append(Problem(kind=CHECK, text=f"--ranks {spec.ranks} but this host has {count} {device} "
                                 f"device(s); one rank per device: run at most {count} ranks here (torchrun "
                                 f"--nnodes for more hosts)"))
