@@ -65,3 +65,17 @@ def noisy(hidden: int):
         sys.stderr.write("warning: " + "x" * 246 + "\n")  # 1 MiB in all
     sys.stderr.flush()
     return scaled_mlp
+
+
+def waits_for(gate: str, seconds: float):
+    """A factory whose compile cannot end before the file `gate` exists (it fails after `seconds`):
+    overlap of loading and compiling is pinned by outcome, not by the clock."""
+    import os
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not os.path.exists(gate):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{gate} never appeared: nothing was loaded while this compiled")
+        time.sleep(0.05)
+    return scaled_mlp

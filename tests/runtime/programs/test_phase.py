@@ -20,21 +20,6 @@ pytestmark = pytest.mark.slow
 GATE_S = 45.0  # how long a gated compile waits before it gives up (only when nothing overlaps)
 
 
-def waits_for(gate: str, seconds: float):
-    """A factory whose compile cannot end before the file `gate` exists (it fails after `seconds`)."""
-    import os
-    import time
-
-    deadline = time.monotonic() + seconds
-    while not os.path.exists(gate):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{gate} never appeared: nothing was loaded while this compiled")
-        time.sleep(0.05)
-    from tests.sample_programs import scaled_mlp
-
-    return scaled_mlp
-
-
 def _spec(name: str, fn: str = "tests.sample_programs:scaled_mlp", **captures):
     import sample_programs as sp
 
@@ -44,7 +29,7 @@ def _spec(name: str, fn: str = "tests.sample_programs:scaled_mlp", **captures):
 
 
 def _gated(gate):
-    return _spec("gated", "tests.test_program_prep_overlap:waits_for", gate=str(gate), seconds=GATE_S)
+    return _spec("gated", "tests.sample_programs:waits_for", gate=str(gate), seconds=GATE_S)
 
 
 def _prepare(tmp_path, specs, events: list, jobs: int = 2, on_event=lambda e: None):
