@@ -41,13 +41,14 @@ from pathlib import Path
 
 import torch
 
-from runtime.model.native_dense import DENSE_SOURCE, DENSE_TILE
+from runtime.model.native_dense import DENSE_MAX_BLOCK, DENSE_SOURCE, DENSE_TILE
 from runtime.model.native_ffn import FFN_SOURCE
-from runtime.model.native_fp4 import FP4_SOURCE
+from runtime.model.native_fp4 import FP4_MAX_GROUP, FP4_SOURCE
+from runtime.model.native_op import OP_SOURCE, op_flags
 
 # the C++ of every native product: the FP4 experts' (`native_fp4`), the dense weights' after it
 # (`native_dense`, which calls the FP4 source's helpers), a layer's routed experts' (`native_ffn`)
-SOURCE = FP4_SOURCE + DENSE_SOURCE + FFN_SOURCE
+SOURCE = FP4_SOURCE + DENSE_SOURCE + FFN_SOURCE + OP_SOURCE
 FFN_MAX_TOPK = 64  # the most choices a row `dsv4_fp4_ffn_out` sums (its per-row list)
 
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-x", "c++")
@@ -65,12 +66,16 @@ def compiler() -> str:
 
 
 def build(out: Path) -> None:
-    """Compile SOURCE into the shared library `out`."""
+    """Compile SOURCE into the shared library `out` (with `dsv4::dense`'s kernel where torch has the
+    stable ABI's headers: `native_op`)."""
+    ops = op_flags()
+    compile_flags, link_flags = [f for f in ops if f.startswith(("-D", "-I"))], [f for f in ops if f.startswith("-l")]
+    search = [f for f in ops if f.startswith("-L")]
     with tempfile.TemporaryDirectory(prefix="dsv4-native-") as tmp:
         src = Path(tmp) / "native.cpp"
         src.write_text(SOURCE)
-        done = subprocess.run([compiler(), *FLAGS, str(src), "-o", str(out)], capture_output=True, text=True,
-                              timeout=300, stdin=subprocess.DEVNULL)
+        done = subprocess.run([compiler(), *compile_flags, *search, *FLAGS, str(src), "-x", "none", "-o", str(out),
+                               *link_flags], capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
     if done.returncode != 0:
         raise RuntimeError(f"the native products did not compile ({platform.machine()}): {done.stderr.strip()[-2000:]}")
 
@@ -85,6 +90,7 @@ ISA_SCALAR, ISA_AVX2, ISA_BEST = 0, 1, 2
 # cores, native against the eager widening + oneDNN GEMM, ms: 0.16 / 0.47 at 8 rows, 0.30 / 1.3 at
 # 32, 1.6 / 2.6 at 256, 3.4 / 5.0 at 512, 7.5 / 7.8 at 1024 (a [1024, 1024] one: 27 / 17 there).
 DENSE_MAX_ROWS = {ISA_SCALAR: 4, ISA_AVX2: 512, ISA_BEST: 32}
+ISA_NAMES = {ISA_SCALAR: "plain C", ISA_AVX2: "AVX2", ISA_BEST: "AVX-512"}
 _TORCH_ISA = {"AVX512": ISA_BEST, "AVX2": ISA_AVX2}  # torch.backends.cpu.get_cpu_capability()'s names
 
 
@@ -110,8 +116,40 @@ class Native:
                                  ptr, ptr, ptr, ctypes.c_int, ctypes.c_int]
         self._ffn_out.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, ptr,
                                   ctypes.c_int, ctypes.c_int]
-        self.isa = ISA_BEST
         self._cpu_isa = _TORCH_ISA.get(torch.backends.cpu.get_cpu_capability(), ISA_SCALAR)
+        # `dsv4::dense`'s kernel in the library (`native_op`), where it was built in
+        self._ops = {name: getattr(library, name, None) for name in ("dsv4_ops_configure", "dsv4_ops_register",
+                                                                      "dsv4_ops_release")}
+        if self._ops["dsv4_ops_configure"] is not None:
+            self._ops["dsv4_ops_configure"].argtypes = [ctypes.c_int, i64]
+        self.isa = ISA_BEST
+
+    @property
+    def isa(self) -> int:
+        """The instruction set the products may use, at most (tests lower it to reach every path)."""
+        return self._isa
+
+    @isa.setter
+    def isa(self, isa: int) -> None:
+        self._isa = isa
+        if self._ops["dsv4_ops_configure"] is not None:  # the op's kernel multiplies as `dense` does
+            self._ops["dsv4_ops_configure"](isa, self.dense_rows)
+
+    def register_ops(self) -> bool:
+        """Serve `dsv4::dense` on the cpu from this library (`native_op`) while it serves the
+        process (`ops.use_native`); False where it was built without."""
+        register = self._ops["dsv4_ops_register"]
+        return register is not None and bool(register())
+
+    def release_ops(self) -> None:
+        """`dsv4::dense` back to its Python kernel."""
+        if self._ops["dsv4_ops_release"] is not None:
+            self._ops["dsv4_ops_release"]()
+
+    @property
+    def isa_name(self) -> str:
+        """The instruction set the products run here."""
+        return ISA_NAMES[min(self.isa, self._cpu_isa)]
 
     @property
     def dense_rows(self) -> int:
@@ -123,7 +161,8 @@ class Native:
         return (packed.dim() == 2 and scale.dim() == 2 and packed.dtype == scale.dtype == torch.uint8
                 and packed.is_cpu and scale.is_cpu and packed.stride(1) == 1 and scale.stride(1) == 1
                 and packed.shape[1] == scale.shape[1] and scale.shape[0] > 0
-                and (2 * packed.shape[0]) % (2 * scale.shape[0]) == 0)  # whole bytes in each scale block
+                and packed.shape[0] % scale.shape[0] == 0  # whole bytes in each scale group
+                and 2 * packed.shape[0] // scale.shape[0] <= FP4_MAX_GROUP)
 
     def grouped(self, x: torch.Tensor, ids: Sequence[int], starts: Sequence[int], packed: torch.Tensor,
                 scale: torch.Tensor) -> torch.Tensor | None:
@@ -206,7 +245,7 @@ class Native:
             if (scale is None or scale.dim() != 2 or scale.dtype != torch.uint8 or not scale.is_cpu
                     or scale.stride(1) != 1 or not 0 < scale.shape[0] <= w.shape[0] or scale.shape[1] <= 0
                     or w.shape[0] % scale.shape[0] or w.shape[1] % scale.shape[1]
-                    or (w.shape[1] // scale.shape[1]) % DENSE_TILE):
+                    or (w.shape[1] // scale.shape[1]) % DENSE_TILE or w.shape[0] // scale.shape[0] > DENSE_MAX_BLOCK):
                 return None
         elif w.dtype != torch.bfloat16 or scale is not None:
             return None
