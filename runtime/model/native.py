@@ -36,6 +36,7 @@ import operator
 import platform
 import subprocess
 import tempfile
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -50,6 +51,7 @@ from runtime.model.native_op import OP_SOURCE, op_flags
 # (`native_dense`, which calls the FP4 source's helpers), a layer's routed experts' (`native_ffn`)
 SOURCE = FP4_SOURCE + DENSE_SOURCE + FFN_SOURCE + OP_SOURCE
 FFN_MAX_TOPK = 64  # the most choices a row `dsv4_fp4_ffn_out` sums (its per-row list)
+FFN_SEEN = 256  # sets of experts' tensors `Native.ffn` remembers checked (a model's layers, a few times over)
 
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-x", "c++")
 
@@ -117,6 +119,7 @@ class Native:
         self._ffn_out.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, ptr,
                                   ctypes.c_int, ctypes.c_int]
         self._cpu_isa = _TORCH_ISA.get(torch.backends.cpu.get_cpu_capability(), ISA_SCALAR)
+        self._ffn_seen: dict[int, tuple] = {}  # `_ffn_weights`' checked sets
         # `dsv4::dense`'s kernel in the library (`native_op`), where it was built in
         self._ops = {name: getattr(library, name, None) for name in ("dsv4_ops_configure", "dsv4_ops_register",
                                                                       "dsv4_ops_release")}
@@ -188,6 +191,32 @@ class Native:
                           torch.get_num_threads(), self.isa)
         return out
 
+    def _ffn_weights(self, w13: tuple[torch.Tensor, ...], w2: tuple[torch.Tensor, torch.Tensor]) -> tuple | None:
+        """The experts' part of `ffn`'s checks and arguments, made once per set of tensors (a
+        layer's experts are the same tensors every step: some 40 us of checks a layer a step in
+        Python otherwise) and found again by identity and data pointer (weak references: the
+        cache keeps no weight alive); None where they are not such."""
+        tensors = (*w13, *w2)
+        seen = self._ffn_seen.get(id(tensors[0]))
+        if seen is not None and all(r() is t and t.data_ptr() == ptr for r, t, ptr in zip(seen[0], tensors, seen[1],
+                                                                                            strict=True)):
+            return seen[2]
+        p1, q1, p3, q3, p2, q2 = tensors
+        if (p1.dim() != 3 or p2.dim() != 3 or q1.dim() != 3 or q2.dim() != 3 or p1.shape != p3.shape
+                or q1.shape != q3.shape or p1.stride() != p3.stride() or q1.stride() != q3.stride()
+                or not 0 < p1.shape[0] == q1.shape[0] or p2.shape[0] != p1.shape[0] or q2.shape[0] != p1.shape[0]
+                or p2.shape[2] != 2 * p1.shape[1] or 2 * p2.shape[1] != p1.shape[2]
+                or not all(self._takes(p[0], q[0]) for p, q in ((p1, q1), (p3, q3), (p2, q2)))):
+            return None
+        args = ((p1.data_ptr(), q1.data_ptr(), p3.data_ptr(), q3.data_ptr(), p1.stride(0), p1.stride(1), q1.stride(0),
+                 q1.stride(1), 2 * p1.shape[1] // q1.shape[1], p1.shape[2]),
+                (p2.data_ptr(), q2.data_ptr(), p2.stride(0), p2.stride(1), q2.stride(0), q2.stride(1),
+                 2 * p2.shape[1] // q2.shape[1], p1.shape[2]), p1.shape[0], p1.shape[2], p2.shape[2])
+        if len(self._ffn_seen) >= FFN_SEEN:
+            self._ffn_seen.clear()
+        self._ffn_seen[id(p1)] = (tuple(weakref.ref(t) for t in tensors), tuple(t.data_ptr() for t in tensors), args)
+        return args
+
     def ffn(self, x: torch.Tensor, idx: torch.Tensor, gates: torch.Tensor, w13: tuple[torch.Tensor, ...],
             w2: tuple[torch.Tensor, torch.Tensor], swiglu) -> torch.Tensor | None:
         """A layer's routed experts over rows x [rows, hidden] with their choices idx [rows, k]
@@ -195,39 +224,32 @@ class Native:
         scale) [n, hidden/2, inter] / [n, hidden/group, inter], w2 = (w2, its scale) [n, inter/2,
         hidden], `swiglu(a, b)` the activation between them (torch's): each row's gate-weighted sum
         of its experts' outputs [rows, hidden], `native_ffn`'s two calls; None if these are not such."""
-        p1, q1, p3, q3 = w13
-        p2, q2 = w2
-        rows, hidden = x.shape if x.dim() == 2 else (0, 0)
-        if (x.dim() != 2 or x.dtype != torch.float32 or not x.is_cpu or idx.dim() != 2 or idx.shape[0] != rows
+        if (x.dim() != 2 or x.dtype != torch.float32 or not x.is_cpu or idx.dim() != 2 or idx.shape[0] != x.shape[0]
                 or idx.dtype != torch.int64 or not idx.is_cpu or gates.shape != idx.shape or gates.dtype != torch.float32
-                or not gates.is_cpu or not 0 < idx.shape[1] <= FFN_MAX_TOPK or p1.dim() != 3 or p2.dim() != 3
-                or q1.dim() != 3 or q2.dim() != 3 or p1.shape != p3.shape or q1.shape != q3.shape
-                or p1.stride() != p3.stride() or q1.stride() != q3.stride() or not 0 < p1.shape[0] == q1.shape[0]
-                or p2.shape[0] != p1.shape[0] or q2.shape[0] != p1.shape[0] or 2 * p1.shape[1] != hidden
-                or p2.shape[2] != hidden or 2 * p2.shape[1] != p1.shape[2]
-                or not all(self._takes(p[0], q[0]) for p, q in ((p1, q1), (p3, q3), (p2, q2)))):
+                or not gates.is_cpu or not 0 < idx.shape[1] <= FFN_MAX_TOPK):
             return None
-        n, k, inter = p1.shape[0], idx.shape[1], p1.shape[2]
+        weights = self._ffn_weights(w13, w2)
+        rows, hidden = x.shape
+        if weights is None or weights[4] != hidden:
+            return None
+        args_in, args_out, n, inter, _ = weights
         if rows == 0:
             return torch.zeros(0, hidden)
         x, idx, gates = x.contiguous(), idx.contiguous(), gates.contiguous()
+        k = idx.shape[1]
         choices = rows * k
         plan = torch.empty(2 * choices + 2 * n + 2, dtype=torch.int64)
         scratch = torch.empty(choices * (hidden + 2 * inter), dtype=torch.float32)
-        threads = torch.get_num_threads()
-        pairs = self._ffn_in(x.data_ptr(), rows, hidden, idx.data_ptr(), k, n, p1.data_ptr(), q1.data_ptr(),
-                             p3.data_ptr(), q3.data_ptr(), p1.stride(0), p1.stride(1), q1.stride(0), q1.stride(1),
-                             2 * p1.shape[1] // q1.shape[1], inter, plan.data_ptr(), scratch.data_ptr(),
-                             scratch[choices * hidden:].data_ptr(), scratch[choices * (hidden + inter):].data_ptr(),
-                             threads, self.isa)
+        threads, at = torch.get_num_threads(), scratch.data_ptr()
+        pairs = self._ffn_in(x.data_ptr(), rows, hidden, idx.data_ptr(), k, n, *args_in, plan.data_ptr(), at,
+                             at + 4 * choices * hidden, at + 4 * choices * (hidden + inter), threads, self.isa)
         a = scratch[choices * hidden:choices * hidden + pairs * inter].view(pairs, inter)
         b = scratch[choices * (hidden + inter):choices * (hidden + inter) + pairs * inter].view(pairs, inter)
         act = swiglu(a, b).contiguous()
-        y = scratch[:pairs * hidden]  # the gathered rows are spent: w2's outputs take their place
         out = torch.empty(rows, hidden, dtype=torch.float32)
-        self._ffn_out(act.data_ptr(), rows, hidden, gates.data_ptr(), k, n, p2.data_ptr(), q2.data_ptr(), p2.stride(0),
-                      p2.stride(1), q2.stride(0), q2.stride(1), 2 * p2.shape[1] // q2.shape[1], inter, plan.data_ptr(),
-                      y.data_ptr(), out.data_ptr(), threads, self.isa)
+        # the gathered rows are spent: w2's outputs take their place at the scratch's start
+        self._ffn_out(act.data_ptr(), rows, hidden, gates.data_ptr(), k, n, *args_out, plan.data_ptr(), at,
+                      out.data_ptr(), threads, self.isa)
         return out
 
     def dense(self, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor | None:

@@ -123,28 +123,28 @@ NK_ATTR static void dense_regs(const float *x, int64_t in, const uint8_t *w, int
                                int64_t kb) {
     constexpr int N = NT * D::DV, B = KIND == DENSE_FP8 ? 1 : 2;  /* vectors a row, bytes a weight */
     F p[R][N];
-    for (int r = 0; r < R; r++)
-        for (int v = 0; v < N; v++) p[r][v] = (KIND == DENSE_FP8 || b0 == 0) ? V::zero() : V::load(out + r * cols + o + V::W * v);
+    _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)
+        _Pragma("GCC unroll 16") for (int v = 0; v < N; v++) p[r][v] = (KIND == DENSE_FP8 || b0 == 0) ? V::zero() : V::load(out + r * cols + o + V::W * v);
     const uint8_t *row = w + B * (b0 * ld + o);
     /* the lines the tile's bytes of a row start (or cross into), once each: the next block's prefetched */
     const int64_t first = (64 - (B * o) % 64) % 64, span = B * DENSE_UNIT * NT;
     for (int64_t i = b0; i < b0 + kb; i++, row += B * ld) {
         F d[N];
         for (int64_t a = first; a < span; a += 64) _mm_prefetch((const char *)(row + B * kb * ld + a), _MM_HINT_T1);
-        for (int t = 0; t < NT; t++) {
+        _Pragma("GCC unroll 16") for (int t = 0; t < NT; t++) {
             if (KIND == DENSE_FP8) D::fp8(row + DENSE_UNIT * t, d + D::DV * t);
             else D::bf16(row + 2 * DENSE_UNIT * t, d + D::DV * t);
         }
-        for (int r = 0; r < R; r++) {
+        _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {
             const F xv = V::bcast(x + r * in + i);
-            for (int v = 0; v < N; v++) p[r][v] = V::fma(xv, d[v], p[r][v]);
+            _Pragma("GCC unroll 16") for (int v = 0; v < N; v++) p[r][v] = V::fma(xv, d[v], p[r][v]);
         }
     }
     const uint8_t s = KIND == DENSE_FP8 ? sc[(b0 / bi) * lds + o / bo] : 0;
     const float fs = KIND == DENSE_FP8 ? (s > 246 ? e8m0(s) : dense_factor(s)) : 1.f;
     const F f = V::bcast(&fs);
-    for (int r = 0; r < R; r++)
-        for (int v = 0; v < N; v++) dense_fold(out + r * cols + o + V::W * v, p[r][v], f, b0 == 0, KIND == DENSE_FP8, s > 246);
+    _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)
+        _Pragma("GCC unroll 16") for (int v = 0; v < N; v++) dense_fold(out + r * cols + o + V::W * v, p[r][v], f, b0 == 0, KIND == DENSE_FP8, s > 246);
 }
 
 /* rows beyond RMAX: one unit's block widened once into a panel, then PR rows at a time over it */
@@ -152,18 +152,18 @@ template <int N, int KIND>
 NK_ATTR static void dense_pass(const float *x, int64_t in, const float *panel, int64_t kb, float *out, int64_t cols,
                                F f, int first, int big) {
     F p[N][D::DV];
-    for (int r = 0; r < N; r++)
-        for (int v = 0; v < D::DV; v++) p[r][v] = (KIND == DENSE_FP8 || first) ? V::zero() : V::load(out + r * cols + V::W * v);
+    _Pragma("GCC unroll 16") for (int r = 0; r < N; r++)
+        _Pragma("GCC unroll 16") for (int v = 0; v < D::DV; v++) p[r][v] = (KIND == DENSE_FP8 || first) ? V::zero() : V::load(out + r * cols + V::W * v);
     for (int64_t k = 0; k < kb; k++) {
         F wv[D::DV];
-        for (int v = 0; v < D::DV; v++) wv[v] = V::load(panel + DENSE_UNIT * k + V::W * v);
-        for (int r = 0; r < N; r++) {
+        _Pragma("GCC unroll 16") for (int v = 0; v < D::DV; v++) wv[v] = V::load(panel + DENSE_UNIT * k + V::W * v);
+        _Pragma("GCC unroll 16") for (int r = 0; r < N; r++) {
             const F xv = V::bcast(x + r * in + k);
-            for (int v = 0; v < D::DV; v++) p[r][v] = V::fma(xv, wv[v], p[r][v]);
+            _Pragma("GCC unroll 16") for (int v = 0; v < D::DV; v++) p[r][v] = V::fma(xv, wv[v], p[r][v]);
         }
     }
-    for (int r = 0; r < N; r++)
-        for (int v = 0; v < D::DV; v++) dense_fold(out + r * cols + V::W * v, p[r][v], f, first, KIND == DENSE_FP8, big);
+    _Pragma("GCC unroll 16") for (int r = 0; r < N; r++)
+        _Pragma("GCC unroll 16") for (int v = 0; v < D::DV; v++) dense_fold(out + r * cols + V::W * v, p[r][v], f, first, KIND == DENSE_FP8, big);
 }
 
 template <int KIND>
@@ -178,7 +178,7 @@ NK_ATTR static void dense_panel(const float *x, int64_t rows, int64_t in, const 
         F d[D::DV];
         if (KIND == DENSE_FP8) D::fp8(row, d);
         else D::bf16(row, d);
-        for (int v = 0; v < D::DV; v++) V::store(panel + DENSE_UNIT * k + V::W * v, d[v]);
+        _Pragma("GCC unroll 16") for (int v = 0; v < D::DV; v++) V::store(panel + DENSE_UNIT * k + V::W * v, d[v]);
     }
     const uint8_t s = KIND == DENSE_FP8 ? sc[(b0 / bi) * lds + o / bo] : 0;
     const float fs = KIND == DENSE_FP8 ? (s > 246 ? e8m0(s) : dense_factor(s)) : 1.f;

@@ -202,23 +202,23 @@ NK_ATTR static void fp4_regs(const float *x, const uint8_t *w, int64_t ld, const
     for (int64_t j0 = 0; j0 < half; j0 += per) {
         for (int64_t o = o0; o < o1; o += 32) {
             F p[R][V::NU];
-            for (int r = 0; r < R; r++)
-                for (int v = 0; v < V::NU; v++) p[r][v] = V::zero();
+            _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)
+                _Pragma("GCC unroll 16") for (int v = 0; v < V::NU; v++) p[r][v] = V::zero();
             const uint8_t *row = w + j0 * ld + o;
             for (int64_t j = j0; j < j0 + per; j++, row += ld) {
                 _mm_prefetch((const char *)(row + per * ld), _MM_HINT_T0);  /* the next group's (never faults) */
                 F lo[V::NU], hi[V::NU];
                 V::fp4(row, lo, hi);
-                for (int r = 0; r < R; r++) {
+                _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {
                     const F xl = V::bcast(x + r * in + 2 * j), xh = V::bcast(x + r * in + 2 * j + 1);
-                    for (int v = 0; v < V::NU; v++) p[r][v] = V::fma(xl, lo[v], p[r][v]);
-                    for (int v = 0; v < V::NU; v++) p[r][v] = V::fma(xh, hi[v], p[r][v]);
+                    _Pragma("GCC unroll 16") for (int v = 0; v < V::NU; v++) p[r][v] = V::fma(xl, lo[v], p[r][v]);
+                    _Pragma("GCC unroll 16") for (int v = 0; v < V::NU; v++) p[r][v] = V::fma(xh, hi[v], p[r][v]);
                 }
             }
             F f[V::NU];
             V::scales(sc + (j0 / per) * lds + o, f);
-            for (int r = 0; r < R; r++)
-                for (int v = 0; v < V::NU; v++) {
+            _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)
+                _Pragma("GCC unroll 16") for (int v = 0; v < V::NU; v++) {
                     float *q = out + r * cols + o + V::W * v;
                     V::store(q, j0 ? V::fma(p[r][v], f[v], V::load(q)) : V::mul(p[r][v], f[v]));
                 }
@@ -230,20 +230,20 @@ NK_ATTR static void fp4_regs(const float *x, const uint8_t *w, int64_t ld, const
 template <int N>
 NK_ATTR static void fp4_pass(const float *x, int64_t in, const float *panel, int64_t group, const F *f, float *out,
                              int64_t cols, int first) {
-    for (int h = 0; h < V::NU; h += V::PV) {
+    _Pragma("GCC unroll 16") for (int h = 0; h < V::NU; h += V::PV) {
         F p[N][V::PV];
-        for (int r = 0; r < N; r++)
-            for (int v = 0; v < V::PV; v++) p[r][v] = V::zero();
+        _Pragma("GCC unroll 16") for (int r = 0; r < N; r++)
+            _Pragma("GCC unroll 16") for (int v = 0; v < V::PV; v++) p[r][v] = V::zero();
         for (int64_t k = 0; k < group; k++) {
             F wv[V::PV];
-            for (int v = 0; v < V::PV; v++) wv[v] = V::load(panel + 32 * k + V::W * (h + v));
-            for (int r = 0; r < N; r++) {
+            _Pragma("GCC unroll 16") for (int v = 0; v < V::PV; v++) wv[v] = V::load(panel + 32 * k + V::W * (h + v));
+            _Pragma("GCC unroll 16") for (int r = 0; r < N; r++) {
                 const F xv = V::bcast(x + r * in + k);
-                for (int v = 0; v < V::PV; v++) p[r][v] = V::fma(xv, wv[v], p[r][v]);
+                _Pragma("GCC unroll 16") for (int v = 0; v < V::PV; v++) p[r][v] = V::fma(xv, wv[v], p[r][v]);
             }
         }
-        for (int r = 0; r < N; r++)
-            for (int v = 0; v < V::PV; v++) {
+        _Pragma("GCC unroll 16") for (int r = 0; r < N; r++)
+            _Pragma("GCC unroll 16") for (int v = 0; v < V::PV; v++) {
                 float *q = out + r * cols + V::W * (h + v);
                 V::store(q, first ? V::mul(p[r][v], f[h + v]) : V::fma(p[r][v], f[h + v], V::load(q)));
             }
@@ -262,7 +262,7 @@ NK_ATTR static void fp4_panel(const float *x, int64_t rows, const uint8_t *w, in
                 _mm_prefetch((const char *)(row + per * ld), _MM_HINT_T0);
                 F lo[V::NU], hi[V::NU];
                 V::fp4(row, lo, hi);
-                for (int v = 0; v < V::NU; v++) {
+                _Pragma("GCC unroll 16") for (int v = 0; v < V::NU; v++) {
                     V::store(panel + 64 * j + V::W * v, lo[v]);
                     V::store(panel + 64 * j + 32 + V::W * v, hi[v]);
                 }
