@@ -322,13 +322,24 @@ def tables(r: dict[str, Any]) -> list[tuple[str, list[str], list[list]]]:
     return [main, prefill, split]
 
 
-def main(preset: str = "small", backend: str = "aoti", json_output: bool = False) -> int:
+def main(preset: str = "small", backend: str = "aoti", json_output: bool = False, products: bool = False) -> int:
     import sys
 
     from bench.report import print_json, print_table
 
-    r = measure(preset, backend, log=(lambda s: None) if json_output else (
-        lambda s: print(s, file=sys.stderr, flush=True)))
+    log = (lambda s: None) if json_output else (lambda s: print(s, file=sys.stderr, flush=True))
+    if products:  # the native products alone (`bench.products_bench`)
+        from bench.products_bench import measure as measure_products
+        from bench.products_bench import table
+
+        r = measure_products(log=log)
+        if json_output:
+            print_json({**r, "cpu": _cpu_model(), "load_average": round(os.getloadavg()[0], 2)})
+        else:
+            print_table(*table(r))
+            print(f"{_cpu_model()}; load average {round(os.getloadavg()[0], 2)}")
+        return 0
+    r = measure(preset, backend, log=log)
     if json_output:
         print_json({**r, "decode": {str(k): v for k, v in r["decode"].items()},
                     "prefill": {str(k): v for k, v in r["prefill"].items()}})

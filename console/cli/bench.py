@@ -253,6 +253,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                       help="synthetic checkpoint (default %(default)s; made on first use)")
     roof.add_argument("--backend", choices=("aoti", "export", "eager"), default="aoti",
                       help="program backend (default %(default)s; compiled on the first run)")
+    roof.add_argument("--products", action="store_true",
+                      help="only the native products (FP8, FP4, BF16 at 1-8 rows, weights from memory) against the "
+                      "read bandwidth: the kernels' micro-benchmark")
     roof.add_argument("--json", action="store_true", help="print one JSON object")
     roof.set_defaults(func=_roofline)
 
@@ -335,7 +338,7 @@ def _compile(args: argparse.Namespace) -> int:
 def _roofline(args: argparse.Namespace) -> int:
     from bench.roofline_bench import main
 
-    return main(preset=args.preset, backend=args.backend, json_output=args.json)
+    return main(preset=args.preset, backend=args.backend, json_output=args.json, products=args.products)
 
 
 def _peer(args: argparse.Namespace) -> int:

@@ -36,19 +36,22 @@ import operator
 import platform
 import subprocess
 import tempfile
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-from runtime.model.native_dense import DENSE_SOURCE, DENSE_TILE
+from runtime.model.native_dense import DENSE_MAX_BLOCK, DENSE_SOURCE, DENSE_TILE
 from runtime.model.native_ffn import FFN_SOURCE
-from runtime.model.native_fp4 import FP4_SOURCE
+from runtime.model.native_fp4 import FP4_MAX_GROUP, FP4_SOURCE
+from runtime.model.native_op import OP_SOURCE, op_flags
 
 # the C++ of every native product: the FP4 experts' (`native_fp4`), the dense weights' after it
 # (`native_dense`, which calls the FP4 source's helpers), a layer's routed experts' (`native_ffn`)
-SOURCE = FP4_SOURCE + DENSE_SOURCE + FFN_SOURCE
+SOURCE = FP4_SOURCE + DENSE_SOURCE + FFN_SOURCE + OP_SOURCE
 FFN_MAX_TOPK = 64  # the most choices a row `dsv4_fp4_ffn_out` sums (its per-row list)
+FFN_SEEN = 256  # sets of experts' tensors `Native.ffn` remembers checked (a model's layers, a few times over)
 
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-x", "c++")
 
@@ -65,12 +68,16 @@ def compiler() -> str:
 
 
 def build(out: Path) -> None:
-    """Compile SOURCE into the shared library `out`."""
+    """Compile SOURCE into the shared library `out` (with `dsv4::dense`'s kernel where torch has the
+    stable ABI's headers: `native_op`)."""
+    ops = op_flags()
+    compile_flags, link_flags = [f for f in ops if f.startswith(("-D", "-I"))], [f for f in ops if f.startswith("-l")]
+    search = [f for f in ops if f.startswith("-L")]
     with tempfile.TemporaryDirectory(prefix="dsv4-native-") as tmp:
         src = Path(tmp) / "native.cpp"
         src.write_text(SOURCE)
-        done = subprocess.run([compiler(), *FLAGS, str(src), "-o", str(out)], capture_output=True, text=True,
-                              timeout=300, stdin=subprocess.DEVNULL)
+        done = subprocess.run([compiler(), *compile_flags, *search, *FLAGS, str(src), "-x", "none", "-o", str(out),
+                               *link_flags], capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
     if done.returncode != 0:
         raise RuntimeError(f"the native products did not compile ({platform.machine()}): {done.stderr.strip()[-2000:]}")
 
@@ -85,6 +92,7 @@ ISA_SCALAR, ISA_AVX2, ISA_BEST = 0, 1, 2
 # cores, native against the eager widening + oneDNN GEMM, ms: 0.16 / 0.47 at 8 rows, 0.30 / 1.3 at
 # 32, 1.6 / 2.6 at 256, 3.4 / 5.0 at 512, 7.5 / 7.8 at 1024 (a [1024, 1024] one: 27 / 17 there).
 DENSE_MAX_ROWS = {ISA_SCALAR: 4, ISA_AVX2: 512, ISA_BEST: 32}
+ISA_NAMES = {ISA_SCALAR: "plain C", ISA_AVX2: "AVX2", ISA_BEST: "AVX-512"}
 _TORCH_ISA = {"AVX512": ISA_BEST, "AVX2": ISA_AVX2}  # torch.backends.cpu.get_cpu_capability()'s names
 
 
@@ -110,8 +118,41 @@ class Native:
                                  ptr, ptr, ptr, ctypes.c_int, ctypes.c_int]
         self._ffn_out.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, ptr,
                                   ctypes.c_int, ctypes.c_int]
-        self.isa = ISA_BEST
         self._cpu_isa = _TORCH_ISA.get(torch.backends.cpu.get_cpu_capability(), ISA_SCALAR)
+        self._ffn_seen: dict[int, tuple] = {}  # `_ffn_weights`' checked sets
+        # `dsv4::dense`'s kernel in the library (`native_op`), where it was built in
+        self._ops = {name: getattr(library, name, None) for name in ("dsv4_ops_configure", "dsv4_ops_register",
+                                                                      "dsv4_ops_release")}
+        if self._ops["dsv4_ops_configure"] is not None:
+            self._ops["dsv4_ops_configure"].argtypes = [ctypes.c_int, i64]
+        self.isa = ISA_BEST
+
+    @property
+    def isa(self) -> int:
+        """The instruction set the products may use, at most (tests lower it to reach every path)."""
+        return self._isa
+
+    @isa.setter
+    def isa(self, isa: int) -> None:
+        self._isa = isa
+        if self._ops["dsv4_ops_configure"] is not None:  # the op's kernel multiplies as `dense` does
+            self._ops["dsv4_ops_configure"](isa, self.dense_rows)
+
+    def register_ops(self) -> bool:
+        """Serve `dsv4::dense` on the cpu from this library (`native_op`) while it serves the
+        process (`ops.use_native`); False where it was built without."""
+        register = self._ops["dsv4_ops_register"]
+        return register is not None and bool(register())
+
+    def release_ops(self) -> None:
+        """`dsv4::dense` back to its Python kernel."""
+        if self._ops["dsv4_ops_release"] is not None:
+            self._ops["dsv4_ops_release"]()
+
+    @property
+    def isa_name(self) -> str:
+        """The instruction set the products run here."""
+        return ISA_NAMES[min(self.isa, self._cpu_isa)]
 
     @property
     def dense_rows(self) -> int:
@@ -123,7 +164,8 @@ class Native:
         return (packed.dim() == 2 and scale.dim() == 2 and packed.dtype == scale.dtype == torch.uint8
                 and packed.is_cpu and scale.is_cpu and packed.stride(1) == 1 and scale.stride(1) == 1
                 and packed.shape[1] == scale.shape[1] and scale.shape[0] > 0
-                and (2 * packed.shape[0]) % (2 * scale.shape[0]) == 0)  # whole bytes in each scale block
+                and packed.shape[0] % scale.shape[0] == 0  # whole bytes in each scale group
+                and 2 * packed.shape[0] // scale.shape[0] <= FP4_MAX_GROUP)
 
     def grouped(self, x: torch.Tensor, ids: Sequence[int], starts: Sequence[int], packed: torch.Tensor,
                 scale: torch.Tensor) -> torch.Tensor | None:
@@ -149,6 +191,32 @@ class Native:
                           torch.get_num_threads(), self.isa)
         return out
 
+    def _ffn_weights(self, w13: tuple[torch.Tensor, ...], w2: tuple[torch.Tensor, torch.Tensor]) -> tuple | None:
+        """The experts' part of `ffn`'s checks and arguments, made once per set of tensors (a
+        layer's experts are the same tensors every step: some 40 us of checks a layer a step in
+        Python otherwise) and found again by identity and data pointer (weak references: the
+        cache keeps no weight alive); None where they are not such."""
+        tensors = (*w13, *w2)
+        seen = self._ffn_seen.get(id(tensors[0]))
+        if seen is not None and all(r() is t and t.data_ptr() == ptr for r, t, ptr in zip(seen[0], tensors, seen[1],
+                                                                                            strict=True)):
+            return seen[2]
+        p1, q1, p3, q3, p2, q2 = tensors
+        if (p1.dim() != 3 or p2.dim() != 3 or q1.dim() != 3 or q2.dim() != 3 or p1.shape != p3.shape
+                or q1.shape != q3.shape or p1.stride() != p3.stride() or q1.stride() != q3.stride()
+                or not 0 < p1.shape[0] == q1.shape[0] or p2.shape[0] != p1.shape[0] or q2.shape[0] != p1.shape[0]
+                or p2.shape[2] != 2 * p1.shape[1] or 2 * p2.shape[1] != p1.shape[2]
+                or not all(self._takes(p[0], q[0]) for p, q in ((p1, q1), (p3, q3), (p2, q2)))):
+            return None
+        args = ((p1.data_ptr(), q1.data_ptr(), p3.data_ptr(), q3.data_ptr(), p1.stride(0), p1.stride(1), q1.stride(0),
+                 q1.stride(1), 2 * p1.shape[1] // q1.shape[1], p1.shape[2]),
+                (p2.data_ptr(), q2.data_ptr(), p2.stride(0), p2.stride(1), q2.stride(0), q2.stride(1),
+                 2 * p2.shape[1] // q2.shape[1], p1.shape[2]), p1.shape[0], p1.shape[2], p2.shape[2])
+        if len(self._ffn_seen) >= FFN_SEEN:
+            self._ffn_seen.clear()
+        self._ffn_seen[id(p1)] = (tuple(weakref.ref(t) for t in tensors), tuple(t.data_ptr() for t in tensors), args)
+        return args
+
     def ffn(self, x: torch.Tensor, idx: torch.Tensor, gates: torch.Tensor, w13: tuple[torch.Tensor, ...],
             w2: tuple[torch.Tensor, torch.Tensor], swiglu) -> torch.Tensor | None:
         """A layer's routed experts over rows x [rows, hidden] with their choices idx [rows, k]
@@ -156,39 +224,32 @@ class Native:
         scale) [n, hidden/2, inter] / [n, hidden/group, inter], w2 = (w2, its scale) [n, inter/2,
         hidden], `swiglu(a, b)` the activation between them (torch's): each row's gate-weighted sum
         of its experts' outputs [rows, hidden], `native_ffn`'s two calls; None if these are not such."""
-        p1, q1, p3, q3 = w13
-        p2, q2 = w2
-        rows, hidden = x.shape if x.dim() == 2 else (0, 0)
-        if (x.dim() != 2 or x.dtype != torch.float32 or not x.is_cpu or idx.dim() != 2 or idx.shape[0] != rows
+        if (x.dim() != 2 or x.dtype != torch.float32 or not x.is_cpu or idx.dim() != 2 or idx.shape[0] != x.shape[0]
                 or idx.dtype != torch.int64 or not idx.is_cpu or gates.shape != idx.shape or gates.dtype != torch.float32
-                or not gates.is_cpu or not 0 < idx.shape[1] <= FFN_MAX_TOPK or p1.dim() != 3 or p2.dim() != 3
-                or q1.dim() != 3 or q2.dim() != 3 or p1.shape != p3.shape or q1.shape != q3.shape
-                or p1.stride() != p3.stride() or q1.stride() != q3.stride() or not 0 < p1.shape[0] == q1.shape[0]
-                or p2.shape[0] != p1.shape[0] or q2.shape[0] != p1.shape[0] or 2 * p1.shape[1] != hidden
-                or p2.shape[2] != hidden or 2 * p2.shape[1] != p1.shape[2]
-                or not all(self._takes(p[0], q[0]) for p, q in ((p1, q1), (p3, q3), (p2, q2)))):
+                or not gates.is_cpu or not 0 < idx.shape[1] <= FFN_MAX_TOPK):
             return None
-        n, k, inter = p1.shape[0], idx.shape[1], p1.shape[2]
+        weights = self._ffn_weights(w13, w2)
+        rows, hidden = x.shape
+        if weights is None or weights[4] != hidden:
+            return None
+        args_in, args_out, n, inter, _ = weights
         if rows == 0:
             return torch.zeros(0, hidden)
         x, idx, gates = x.contiguous(), idx.contiguous(), gates.contiguous()
+        k = idx.shape[1]
         choices = rows * k
         plan = torch.empty(2 * choices + 2 * n + 2, dtype=torch.int64)
         scratch = torch.empty(choices * (hidden + 2 * inter), dtype=torch.float32)
-        threads = torch.get_num_threads()
-        pairs = self._ffn_in(x.data_ptr(), rows, hidden, idx.data_ptr(), k, n, p1.data_ptr(), q1.data_ptr(),
-                             p3.data_ptr(), q3.data_ptr(), p1.stride(0), p1.stride(1), q1.stride(0), q1.stride(1),
-                             2 * p1.shape[1] // q1.shape[1], inter, plan.data_ptr(), scratch.data_ptr(),
-                             scratch[choices * hidden:].data_ptr(), scratch[choices * (hidden + inter):].data_ptr(),
-                             threads, self.isa)
+        threads, at = torch.get_num_threads(), scratch.data_ptr()
+        pairs = self._ffn_in(x.data_ptr(), rows, hidden, idx.data_ptr(), k, n, *args_in, plan.data_ptr(), at,
+                             at + 4 * choices * hidden, at + 4 * choices * (hidden + inter), threads, self.isa)
         a = scratch[choices * hidden:choices * hidden + pairs * inter].view(pairs, inter)
         b = scratch[choices * (hidden + inter):choices * (hidden + inter) + pairs * inter].view(pairs, inter)
         act = swiglu(a, b).contiguous()
-        y = scratch[:pairs * hidden]  # the gathered rows are spent: w2's outputs take their place
         out = torch.empty(rows, hidden, dtype=torch.float32)
-        self._ffn_out(act.data_ptr(), rows, hidden, gates.data_ptr(), k, n, p2.data_ptr(), q2.data_ptr(), p2.stride(0),
-                      p2.stride(1), q2.stride(0), q2.stride(1), 2 * p2.shape[1] // q2.shape[1], inter, plan.data_ptr(),
-                      y.data_ptr(), out.data_ptr(), threads, self.isa)
+        # the gathered rows are spent: w2's outputs take their place at the scratch's start
+        self._ffn_out(act.data_ptr(), rows, hidden, gates.data_ptr(), k, n, *args_out, plan.data_ptr(), at,
+                      out.data_ptr(), threads, self.isa)
         return out
 
     def dense(self, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -206,7 +267,7 @@ class Native:
             if (scale is None or scale.dim() != 2 or scale.dtype != torch.uint8 or not scale.is_cpu
                     or scale.stride(1) != 1 or not 0 < scale.shape[0] <= w.shape[0] or scale.shape[1] <= 0
                     or w.shape[0] % scale.shape[0] or w.shape[1] % scale.shape[1]
-                    or (w.shape[1] // scale.shape[1]) % DENSE_TILE):
+                    or (w.shape[1] // scale.shape[1]) % DENSE_TILE or w.shape[0] // scale.shape[0] > DENSE_MAX_BLOCK):
                 return None
         elif w.dtype != torch.bfloat16 or scale is not None:
             return None

@@ -1,42 +1,56 @@
 """The dense product of `runtime.model.native`'s library (`Native.dense`, C entry `dsv4_dense`), its C++
 source appended to the FP4 products' (`native.SOURCE`, which the library's key holds).
 
-A program dequantising an FP8 weight in its graph writes it whole as float32
-and reads it back (the BF16 head: 128 MiB a step at small, 10.5 ms). Here 32 columns of a row (one
-64-byte line of BF16) widen by shifts (FP8: its bits placed in a float32's, which is then the
-byte's value times 2^-120, subnormals included, so times 2^120 exactly, then the block's scale:
-the eager dequantisation's very number), each multiplied into up to 8 rows' sums held in
-registers (AVX-512; AVX2: 2 rows, or from DENSE_PANEL_ROWS rows on, decoded once a chunk into a
-float panel that every row is multiplied over: `dense_panel_avx2`). Threads take blocks of columns,
-each block's rows 16 (a panel: 64) at a time, so the weight streams from memory once in runs a
-block wide (small, 1 row: a `[1024, 1024]` FP8 weight 135 us, MKL on a float copy 164; the head 1.4
-ms; 8 rows: 250 us and 3.2 ms; on 2 AMD Zen 3 cores with panels a `[1024, 512]` one 0.16 ms at 8
-rows, 1.6 at 256, against 0.37 and 11.5 in 2-row passes). A decode step of small: 49 ms → 31 for
-one sequence, 88 → 66 for eight. The FP8 decode assumes subnormal floats are kept (torch's
+A program dequantising an FP8 weight in its graph writes it whole as float32 and reads it back
+(the BF16 head: 128 MiB a step at small, 10.5 ms). Here each weight byte is widened where it
+multiplies: an FP8 byte put in the high byte of a float16's bits (a byte shuffle), shifted one
+down with its sign kept and masked (then exactly the byte's value times 2^-8, subnormals
+included) and widened by the cpu's float16 conversion (F16C); a BF16 value by a shift. Some 4
+vector instructions for 16 weights, where placing the byte in a float32's bits took 8 for 8
+(a `[1024, 1024]` FP8 weight at one row on an AMD Zen 3 core, warm in L3: 2.4 GB/s before, 12
+so). Sums of up to RMAX rows are held in registers, each widened vector multiplied into every
+row; more rows widen a block of 16 columns once into a float panel in L1 and multiply a few rows
+at a time over it.
+
+The order of a row's sums, one on every path and at every row count (a row's numbers never depend
+on the rows beside it): FP8, each scale block's products summed from zero in input order, then
+folded into the running sum in block order, `acc = p · 2^(s-119) + acc` (one rounding; the first
+block `p · 2^(s-119)`; a block scale byte above 246, whose factor has no float32, `(p · 256) ·
+2^(s-127)`, the same number); BF16, one chain of fused multiply-adds in input order. Threads take
+contiguous column ranges; a weight under DENSE_PARALLEL_BYTES runs on the calling thread alone (a
+team's start and barrier cost more than half its time; on a shared host, a thread descheduled at
+a barrier costs a scheduler slice). The FP8 decode assumes subnormal floats are kept (torch's
 default: `torch.set_flush_denormal(True)` would zero FP8's subnormals here).
 """
 
-DENSE_TILE = 32  # the columns of a tile of `dsv4_dense` (its DENSE_TILE): an FP8 scale block holds whole tiles
+from runtime.model.native_fp4 import per_isa
 
-DENSE_SOURCE = r"""
+DENSE_TILE = 16  # the columns of a vector unit of `dsv4_dense`: an FP8 scale block holds whole units
+DENSE_MAX_BLOCK = 256  # an FP8 scale block's rows, at most (its DENSE_MAX_BLOCK: a panel's)
+
+DENSE_HEAD = r"""
 /* ---- dense weights [in, cols]: BF16, or FP8 (e4m3) with E8M0 scales per (bi x bo) block ---- */
-
 #define DENSE_FP8 1
-#define DENSE_TILE 32 /* columns a tile: one 64-byte line of a BF16 row */
-#define DENSE_PANEL_ROWS 4 /* from these rows on with AVX2, through panels (`dense_panel_avx2`) */
-#define DENSE_PANEL_K 64   /* weight rows a panel */
+#define DENSE_UNIT 16              /* columns a vector unit widens */
+#define DENSE_KB 16                /* BF16's input block: rows of the weight a tile runs before the next tile */
+#define DENSE_PANEL_KB 64          /* BF16's input block through panels */
+#define DENSE_MAX_BLOCK 256        /* FP8's input block (its scale block), at most: a panel's rows */
+#define DENSE_PARALLEL_BYTES (256 << 10)
+#define DENSE_SLAB (128 << 10)       /* bytes of a block's rows of a thread's columns at a time */
+static const float DENSE_256 = 256.f;
 
-/* an FP8 byte's bits placed in a float32's: the sign, then exponent and mantissa 20 bits up; every
-   value, subnormals included, is then the byte's value times 2^-120 exactly (the exponent bias 120 off) */
-static const float FP8_UNBIAS = 1329227995784915872903807060280344576.f; /* 2^120 */
+/* the factor of an FP8 block sum of values · 2^-8 (`dense_fold`): 2^(s - 119); 0 where it has no
+   float32 (s > 246: then `dense_fold` multiplies by 256 first) */
+static inline float dense_factor(uint8_t s) { return s > 246 ? 0.f : e8m0(s) * 256.f; }
 
-static inline float dense_value(const uint8_t *w, int64_t k, int kind) {
+static inline float dense_scalar_value(const uint8_t *w, int64_t k, int kind) {
     uint32_t bits;
     float f;
-    if (kind == DENSE_FP8) {
-        bits = ((uint32_t)(w[k] & 0x80) << 24) | ((uint32_t)(w[k] & 0x7f) << 20);
-        memcpy(&f, &bits, sizeof f);
-        return f * FP8_UNBIAS;
+    if (kind == DENSE_FP8) {  /* the float16 bits of value · 2^-8, widened by hand */
+        const uint8_t b = w[k];
+        const int e = (b >> 3) & 15, m = b & 7;
+        f = e ? (float)(8 + m) * e8m0((uint8_t)(e + 109)) : (float)m * e8m0(110);  /* (8+m)·2^(e-18), m·2^-17 */
+        return b & 0x80 ? -f : f;
     }
     uint16_t h;
     memcpy(&h, w + 2 * k, sizeof h);
@@ -46,209 +60,254 @@ static inline float dense_value(const uint8_t *w, int64_t k, int kind) {
 }
 
 #if defined(__x86_64__)
-__attribute__((target("avx512f")))
-static inline __m512 fp8x16_avx512(const uint8_t *p) {
-    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-    __m512i bits = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24),
-                                   _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x7f)), 20));
-    return _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(FP8_UNBIAS));
-}
-
-__attribute__((target("avx512f")))
-static inline __m512 bf16x16_avx512(const uint8_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-
-/* rows x [R, in] times the tile's columns o..o+31 of weight rows i0..i1, added to out (set, when
-   i0 is 0): R rows' sums in registers, each weight vector decoded once for all of them */
-template <int R, int KIND>
-__attribute__((target("avx512f")))
-static void dense_tile_avx512(const float *x, int64_t in, const uint8_t *w, int64_t ld, const uint8_t *scale,
-                              int64_t ld_scale, int64_t bi, int64_t bo, float *out, int64_t cols, int64_t o,
-                              int64_t i0, int64_t i1) {
-    __m512 a0[R], a1[R];
-    for (int r = 0; r < R; r++) {
-        a0[r] = i0 ? _mm512_loadu_ps(out + r * cols + o) : _mm512_setzero_ps();
-        a1[r] = i0 ? _mm512_loadu_ps(out + r * cols + o + 16) : _mm512_setzero_ps();
+/* the byte shuffle putting 16 bytes (both lanes hold them) each in the high byte of a 16-bit word */
+#define DENSE_HIGH(k) (char)0x80, (char)(k)
+struct DenseAvx2 {
+    enum { DV = 2, RMAX = 4, PR = 4 };
+    /* R rows: tiles of NT units, NT · DV · R <= 8 sums in registers */
+    static constexpr int nt(int r) { return r == 1 ? 4 : r == 2 ? 2 : 1; }
+    __attribute__((target("avx2,fma,f16c"))) static inline void fp8(const uint8_t *p, __m256 *d) {
+        const __m256i at = _mm256_setr_epi8(DENSE_HIGH(0), DENSE_HIGH(1), DENSE_HIGH(2), DENSE_HIGH(3), DENSE_HIGH(4),
+                                            DENSE_HIGH(5), DENSE_HIGH(6), DENSE_HIGH(7), DENSE_HIGH(8), DENSE_HIGH(9),
+                                            DENSE_HIGH(10), DENSE_HIGH(11), DENSE_HIGH(12), DENSE_HIGH(13),
+                                            DENSE_HIGH(14), DENSE_HIGH(15));
+        const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
+        /* word = byte << 8; arithmetic shift 1: sign in 15 and 14, exponent and mantissa in 7-13; the
+           mask clears 14: float16 bits of value · 2^-8 */
+        const __m256i h = _mm256_and_si256(_mm256_srai_epi16(_mm256_shuffle_epi8(b, at), 1),
+                                           _mm256_set1_epi16((short)0xBF80));
+        d[0] = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+        d[1] = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
     }
-    for (int64_t i = i0; i < i1; i++) {
-        __m512 lo, hi;
-        if (KIND == DENSE_FP8) {
-            const __m512 sc = _mm512_set1_ps(e8m0(scale[(i / bi) * ld_scale + o / bo]));
-            lo = _mm512_mul_ps(fp8x16_avx512(w + i * ld + o), sc);
-            hi = _mm512_mul_ps(fp8x16_avx512(w + i * ld + o + 16), sc);
-        } else {
-            lo = bf16x16_avx512(w + 2 * (i * ld + o));
-            hi = bf16x16_avx512(w + 2 * (i * ld + o + 16));
-        }
-        for (int r = 0; r < R; r++) {
-            const __m512 xv = _mm512_set1_ps(x[r * in + i]);
-            a0[r] = _mm512_fmadd_ps(xv, lo, a0[r]);
-            a1[r] = _mm512_fmadd_ps(xv, hi, a1[r]);
-        }
+    __attribute__((target("avx2,fma,f16c"))) static inline void bf16(const uint8_t *p, __m256 *d) {
+        for (int k = 0; k < 2; k++)
+            d[k] = _mm256_castsi256_ps(
+                _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + 16 * k))), 16));
     }
-    for (int r = 0; r < R; r++) {
-        _mm512_storeu_ps(out + r * cols + o, a0[r]);
-        _mm512_storeu_ps(out + r * cols + o + 16, a1[r]);
+};
+
+struct DenseAvx512 {
+    enum { DV = 1, RMAX = 8, PR = 8 };
+    static constexpr int nt(int r) { return r <= 2 ? 4 : 2; }
+    __attribute__((target("avx512f,avx2,fma,f16c"))) static inline void fp8(const uint8_t *p, __m512 *d) {
+        const __m256i w = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)), 8);
+        d[0] = _mm512_cvtph_ps(_mm256_and_si256(_mm256_srai_epi16(w, 1), _mm256_set1_epi16((short)0xBF80)));
     }
-}
-
-template <int R, int KIND>
-__attribute__((target("avx512f")))
-static void dense_rows_avx512(const float *x, int64_t rows, int64_t in, const uint8_t *w, int64_t ld,
-                              const uint8_t *scale, int64_t ld_scale, int64_t bi, int64_t bo, float *out, int64_t cols,
-                              int64_t o, int64_t i0, int64_t i1) {
-    if (rows == R) {
-        dense_tile_avx512<R, KIND>(x, in, w, ld, scale, ld_scale, bi, bo, out, cols, o, i0, i1);
-    } else if constexpr (R > 1) {
-        dense_rows_avx512<R - 1, KIND>(x, rows, in, w, ld, scale, ld_scale, bi, bo, out, cols, o, i0, i1);
+    __attribute__((target("avx512f,avx2,fma,f16c"))) static inline void bf16(const uint8_t *p, __m512 *d) {
+        d[0] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
     }
-}
-
-__attribute__((target("avx2,fma")))
-static inline __m256 fp8x8_avx2(const uint8_t *p) {
-    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-    __m256i bits = _mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24),
-                                   _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7f)), 20));
-    return _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(FP8_UNBIAS));
-}
-
-__attribute__((target("avx2,fma")))
-static inline __m256 bf16x8_avx2(const uint8_t *p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-}
-
-/* the same with AVX2, two rows at most (the 16 registers hold 2 rows x 4 sums, 4 weight vectors) */
-template <int R, int KIND>
-__attribute__((target("avx2,fma")))
-static void dense_tile_avx2(const float *x, int64_t in, const uint8_t *w, int64_t ld, const uint8_t *scale,
-                            int64_t ld_scale, int64_t bi, int64_t bo, float *out, int64_t cols, int64_t o,
-                            int64_t i0, int64_t i1) {
-    __m256 a[R][4];
-    for (int r = 0; r < R; r++)
-        for (int q = 0; q < 4; q++) a[r][q] = i0 ? _mm256_loadu_ps(out + r * cols + o + 8 * q) : _mm256_setzero_ps();
-    for (int64_t i = i0; i < i1; i++) {
-        __m256 v[4];
-        if (KIND == DENSE_FP8) {
-            const __m256 sc = _mm256_set1_ps(e8m0(scale[(i / bi) * ld_scale + o / bo]));
-            for (int q = 0; q < 4; q++) v[q] = _mm256_mul_ps(fp8x8_avx2(w + i * ld + o + 8 * q), sc);
-        } else {
-            for (int q = 0; q < 4; q++) v[q] = bf16x8_avx2(w + 2 * (i * ld + o + 8 * q));
-        }
-        for (int r = 0; r < R; r++) {
-            const __m256 xv = _mm256_set1_ps(x[r * in + i]);
-            for (int q = 0; q < 4; q++) a[r][q] = _mm256_fmadd_ps(xv, v[q], a[r][q]);
-        }
-    }
-    for (int r = 0; r < R; r++)
-        for (int q = 0; q < 4; q++) _mm256_storeu_ps(out + r * cols + o + 8 * q, a[r][q]);
-}
-
-/* many rows with AVX2: 16 columns of weight rows i0..i1 decoded into a float panel (as `panel_avx2`
-   does for the FP4 experts), then every row's sums over it, 4 rows a pass (`panel_rows_avx2`): the
-   same values and fused multiply-adds in the same order as `dense_tile_avx2`, so the same sums to
-   the bit, with the weight decoded once, not every 2 rows */
-template <int KIND>
-__attribute__((target("avx2,fma")))
-static void dense_panel_avx2(const float *x, int64_t rows, int64_t in, const uint8_t *w, int64_t ld,
-                             const uint8_t *scale, int64_t ld_scale, int64_t bi, int64_t bo, float *out, int64_t cols,
-                             int64_t o, int64_t i0, int64_t i1) {
-    alignas(32) float panel[DENSE_PANEL_K * 16];
-    for (int64_t i = i0; i < i1; i++) {
-        float *p = panel + 16 * (i - i0);
-        if (KIND == DENSE_FP8) {
-            const __m256 sc = _mm256_set1_ps(e8m0(scale[(i / bi) * ld_scale + o / bo]));
-            _mm256_store_ps(p, _mm256_mul_ps(fp8x8_avx2(w + i * ld + o), sc));
-            _mm256_store_ps(p + 8, _mm256_mul_ps(fp8x8_avx2(w + i * ld + o + 8), sc));
-        } else {
-            _mm256_store_ps(p, bf16x8_avx2(w + 2 * (i * ld + o)));
-            _mm256_store_ps(p + 8, bf16x8_avx2(w + 2 * (i * ld + o + 8)));
-        }
-    }
-    panel_rows_avx2(x + i0, rows, in, panel, i1 - i0, out + o, cols, i0 == 0);
-}
+};
 #endif
+"""
 
+# One ISA's dense kernels (`native_fp4.per_isa`: the vector primitives `V` of `native_fp4`, the
+# widening `D` of DENSE_HEAD). A tile of NT units, R rows, weight rows b0..b0+kb (one block):
+# the block's sums in registers (FP8 from zero, folded into `out`; BF16 from `out`'s running
+# sums), the next block's rows of the tile prefetched into L2 as it goes.
+DENSE_KERNELS = r"""
+namespace NK_NS {
+typedef NK_V V;
+typedef V::F F;
+typedef NK_D D;
+
+/* out = the block's sums p folded in (FP8: p times the block's factor f; BF16: p is the sum) */
+NK_ATTR static inline void dense_fold(float *q, F p, F f, int first, int fp8, int big) {
+    if (!fp8) V::store(q, p);
+    else if (big) V::store(q, first ? V::mul(V::mul(p, V::bcast(&DENSE_256)), f) : V::fma(V::mul(p, V::bcast(&DENSE_256)), f, V::load(q)));
+    else V::store(q, first ? V::mul(p, f) : V::fma(p, f, V::load(q)));
+}
+
+template <int R, int NT, int KIND>
+NK_ATTR static void dense_regs(const float *x, int64_t in, const uint8_t *w, int64_t ld, const uint8_t *sc,
+                               int64_t lds, int64_t bi, int64_t bo, float *out, int64_t cols, int64_t o, int64_t b0,
+                               int64_t kb) {
+    constexpr int N = NT * D::DV, B = KIND == DENSE_FP8 ? 1 : 2;  /* vectors a row, bytes a weight */
+    F p[R][N];
+    _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)
+        _Pragma("GCC unroll 16") for (int v = 0; v < N; v++) p[r][v] = (KIND == DENSE_FP8 || b0 == 0) ? V::zero() : V::load(out + r * cols + o + V::W * v);
+    const uint8_t *row = w + B * (b0 * ld + o);
+    /* the lines the tile's bytes of a row start (or cross into), once each: the next block's prefetched */
+    const int64_t first = (64 - (B * o) % 64) % 64, span = B * DENSE_UNIT * NT;
+    for (int64_t i = b0; i < b0 + kb; i++, row += B * ld) {
+        F d[N];
+        for (int64_t a = first; a < span; a += 64) _mm_prefetch((const char *)(row + B * kb * ld + a), _MM_HINT_T1);
+        _Pragma("GCC unroll 16") for (int t = 0; t < NT; t++) {
+            if (KIND == DENSE_FP8) D::fp8(row + DENSE_UNIT * t, d + D::DV * t);
+            else D::bf16(row + 2 * DENSE_UNIT * t, d + D::DV * t);
+        }
+        _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {
+            const F xv = V::bcast(x + r * in + i);
+            _Pragma("GCC unroll 16") for (int v = 0; v < N; v++) p[r][v] = V::fma(xv, d[v], p[r][v]);
+        }
+    }
+    const uint8_t s = KIND == DENSE_FP8 ? sc[(b0 / bi) * lds + o / bo] : 0;
+    const float fs = KIND == DENSE_FP8 ? (s > 246 ? e8m0(s) : dense_factor(s)) : 1.f;
+    const F f = V::bcast(&fs);
+    _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)
+        _Pragma("GCC unroll 16") for (int v = 0; v < N; v++) dense_fold(out + r * cols + o + V::W * v, p[r][v], f, b0 == 0, KIND == DENSE_FP8, s > 246);
+}
+
+/* rows beyond RMAX: one unit's block widened once into a panel, then PR rows at a time over it */
+template <int N, int KIND>
+NK_ATTR static void dense_pass(const float *x, int64_t in, const float *panel, int64_t kb, float *out, int64_t cols,
+                               F f, int first, int big) {
+    F p[N][D::DV];
+    _Pragma("GCC unroll 16") for (int r = 0; r < N; r++)
+        _Pragma("GCC unroll 16") for (int v = 0; v < D::DV; v++) p[r][v] = (KIND == DENSE_FP8 || first) ? V::zero() : V::load(out + r * cols + V::W * v);
+    for (int64_t k = 0; k < kb; k++) {
+        F wv[D::DV];
+        _Pragma("GCC unroll 16") for (int v = 0; v < D::DV; v++) wv[v] = V::load(panel + DENSE_UNIT * k + V::W * v);
+        _Pragma("GCC unroll 16") for (int r = 0; r < N; r++) {
+            const F xv = V::bcast(x + r * in + k);
+            _Pragma("GCC unroll 16") for (int v = 0; v < D::DV; v++) p[r][v] = V::fma(xv, wv[v], p[r][v]);
+        }
+    }
+    _Pragma("GCC unroll 16") for (int r = 0; r < N; r++)
+        _Pragma("GCC unroll 16") for (int v = 0; v < D::DV; v++) dense_fold(out + r * cols + V::W * v, p[r][v], f, first, KIND == DENSE_FP8, big);
+}
+
+template <int KIND>
+NK_ATTR static void dense_panel(const float *x, int64_t rows, int64_t in, const uint8_t *w, int64_t ld,
+                                const uint8_t *sc, int64_t lds, int64_t bi, int64_t bo, float *out, int64_t cols,
+                                int64_t o, int64_t b0, int64_t kb) {
+    alignas(64) float panel[DENSE_MAX_BLOCK * DENSE_UNIT];
+    constexpr int B = KIND == DENSE_FP8 ? 1 : 2;
+    const uint8_t *row = w + B * (b0 * ld + o);
+    for (int64_t k = 0; k < kb; k++, row += B * ld) {
+        _mm_prefetch((const char *)(row + B * kb * ld), _MM_HINT_T1);
+        F d[D::DV];
+        if (KIND == DENSE_FP8) D::fp8(row, d);
+        else D::bf16(row, d);
+        _Pragma("GCC unroll 16") for (int v = 0; v < D::DV; v++) V::store(panel + DENSE_UNIT * k + V::W * v, d[v]);
+    }
+    const uint8_t s = KIND == DENSE_FP8 ? sc[(b0 / bi) * lds + o / bo] : 0;
+    const float fs = KIND == DENSE_FP8 ? (s > 246 ? e8m0(s) : dense_factor(s)) : 1.f;
+    const F f = V::bcast(&fs);
+    for (int64_t r0 = 0; r0 < rows; r0 += D::PR) {
+        const float *xr = x + r0 * in + b0;
+        float *q = out + r0 * cols + o;
+        switch (rows - r0 < D::PR ? rows - r0 : D::PR) {
+#define PASS(n) case n: if constexpr (n <= D::PR) dense_pass<n, KIND>(xr, in, panel, kb, q, cols, f, b0 == 0, s > 246); break;
+            PASS(1) PASS(2) PASS(3) PASS(4) PASS(5) PASS(6) PASS(7) PASS(8)
+#undef PASS
+        }
+    }
+}
+
+/* columns c0..c1 (whole units) of every row: block by block, tile by tile (the widest of NT units
+   that fits before c1 and the scale block's edge, else one unit), rows in registers up to RMAX */
+template <int R, int KIND>
+NK_ATTR static void dense_tiles(const float *x, int64_t in, const uint8_t *w, int64_t ld, const uint8_t *sc,
+                                int64_t lds, int64_t bi, int64_t bo, float *out, int64_t cols, int64_t c0, int64_t c1,
+                                int64_t b0, int64_t kb) {
+    constexpr int NT = D::nt(R);
+    for (int64_t o = c0; o < c1;) {
+        const int64_t wide = DENSE_UNIT * NT;
+        if (o + wide <= c1 && (KIND != DENSE_FP8 || o % bo + wide <= bo)) {
+            dense_regs<R, NT, KIND>(x, in, w, ld, sc, lds, bi, bo, out, cols, o, b0, kb);
+            o += wide;
+        } else {
+            dense_regs<R, 1, KIND>(x, in, w, ld, sc, lds, bi, bo, out, cols, o, b0, kb);
+            o += DENSE_UNIT;
+        }
+    }
+}
+
+/* columns c0..c1 in slabs of DENSE_SLAB bytes a block (a block's rows of some columns: in L2,
+   the next block's prefetched as the tiles run), each block by block */
+template <int KIND>
+NK_ATTR static void dense_columns(const float *x, int64_t rows, int64_t in, const uint8_t *w, int64_t ld,
+                                  const uint8_t *sc, int64_t lds, int64_t bi, int64_t bo, float *out, int64_t cols,
+                                  int64_t c0, int64_t c1) {
+    /* BF16's chain runs on through a block's end: its blocks may differ by path (a panel's taller) */
+    const int64_t kb = KIND == DENSE_FP8 ? bi : rows > D::RMAX ? DENSE_PANEL_KB : DENSE_KB, wide = 4 * DENSE_UNIT;
+    const int64_t slab = (DENSE_SLAB / (kb * (KIND == DENSE_FP8 ? 1 : 2))) / wide * wide;
+    const int64_t chunk = slab > wide ? slab : wide;
+    for (int64_t s0 = c0; s0 < c1; s0 += chunk) {
+        const int64_t s1 = s0 + chunk < c1 ? s0 + chunk : c1;
+        for (int64_t b0 = 0; b0 < in; b0 += kb) {
+            const int64_t n = in - b0 < kb ? in - b0 : kb;
+            if (rows > D::RMAX) {
+                for (int64_t o = s0; o < s1; o += DENSE_UNIT)
+                    dense_panel<KIND>(x, rows, in, w, ld, sc, lds, bi, bo, out, cols, o, b0, n);
+                continue;
+            }
+            switch (rows) {
+#define TILES(r) case r: if constexpr (r <= D::RMAX) dense_tiles<r, KIND>(x, in, w, ld, sc, lds, bi, bo, out, cols, s0, s1, b0, n); break;
+                TILES(1) TILES(2) TILES(3) TILES(4) TILES(5) TILES(6) TILES(7) TILES(8)
+#undef TILES
+            }
+        }
+    }
+}
+}  // namespace NK_NS
+"""
+
+DENSE_ENTRY = r"""
 static void dense_column_scalar(const float *x, int64_t rows, int64_t in, const uint8_t *w, int64_t ld, int kind,
                                 const uint8_t *scale, int64_t ld_scale, int64_t bi, int64_t bo, float *out,
                                 int64_t cols, int64_t c) {
+    const int64_t kb = kind == DENSE_FP8 ? bi : in;
     for (int64_t r = 0; r < rows; r++) {
         float acc = 0.f;
-        for (int64_t i = 0; i < in; i++) {
-            float v = dense_value(w, i * ld + c, kind);
-            if (kind == DENSE_FP8) v *= e8m0(scale[(i / bi) * ld_scale + c / bo]);
-            acc += x[r * in + i] * v;
+        for (int64_t b0 = 0; b0 < in; b0 += kb) {
+            float p = 0.f;
+            for (int64_t i = b0; i < b0 + kb && i < in; i++) p += x[r * in + i] * dense_scalar_value(w, i * ld + c, kind);
+            if (kind != DENSE_FP8) {
+                acc = p;
+                continue;
+            }
+            const uint8_t s = scale[(b0 / bi) * ld_scale + c / bo];
+            const float t = s > 246 ? p * 256.f * e8m0(s) : p * dense_factor(s);
+            acc = b0 ? acc + t : t;
         }
         out[r * cols + c] = acc;
     }
 }
 
-/* one tile's columns for weight rows i0..i1, every row of x, in passes of as many rows as the
-   registers hold (AVX-512 or AVX2: the plain C path goes column by column, `dsv4_dense`) */
+/* columns c0..c1 of every row by the instruction set `isa` (whole units; plain C: any columns) */
+static void dense_columns(const float *x, int64_t rows, int64_t in, const uint8_t *w, int64_t ld, int kind,
+                          const uint8_t *scale, int64_t ld_scale, int64_t bi, int64_t bo, float *out, int64_t cols,
+                          int64_t c0, int64_t c1, int isa) {
 #if defined(__x86_64__)
-template <int KIND>
-static void dense_tile(const float *x, int64_t rows, int64_t in, const uint8_t *w, int64_t ld, const uint8_t *scale,
-                       int64_t ld_scale, int64_t bi, int64_t bo, float *out, int64_t cols, int64_t o, int64_t i0,
-                       int64_t i1, int avx512) {
-    const int64_t width = avx512 ? 8 : 2;
-    for (int64_t r0 = 0; r0 < rows; r0 += width) {
-        const int64_t n = rows - r0 < width ? rows - r0 : width;
-        const float *xr = x + r0 * in;
-        float *outr = out + r0 * cols;
-        if (avx512)
-            dense_rows_avx512<8, KIND>(xr, n, in, w, ld, scale, ld_scale, bi, bo, outr, cols, o, i0, i1);
-        else if (n == 2)
-            dense_tile_avx2<2, KIND>(xr, in, w, ld, scale, ld_scale, bi, bo, outr, cols, o, i0, i1);
-        else
-            dense_tile_avx2<1, KIND>(xr, in, w, ld, scale, ld_scale, bi, bo, outr, cols, o, i0, i1);
-    }
-}
+#define DENSE_RUN(ns)                                                                                                  \
+    do {                                                                                                               \
+        if (kind == DENSE_FP8) ns::dense_columns<DENSE_FP8>(x, rows, in, w, ld, scale, ld_scale, bi, bo, out, cols, c0, c1); \
+        else ns::dense_columns<0>(x, rows, in, w, ld, scale, ld_scale, bi, bo, out, cols, c0, c1);                    \
+        return;                                                                                                        \
+    } while (0)
+    if (isa == 2) DENSE_RUN(isa_avx512);
+    if (isa == 1) DENSE_RUN(isa_avx2);
+#undef DENSE_RUN
 #endif
+    for (int64_t c = c0; c < c1; c++) dense_column_scalar(x, rows, in, w, ld, kind, scale, ld_scale, bi, bo, out, cols, c);
+}
 
 /* out [rows, cols] = x [rows, in] @ w [in, cols] (row stride ld, in elements), both contiguous
    otherwise; FP8 (kind 1) scaled per (bi x bo) block by `scale` [in / bi, cols / bo] (bo a multiple
-   of DENSE_TILE). The columns go to threads in blocks of whole tiles, each block's weight rows in
-   chunks of DENSE_CHUNK: a chunk of a block is read from memory once, in runs a block wide, and
-   stays in the cache while every tile and row pass of it runs (one tile down every row, a line
-   from each 64 KiB row of small's head: 1.9x slower). */
-#define DENSE_CHUNK 16
+   of DENSE_UNIT, bi at most DENSE_MAX_BLOCK). Threads take contiguous ranges of whole units
+   (a multiple of 4 where there are enough: the widest tiles); the last columns (cols % 16) in
+   plain C. */
 extern "C" void dsv4_dense(const float *x, int64_t rows, int64_t in, const uint8_t *w, int64_t ld, int kind,
                            const uint8_t *scale, int64_t ld_scale, int64_t bi, int64_t bo, float *out, int64_t cols,
                            int threads, int isa) {
-    isa = isa < cpu_isa() ? isa : cpu_isa();
-    const int64_t tiles = isa ? cols / DENSE_TILE : 0;
-    const int panels = isa == 1 && rows >= DENSE_PANEL_ROWS;
-    int64_t per = tiles / (2 * (int64_t)threads);  /* two blocks a thread at least, 128 tiles at most */
-    per = per < 1 ? 1 : per > 128 ? 128 : per;
-    const int64_t blocks = (tiles + per - 1) / per;
-#pragma omp parallel num_threads(threads)
-    {
-#if defined(__x86_64__)
-#pragma omp for schedule(static) nowait
-        for (int64_t b = 0; b < blocks; b++) {
-            const int64_t t1 = (b + 1) * per < tiles ? (b + 1) * per : tiles, chunk = panels ? DENSE_PANEL_K : DENSE_CHUNK;
-            for (int64_t i0 = 0; i0 < in; i0 += chunk) {
-                const int64_t i1 = i0 + chunk < in ? i0 + chunk : in;
-                for (int64_t t = b * per; t < t1; t++) {
-                    if (panels && kind == DENSE_FP8)
-                        for (int64_t o = DENSE_TILE * t; o < DENSE_TILE * (t + 1); o += 16)
-                            dense_panel_avx2<DENSE_FP8>(x, rows, in, w, ld, scale, ld_scale, bi, bo, out, cols, o, i0, i1);
-                    else if (panels)
-                        for (int64_t o = DENSE_TILE * t; o < DENSE_TILE * (t + 1); o += 16)
-                            dense_panel_avx2<0>(x, rows, in, w, ld, scale, ld_scale, bi, bo, out, cols, o, i0, i1);
-                    else if (kind == DENSE_FP8)
-                        dense_tile<DENSE_FP8>(x, rows, in, w, ld, scale, ld_scale, bi, bo, out, cols, DENSE_TILE * t,
-                                              i0, i1, isa >= 2);
-                    else
-                        dense_tile<0>(x, rows, in, w, ld, scale, ld_scale, bi, bo, out, cols, DENSE_TILE * t, i0, i1,
-                                      isa >= 2);
-                }
-            }
+    isa = run_isa(isa);
+    const int64_t whole = isa ? cols / DENSE_UNIT * DENSE_UNIT : 0, units = whole / DENSE_UNIT;
+    const int64_t bytes = in * cols * (kind == DENSE_FP8 ? 1 : 2);
+    if (bytes < DENSE_PARALLEL_BYTES || units < 2) threads = 1;
+    int64_t per = (units + threads - 1) / threads;
+    per = units >= 4 * threads ? (per + 3) / 4 * 4 : per;
+    const int64_t teams = per ? (units + per - 1) / per : 0;
+#pragma omp parallel for schedule(static, 1) num_threads(threads) if (threads > 1)
+    for (int64_t t = 0; t < teams + 1; t++) {
+        if (t < teams) {
+            const int64_t c0 = t * per * DENSE_UNIT, c1 = (t + 1) * per < units ? (t + 1) * per * DENSE_UNIT : whole;
+            dense_columns(x, rows, in, w, ld, kind, scale, ld_scale, bi, bo, out, cols, c0, c1, isa);
+        } else if (whole < cols) {
+            dense_columns(x, rows, in, w, ld, kind, scale, ld_scale, bi, bo, out, cols, whole, cols, 0);
         }
-#endif
-#pragma omp for schedule(static)
-        for (int64_t c = DENSE_TILE * tiles; c < cols; c++)
-            dense_column_scalar(x, rows, in, w, ld, kind, scale, ld_scale, bi, bo, out, cols, c);
     }
 }
 """
+
+DENSE_SOURCE = DENSE_HEAD + per_isa(DENSE_KERNELS) + DENSE_ENTRY

@@ -56,7 +56,7 @@ extern "C" int64_t dsv4_fp4_ffn_in(const float *x, int64_t rows, int64_t hidden,
                                    const uint8_t *s3, int64_t stride, int64_t ld, int64_t sstride, int64_t sld,
                                    int64_t group, int64_t inter, int64_t *plan, float *xs, float *a, float *b,
                                    int threads, int isa) {
-    const int avx512 = isa >= 2 && cpu_isa() >= 2, avx2 = isa >= 1 && cpu_isa() >= 1;
+    isa = run_isa(isa);
     const int64_t choices = rows * k;
     ffn_plan(idx, choices, n, plan);
     const int64_t *order = plan + choices, *ids = order + choices, *starts = ids + n, used = starts[n + 1];
@@ -67,7 +67,7 @@ extern "C" int64_t dsv4_fp4_ffn_in(const float *x, int64_t rows, int64_t hidden,
         for (int64_t q = 0; q < pairs; q++)
             memcpy(xs + q * hidden, x + (order[q] / k) * hidden, hidden * sizeof(float));
         const Weights w = {{w1, w3}, {s1, s3}, {a, b}, 2};
-        grouped_in_team(xs, ids, starts, used, w, stride, ld, sstride, sld, hidden / 2, inter, group, avx512, avx2);
+        grouped_in_team(xs, ids, starts, used, w, stride, ld, sstride, sld, hidden / 2, inter, group, isa);
     }
     return pairs;
 }
@@ -80,12 +80,12 @@ extern "C" void dsv4_fp4_ffn_out(const float *act, int64_t rows, int64_t hidden,
                                  int64_t n, const uint8_t *w2, const uint8_t *s2, int64_t stride, int64_t ld,
                                  int64_t sstride, int64_t sld, int64_t group, int64_t inter, const int64_t *plan,
                                  float *y, float *out, int threads, int isa) {
-    const int avx512 = isa >= 2 && cpu_isa() >= 2, avx2 = isa >= 1 && cpu_isa() >= 1;
+    isa = run_isa(isa);
     const int64_t choices = rows * k, *at = plan, *ids = plan + 2 * choices, *starts = ids + n, used = starts[n + 1];
 #pragma omp parallel num_threads(threads)
     {
         const Weights w = {{w2, nullptr}, {s2, nullptr}, {y, nullptr}, 1};
-        grouped_in_team(act, ids, starts, used, w, stride, ld, sstride, sld, inter / 2, hidden, group, avx512, avx2);
+        grouped_in_team(act, ids, starts, used, w, stride, ld, sstride, sld, inter / 2, hidden, group, isa);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
             int64_t mine[64], m = 0;  /* the row's choices, by their place among the pairs */

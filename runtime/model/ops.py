@@ -216,11 +216,11 @@ def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 _OPS = torch.library.Library("dsv4", "DEF")
 
 
-def _op(schema: str, impl: Any) -> None:
-    """Define dsv4::<schema> run by `impl` on the cpu, its result [rows of x, columns of w]."""
+def _op(schema: str, impl: Any, key: str = "CPU") -> None:
+    """Define dsv4::<schema> run by `impl` (for dispatch key `key`), its result [rows of x, columns of w]."""
     name = schema.partition("(")[0]
     _OPS.define(schema)
-    _OPS.impl(name, impl, "CPU")
+    _OPS.impl(name, impl, key)
     torch.library.register_fake(f"dsv4::{name}", lambda x, w, *_: x.new_empty(x.shape[0], w.shape[1]), lib=_OPS)
 
 
@@ -234,8 +234,14 @@ _dense_calls = threading.local()  # per thread: tracing a program whose dense pr
 
 
 def use_native(native: NativeProducts | None) -> None:
+    """The native products this process runs from now (None: none), `dsv4::dense`'s kernel with
+    them where their library has one (the last one's released first)."""
     global _native_dense
+    if _native_dense is not None and _native_dense is not native:
+        getattr(_native_dense, "release_ops", lambda: None)()
     _native_dense = native
+    if native is not None:
+        getattr(native, "register_ops", lambda: False)()
 
 
 @contextlib.contextmanager
@@ -268,7 +274,12 @@ def dense(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None) -> torch
     return linear({"w.weight": w} if scale is None else {"w.qweight": w, "w.qscale": scale}, "w", x)
 
 
-_op("dense(Tensor x, Tensor w, Tensor? scale) -> Tensor", dense)
+# The native products' library serves `dsv4::dense` on the cpu with a kernel of its own while it is
+# loaded (`runtime.model.native_op`: no Python on a program's ~170 calls a decode step), which
+# takes precedence over this kernel (CompositeExplicitAutograd) and hands what it does not multiply
+# to `dsv4::dense_eager`: this same function.
+_op("dense(Tensor x, Tensor w, Tensor? scale) -> Tensor", dense, "CompositeExplicitAutograd")
+_op("dense_eager(Tensor x, Tensor w, Tensor? scale) -> Tensor", dense)
 
 
 def _native_product(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor | None:

@@ -54,16 +54,16 @@ def _grouped_args(counts: list[int]) -> tuple[list[int], list[int]]:
 
 
 def test_the_grouped_product_is_each_experts_eager_product_and_a_rows_sums_never_depend_on_its_pass(native):
-    """Every used expert's rows (1 to 40: several passes of rows, uneven ones; with AVX2 from 5 rows
-    on through a decoded panel, 640 inputs over three) times its own weight of the stacks, whole
-    tiles and a column tail: each expert's x @ W to float32 rounding. A row's numbers are the same
+    """Every used expert's rows (1 to 40: in registers, with AVX2 from 3 rows on through a decoded
+    panel a few rows a pass, uneven last passes; 640 inputs, many groups) times its own weight of the
+    stacks, whole units and a column tail: each expert's x @ W to float32 rounding. A row's numbers are the same
     alone as among others (every path sums each row on its own, in one order): a request's tokens
     do not depend on who shares its step."""
     gen = torch.Generator().manual_seed(5)
     for rows_in, cols, group in ((256, 64, 32), (128, 20, 32), (64, 40, 16), (640, 48, 32)):
         stacks = [_random(rows_in, cols, group, gen, 118, 128) for _ in range(6)]
         packed, scale = torch.stack([p for p, _ in stacks]), torch.stack([q for _, q in stacks])
-        counts = [3, 0, 40, 1, 17, 0]
+        counts = [3, 0, 40, 1, 17, 2]
         ids, starts = _grouped_args(counts)
         x = torch.randn(starts[-1], rows_in, generator=gen)
         got = native.grouped(x, ids, starts, packed, scale)
@@ -172,6 +172,18 @@ def test_the_dense_product_is_the_eager_product_and_a_rows_sums_never_depend_on_
             assert torch.equal(native.dense(x[-1:], w, scale), got[-1:])
 
 
+def test_a_dense_block_scale_past_float32s_factor_still_multiplies_exactly(native):
+    """An E8M0 block scale above 246 (its sums' factor 2^(s - 119) has no float32): each weight is
+    still its byte's value times 2^(s - 127) exactly, or infinite where that overflows, as a float64
+    dequantisation rounds it (the eager one's float16 route wraps such scales)."""
+    every = torch.cat([torch.arange(0, 127), torch.arange(128, 255)]).to(torch.uint8)
+    q = every[torch.arange(32 * 64) % every.numel()].reshape(32, 64).view(torch.float8_e4m3fn)
+    for s in (247, 250, 254):
+        scale = torch.full((1, 2), s, dtype=torch.uint8)
+        want = (q.to(torch.float64) * 2.0 ** (s - 127)).float()
+        assert torch.equal(native.dense(torch.eye(32), q, scale), want)
+
+
 def test_every_dense_weight_is_the_eager_dequantisations_number_exactly(native):
     """Identity rows pick the weight's rows out: every FP8 byte but NaN's, subnormals included,
     times E8M0 scales 0, 1, 127 and 240, and BF16 values, bit for bit the eager dequantisation's."""
@@ -190,13 +202,13 @@ def test_the_dense_product_refuses_what_it_cannot_read(native):
     q, scale = _fp8(64, 64, 32, gen)
     x = torch.randn(2, 64, generator=gen)
     assert native.dense(x, q, scale) is not None
-    odd_q, odd_scale = _fp8(64, 48, 16, gen)  # a scale block of 16 columns splits a tile
+    odd_q, odd_scale = _fp8(64, 48, 8, gen)  # a scale block of 8 columns splits a 16-column unit
     for args in ((x, q, None), (x, q, scale.float()), (x, q, scale.repeat(1, 2)[:, :3]), (x, q, scale[:1].expand(3, 2)), (x, q, scale.t()),
                  (x, odd_q, odd_scale), (x[:, :32], q, scale), (x.double(), q, scale),
                  (x, q.view(torch.uint8), scale), (x, torch.randn(64, 64), None),
                  (x, torch.randn(64, 64).bfloat16(), scale), (x[0], q, scale)):
         assert native.dense(*args) is None
-    narrow = torch.randn(64, 16).bfloat16()  # no whole tile: column by column, fine at a few rows only
+    narrow = torch.randn(64, 8).bfloat16()  # no whole unit: column by column, fine at a few rows only
     assert native.dense(torch.randn(4, 64), narrow) is not None
     assert native.dense(torch.randn(5, 64), narrow) is None
 
@@ -248,14 +260,23 @@ class _Counting:
         return ops.matmul(x, ops.weight({"w.qweight": w, "w.qscale": scale}, "w"))
 
 
-def test_more_rows_than_the_native_product_is_faster_for_multiply_the_widened_weight(monkeypatch):
+@pytest.fixture
+def serving():
+    """`ops.use_native` for a test (a library's `dsv4::dense` kernel released while others serve),
+    what the process served before restored after."""
+    before = ops._native_dense
+    yield ops.use_native
+    ops.use_native(before)
+
+
+def test_more_rows_than_the_native_product_is_faster_for_multiply_the_widened_weight(monkeypatch, serving):
     """`dsv4::dense` asks the native products for up to their `dense_rows` rows (a prefill's few);
     beyond, eagerly: block by block up to FP8_BLOCK_ROWS (`fp8_blocks`), past them a GEMM of the
     widened weight (faster there), column chunks of a large weight at a time."""
     gen = torch.Generator().manual_seed(9)
     q, scale = _fp8(256, 96, 32, gen)
     counting = _Counting()
-    monkeypatch.setattr(ops, "_native_dense", counting)
+    serving(counting)
     want = ops.weight({"w.qweight": q, "w.qscale": scale}, "w")
     for rows in (1, 4, 5, 40):
         x = torch.randn(rows, 256, generator=gen)

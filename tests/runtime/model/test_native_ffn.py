@@ -71,3 +71,19 @@ def test_what_the_fused_calls_cannot_take_falls_back_to_the_torch_ops(native):
     assert native.ffn(h, idx.int(), gates, (w["ffn.experts.w1.qweight"], w["ffn.experts.w1.qscale"],
                       w["ffn.experts.w3.qweight"], w["ffn.experts.w3.qscale"]),
                       (w["ffn.experts.w2.qweight"], w["ffn.experts.w2.qscale"]), lambda a, b: a) is None
+
+
+def test_a_layers_experts_checked_once_still_follow_their_tensors(native):
+    """`Native.ffn` checks a layer's experts once per set of tensors: another layer's tensors, or
+    the same tensor objects given other storage, are each multiplied as themselves."""
+    gen = torch.Generator().manual_seed(12)
+    d = _dims()
+    h, idx, gates = torch.randn(3, 64, generator=gen), torch.randint(0, 6, (3, 2), generator=gen), torch.rand(3, 2)
+    first, second = _layer(6, 64, 32, gen), _layer(6, 64, 32, gen)
+    for w in (first, second, first):
+        assert torch.equal(moe.routed_fused(d, w, h, idx, gates, native=native), moe.routed(d, w, h, idx, gates, native=native))
+    with torch.no_grad():
+        for name, t in first.items():
+            t.set_(second[name].clone())  # the same tensors, other bytes
+    assert torch.equal(moe.routed_fused(d, first, h, idx, gates, native=native),
+                       moe.routed(d, second, h, idx, gates, native=native))
