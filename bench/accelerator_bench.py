@@ -161,7 +161,7 @@ def write_json(path: Path, data: Any) -> None:
 
 
 def machine(kind: str) -> dict[str, Any]:
-    from runtime.programs.toolchain import torch_build
+    from runtime.toolchain import torch_build
 
     info: dict[str, Any] = {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
                             "torch": torch_build().get("__version__"), "torch_cuda": torch_build().get("cuda")}

@@ -90,10 +90,10 @@ def _serve(model: Path, layout: Any, max_seq: int, forms: dict[str, Any], backen
     """From each form's cache: greedy tokens, and decode steps of 1 and BATCH sequences (medians)."""
     import torch
 
+    from runtime.engine.engine import Engine
     from runtime.programs.build import prepare
     from runtime.programs.calls import engine_runners
     from runtime.programs.spec import fuses
-    from runtime.serve.engine import Engine
     from runtime.weights.pack import pack_in_memory
     from runtime.weights.views import packed_views
     from store.checkpoint import Checkpoint

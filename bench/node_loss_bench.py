@@ -24,8 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from runtime.contract import Health
 from runtime.launch.spec import DEFAULTS
-from runtime.serve.contract import Health
 
 RANK_TIMEOUT_S = DEFAULTS.rank_timeout
 CLIENTS = 8

@@ -70,8 +70,8 @@ def _alternating(fns: dict[str, Callable[[], Any]], runs: int) -> dict[str, list
 def _engine_figures(config: Any, layout: Any, views: dict[str, Any]) -> dict[str, dict[str, Any]]:
     import torch
 
+    from runtime.engine.engine import Engine
     from runtime.programs.catalog import build_programs
-    from runtime.serve.engine import Engine
 
     programs = build_programs(config, layout, 512)
     engines = {name: Engine(programs, w) for name, w in views.items()}

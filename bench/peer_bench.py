@@ -206,8 +206,7 @@ def step_split(engine: Any, spent: dict[str, float], batch: list[list[int]], new
     the engine around them, and sampling."""
     import torch
 
-    from runtime.serve.sampling import Sampler
-    from runtime.serve.scheduler import Sampling
+    from runtime.engine.sampling import Sampler, Sampling
 
     slots = range(len(batch))
     samplers = [Sampler(Sampling(new_tokens), p) for p in batch]

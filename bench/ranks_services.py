@@ -146,7 +146,7 @@ def engine_stats(url: str) -> dict[str, Any]:
     seconds of several ranks)."""
     import httpx
 
-    from runtime.serve.contract import Health
+    from runtime.contract import Health
 
     return Health.from_json(httpx.get(f"{url}/health", timeout=60).json()).engine
 

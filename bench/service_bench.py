@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from runtime.serve.contract import Health
+from runtime.contract import Health
 
 CLIENTS, ROUNDS, MAX_TOKENS = 64, 2, 16
 TARGETS = {"throughput": 10.0, "p99": 5.0, "step_4096_vs_256": 2.0, "sampled_vs_greedy": 0.9,
@@ -158,9 +158,9 @@ def step_times(model_dir: Path, steps: int = 40) -> dict[int, float]:
     """Median single-sequence decode step (seconds) after a 200-token prompt, eager, per max_seq."""
     import torch
 
+    from runtime.engine.engine import Engine
     from runtime.model.config import load_config
     from runtime.programs.catalog import build_programs
-    from runtime.serve.engine import Engine
     from runtime.weights.layout import PackedLayout
     from runtime.weights.pack import pack_in_memory
     from runtime.weights.views import packed_views

@@ -12,7 +12,7 @@ from store.kernel_cache import KernelCache
 
 def synthetic_cache(root: Path, n: int) -> KernelCache:
     from runtime.programs.spec import CONFIG_COMPONENTS
-    from runtime.programs.toolchain import toolchain_components
+    from runtime.toolchain import toolchain_components
 
     cache = KernelCache(root, durable=False)  # synthetic: fsync would only time the disk
     toolchain = dict(toolchain_components("cpu"))

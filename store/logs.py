@@ -1,6 +1,6 @@
 """Log files the project writes and keeps: capped, rotated, the previous run's kept beside.
 
-Two kinds of file use this: a service's log (`runtime.serve.log`: one line per request, a summary
+Two kinds of file use this: a service's log (`runtime.log`: one line per request, a summary
 every 10 s, each phase, each warning) and each host's timeline of events (`store.timeline`). Both
 append whole lines with `append_capped`: one `write` of an O_APPEND descriptor (lines of
 concurrent writers never interleave, a crash loses at most the line being written, which readers

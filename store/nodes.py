@@ -67,7 +67,7 @@ class Node:
     started: float = 0.0
     ending: NodeEnding | None = None
     argv: tuple[str, ...] = field(default_factory=tuple)
-    service_logs: tuple[str, ...] = ()  # this host's ranks' own logs (runtime.serve.log), rank order
+    service_logs: tuple[str, ...] = ()  # this host's ranks' own logs (runtime.log), rank order
     previous_log: str = ""  # the node before this one on this host: its torchrun log
 
     @property

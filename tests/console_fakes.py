@@ -19,12 +19,12 @@ from console.data.snapshot import (
 )
 from console.fleet.host import FileFeed
 from console.fleet.local import LocalHost
+from runtime.contract import Health, RankHealth
 from runtime.launch.budget import Memory, launch_kv
 from runtime.launch.history import Likeness
 from runtime.launch.plan_report import KvPlan, PlanReport, ProgramPlan, RankKv, SidecarPlan
 from runtime.launch.spec import LaunchSpec
 from runtime.programs.outcome import Outcome
-from runtime.serve.contract import Health, RankHealth
 from store.services import Service
 
 NOW = 1_800_000_000.0

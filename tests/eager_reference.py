@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
+from runtime.engine.engine import Engine
 from runtime.model.config import load_config
 from runtime.programs.catalog import build_programs
-from runtime.serve.engine import Engine
 from runtime.weights.pack import PackedLayout, pack_in_memory
 from runtime.weights.views import packed_views
 from store.checkpoint import Checkpoint

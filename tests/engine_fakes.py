@@ -1,4 +1,4 @@
-"""A fake engine for scheduler and service tests: the `runtime.serve.engine.Engine` step interface
+"""A fake engine for scheduler and service tests: the `runtime.engine.engine.Engine` step interface
 without a model. Its n-th generated token in a slot is `base + n`, whatever the prompt."""
 
 from __future__ import annotations

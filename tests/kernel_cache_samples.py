@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from runtime.programs.spec import CONFIG_COMPONENTS
-from runtime.programs.toolchain import toolchain_components
+from runtime.toolchain import toolchain_components
 from store.fingerprint import Key, fingerprint
 from store.kernel_cache import QUARANTINE, Hit, KernelCache
 

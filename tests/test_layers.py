@@ -134,3 +134,26 @@ def test_the_console_never_imports_torch_at_module_level(entry):
             seen.add(w)
             chain[w] = f"{chain[m]} → {w}"
             todo.append(w)
+
+
+RUNTIME_ROOMS = ("model", "weights", "programs", "engine", "launch", "serve")  # each imports only those before it
+
+
+def test_runtime_rooms_import_only_the_rooms_before_them():
+    """Inside runtime/: model ← weights ← programs ← engine ← launch ← serve, synth on model; the
+    modules at runtime's top (events, contract, log, usage, toolchain, torch_import) are the base
+    every room may use, and import no room."""
+    wrong = []
+    for m, path in modules().items():
+        parts = m.split(".")
+        if parts[0] != "runtime" or len(parts) < 2:
+            continue
+        room = parts[1] if len(parts) > 2 or (REPO / "runtime" / parts[1]).is_dir() else None
+        below = {None: (), "synth": ("model",)}.get(room, RUNTIME_ROOMS[: RUNTIME_ROOMS.index(room)]
+                                                    if room in RUNTIME_ROOMS else None)
+        assert below is not None, f"{m}: runtime/{room}/ is not in RUNTIME_ROOMS: place it in the order"
+        for name, line, _ in imports(m):
+            target = (ours(name) or "").split(".")
+            if target[0] == "runtime" and len(target) > 2 and target[1] != room and target[1] not in below:
+                wrong.append(f"{path.relative_to(REPO)}:{line} ({room or 'runtime top'}) imports {name}")
+    assert not wrong, "\n".join(wrong)

@@ -133,12 +133,12 @@ def cmd_start(args: argparse.Namespace) -> int:
     argv = [sys.executable, "-m", "runtime.launch.torchrun", "--nnodes", str(hosts), "--nproc-per-node", str(per),
             "--node-rank", str(rank), "--master-addr", addr, "--master-port", str(port),
             *_dsv4_program(), "serve", *spec.argv(SERVE)]
-    from runtime.serve.log import log_path
+    from runtime.log import log_path
 
     earlier = nodes.nodes()  # newest first: the node before this one keeps its log for `p`
     plan = {"argv": argv, "node_rank": rank, "nnodes": hosts, "master": f"{addr}:{port}",
             "model": str(spec.model), "log": str(log), "events": spec.events, "started": time.time(),
-            # each of this host's ranks keeps its own log (runtime.serve.log), named by the service's port
+            # each of this host's ranks keeps its own log (runtime.log), named by the service's port
             "service_logs": [str(log_path(spec, spec.port, r)) for r in range(rank * per, (rank + 1) * per)],
             "previous_log": earlier[0].log if earlier else ""}
     handoff = nodes.nodes_dir() / f"node-{stamp}.start.json"
@@ -207,11 +207,11 @@ _RANK_PREFIX = re.compile(r"^\[(?:rank|default)\d+\]:\s?")  # torchrun's --tee/-
 
 
 def node_reason(log: str) -> str:
-    """Why a node ended, from its log: the failing rank's own last error line (runtime.serve.log),
+    """Why a node ended, from its log: the failing rank's own last error line (runtime.log),
     or, when the rank that failed first was killed and could say nothing, torchrun's line naming
     it (runtime.launch.torchrun); never torchrun's footer. "" when neither is there."""
     from runtime.launch.torchrun import SAID
-    from runtime.serve.log import error_of
+    from runtime.log import error_of
     from store.safeio import tail_lines
 
     first = own = ""

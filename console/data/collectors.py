@@ -150,7 +150,7 @@ class Collectors:
 
     def __init__(self, spec: LaunchSpec, local_ranks: int | None = None):
         from runtime.launch.hardware import resolve_device
-        from runtime.programs.toolchain import stay_torch_free
+        from runtime.toolchain import stay_torch_free
 
         stay_torch_free()  # the plan reads program keys: never through torch, never opening a device
         self.spec = spec

@@ -11,7 +11,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from runtime.serve import contract as c
+from runtime import contract as c
 from runtime.serve.access import NO_ACCESS, Access
 from store import services as registry
 from store.services import Service

@@ -1,5 +1,5 @@
 """What a host builds and runs with, as the fleet compares it: dsv4's version and the toolchain
-components of a program key (`runtime.programs.toolchain`: torch, its git revision, Python, the
+components of a program key (`runtime.toolchain`: torch, its git revision, Python, the
 device's capability, the C++ compiler, the env flags that change generated code), each as one
 short string. Torch-free: torch's version is read from its package files."""
 
@@ -26,7 +26,7 @@ def _text(value: Any) -> str:
 def toolchain(device_kind: str) -> dict[str, str]:
     """This host's toolchain, component → short text (`device` is `cpu: x86_64 avx avx2 …`)."""
     from console.about import version
-    from runtime.programs.toolchain import toolchain_components
+    from runtime.toolchain import toolchain_components
 
     out = {"dsv4": version()}
     for name, value in toolchain_components(device_kind, "aoti"):

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import psutil
 
 from runtime.launch.budget import Memory
-from runtime.programs.toolchain import NPU_ROW, nvml_handles, torch_build, visible
+from runtime.toolchain import NPU_ROW, nvml_handles, torch_build, visible
 
 NVML_HINT = "install nvidia-ml-py (pip install -e '.[cuda]')"
 

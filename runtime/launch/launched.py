@@ -19,7 +19,7 @@ class Launched:
 
     plan: Any  # runtime.launch.plan.Plan: what this launch was planned to do, and did
     weights: Any
-    engine: Any  # runtime.serve.engine.Engine: every KV slot of the service
+    engine: Any  # runtime.engine.engine.Engine: every KV slot of the service
     device: Any
     tokenizer: Any
     phases: dict[str, dict[str, Any]] = field(default_factory=dict)

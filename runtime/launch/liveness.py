@@ -65,7 +65,7 @@ class Heartbeat:
     stops answering, after `blame(rank, reason, post)` names the rank the reason is about (the
     silent one, or this one when it lost the store: nothing to post to then). `store` is this
     watch's own connection (its timeout: the rank timeout). `usage()`: what this rank uses (JSON,
-    runtime.serve.usage), posted with each beat; the peers' are read on the same pass (`usage`)."""
+    runtime.usage), posted with each beat; the peers' are read on the same pass (`usage`)."""
 
     def __init__(self, store, prefix: str, rank: int, peers: list[int], rank_timeout: float,
                  lose: Callable[[str], None], blame: Callable[[int, str, bool], None] | None = None,

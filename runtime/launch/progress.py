@@ -4,7 +4,7 @@ A rank posts its last event in the rendezvous store (`Progress`, throttled): a r
 sync point judges another by whether it moves (runtime.launch.rank_store), and rank 0, while it
 registers, reads every rank's to show each host's phase and progress and to name the slowest
 host (`summarize`): in its events whenever a host's phase or the slowest changes, and on its
-/health (503 `registering`, runtime.serve.contract). One value both sides of the store read with
+/health (503 `registering`, runtime.contract). One value both sides of the store read with
 this module, never a string each side parses for itself.
 """
 
@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from runtime.serve.contract import HostProgress
+from runtime.contract import HostProgress
 
 # how far along registration a phase is; programs and weights run at once, so they rank alike
 STAGE = {"start": 0, "check": 0, "programs": 1, "weights": 1, "upload": 2, "kv": 3, "validate": 4, "serve": 5}

@@ -192,7 +192,7 @@ class RankStore:
         self.rank, self.world = env.rank, env.world
         self.lost: str | None = None  # set once the service is lost: every collective and wait fails
         self._beat: Heartbeat | None = None
-        self.usage = None  # runtime.serve.usage.Usage once it beats: this rank's CPU, RSS and device
+        self.usage = None  # runtime.usage.Usage once it beats: this rank's CPU, RSS and device
         # the abort line's connection: once beating, the heartbeat's (its calls wait at most the
         # rank timeout), so failing the service never blocks long on a store that is gone
         self._quick = store

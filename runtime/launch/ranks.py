@@ -11,7 +11,7 @@ RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT. Two
   with the reason, instead of leaving them blocked on a peer that is gone;
 - the **process group** (gloo on cpu, nccl on cuda, hccl on npu): rank 0 broadcasts each engine
   call (`lead`) and every rank runs it: each its own sequences' attention; the routed experts'
-  rows are exchanged all-to-all (`runtime.serve.dispatch`). Every collective is waited for in
+  rows are exchanged all-to-all (`runtime.engine.dispatch`). Every collective is waited for in
   slices, and fails as soon as the service is lost: none waits on a peer that is gone.
 """
 
@@ -235,8 +235,8 @@ class Group(RankStore):
         """Beat in the store and watch every other rank's beat (runtime.launch.liveness), on a
         connection of its own whose calls wait at most `rank_timeout`: a rank silent that long,
         or a store that stops answering, loses the service."""
-        from runtime.serve.log import current
-        from runtime.serve.usage import Usage
+        from runtime.log import current
+        from runtime.usage import Usage
 
         self.usage = Usage(device)  # this rank's CPU, RSS and device, posted with each beat
         self.store.set(f"{PREFIX}member/{self.rank}", member(self.rank, device, str(current().path or "")))

@@ -274,12 +274,12 @@ def _upload(launched: Launched, loaded, c: _Checked, emitter: Emitter, phases: P
 def _size_kv(launched: Launched, runners, rank_env, detail: dict, emitter: Emitter):
     """As many KV slots as the budget holds (runtime.launch.budget, the plan's rule) on the memory
     this device has now, halving on an allocation that fails."""
+    from runtime.engine.engine import Engine
     from runtime.launch.budget import kv_budget, kv_share
     from runtime.launch.device import OutOfMemory
     from runtime.programs.calls import engine_runners
     from runtime.programs.catalog import kv_slot_bytes
     from runtime.programs.spec import fuses
-    from runtime.serve.engine import Engine
 
     spec, device, group, programs = launched.spec, launched.device, launched.group, launched.programs
     if group is not None:  # every rank uploaded before any measures: one rank's KV is not another's "used"

@@ -16,12 +16,9 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from runtime.model.dims import MAX_SLOTS
 from store.errors import UserError
 from store.units import format_size, parse_size
-
-# KV slots a service asks for (fewer when memory is short): the most sequences one decode step
-# batches. Programs take up to MAX_SLOTS (`--max-slots` is bounded by it).
-MAX_SLOTS = 4096
 
 # The commands that take launch settings; each takes the fields its FLAGS entry names.
 SERVE, COMPILE, PLAN, CONSOLE, PREPACK, CACHE, SIDECAR_PURGE = (
@@ -72,7 +69,7 @@ class LaunchSpec:
     ca_file: Path | None = None  # a client's (the console's): the CA of the services' certificates
     read_timeout: float = 10.0  # a request's head, and each piece of its body, within this
     root_path: str = ""  # the prefix a proxy in front strips (uvicorn's --root-path)
-    # What happened (runtime.serve.log): the service's log, as text or JSON lines, and where it is kept
+    # What happened (runtime.log): the service's log, as text or JSON lines, and where it is kept
     log_format: str = "text"
     log_file: Path | None = None  # None: <state dir>/services/logs/serve-<port>.log
 

@@ -8,6 +8,10 @@ from dataclasses import asdict, dataclass
 
 from runtime.model.config import CSA, HCA, DeepSeekV4Config
 
+# KV slots a service asks for (fewer when memory is short): the most sequences one decode step
+# batches. Programs take up to MAX_SLOTS (`--max-slots`, runtime.launch.spec, is bounded by it).
+MAX_SLOTS = 4096
+
 
 @dataclass(frozen=True)
 class Dims:

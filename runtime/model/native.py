@@ -58,8 +58,8 @@ FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-x", "c++")
 
 def compiler() -> str:
     """The C++ compiler every program is built with, whose version is in every key
-    (`runtime.programs.toolchain.cxx`)."""
-    from runtime.programs.toolchain import cxx
+    (`runtime.toolchain.cxx`)."""
+    from runtime.toolchain import cxx
 
     found = cxx()
     if found is None:

@@ -22,7 +22,7 @@ from runtime.model.codes import (
     fp8_float16,
     traced_scales,
 )
-from runtime.programs.toolchain import cpu_vendor
+from runtime.toolchain import cpu_vendor
 
 NORM_EPS = 1e-6
 

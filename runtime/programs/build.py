@@ -30,7 +30,7 @@ from runtime.programs.spec import (
     is_native,
     program_key,
 )
-from runtime.programs.toolchain import toolchain_components
+from runtime.toolchain import toolchain_components
 from store.kernel_cache import Hit, KernelCache, Reference
 
 ARTIFACT = "program.pt2"

@@ -22,11 +22,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from runtime.launch.spec import MAX_SLOTS
 from runtime.model.config import SLIDING, DeepSeekV4Config
-from runtime.model.dims import Dims, cache_shapes
+from runtime.model.dims import MAX_SLOTS, Dims, cache_shapes
 from runtime.programs.spec import DynamicDim, ProgramSpec, TensorSpec
-from runtime.programs.toolchain import cxx
+from runtime.toolchain import cxx
 from runtime.weights.layout import EXPERTS, PackedLayout
 
 PREFILL, DECODE = "prefill", "decode"

@@ -20,7 +20,7 @@ from typing import Any
 
 from runtime.programs import source_memo
 from runtime.programs.source_hash import source_components
-from runtime.programs.toolchain import toolchain_components
+from runtime.toolchain import toolchain_components
 from store.errors import UserError
 from store.fingerprint import Key, canonical_json
 

@@ -18,9 +18,10 @@ Requests go to a runtime.serve.scheduler.Scheduler; the service never holds an e
     metrics    the Prometheus registry
     app        the routes
     server     bind (before registration) and serve (until a drained SIGTERM/SIGINT)
-    log        the service's log: a line per request, a summary every 10 s, each phase, each warning
     recent     its own rates and latency quantiles over the last 10 s and minute (/health, the summary)
-    usage      a rank's CPU, RSS and device (NVML, npu-smi)
+
+Its log (runtime.log), its /health value (runtime.contract) and a rank's usage (runtime.usage) sit
+at runtime's top: the launch writes and reads them too.
 
 Importing this package imports nothing (the rank launcher needs no torch and no FastAPI).
 """

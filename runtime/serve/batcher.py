@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.serve.log import failed
-from runtime.serve.sampling import Sampler, logprobs
+from runtime.engine.sampling import Sampler, logprobs
+from runtime.log import failed
 
 log = logging.getLogger(__name__)
 PACK_PROMPT = 128  # prompts up to this many tokens prefill packed into the shared step

@@ -16,8 +16,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from starlette._utils import get_route_path
 
+from runtime.log import Access, access_line
 from runtime.serve.api import ApiError
-from runtime.serve.log import Access, access_line
 
 CLIENT_GONE = 499  # nginx's "client closed request": counted, never seen by the client
 ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/models/{model}", "/v1/completions",
@@ -45,7 +45,7 @@ REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 
 class AccessLog:
     """ASGI middleware, outermost: every response counted by endpoint and status (500s of our
-    bugs too) and said in one access line (runtime.serve.log.access_line) once its last byte is
+    bugs too) and said in one access line (runtime.log.access_line) once its last byte is
     sent. The request's `Access` (scope state `access`) is what the routes fill in; its id is the
     client's X-Request-Id when it sent a sane one, and goes back in the answer's header."""
 

@@ -22,9 +22,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
+from runtime import log as service_log
 from runtime.events import Emitter, Event, Phase, Sink, open_sink
 from runtime.launch.spec import SERVE, LaunchSpec
-from runtime.serve import log as service_log
 from store import timeline
 from store.errors import UserError
 from store.services import ServiceId

@@ -1,4 +1,4 @@
-"""/metrics: the exporter of the contract's metrics (`runtime.serve.contract.METRICS`): every
+"""/metrics: the exporter of the contract's metrics (`runtime.contract.METRICS`): every
 response by endpoint and status, generations, tokens prefilled and generated, time to first token,
 between tokens, end to end and in the queue, queue, KV slots in use, whether it failed, each rank's
 liveness, CPU, memory and device, launch facts, what compiled after ready. Every observation also
@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
-from runtime.serve import contract as c
+from runtime import contract as c
 from runtime.serve.recent import Tally
 from runtime.serve.responses import usage
 

@@ -36,7 +36,7 @@ from runtime.launch.rank_store import (
     phase_of,
     read,
 )
-from runtime.serve.log import say_error
+from runtime.log import say_error
 
 STOP_TIMEOUT_S = 10.0  # after a failure, or rank 0's end, the other ranks have this long to exit
 POLL_S = 0.1

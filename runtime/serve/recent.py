@@ -21,7 +21,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
-from runtime.serve.contract import LATENCIES, QUANTILES, WINDOWS, Latency, Quantile, Recent
+from runtime.contract import LATENCIES, QUANTILES, WINDOWS, Latency, Quantile, Recent
 
 SMALLEST = 1e-4  # seconds: the first bucket holds everything up to this
 RATIO = 2 ** (1 / 8)  # each bucket's bound over the one before

@@ -18,9 +18,9 @@ import urllib.parse
 from http.server import BaseHTTPRequestHandler
 from typing import Any
 
+from runtime.contract import REGISTERING, Health, HostProgress, RankHealth
 from runtime.events import Event
 from runtime.serve.auth import OPEN_DOOR, Door, get_route_path, refusal
-from runtime.serve.contract import REGISTERING, Health, HostProgress, RankHealth
 
 RETRY_AFTER_S = 5
 READ_TIMEOUT_S = 10  # a client's TLS handshake, head and body, each read within this

@@ -17,6 +17,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from runtime.engine.sampling import Sampling
+from runtime.log import Access
 from runtime.model import chat_template
 from runtime.serve import schema
 from runtime.serve.api import (
@@ -30,10 +32,9 @@ from runtime.serve.api import (
 )
 from runtime.serve.batch import Prompt, best, check_fits, draws_of
 from runtime.serve.http import ClientGone, SafeJSONResponse, access_of, read_body, until_disconnect
-from runtime.serve.log import Access
 from runtime.serve.responses import ChatShape, CompletionShape, TextRun, merged, sse, usage
 from runtime.serve.routes_status import Service
-from runtime.serve.scheduler import Cancelled, Failed, QueueTimeout, Sampling
+from runtime.serve.scheduler import Cancelled, Failed, QueueTimeout
 
 COMPLETION_DEFAULT_TOKENS = 16  # OpenAI's default for /v1/completions
 GENERATION_FAILED = "generation failed; the server log has the details"

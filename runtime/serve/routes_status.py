@@ -16,14 +16,14 @@ from fastapi.responses import PlainTextResponse
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from runtime.contract import FAILED, OK, DeviceUse, Health, RankHealth
+from runtime.log import current
 from runtime.serve import schema
 from runtime.serve.api import ApiError
-from runtime.serve.contract import FAILED, OK, DeviceUse, Health, RankHealth
 from runtime.serve.http import SafeJSONResponse, access_of
-from runtime.serve.log import current
 from runtime.serve.metrics import Metrics
 from runtime.serve.scheduler import Scheduler
-from runtime.serve.usage import Usage
+from runtime.usage import Usage
 from store.services import ServiceId
 
 router = APIRouter()

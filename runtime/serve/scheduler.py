@@ -30,9 +30,9 @@ import math
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
 
-from runtime.serve.log import failed
+from runtime.engine.sampling import Sampling
+from runtime.log import failed
 
 log = logging.getLogger(__name__)
 
@@ -62,42 +62,6 @@ class Failed(Exception):
     """The service failed (a rank lost, its weights changed) before the job started."""
 
 
-GREEDY_BELOW = 1e-5  # temperatures below this sample like 0 (their limit), never divide by ~0
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """A job's length, stop tokens and sampling parameters (OpenAI's and vLLM's; defaults: off;
-    runtime.serve.sampling applies them)."""
-
-    max_tokens: int
-    temperature: float = 0.0
-    seed: int = 0
-    stop_ids: frozenset[int] = frozenset()  # a token that ends the job (eos) after being emitted
-    top_p: float = 1.0
-    top_k: int = 0  # 0 or -1: every token
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), OpenAI's
-    logprobs: int | None = None  # each generated token's log-probability and this many top ones
-    prompt_logprobs: int | None = None  # the same for the prompt's tokens (echo)
-
-    @property
-    def penalized(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
-
-    @property
-    def processed(self) -> bool:
-        """The logits are changed before the draw (a bias or a penalty): not the raw argmax."""
-        return self.penalized or bool(self.logit_bias)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < GREEDY_BELOW
-
-
 _END = object()
 
 
@@ -117,7 +81,7 @@ class Job:
         self._started: asyncio.Future = loop.create_future()
         self._tokens: asyncio.Queue = asyncio.Queue()
         # filled by the engine thread before the token they belong to is handed over
-        self.token_logprobs: list = []  # runtime.serve.sampling.LogProb per generated token
+        self.token_logprobs: list = []  # runtime.engine.sampling.LogProb per generated token
         self.prompt_logprobs: list | None = None  # per prompt token after the first
         self._timer: asyncio.TimerHandle | None = None
         self._scheduler: Scheduler | None = None

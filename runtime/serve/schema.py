@@ -15,8 +15,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 from pydantic.json_schema import models_json_schema
 
+from runtime.contract import Health
 from runtime.serve.api import ChatRequest, CompletionRequest
-from runtime.serve.contract import Health
 
 Finish = Literal["stop", "length", "cancelled", "error"] | None
 

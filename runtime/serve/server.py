@@ -10,9 +10,9 @@ import socket
 import threading
 import time
 
+from runtime.log import SUMMARY_EVERY_S, log_summary
 from runtime.serve.app import Limits, create_app
 from runtime.serve.auth import OPEN_DOOR, Door
-from runtime.serve.log import SUMMARY_EVERY_S, log_summary
 from runtime.serve.openmp import release_this_threads_team
 from runtime.serve.wire import MAX_HEAD_BYTES, protocol
 from store.errors import UserError
@@ -63,7 +63,7 @@ def server_config(app, limits: Limits, door: Door):
     import uvicorn
 
     tls = door.tls
-    # uvicorn's own lines go through the service's log (runtime.serve.log: its warnings only); its
+    # uvicorn's own lines go through the service's log (runtime.log: its warnings only); its
     # access lines are replaced by ours (runtime.serve.http.AccessLog), which say more
     return uvicorn.Config(app, log_level="warning", log_config=None, access_log=False, lifespan="on",
                           timeout_graceful_shutdown=30,
@@ -79,7 +79,7 @@ def serve(launched, sock: socket.socket, limits: Limits | None = None, on_ready=
     keys and TLS; `url`: what to announce (default from the socket); `on_fatal(reason)`: the
     engine thread died (runtime.serve.app.create_app).
     `on_ready(url)` is called once the server accepts requests; every `stats_every` seconds
-    while there is work, a summary line (runtime.serve.log.log_summary) and `on_stats(stats)`
+    while there is work, a summary line (runtime.log.log_summary) and `on_stats(stats)`
     (batch size, MTP acceptance: for the events)."""
     import uvicorn
 

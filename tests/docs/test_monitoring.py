@@ -15,7 +15,7 @@ from conftest import REPO
 from door_fakes import fake_launched, served
 from servers import ensure_binary
 
-from runtime.serve import contract as c
+from runtime import contract as c
 
 MONITORING = REPO / "docs" / "monitoring"
 RULES, RULE_TESTS, DASHBOARD = (MONITORING / n for n in ("dsv4.rules.yml", "dsv4.rules.test.yml", "grafana-dsv4.json"))
@@ -73,7 +73,7 @@ def test_the_rules_and_the_dashboard_read_only_what_the_contract_exports():
     dashboard = json.loads(DASHBOARD.read_text())
     exprs += [t["expr"] for p in dashboard["panels"] for t in p.get("targets", ())]
     unknown = set().union(*map(_series, exprs)) - _exported()
-    assert not unknown, f"not in runtime/serve/contract.py: {sorted(unknown)}"
+    assert not unknown, f"not in runtime/contract.py: {sorted(unknown)}"
     used = set(re.findall(r"\b(dsv4:[a-z0-9_:]+)", " ".join(exprs)))
     assert used <= recorded, f"the dashboard reads rules that are not recorded: {sorted(used - recorded)}"
 

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from conftest import MAX_SEQ, start_server
 
-from runtime.serve.contract import COMPILES_AFTER_READY
+from runtime.contract import COMPILES_AFTER_READY
 
 ROUNDS = 8
 

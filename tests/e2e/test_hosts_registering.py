@@ -13,7 +13,7 @@ from conftest import get_json
 from hosts import free_port, namespaces_work, stop
 from hosts import hosts as make_hosts
 
-from runtime.serve.contract import REGISTERING, Health
+from runtime.contract import REGISTERING, Health
 
 
 def _events(path):

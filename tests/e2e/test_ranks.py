@@ -21,8 +21,8 @@ import pytest
 from conftest import MAX_SEQ, start_server
 
 from bench.node_loss_bench import health_status, post_status
+from runtime.contract import Health
 from runtime.events import parse
-from runtime.serve.contract import Health
 
 PROMPTS = ["The quick brown fox", "DeepSeek V4", "a", "0123456789 " * 4]
 CONCURRENT = [f"request {i}: " + "abcdefgh"[i % 8] * (1 + i % 5) for i in range(16)]

@@ -33,9 +33,9 @@ from console.tui.app import Dsv4Console
 from console.tui.panes.services import cells, rank_line
 from console.tui.screens.detail import DetailScreen
 from console.tui.screens.logview import LogScreen
+from runtime import contract
+from runtime.contract import ContractError, Health
 from runtime.launch.history import SETTINGS, Likeness, comparable, recompiled, weights_path
-from runtime.serve import contract
-from runtime.serve.contract import ContractError, Health
 from store import services
 from store.history import read_history
 

@@ -13,7 +13,7 @@ from console.tui.panes.device import DevicePane, slots_text
 from console.tui.panes.registration import rank_lines
 from runtime.events import PHASES, Event, parse
 from runtime.launch.budget import Memory
-from runtime.launch.spec import MAX_SLOTS
+from runtime.model.dims import MAX_SLOTS
 from store.units import format_size
 
 REGISTER = PHASES[:-1]  # every rank runs these; only rank 0 serves

@@ -158,7 +158,7 @@ def test_every_serving_figure_keeps_its_last_minute():
 
 def test_a_service_still_registering_reads_registering_not_failed():
     from console.data.services import ServiceView
-    from runtime.serve.contract import FAILED, REGISTERING, Health
+    from runtime.contract import FAILED, REGISTERING, Health
 
     record = services.Service(1, 0.0, ("dsv4", "serve"), "/models/m", services.REGISTERING, "http://127.0.0.1:9")
     health = Health(REGISTERING, "/models/m", "x", 0, 0, 0, 0, 64, phase="weights")

@@ -10,7 +10,7 @@ from console_fakes import NOW, snapshot
 from console.fleet import events as E
 from console.fleet.host import HostReading
 from console.fleet.watch import Transitions
-from runtime.serve.contract import RankHealth
+from runtime.contract import RankHealth
 from store.services import Ending
 
 

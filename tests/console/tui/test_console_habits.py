@@ -432,7 +432,7 @@ async def test_an_ended_services_summary_and_details_keep_its_last_log_lines():
 
     snap = snapshot()
     tail = ("validate: decode check ok", "serving at [http://127.0.0.1:8000]", "Fatal Python error: Bus error",
-            "Current thread 0x00007f (most recent call first):", '  File "runtime/serve/engine.py", line 88')
+            "Current thread 0x00007f (most recent call first):", '  File "runtime/engine/engine.py", line 88')
     record = dataclasses.replace(snap.services.services[0].record, state="ended",
                                  ending=Ending(NOW - 12, "killed by SIGBUS", "serve", by="console", log=tail))
     app = fake_app(collectors=FakeCollectors(dataclasses.replace(snap, services=ServicesSnapshot(

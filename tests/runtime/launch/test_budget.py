@@ -141,7 +141,7 @@ def _four_gpus(monkeypatch):
     ("", []),
 ])
 def test_device_memory_and_capability_follow_cuda_visible_devices(monkeypatch, visible, names):
-    from runtime.programs import toolchain
+    from runtime import toolchain
 
     _four_gpus(monkeypatch)
     if visible is None:
@@ -190,7 +190,7 @@ def test_capability_comes_from_nvidia_smi_or_npu_smi_without_torch_and_never_thr
 
     def ask(path: str, kind: str, visible: str) -> str:
         script = ("import sys; sys.modules['pynvml'] = None\n"
-                  "from runtime.programs import toolchain\n"
+                  "from runtime import toolchain\n"
                   "toolchain.stay_torch_free()\n"
                   f"print(toolchain.device_capability({kind!r}), 'torch' in sys.modules)\n")
         env = {**os.environ, "PATH": path, "CUDA_VISIBLE_DEVICES": visible, "ASCEND_RT_VISIBLE_DEVICES": visible}

@@ -62,8 +62,8 @@ def test_the_engine_runs_every_kind_of_step_on_a_device_other_than_the_cpu(tiny_
     """The engine's own glue (row indices, slots, cache writes, MTP rows) on the meta device: a
     tensor it made on the cpu fails as on cuda, and so does reading the device back (`.item()`,
     a boolean mask's nonzero), which on a GPU would stall every layer of every step."""
+    from runtime.engine.engine import Engine
     from runtime.model.config import load_config
-    from runtime.serve.engine import Engine
     from runtime.weights.pack import pack_in_memory
     from runtime.weights.views import packed_views
     from store.checkpoint import Checkpoint

@@ -10,9 +10,9 @@ import time
 from conftest import get_json
 from hosts import store_groups
 
+from runtime.contract import REGISTERING, Health, HostProgress
 from runtime.events import Event
 from runtime.launch.progress import HostsWatch, Progress, summarize
-from runtime.serve.contract import REGISTERING, Health, HostProgress
 
 # ---- each host's progress, and the slowest ------------------------------------------------------
 

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from runtime.engine.engine import Engine
 from runtime.model.config import load_config
 from runtime.programs.catalog import build_programs
-from runtime.serve.engine import Engine
 from runtime.weights.pack import PackedLayout, pack_in_memory
 from runtime.weights.views import packed_views, reference_views
 from store.checkpoint import Checkpoint

@@ -9,12 +9,12 @@ import threading
 import pytest
 import torch
 
+from runtime.engine.dispatch import dispatch_order
+from runtime.engine.engine import Engine
 from runtime.model.config import load_config
 from runtime.programs.calls import engine_runners
 from runtime.programs.catalog import build_programs
 from runtime.programs.spec import build_function
-from runtime.serve.dispatch import dispatch_order
-from runtime.serve.engine import Engine
 from runtime.weights.pack import PackedLayout, pack_in_memory, rank_slice
 from runtime.weights.views import packed_views
 from store.checkpoint import Checkpoint

@@ -30,10 +30,10 @@ import pytest
 import torch
 
 from bench.hf_peer import float_weights, load_peer, main_model_peer, peer_config
+from runtime.engine.engine import Engine
 from runtime.model import forward as M
 from runtime.model.config import CSA, HCA, DeepSeekV4Config, load_config
 from runtime.programs.catalog import build_programs
-from runtime.serve.engine import Engine
 from runtime.weights.pack import PackedLayout
 from runtime.weights.views import reference_views
 from store.checkpoint import Checkpoint

@@ -7,6 +7,7 @@ import json
 import pytest
 from engine_fakes import CountingEngine
 
+from runtime.engine.sampling import Sampling
 from runtime.model.config import load_config
 from runtime.model.tokenizer import (
     BOS_TOKEN,
@@ -19,7 +20,7 @@ from runtime.model.tokenizer import (
     load_tokenizer,
 )
 from runtime.serve.responses import StopMatcher
-from runtime.serve.scheduler import Cancelled, QueueTimeout, Sampling, Scheduler
+from runtime.serve.scheduler import Cancelled, QueueTimeout, Scheduler
 from runtime.synth.tokenizer import train_tokenizer_json
 
 

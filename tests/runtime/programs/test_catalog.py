@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from runtime.engine.engine import Engine
 from runtime.model.dims import Dims
 from runtime.model.forward import FFN_PARTS
 from runtime.model.moe import (
@@ -26,7 +27,6 @@ from runtime.programs.catalog import (
 )
 from runtime.programs.spec import build_function, program_key
 from runtime.programs.tiers import COMPILED, EAGER, TieredRunners
-from runtime.serve.engine import Engine
 from store.fingerprint import diff
 
 MAX_SEQ = 64

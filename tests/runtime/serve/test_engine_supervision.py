@@ -17,7 +17,7 @@ import torch
 from door_fakes import Leaks, fake_launched, served
 from engine_fakes import CountingEngine
 
-from runtime.serve import sampling
+from runtime.engine import sampling
 
 F32_TINY = 2.0 ** -126
 

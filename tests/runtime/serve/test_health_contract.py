@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from runtime.serve import contract as c
+from runtime import contract as c
 
 V3 = {"v": 3, "status": "ok", "model": "/m", "id": "m", "slots": 4, "free_slots": 4, "queued": 0, "running": 0,
       "max_seq": 64, "ranks": [{"rank": 0, "slots": 4, "free_slots": 4, "running": 0, "host": "a"}]}

@@ -9,8 +9,8 @@ import pytest
 from door_fakes import fake_launched, served
 from pydantic import TypeAdapter
 
+from runtime.contract import Health
 from runtime.serve import schema
-from runtime.serve.contract import Health
 
 
 @pytest.fixture(scope="module")

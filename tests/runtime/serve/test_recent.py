@@ -8,8 +8,8 @@ import random
 
 import pytest
 
+from runtime.contract import Latency, Quantile, bucket_quantile
 from runtime.serve import recent as r
-from runtime.serve.contract import Latency, Quantile, bucket_quantile
 
 
 class Clock:

@@ -9,11 +9,11 @@ import asyncio
 import pytest
 import torch
 
+from runtime.engine.engine import Engine
+from runtime.engine.sampling import Sampler, Sampling
 from runtime.model.config import load_config
 from runtime.programs.catalog import build_programs
-from runtime.serve.engine import Engine
-from runtime.serve.sampling import Sampler
-from runtime.serve.scheduler import Sampling, Scheduler
+from runtime.serve.scheduler import Scheduler
 from runtime.weights.pack import PackedLayout, pack_in_memory
 from runtime.weights.views import packed_views
 from store.checkpoint import Checkpoint

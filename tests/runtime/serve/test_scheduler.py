@@ -9,10 +9,11 @@ import pytest
 import torch
 from engine_fakes import CountingEngine
 
+from runtime.engine.engine import Engine
+from runtime.engine.sampling import Sampling
 from runtime.model.config import load_config
 from runtime.programs.catalog import build_programs
-from runtime.serve.engine import Engine
-from runtime.serve.scheduler import Sampling, Scheduler
+from runtime.serve.scheduler import Scheduler
 from runtime.weights.pack import PackedLayout, pack_in_memory
 from runtime.weights.views import packed_views
 from store.checkpoint import Checkpoint

@@ -19,8 +19,8 @@ import pytest
 from door_fakes import fake_launched, key_file, served
 from engine_fakes import CountingEngine
 
+from runtime import log as service_log
 from runtime.launch.rank_store import RankError
-from runtime.serve import log as service_log
 from runtime.serve.app import Limits
 from runtime.serve.auth import Door
 from runtime.serve.server import _report_stats

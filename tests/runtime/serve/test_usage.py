@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from types import SimpleNamespace
 
-from runtime.serve import usage
+from runtime import usage
 
 
 def test_a_cpu_rank_reads_its_own_cpu_and_memory_and_no_device():

@@ -15,7 +15,7 @@ from kernel_cache_samples import ART, PAYLOAD, WORKER, entry_dir, make_key, put,
 from kernel_cache_samples import cache as cache  # a fixture
 
 from console.cli import main as cli
-from runtime.programs.toolchain import toolchain_components
+from runtime.toolchain import toolchain_components
 from store.fingerprint import UNKNOWN, fingerprint
 from store.kernel_cache import (
     CORRUPT,

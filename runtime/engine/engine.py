@@ -10,7 +10,7 @@ Several ranks (a `group`): data-parallel attention, expert-parallel MoE. Slot id
 and rank-major (rank 0's slots first); each rank holds the caches of its own slots only and
 runs the attention of their rows, while every rank takes part in every step: each layer's
 routed-expert rows go to the ranks that own their chosen experts and the shares come back
-(`runtime.serve.dispatch`). Rank 0 leads (each call is sent to the others first) and gets
+(`runtime.engine.dispatch`). Rank 0 leads (each call is sent to the others first) and gets
 every row's logits back.
 """
 
@@ -21,12 +21,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from runtime.engine.dispatch import gather_rows, routed_exchange
+from runtime.engine.sampling import Sampler, Sampling
 from runtime.model import forward as model
 from runtime.model.dims import WINDOW_CACHES, cache_shapes
 from runtime.programs.catalog import DECODE, EXPERTS_PROGRAM, PREFILL, TOP_HEAD, ModelPrograms
-from runtime.serve.dispatch import gather_rows, routed_exchange
-from runtime.serve.sampling import Sampler
-from runtime.serve.scheduler import Sampling
 from runtime.weights.views import ModelWeights
 
 Runner = Callable[..., object]

@@ -16,8 +16,45 @@ Log-probabilities below LOGPROB_FLOOR are written as it (OpenAI's and vLLM's -99
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
+
+GREEDY_BELOW = 1e-5  # temperatures below this sample like 0 (their limit), never divide by ~0
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """A job's length, stop tokens and sampling parameters (OpenAI's and vLLM's; defaults: off;
+    `Sampler` applies them)."""
+
+    max_tokens: int
+    temperature: float = 0.0
+    seed: int = 0
+    stop_ids: frozenset[int] = frozenset()  # a token that ends the job (eos) after being emitted
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: every token
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), OpenAI's
+    logprobs: int | None = None  # each generated token's log-probability and this many top ones
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (echo)
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def processed(self) -> bool:
+        """The logits are changed before the draw (a bias or a penalty): not the raw argmax."""
+        return self.penalized or bool(self.logit_bias)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
+
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
 LOGPROB_FLOOR = -9999.0

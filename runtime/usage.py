@@ -20,7 +20,7 @@ from typing import Any
 
 import psutil
 
-from runtime.serve.contract import DeviceUse
+from runtime.contract import DeviceUse
 
 MIN_EVERY_S = 1.0
 _nvml_lock = threading.Lock()
@@ -35,7 +35,7 @@ def device_index(device: str) -> tuple[str, int]:
 
 def nvml_use(index: int) -> DeviceUse | None:
     """The GPU this process sees as cuda:`index`, through NVML; None without nvidia-ml-py or NVML."""
-    from runtime.programs.toolchain import nvml_handles
+    from runtime.toolchain import nvml_handles
 
     with _nvml_lock:
         if "module" not in _nvml and "error" not in _nvml:
@@ -93,7 +93,7 @@ def npu_use(index: int) -> DeviceUse | None:
         text = subprocess.run(["npu-smi", "info"], capture_output=True, text=True, timeout=5).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    from runtime.programs.toolchain import visible
+    from runtime.toolchain import visible
 
     seen = visible("npu", 1 << 10)
     npu = int(seen[index]) if index < len(seen) and seen[index].isdigit() else index
