@@ -373,7 +373,8 @@ def report(result: dict[str, Any]) -> str:
             lines.append(f"greedy vs cpu eager: equal {g['equal']}, max |Δ logprob| {g['max_abs_logprob_diff']:.2e} "
                          f"(tolerance {g['tolerance']})" + "".join(
                              f"; prompt {p['prompt']} diverges at {p['first_divergent_position']} (reference top-2 gap "
-                             f"{p['reference_top2_gap']:.2e})" for p in g["prompts"] if "first_divergent_position" in p))
+                             f"{p['reference_top2_gap']:.2e})"
+                             for p in g["prompts"] if "first_divergent_position" in p))
         for clients, d in f.get("decode", {}).items():
             lines.append(f"decode, {clients} concurrent: {d['tokens_per_s']} tok/s (mean batch {d['mean_batch']})")
     return "\n".join(lines)

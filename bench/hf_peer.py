@@ -37,7 +37,8 @@ def _peer_types() -> dict[str, str]:
     return {SLIDING: "sliding_attention", CSA: "compressed_sparse_attention", HCA: "heavily_compressed_attention"}
 
 
-def peer_config(c: DeepSeekV4Config, kinds: list[str] | None = None, hash_layers: int | None = None) -> DeepseekV4Config:
+def peer_config(c: DeepSeekV4Config, kinds: list[str] | None = None,
+                hash_layers: int | None = None) -> DeepseekV4Config:
     """The transformers config equivalent to ours. Layer kinds and compress rates are passed
     explicitly (the peer maps legacy `compress_ratios` only for V4's own 0/4/128); the rope
     scaling dict is handed over as is, which the peer turns into YaRN on compressed layers."""

@@ -127,7 +127,8 @@ def _float32(live: Live, row: Row) -> None:
     """What killed the engine thread before (tiny top_p, repetition_penalty near 0), NaN and ±inf
     as JSON literals; then a plain completion must still be served."""
     bodies = [{"top_p": 1e-300}, {"top_p": 1e-40}, {"repetition_penalty": 1e-300}, {"repetition_penalty": 1e-39},
-              {"temperature": 1e-300}, {"min_p": 1e-45}, {"top_p": 1.2e-38, "repetition_penalty": 1.2e-38, "logprobs": 5}]
+              {"temperature": 1e-300}, {"min_p": 1e-45},
+              {"top_p": 1.2e-38, "repetition_penalty": 1.2e-38, "logprobs": 5}]
     for extra in bodies:
         body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 1.0, **extra}).encode()
         _timed(row, lambda b=body: live.post("/v1/completions", content=b).status_code)
@@ -136,7 +137,8 @@ def _float32(live: Live, row: Row) -> None:
         _timed(row, lambda b=body: live.post("/v1/completions", content=b).status_code)
     served = _serves(live)
     row.held = served and live.get("/health").status_code == 200
-    row.note = f"after them: a completion {'served' if served else 'NOT served'}, /health {live.get('/health').json()['status']}"
+    row.note = (f"after them: a completion {'served' if served else 'NOT served'}, "
+                f"/health {live.get('/health').json()['status']}")
 
 
 def _serves(live: Live) -> bool:
@@ -242,7 +244,8 @@ def _leaving(live: Live, row: Row) -> None:
     metrics = live.get("/metrics").text
     gone = [ln for ln in metrics.splitlines() if 'endpoint="/v1/completions"' in ln and 'status="499"' in ln]
     bugs = [ln for ln in metrics.splitlines() if 'endpoint="/v1/completions"' in ln and 'status="500"' in ln]
-    row.note = f"499 counted: {gone[0].rsplit(' ', 1)[1] if gone else 0}; 500: {bugs[0].rsplit(' ', 1)[1] if bugs else 0}"
+    row.note = (f"499 counted: {gone[0].rsplit(' ', 1)[1] if gone else 0}; "
+                f"500: {bugs[0].rsplit(' ', 1)[1] if bugs else 0}")
     row.held = not bugs
 
 
@@ -302,7 +305,8 @@ CLASSES: list[tuple[str, str, Callable[[Live, Row], object]]] = [
     ("1 MiB header, 10 000 headers", "431/400 or closed", _floods),
     ("slow-loris: 100 conns, 1 header byte/s", f"each closed ≤ {READ_TIMEOUT + 2:g} s",
      lambda live, row: _stalled(live, row, 100, True)),
-    ("1 000 connections abandoned", f"each closed ≤ {READ_TIMEOUT + 2:g} s", lambda live, row: _stalled(live, row, 1000, False)),
+    ("1 000 connections abandoned", f"each closed ≤ {READ_TIMEOUT + 2:g} s",
+     lambda live, row: _stalled(live, row, 1000, False)),
     ("clients leave: whole, stream, mid-body", "slots back; 499, no 500", _leaving),
     ("a 4 MiB prompt", f"400; /health ≤ {HEALTH_DURING_BOUND_S} s meanwhile", lambda live, row: _huge(live, row, 1)),
     ("four 4 MiB prompts at once", f"400s; /health ≤ {HEALTH_DURING_BOUND_S} s meanwhile",

@@ -190,7 +190,8 @@ class Server:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port), "-t", str(threads),
-               "-tb", str(threads), "-np", str(slots), "-c", str(ctx * slots), "-fa", "on" if flash_attention else "off",
+               "-tb", str(threads), "-np", str(slots), "-c", str(ctx * slots),
+               "-fa", "on" if flash_attention else "off",
                "--no-webui", *(("-ctk", "f32", "-ctv", "f32") if float_cache else ())]
         self._log = open(log_file, "w")  # noqa: SIM115 — the server's whole life
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)

@@ -66,7 +66,8 @@ def one_run(model: Path, run_dir: Path, how: str, load: bool, rank_timeout: floa
                f"{rank_timeout:g}", "--queue-timeout", str(GUARD_S))
     sig = getattr(signal, how)
     with torchrun_nodes(model, run_dir, options) as nodes, ThreadPoolExecutor(CLIENTS) as pool:
-        inflight = [pool.submit(post_status, nodes.url, f"request {i}", max_seq - 16) for i in range(CLIENTS if load else 0)]
+        inflight = [pool.submit(post_status, nodes.url, f"request {i}", max_seq - 16)
+                    for i in range(CLIENTS if load else 0)]
         time.sleep(0.5)
         lost = time.monotonic()
         for p in nodes.processes(1):

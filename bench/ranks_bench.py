@@ -345,7 +345,8 @@ def _print(result: dict[str, Any]) -> None:
         *(ratio_row(f"decode tokens/s, {c} concurrent", ("decode", c, "tokens_per_s"), "{:.1f}") for c in LOADS),
         *([f"mean batch, {c} concurrent", *(str(runs[n]["decode"][c].get("mean_batch")) for n in ns)] for c in LOADS),
         *([f"all-to-all ms / engine call, {c} concurrent",
-           *(f"{runs[n]['decode'][c]['exchange_ms_per_call']:.2f} ({runs[n]['decode'][c]['exchange_share']:.0%} of wall)"
+           *(f"{runs[n]['decode'][c]['exchange_ms_per_call']:.2f} "
+             f"({runs[n]['decode'][c]['exchange_share']:.0%} of wall)"
              if "exchange_ms_per_call" in runs[n]["decode"][c] else "-" for n in ns)] for c in LOADS if c > 1),
     ]
     print_table(title, ["", *(f"N={n}" for n in ns)], rows)

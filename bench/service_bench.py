@@ -102,7 +102,8 @@ def _drive(url: str, bodies: list[dict[str, Any]], clients: int) -> dict[str, An
         results = list(pool.map(lambda ib: _request(url, ib[0], ib[1]), enumerate(bodies)))
     wall = time.perf_counter() - t0
     tokens = sum(r[2] for r in results)
-    return {"requests": len(bodies), "tokens": tokens, "wall_s": round(wall, 2), "tokens_per_s": round(tokens / wall, 1)}
+    return {"requests": len(bodies), "tokens": tokens, "wall_s": round(wall, 2),
+            "tokens_per_s": round(tokens / wall, 1)}
 
 
 def mixes(url: str) -> dict[str, dict[str, Any]]:
@@ -147,7 +148,8 @@ def _load(url: str, pid: int) -> dict[str, Any]:
     engine = Health.from_json(httpx.get(f"{url}/health").json()).engine  # the contract's value, not keys
     lat = sorted(r[0] for r in results)
     return {"requests": len(results), "tokens": sum(r[2] for r in results), "wall_s": round(wall, 2),
-            "tokens_per_s": round(sum(r[2] for r in results) / wall, 1), "requests_per_s": round(len(results) / wall, 2),
+            "tokens_per_s": round(sum(r[2] for r in results) / wall, 1),
+            "requests_per_s": round(len(results) / wall, 2),
             "p50_s": round(statistics.median(lat), 3), "p99_s": round(lat[int(0.99 * (len(lat) - 1))], 3),
             "ttft_p50_s": round(statistics.median(r[1] for r in results), 3), "peak_rss_mib": peak[0] >> 20,
             "mean_batch": engine.get("mean_batch"), "acceptance": engine.get("acceptance"),
@@ -210,10 +212,12 @@ def measure(backend: str, progress=print) -> dict[str, Any]:
               "p99": round(base["p99_s"] / batched["p99_s"], 2),
               "step_4096_vs_256": round(steps[4096] / steps[256], 2),
               "sampled_vs_greedy": round(mix["half sampled"]["tokens_per_s"] / mix["all greedy"]["tokens_per_s"], 2),
-              "n_vs_requests": round(mix[f"n={CHOICES}"]["tokens_per_s"] / mix[f"{CHOICES} requests"]["tokens_per_s"], 2),
-              "batch_vs_requests": round(mix[f"batch of {BATCH}"]["tokens_per_s"] / mix[f"{BATCH} requests"]["tokens_per_s"], 2)}
-    return {"backend": backend, "clients": CLIENTS, "rounds": ROUNDS, "max_tokens": MAX_TOKENS, "rows": rows, "mix": mix,
-            "step_s": {str(k): round(v, 5) for k, v in steps.items()}, "ratios": ratios, "targets": TARGETS,
+              "n_vs_requests": round(mix[f"n={CHOICES}"]["tokens_per_s"]
+                                     / mix[f"{CHOICES} requests"]["tokens_per_s"], 2),
+              "batch_vs_requests": round(mix[f"batch of {BATCH}"]["tokens_per_s"]
+                                         / mix[f"{BATCH} requests"]["tokens_per_s"], 2)}
+    return {"backend": backend, "clients": CLIENTS, "rounds": ROUNDS, "max_tokens": MAX_TOKENS, "rows": rows,
+            "mix": mix, "step_s": {str(k): round(v, 5) for k, v in steps.items()}, "ratios": ratios, "targets": TARGETS,
             "load_avg_1m": round(os.getloadavg()[0], 2), "cpus": os.cpu_count()}
 
 

@@ -128,7 +128,8 @@ def ssh_hosts(tmp: Path, names: list[str], sshd: str, *, model: Path | None = No
             "PrintMotd no", "LogLevel ERROR", "MaxStartups 100", "MaxSessions 100",
             "SetEnv " + " ".join(f"{k}={v}" for k, v in env.items()), ""]))
         extra = " && ".join(f'mount --bind "{src}" "{dst}"' for src, dst in host.binds)
-        script = 'hostname "$1" && mount --bind "$2" "$3"' + (f" && {extra}" if extra else "") + ' && exec "$4" -D -e -f "$5"'
+        script = ('hostname "$1" && mount --bind "$2" "$3"' + (f" && {extra}" if extra else "")
+                  + ' && exec "$4" -D -e -f "$5"')
         log = root / "sshd.log"
         with open(log, "w") as err:
             host.proc = subprocess.Popen(["unshare", "--mount", "--uts", "--fork", "sh", "-c", script, "sh", name,

@@ -244,7 +244,8 @@ def main(preset: str = "small", backend: str = "aoti", json_output: bool = False
         if pool:
             print(f"{r['setup']}: {pool['jobs']} workers, compile seconds sum {pool['compile_seconds_sum']:.1f} s, "
                   f"longest {pool['longest_s']:.1f} s, wall {pool['wall_s']:.1f} s; host memory peak "
-                  f"{pool['peak_host_used'] / gib:.1f} GiB used (floor: keep {pool['floor_bytes'] / gib:.1f} GiB free), "
+                  f"{pool['peak_host_used'] / gib:.1f} GiB used "
+                  f"(floor: keep {pool['floor_bytes'] / gib:.1f} GiB free), "
                   f"largest compile RSS {pool['peak_rss'] / gib:.2f} GiB")
     for r in rows:
         print(f"{r['setup']}: first token right after ready {r['ttft'] * 1000:.0f} ms")

@@ -321,13 +321,15 @@ QUEUE_DEPTH = Metric("dsv4_queue_depth", "gauge", "Requests waiting for a slot")
 RUNNING = Metric("dsv4_running", "gauge", "Requests holding a slot")
 KV_SLOTS = Metric("dsv4_kv_slots", "gauge", "KV cache sequence slots")
 KV_SLOTS_USED = Metric("dsv4_kv_slots_used", "gauge", "KV cache sequence slots holding a sequence")
-FAILED_NOW = Metric("dsv4_failed", "gauge", "1 once the service has failed (it answers 503 with the reason, then exits)")
+FAILED_NOW = Metric("dsv4_failed", "gauge",
+                    "1 once the service has failed (it answers 503 with the reason, then exits)")
 RANK_UP = Metric("dsv4_rank_up", "gauge", "1 while a rank beats and has no error, 0 once it is lost", ("rank", "host"))
 RANK_CPU = Metric("dsv4_rank_cpu_percent", "gauge", "A rank process's CPU (100: one core)", ("rank", "host"))
 RANK_RSS = Metric("dsv4_rank_rss_bytes", "gauge", "A rank process's resident memory", ("rank", "host"))
 DEVICE_UTIL = Metric("dsv4_device_utilization_percent", "gauge", "A rank's accelerator busy (NVML, npu-smi)",
                      ("rank", "device"))
-DEVICE_MEMORY = Metric("dsv4_device_memory_used_bytes", "gauge", "A rank's accelerator memory in use", ("rank", "device"))
+DEVICE_MEMORY = Metric("dsv4_device_memory_used_bytes", "gauge", "A rank's accelerator memory in use",
+                       ("rank", "device"))
 DEVICE_TEMP = Metric("dsv4_device_temperature_celsius", "gauge", "A rank's accelerator temperature", ("rank", "device"))
 DEVICE_POWER = Metric("dsv4_device_power_watts", "gauge", "A rank's accelerator power draw", ("rank", "device"))
 PHASE_SECONDS = Metric("dsv4_registration_phase_seconds", "gauge", "Registration phase durations", ("phase",))

@@ -60,7 +60,8 @@ class Access:
 
 def _kind(name: str) -> str:
     """A logger's name as its lines say it: dsv4.access → access, runtime.serve.batcher → batcher."""
-    return name.removeprefix("dsv4.").rsplit(".", 1)[-1] if name.startswith(("dsv4.", "runtime.")) else name.split(".")[0]
+    return name.removeprefix("dsv4.").rsplit(".", 1)[-1] if name.startswith(("dsv4.", "runtime.")) \
+        else name.split(".")[0]
 
 
 class LineFormatter(logging.Formatter):
@@ -253,7 +254,8 @@ def access_line(a: Access, client: str, method: str, path: str, status: int, key
     fields = {**{k: v for k, v in asdict(a).items() if k not in ("started", "sent") and v not in (None, "")},
               "client": client, "method": method, "path": path, "status": status, "seconds": round(seconds, 4),
               **({"key": key} if key else {})}
-    level = logging.WARNING if status >= 500 else logging.DEBUG if path in QUIET_PATHS and status < 400 else logging.INFO
+    level = logging.WARNING if status >= 500 \
+        else logging.DEBUG if path in QUIET_PATHS and status < 400 else logging.INFO
     ACCESS.log(level, " ".join(words), extra={"fields": fields})
 
 

@@ -66,7 +66,8 @@ def nvml_use(index: int) -> DeviceUse | None:
 
 
 # `npu-smi info`: a chip's first row "| 0     910B3     | OK            | 93.4        52                0    / 0   |"
-# (NPU, name | health | power W, temperature °C, hugepages), its second "| 0 | 0000:C1:00.0 | 3   0    / 0   3384 / 65536 |"
+# (NPU, name | health | power W, temperature °C, hugepages), its second
+# "| 0 | 0000:C1:00.0 | 3   0    / 0   3384 / 65536 |"
 # (chip | bus id | AICore %, memory used / total MB, HBM used / total MB)
 _NPU_FIRST = re.compile(r"^\|\s*(\d+)\s+(\S+)\s*\|\s*\S+\s*\|\s*([\d.]+)\s+([\d.]+)")
 _NPU_SECOND = re.compile(r"^\|\s*\d+\s*\|\s*[0-9A-Fa-f:.]+\s*\|\s*(\d+)\s+.*?(\d+)\s*/\s*(\d+)\s*\|?\s*$")

@@ -158,7 +158,8 @@ class Checkpoint:
         root = Path(root)
         if not root.is_dir():
             raise CheckpointError(f"{root}: no such checkpoint directory")
-        config = _read_json(root / CONFIG_NAME, CONFIG_NAME) if config is None else _parse_json(config, root / CONFIG_NAME)
+        config = _read_json(root / CONFIG_NAME, CONFIG_NAME) if config is None \
+            else _parse_json(config, root / CONFIG_NAME)
         index = _read_json(root / INDEX_NAME, INDEX_NAME)
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict) or not all(
@@ -177,7 +178,8 @@ class Checkpoint:
                                                (info.offsets[0], info.offsets[1]))
         for name, shard in weight_map.items():
             if name not in tensors:
-                raise CheckpointError(f"{root / shard}: tensor '{name}' is listed in {INDEX_NAME} but absent from the shard")
+                raise CheckpointError(f"{root / shard}: tensor '{name}' is listed in {INDEX_NAME} "
+                                      "but absent from the shard")
         return cls(root, config, dict(weight_map), tensors)
 
     def names(self) -> list[str]:

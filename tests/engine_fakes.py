@@ -57,7 +57,8 @@ class CountingEngine:
                 raise RuntimeError("decode step failed")
             self.lengths[slot] += len(tokens)
             for _ in tokens[len(tokens) - (logits_rows[i] if logits_rows is not None else len(tokens)):]:
-                rows.append(torch.nn.functional.one_hot(torch.tensor(self.base + self.counts[slot]), self.vocab).float())
+                rows.append(torch.nn.functional.one_hot(torch.tensor(self.base + self.counts[slot]),
+                                                        self.vocab).float())
             self.counts[slot] += 1
         self.steps += 1
         self.batches.append(len(batch))

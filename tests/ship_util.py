@@ -35,7 +35,8 @@ def export(model: Path, cache_dir: Path, out: Path, key: Path, *extra) -> subpro
                 "--signing-key", key, *extra)
 
 
-def import_(bundle: Path, model: Path, cache_dir: Path, trusted: Path | None, *extra, **run) -> subprocess.CompletedProcess:
+def import_(bundle: Path, model: Path, cache_dir: Path, trusted: Path | None, *extra,
+            **run) -> subprocess.CompletedProcess:
     trust = ("--trusted-keys", trusted) if trusted else ()
     return dsv4("cache", "import", bundle, "--model", model, *LAUNCH, "--kernel-cache-dir", cache_dir, *trust,
                 *extra, **run)

@@ -355,7 +355,8 @@ def _table(r: dict[str, Any]) -> None:
     if s:
         rows += [
             (f"idle CPU with {s['services']} services under load", f"{s['idle_cpu_percent']:.2f} % of one core",
-             f"≤ {TARGETS['idle_cpu_percent']} %", "yes" if s["idle_cpu_percent"] <= TARGETS["idle_cpu_percent"] else "NO"),
+             f"≤ {TARGETS['idle_cpu_percent']} %",
+             "yes" if s["idle_cpu_percent"] <= TARGETS["idle_cpu_percent"] else "NO"),
             (f"a refresh with {s['services']} services (median · worst of 10)",
              f"{s['refresh_median_s']:.3f} · {s['refresh_max_s']:.3f} s", f"≤ {TARGETS['refresh_s']} s",
              "yes" if s["refresh_max_s"] <= TARGETS["refresh_s"] else "NO"),

@@ -37,7 +37,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--preset", choices=("tiny", "small", "medium"), default="small",
         help="synthetic checkpoint to measure on (made once under the user data dir)",
     )  # fmt: skip
-    side.add_argument("--json", action="store_true", help="print one JSON object: preset, hot_map_touch_vs_cat (target ≤ 1.5), rows")
+    side.add_argument("--json", action="store_true",
+                      help="print one JSON object: preset, hot_map_touch_vs_cat (target ≤ 1.5), rows")
     side.set_defaults(func=_sidecar)
 
     con = sub.add_parser(
@@ -162,7 +163,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     across = sub.add_parser(
         "hosts",
-        help="one service over 2 namespaced hosts vs one node: cold and hot ready, programs compiled and shipped, tokens",
+        help="one service over 2 namespaced hosts vs one node: cold and hot ready, programs compiled and shipped, "
+        "tokens",
         description="On hosts in mount + UTS namespaces of this machine (as root), each with its own hostname, "
         "checkpoint copy, kernel cache, state dir and signing key, every host trusting the other's: a service of 2 "
         "ranks under torchrun over 2 hosts against one node, cold (empty caches) and hot; per host the programs it "

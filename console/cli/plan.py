@@ -52,7 +52,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         ranks = kv.per_rank
         budgets = sorted({format_size(max(0, b.budget)) for b in ranks})
         each = (f" = {' + '.join(str(b.slots) for b in ranks)} over {len(ranks)} ranks, each within a budget of "
-                f"{' / '.join(budgets)}") if len(ranks) > 1 else f" within a budget of {format_size(max(0, kv.budget or 0))}"
+                f"{' / '.join(budgets)}") if len(ranks) > 1 \
+            else f" within a budget of {format_size(max(0, kv.budget or 0))}"
         print(f"kv: {kv.slots} slots of {format_size(kv.slot_bytes or 0)}{capped}{each}")
     elif kv is not None and kv.detail:
         print(f"kv: {kv.detail}")

@@ -80,7 +80,8 @@ class CacheSnapshot:
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> CacheSnapshot:
-        return cls(root=str(raw.get("root") or ""), entries=tuple(CacheEntry.from_json(e) for e in raw.get("entries") or ()),
+        return cls(root=str(raw.get("root") or ""),
+                   entries=tuple(CacheEntry.from_json(e) for e in raw.get("entries") or ()),
                    total_bytes=int(raw.get("total_bytes") or 0), limit_bytes=int(raw.get("limit_bytes") or 0),
                    disk_free=raw.get("disk_free"), error=str(raw.get("error") or ""))
 

@@ -216,7 +216,8 @@ class Collectors:
             plan = dataclasses.replace(plan, sidecar=dataclasses.replace(plan.sidecar, sampled_at=now))
         device = collect_device(s.with_(ranks=self.local_ranks or s.ranks), self.device_kind,
                                 plan.kv.slot_bytes if plan.kv else None)
-        return Snapshot(ts=now, settings=s.with_(device=self.device_kind), programs=programs_of(plan, s.kernel_cache_dir),
+        return Snapshot(ts=now, settings=s.with_(device=self.device_kind),
+                        programs=programs_of(plan, s.kernel_cache_dir),
                         sidecars=sidecars_of(plan, s.model), host=self.host(), device=device,
                         registration=predict(s, history, plan, device), services=self.services(), plan=plan,
                         cache=self.plans.cache, host_name=LOCAL, hostname=socket.gethostname(),

@@ -111,7 +111,8 @@ def follow(p: Progress, pool: Any, event: Any) -> Any:
 
     d = event.detail
     if event.kind == "progress":
-        p.update(event.done, event.total, now=str(d.get("group") or d.get("file") or ""), item=str(d.get("program", "")))
+        p.update(event.done, event.total, now=str(d.get("group") or d.get("file") or ""),
+                 item=str(d.get("program", "")))
     elif event.kind == "start" and isinstance(d.get("total", event.total), int | float):
         p.update(0, d.get("total", event.total))
     elif event.kind == "log" and ProgramStates.applies(d):

@@ -52,7 +52,8 @@ class ProgramsSnapshot:
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> ProgramsSnapshot:
         problem = raw.get("problem") or raw.get("error") or None  # v5: `error`, the problems' lines joined
-        return cls(root=str(raw.get("root") or ""), entries=tuple(ProgramPlan.from_json(e) for e in raw.get("entries") or ()),
+        return cls(root=str(raw.get("root") or ""),
+                   entries=tuple(ProgramPlan.from_json(e) for e in raw.get("entries") or ()),
                    warning=str(raw.get("warning") or ""), problem=Problem.from_json(problem) if problem else None)
 
 

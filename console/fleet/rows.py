@@ -66,7 +66,8 @@ def service_of(snap: Snapshot) -> ServiceView | None:
 
 def _programs(snap: Snapshot) -> str:
     counts = Counter(e.state for e in snap.programs.entries)
-    return " ".join(f"{s.value} {counts[s]}" for s in Outcome if counts[s]) or ("-" if not snap.programs.problem else "?")
+    return " ".join(f"{s.value} {counts[s]}" for s in Outcome if counts[s]) \
+        or ("-" if not snap.programs.problem else "?")
 
 
 def _sidecar(snap: Snapshot) -> str:

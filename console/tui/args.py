@@ -99,7 +99,8 @@ def run(argv: list[str] | None, app_class) -> int:
             from store.checkpoint import INDEX_NAME
 
             if not (spec.model / INDEX_NAME).is_file():  # nothing to report on: say so, and fail the script
-                hint = "" if args.model else " (the embedded default is made by `dsv4 check` or the first interactive run)"
+                hint = "" if args.model else (" (the embedded default is made by `dsv4 check` or the first "
+                                              "interactive run)")
                 return _bad(f"{spec.model}: no checkpoint there{hint}", 1)
             return once(FleetSession.this_host(spec), args.json)
         from store import pagecache

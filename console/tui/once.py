@@ -48,8 +48,9 @@ def render(snap: Snapshot) -> str:
         if v.ended:
             lines.append(f"    {v.ending_line()}")
         if s_ := v.serving:
-            lines.append(f"    {fmt.per_second(s_.tokens_s)} tok/s  {fmt.per_second(s_.requests_s)} req/s  ttft p50 {fmt.millis(s_.ttft_p50)} "
-                         f"p99 {fmt.millis(s_.ttft_p99)} ms  itl p50 {fmt.millis(s_.itl_p50)} p99 {fmt.millis(s_.itl_p99)} ms  "
+            lines.append(f"    {fmt.per_second(s_.tokens_s)} tok/s  {fmt.per_second(s_.requests_s)} req/s  "
+                         f"ttft p50 {fmt.millis(s_.ttft_p50)} p99 {fmt.millis(s_.ttft_p99)} ms  "
+                         f"itl p50 {fmt.millis(s_.itl_p50)} p99 {fmt.millis(s_.itl_p99)} ms  "
                          f"running {s_.running} queued {s_.queued}  kv {s_.kv_used}/{s_.kv_slots}  "
                          f"4xx {s_.errors_4xx} 5xx {s_.errors_5xx} 503 {s_.busy_503}")
         if len(v.ranks) > 1:

@@ -1,9 +1,9 @@
 """One sequence's sampler: OpenAI's and vLLM's sampling parameters over one row of logits.
 
-In vLLM's order: OpenAI's logit_bias (added to the raw logits), the penalties (repetition over the prompt and the output, frequency and
-presence over the output), then the temperature (0: the argmax of the penalised logits), then
-top-k, top-p (the smallest set of tokens whose probability reaches p, the one crossing it
-kept) and min-p (tokens below min_p × the most likely one's probability dropped), then one
+In vLLM's order: OpenAI's logit_bias (added to the raw logits), the penalties (repetition over the
+prompt and the output, frequency and presence over the output), then the temperature (0: the argmax
+of the penalised logits), then top-k, top-p (the smallest set of tokens whose probability reaches p,
+the one crossing it kept) and min-p (tokens below min_p × the most likely one's probability dropped), then one
 draw from the sequence's own seeded generator. Each sequence has its own sampler, so a
 request's parameters never touch another's tokens, and the same seed draws the same tokens.
 

@@ -60,7 +60,8 @@ def append(spec, phases: dict[str, dict[str, Any]], started: float, outcome: str
     launch = SERVICE_LAUNCH or f"{service.key}/{started:.3f}"
     history.append({
         "v": 1, "launch": launch, "started": round(started, 3), "ended": round(time.time(), 3),
-        "host": socket.gethostname(), "pid": service.pid, **settings(spec, device, backend), "preset": getattr(config, "synthetic", None),
+        "host": socket.gethostname(), "pid": service.pid, **settings(spec, device, backend),
+        "preset": getattr(config, "synthetic", None),
         "cache_dir": str(spec.kernel_cache_dir or ""), "outcome": outcome, "error": error, "phases": phases,
         "predicted": predicted or {}, **(extra or {}),
     })

@@ -275,14 +275,14 @@ def judge_programs(plan: Plan, keep_verified: bool) -> list[ProgramPlan]:
             out.append(ProgramPlan(program=name, state=Outcome.UNTRUSTED, fingerprint=fingerprint(key), reason=str(e)))
             continue
         if found.hit:
-            out.append(ProgramPlan(program=name, state=Outcome.HIT, fingerprint=found.fingerprint, entry=str(found.path),
-                                   size_bytes=sum(f.size for f in found.manifest.files)))
+            out.append(ProgramPlan(program=name, state=Outcome.HIT, fingerprint=found.fingerprint,
+                                   entry=str(found.path), size_bytes=sum(f.size for f in found.manifest.files)))
             if keep_verified:
                 plan.hits[name] = found
             continue
         state = Outcome.of_miss(found.kind)
-        entry = str(plan.cache.layout.base / name / found.fingerprint) if state in (Outcome.CORRUPT, Outcome.UNTRUSTED) \
-            else None
+        entry = str(plan.cache.layout.base / name / found.fingerprint) \
+            if state in (Outcome.CORRUPT, Outcome.UNTRUSTED) else None
         out.append(ProgramPlan(program=name, state=state, fingerprint=found.fingerprint, reason=found.reason,
                                entry=entry))
     return out

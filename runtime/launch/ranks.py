@@ -5,8 +5,8 @@ launcher, `runtime.serve.rank_launcher`) or by `torchrun` (`--nnodes 2 …` acro
 RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT. Two channels:
 
 - the **rendezvous store** (`runtime.launch.rank_store`: a TCPStore that torchrun's agent or
-  our launcher hosts, else rank 0): joining and comparing plan fingerprints, sync points of registration, each rank's phase,
-  every rank's heartbeat (`runtime.launch.liveness`: a rank silent for --rank-timeout is lost)
+  our launcher hosts, else rank 0): joining and comparing plan fingerprints, sync points of registration,
+  each rank's phase, every rank's heartbeat (`runtime.launch.liveness`: a rank silent for --rank-timeout is lost)
   and one `abort` line that every rank watches — a failure anywhere stops every rank promptly,
   with the reason, instead of leaving them blocked on a peer that is gone;
 - the **process group** (gloo on cpu, nccl on cuda, hccl on npu): rank 0 broadcasts each engine

@@ -143,7 +143,8 @@ def _check(spec: LaunchSpec, rank_env, phases: PhaseRecorder, watch):
     with phases.run(Phase.CHECK, model=str(spec.model), **ranks) as d:
         # the content identity is what ranks compare: one process alone never reads its whole
         # checkpoint for it (160 GB at V4 scale), it names it by the digests it remembers
-        plan = phases.plan = make_plan(spec, keep_verified=True, digests="compute" if rank_env is not None else "remembered",
+        plan = phases.plan = make_plan(spec, keep_verified=True,
+                                       digests="compute" if rank_env is not None else "remembered",
                                        local_ranks=rank_env.local_world if rank_env is not None else None)
         report = plan.report()
         d["plan"] = report.to_json()

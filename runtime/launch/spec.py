@@ -195,14 +195,15 @@ FLAGS: tuple[Flag, ...] = (
     Flag("max_seq", "--max-seq", f"context length per KV slot (default {DEFAULTS.max_seq})", ALL, type=int, metavar="N",
          lo=16, hi=1 << 24),
     Flag("max_slots", "--max-slots", f"KV slots per rank: at most this many of its sequences decode together (default "
-         f"{DEFAULTS.max_slots}; fewer if its memory is short)", (SERVE, PLAN, CONSOLE), type=int, metavar="N", lo=1, hi=MAX_SLOTS),
+         f"{DEFAULTS.max_slots}; fewer if its memory is short)", (SERVE, PLAN, CONSOLE), type=int, metavar="N",
+         lo=1, hi=MAX_SLOTS),
     Flag("max_batch", "--max-batch", "sequences that decode together in one step (default: every KV slot; 1: one "
          "at a time)", LAUNCH, type=int, metavar="N", lo=1, hi=MAX_SLOTS),
     Flag("memory_utilization", "--memory-utilization", f"fraction of device memory the service may use (KV "
-         f"budget = total × this − used; default {DEFAULTS.memory_utilization})", PLANNED, type=float, metavar="F", lo=1e-3, hi=1.0,
-         allowed="above 0 up to 1"),
-    Flag("device_memory", "--device-memory", "cap each rank's device memory, e.g. 8G (on cpu: each rank's simulated device; "
-         "without it a host's ranks split its memory)", PLANNED,
+         f"budget = total × this − used; default {DEFAULTS.memory_utilization})", PLANNED, type=float, metavar="F",
+         lo=1e-3, hi=1.0, allowed="above 0 up to 1"),
+    Flag("device_memory", "--device-memory", "cap each rank's device memory, e.g. 8G (on cpu: each rank's simulated "
+         "device; without it a host's ranks split its memory)", PLANNED,
          type=_size, metavar="SIZE", lo=1, hi=1 << 60, allowed="at least 1 byte"),
     Flag("use_sidecar", "--no-sidecar", "always pack from the checkpoint, never map a sidecar", PLANNED,
          negate=True),
@@ -222,9 +223,11 @@ FLAGS: tuple[Flag, ...] = (
     Flag("speculative", "--speculative", "mtp: the MTP layer drafts a token that the main model verifies in "
          "the same step (greedy requests; tokens unchanged); auto: mtp on a real checkpoint with an MTP "
          "layer, off on synthetic ones (default %(default)s)", LAUNCH, choices=("auto", "mtp", "off")),
-    Flag("validate_tokens", "--validate-tokens", f"greedy decode steps of the validate phase (default {DEFAULTS.validate_tokens})", LAUNCH,
+    Flag("validate_tokens", "--validate-tokens", f"greedy decode steps of the validate phase "
+         f"(default {DEFAULTS.validate_tokens})", LAUNCH,
          type=int, metavar="N", lo=1, hi=4096),
-    Flag("max_body", "--max-body", f"largest request body accepted, larger is 413 (default {format_size(DEFAULTS.max_body)})", LAUNCH,
+    Flag("max_body", "--max-body", f"largest request body accepted, larger is 413 "
+         f"(default {format_size(DEFAULTS.max_body)})", LAUNCH,
          type=_size, metavar="SIZE", lo=1024, hi=1 << 40, allowed="1K..1T"),
     Flag("queue_timeout", "--queue-timeout", f"seconds a request waits for a free slot before 503 + Retry-After "
          f"(default {DEFAULTS.queue_timeout:g})", LAUNCH, type=float, metavar="SECONDS", lo=0.001, hi=86400,

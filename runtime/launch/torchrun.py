@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> None:
         run.run(args)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
-        print(SAID + failure_line(rank, failure.pid, failure.exitcode, len(e.failures) - 1), file=sys.stderr, flush=True)
+        print(SAID + failure_line(rank, failure.pid, failure.exitcode, len(e.failures) - 1), file=sys.stderr,
+              flush=True)
         sys.exit(1)
     finally:
         del store  # held until the agent is done: torchrun's store is this one

@@ -41,7 +41,8 @@ class Rows:
         self.positions, self.slots, self.starts = positions, slots, starts
         self.index = torch.arange(positions.shape[0], device=positions.device)
 
-    def at(self, cache: torch.Tensor, new: torch.Tensor, q: torch.Tensor, cache_index: torch.Tensor | None = None) -> torch.Tensor:
+    def at(self, cache: torch.Tensor, new: torch.Tensor, q: torch.Tensor,
+           cache_index: torch.Tensor | None = None) -> torch.Tensor:
         """Rows at positions q [T, K] of each row's own sequence → [T, K, width]: this step's
         new row there (new[i] is at positions[i]) from the slot's start on, else the cached row
         (cache [slots, N, width] read at `cache_index`, default q). Positions past a row's own

@@ -232,12 +232,14 @@ def _named_layer_types(raw: dict, source: str) -> dict:
         # the layer count itself is wrong: that is the line to say (from_dict's checks)
         return {k: v for k, v in raw.items() if k != "layer_types"}
     if not isinstance(names, list) or not all(isinstance(t, str) and t in LAYER_TYPES for t in names):
-        raise ConfigError(f"{source}: field 'layer_types' must be a list of {', '.join(LAYER_TYPES)}, got {names!r}"[:300])
+        raise ConfigError(f"{source}: field 'layer_types' must be a list of {', '.join(LAYER_TYPES)}, "
+                          f"got {names!r}"[:300])
     if len(names) != n:
         raise ConfigError(f"{source}: field 'layer_types' has {len(names)} entries, expected num_hidden_layers ({n!r})")
     rates = raw.get("compress_rates", DEFAULT_COMPRESS_RATES)
     if not isinstance(rates, dict) or not all(
-            k in DEFAULT_COMPRESS_RATES and isinstance(v, int) and not isinstance(v, bool) and 0 < v <= MAX_COMPRESS_RATIO
+            k in DEFAULT_COMPRESS_RATES and isinstance(v, int) and not isinstance(v, bool)
+            and 0 < v <= MAX_COMPRESS_RATIO
             for k, v in rates.items()):
         raise ConfigError(f"{source}: field 'compress_rates' must map {' / '.join(DEFAULT_COMPRESS_RATES)} to "
                           f"ratios in 1..{MAX_COMPRESS_RATIO}, got {rates!r}"[:300])

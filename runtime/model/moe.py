@@ -237,7 +237,8 @@ def routed(d: Dims, w: dict[str, torch.Tensor], h: torch.Tensor, idx: torch.Tens
         weights = torch.where((local >= 0) & (local < n), weights, torch.zeros_like(weights))
         idx = local.clamp(0, n - 1)
     if picked is None:
-        size = weights_per_expert({k: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for k, t in experts.items()})
+        size = weights_per_expert({k: (tuple(t.shape), str(t.dtype).removeprefix("torch."))
+                                   for k, t in experts.items()})
         few = picks_few(h.shape[0], idx.shape[1], n, fusing(), size)
     else:
         few = picked
@@ -248,7 +249,8 @@ def routed(d: Dims, w: dict[str, torch.Tensor], h: torch.Tensor, idx: torch.Tens
     def branch(fn):
         return lambda h, idx, weights, *tensors: fn(d, dict(zip(names, tensors, strict=True)), h, idx, weights)
 
-    return torch.cond(few, branch(_experts_picked), branch(_experts_dense), (h, idx, weights, *(experts[n] for n in names)))
+    return torch.cond(few, branch(_experts_picked), branch(_experts_dense),
+                      (h, idx, weights, *(experts[n] for n in names)))
 
 
 def route(d: Dims, w: dict[str, torch.Tensor], hash_routed: bool, h: torch.Tensor,

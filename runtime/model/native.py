@@ -225,8 +225,8 @@ class Native:
         hidden], `swiglu(a, b)` the activation between them (torch's): each row's gate-weighted sum
         of its experts' outputs [rows, hidden], `native_ffn`'s two calls; None if these are not such."""
         if (x.dim() != 2 or x.dtype != torch.float32 or not x.is_cpu or idx.dim() != 2 or idx.shape[0] != x.shape[0]
-                or idx.dtype != torch.int64 or not idx.is_cpu or gates.shape != idx.shape or gates.dtype != torch.float32
-                or not gates.is_cpu or not 0 < idx.shape[1] <= FFN_MAX_TOPK):
+                or idx.dtype != torch.int64 or not idx.is_cpu or gates.shape != idx.shape
+                or gates.dtype != torch.float32 or not gates.is_cpu or not 0 < idx.shape[1] <= FFN_MAX_TOPK):
             return None
         weights = self._ffn_weights(w13, w2)
         rows, hidden = x.shape

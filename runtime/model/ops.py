@@ -388,7 +388,8 @@ def _columns(w: dict[str, torch.Tensor], name: str, start: int, stop: int) -> di
     if q is None:
         return {name + ".weight": w[name + ".weight"][..., start:stop]}
     block = _block_columns(w, name)
-    return {name + ".qweight": q[..., start:stop], name + ".qscale": w[name + ".qscale"][..., start // block:stop // block]}
+    return {name + ".qweight": q[..., start:stop],
+            name + ".qscale": w[name + ".qscale"][..., start // block:stop // block]}
 
 
 def linear_groups(w: dict[str, torch.Tensor], name: str, x: torch.Tensor) -> torch.Tensor:

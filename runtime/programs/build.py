@@ -79,8 +79,8 @@ def prepare(
     build = functools.partial(_build, spec, backend, device)
     if cache is None:
         data = _build_bytes(build)
-        return Prepared(spec.name, backend, None, "uncached", "no kernel cache", _since(started), _load(spec, backend, data),
-                        artifact_bytes=len(data))
+        return Prepared(spec.name, backend, None, "uncached", "no kernel cache", _since(started),
+                        _load(spec, backend, data), artifact_bytes=len(data))
     fetched = cache.get_or_build(spec.name, key, build, config_components=CONFIG_COMPONENTS)
     if not load:  # a compile worker: published is done; the parent loads
         return Prepared(spec.name, backend, fetched.hit.fingerprint, _outcome(fetched.built, fetched.hit),

@@ -109,7 +109,8 @@ class EngineRunners(Mapping):
 
     def _experts(self, h, idx, weights, expert_base, *tensors):
         """Several ranks: this rank's share of the rows it received (any rank's)."""
-        run = self._experts_runner(h.shape[0], idx.shape[1], tensors[0].shape[0], h.is_cpu)  # experts held: the first dim
+        # experts held: tensors[0]'s first dim
+        run = self._experts_runner(h.shape[0], idx.shape[1], tensors[0].shape[0], h.is_cpu)
         return run(h, idx, weights, expert_base, *tensors)
 
     def _layer(self, name: str, inputs: int) -> Runner:

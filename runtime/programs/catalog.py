@@ -182,8 +182,10 @@ def build_programs(config: DeepSeekV4Config, packed: PackedLayout, max_seq: int,
                             TensorSpec("weights", "float32", ("M", d.topk)),
                             TensorSpec("expert_base", "int64", ())), {}
         else:  # a layer program's FFN parts (`model.FFN_PARTS`), finished into the block's output
-            head, finish = (TensorSpec("x", "float32", ("M", d.hc, d.hidden)), TensorSpec("post", "float32", ("M", d.hc)),
-                            TensorSpec("comb", "float32", ("M", d.hc, d.hc)), TensorSpec("h", "float32", ("M", d.hidden)),
+            head, finish = (TensorSpec("x", "float32", ("M", d.hc, d.hidden)),
+                            TensorSpec("post", "float32", ("M", d.hc)),
+                            TensorSpec("comb", "float32", ("M", d.hc, d.hc)),
+                            TensorSpec("h", "float32", ("M", d.hidden)),
                             TensorSpec("idx", "int64", ("M", d.topk)), TensorSpec("weights", "float32", ("M", d.topk)),
                             TensorSpec("shared", "float32", ("M", d.hidden))), {"finish": True}
         specs[EXPERTS_PICKED] = ProgramSpec(

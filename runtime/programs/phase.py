@@ -122,7 +122,8 @@ def prepare_programs(plan, emitter: Emitter, *, stop: threading.Event | None = N
         runners, tiers = {}, {}
         for spec in specs:
             if spec in missing:
-                runners[spec.name], tiers[spec.name] = prepare(spec, cache=None, backend="eager", device=device).run, EAGER
+                runners[spec.name], tiers[spec.name] = \
+                    prepare(spec, cache=None, backend="eager", device=device).run, EAGER
                 record(spec.name, planned[spec.name].state, 0.0, None, planned[spec.name].reason, EAGER)
             else:
                 runners[spec.name], tiers[spec.name] = load_one(spec), COMPILED

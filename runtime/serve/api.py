@@ -171,7 +171,8 @@ class CompletionRequest(_Common):
     # a string, a list of token ids, or a batch of either (a list of strings or of id lists):
     # checked by hand for a clear message; `prompts` is the batch, one prompt for the first two
     prompt: Annotated[Any, WithJsonSchema({"anyOf": [
-        {"type": "string", "minLength": 1}, {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
+        {"type": "string", "minLength": 1},
+        {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
         {"type": "array", "minItems": 1, "maxItems": MAX_PROMPTS, "items": {"type": "string", "minLength": 1}},
         {"type": "array", "minItems": 1, "maxItems": MAX_PROMPTS,
          "items": {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}}]})] = None

@@ -117,8 +117,8 @@ async def _pieces(request: Request, timeout: float) -> AsyncIterator[bytes]:
         try:
             message = await asyncio.wait_for(request.receive(), timeout)
         except TimeoutError:
-            raise ApiError(408, f"body: nothing arrived for {timeout:g} s; send the body at once", code="request_timeout",
-                           headers={"Connection": "close"}) from None
+            raise ApiError(408, f"body: nothing arrived for {timeout:g} s; send the body at once",
+                           code="request_timeout", headers={"Connection": "close"}) from None
         if message["type"] == "http.disconnect":
             raise ClientGone
         yield message.get("body", b"")

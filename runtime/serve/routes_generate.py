@@ -68,7 +68,8 @@ class Generation:
     def fit(self, ids: list[int], req, field: str, default_tokens: int | None) -> int:
         """The completion length, or a 400 naming the field when the prompt does not fit."""
         if len(ids) >= self.max_seq:
-            raise ApiError(400, f"{field}: the prompt is {len(ids)} tokens; max_model_len is {self.max_seq}", param=field)
+            raise ApiError(400, f"{field}: the prompt is {len(ids)} tokens; max_model_len is {self.max_seq}",
+                           param=field)
         room, wanted = self.max_seq - len(ids), limit_tokens(req)
         if wanted is None:
             return min(room, default_tokens) if default_tokens else room
@@ -164,7 +165,8 @@ class Generation:
         n, draws = req.n or 1, getattr(req, "draws", req.n or 1)
         check_fits(self.scheduler, len(prompts), draws, "best_of" if draws > n else "n")
         sampling, shown = self.sampling_of(req)
-        jobs, watcher = await self.start(request, [draws_of(sampling, i, p, draws) for i, p in enumerate(prompts)], prompts)
+        jobs, watcher = await self.start(request, [draws_of(sampling, i, p, draws) for i, p in enumerate(prompts)],
+                                         prompts)
         # draw i is prompt i // draws's; its index, i × n + k as OpenAI's, is best_of's to reassign
         runs = [TextRun(job, self.tokenizer, req.stop, prompts[i // draws].echo, index=i, prompt=i // draws,
                         logprobs=shown) for i, job in enumerate(jobs)]

@@ -189,7 +189,8 @@ def install(app) -> None:
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = made()
-            _, defs = models_json_schema([*((m, "validation") for m in REQUESTS), *((m, "serialization") for m in STREAMED)],
+            _, defs = models_json_schema([*((m, "validation") for m in REQUESTS),
+                                          *((m, "serialization") for m in STREAMED)],
                                          ref_template="#/components/schemas/{model}")
             schema.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
         return app.openapi_schema

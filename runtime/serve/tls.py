@@ -39,7 +39,8 @@ def server_context(certfile: Path | None, keyfile: Path | None, ca_certs: Path |
         ctx.load_cert_chain(_regular(certfile, "--ssl-certfile"), _regular(keyfile, "--ssl-keyfile"))
     except (ssl.SSLError, OSError) as e:
         raise SecretFileError(f"--ssl-certfile {certfile} / --ssl-keyfile {keyfile}: cannot serve TLS with them "
-                              f"({getattr(e, 'reason', None) or e}); a PEM certificate and its own private key") from None
+                              f"({getattr(e, 'reason', None) or e}); "
+                              "a PEM certificate and its own private key") from None
     if ca_certs is not None:
         try:
             ctx.load_verify_locations(cafile=_regular(ca_certs, "--ssl-ca-certs"))

@@ -11,8 +11,9 @@ The stream may yield whole tensors `(name, tensor)` or slices of stacked ones
 `(name, leading_index, slice)`, in any order, so the packer streams one layer at a time and
 never assembles a stacked tensor in memory. Each slice is checked against the layout, written at
 its precomputed offset (gathered into whole 2 MiB blocks: `store.sidecar.blocks`), and
-released; a slice given twice, or missing at the end, aborts the write (nothing is published). `metadata["pack_seconds"]`, when given, is kept;
-otherwise the writer records the wall time from the first tensor asked for to the last written.
+released; a slice given twice, or missing at the end, aborts the write (nothing is published).
+`metadata["pack_seconds"]`, when given, is kept; otherwise the writer records the wall time from
+the first tensor asked for to the last written.
 A shard touched while packing is detected at the end: the sidecar is still published (stale,
 never wrong) and `SidecarInfo.stale_detail` says so.
 """
@@ -161,8 +162,9 @@ def write_sidecar(
     slice at leading index `index` of a stacked one (`runtime.weights.pack.stream` yields these), in
     any order; each is checked against the layout and written at its offset as it arrives, and
     every slice must come exactly once. The header comes from the packed layout and is written before
-    the first item is consumed; only one item is held at a time. The file gets `mode_from`'s permission bits (a checkpoint
-    shard), else 0644 & ~umask. A crash leaves only a staging file, which later writers sweep.
+    the first item is consumed; only one item is held at a time. The file gets `mode_from`'s
+    permission bits (a checkpoint shard), else 0644 & ~umask. A crash leaves only a staging file,
+    which later writers sweep.
 
     `pack_seconds`, when given, is asked after the last item and recorded (the packer times
     packing alone, which is what a repack at load time costs); else the writer's wall time is.

@@ -19,7 +19,8 @@ def test_a_server_that_exits_is_one_line_with_its_first_error(tmp_path):
                     "compression ratios 0, 4, and 128'\necho '0.00.098.482 E srv llama_server: exiting'\nexit 3\n")
     fake.chmod(0o755)
     with pytest.raises(lc.PeerUnavailable,
-                       match=r"^llama-server exited 3: DeepSeek-V4 loader only supports compression ratios 0, 4, and 128$"):
+                       match=r"^llama-server exited 3: DeepSeek-V4 loader only supports compression ratios "
+                             r"0, 4, and 128$"):
         lc.Server(fake, tmp_path / "m.gguf", threads=1, slots=1, ctx=64, log_file=tmp_path / "server.log")
 
 

@@ -89,8 +89,10 @@ def test_the_share_past_a_histograms_range_is_taken_at_its_last_bound():
 
 def test_the_dashboard_reads_errors_then_saturation_then_tail_latency_then_throughput():
     panels = json.loads(DASHBOARD.read_text())["panels"]
-    rows = [p["title"] for p in sorted(panels, key=lambda p: (p["gridPos"]["y"], p["gridPos"]["x"])) if p["type"] == "row"]
+    rows = [p["title"] for p in sorted(panels, key=lambda p: (p["gridPos"]["y"], p["gridPos"]["x"]))
+            if p["type"] == "row"]
     assert rows[:4] == ["Errors", "Saturation", "Tail latency", "Throughput"]
     for p in panels:
         if p["type"] == "timeseries" and any("seconds" in t["expr"] for t in p["targets"]):
-            assert p["fieldConfig"]["defaults"]["unit"] in ("s", "percentunit"), p["title"]  # every latency has its unit
+            # every latency has its unit
+            assert p["fieldConfig"]["defaults"]["unit"] in ("s", "percentunit"), p["title"]

@@ -56,7 +56,8 @@ def test_once_names_each_hosts_drift_and_why_each_unreachable_one_is(tmp_path, t
         assert {"plan", "services", "device", "programs", "sidecars", "host_stats", "history"} <= set(h)
         assert h["plan"]["model"] == str(hosts[0].mount / "model")
     assert by["host-c"]["toolchain"]["torch"] == "2.12.1+cpu"
-    assert data["drift"] == {"host-c": ["torch 2.12.1+cpu here, " + by["host-a"]["toolchain"]["torch"] + " on 2 others"]}
+    assert data["drift"] == {"host-c": ["torch 2.12.1+cpu here, " + by["host-a"]["toolchain"]["torch"]
+                                        + " on 2 others"]}
     assert by["host-d"]["reachable"] is False and by["host-d"]["error"].startswith("authentication failed")
     assert by["gone"]["error"] == "connection refused"
     assert by["no-dsv4"]["error"].startswith("dsv4 missing: `/opt/none/dsv4`")
@@ -78,7 +79,8 @@ async def _until(pilot, done, what: str, limit: float = 300.0):
         if time.monotonic() > deadline:
             app = pilot.app
             screen = app.screen_stack[-1]
-            rows = [{k: v for k, v in r.items() if k != "value"} for r in screen.rows()] if hasattr(screen, "rows") else []
+            rows = [{k: v for k, v in r.items() if k != "value"} for r in screen.rows()] \
+                if hasattr(screen, "rows") else []
             raise AssertionError(f"still waiting for {what}; fleet log: {app.fleet.log[-12:]}; rows: {rows}")
         await pilot.pause(0.2)
 
@@ -109,7 +111,8 @@ async def test_import_prepack_and_warm_run_on_every_host_with_each_hosts_progres
         try:
             async with app.run_test(size=(200, 50)) as pilot:
                 screen = app.screen
-                await _until(pilot, lambda: screen.snapshot and all(r.fresh for r in screen.snapshot.hosts), "snapshots")
+                await _until(pilot, lambda: screen.snapshot and all(r.fresh for r in screen.snapshot.hosts),
+                             "snapshots")
                 table = screen.query_one("#fleet-table")
                 table.move_cursor(row=1)  # host-b (the rows are in node order)
                 await pilot.press("i")
@@ -203,7 +206,8 @@ async def test_a_service_launched_across_two_hosts_serves_stops_and_a_lost_host_
         try:
             async with app.run_test(size=(200, 50)) as pilot:
                 screen = app.screen
-                await _until(pilot, lambda: screen.snapshot and all(r.fresh for r in screen.snapshot.hosts), "snapshots")
+                await _until(pilot, lambda: screen.snapshot and all(r.fresh for r in screen.snapshot.hosts),
+                             "snapshots")
                 await pilot.press("l")
                 assert "On 2 hosts: host-a, host-b" in str(app.screen.query_one("#dialog-body").render())
                 await pilot.press("y")

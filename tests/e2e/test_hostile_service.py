@@ -35,8 +35,8 @@ LONG = 240  # tokens of a request meant to hold the slot for far longer than the
 @pytest.fixture(scope="module")
 def server(tiny_ckpt_ro, tmp_path_factory):
     proc, url, events = start_server(tiny_ckpt_ro, tmp_path_factory.mktemp("hostile"), "--backend", "eager",
-                                     "--max-slots", "1", "--queue-timeout", str(QUEUE_TIMEOUT), "--max-seq", str(MAX_SEQ),
-                                     "--max-body", "64K", "--validate-tokens", "1")
+                                     "--max-slots", "1", "--queue-timeout", str(QUEUE_TIMEOUT),
+                                     "--max-seq", str(MAX_SEQ), "--max-body", "64K", "--validate-tokens", "1")
     yield proc, url, events
     if proc.poll() is None:
         proc.kill()

@@ -1,4 +1,6 @@
-"""Two ranks over two copies of the checkpoint, as two hosts in mount + UTS namespaces where this machine allows: copies with other mtimes join, other bytes are refused naming the shard (store.content_id at the rendezvous)."""
+"""Two ranks over two copies of the checkpoint, as two hosts in mount + UTS namespaces where this
+machine allows: copies with other mtimes join, other bytes are refused naming the shard
+(store.content_id at the rendezvous)."""
 
 from __future__ import annotations
 

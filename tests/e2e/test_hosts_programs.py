@@ -1,4 +1,6 @@
-"""A cold service over two hosts in mount + UTS namespaces, each with its own disks: every missing program compiled once for the service and shipped signed; without trust each host compiles what it misses."""
+"""A cold service over two hosts in mount + UTS namespaces, each with its own disks: every missing
+program compiled once for the service and shipped signed; without trust each host compiles what it
+misses."""
 
 from __future__ import annotations
 

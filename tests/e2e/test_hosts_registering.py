@@ -1,4 +1,5 @@
-"""Three hosts under real torchrun agents (mount + UTS namespaces): each host's phase while the service registers, on rank 0's events and its /health, and every record naming its host."""
+"""Three hosts under real torchrun agents (mount + UTS namespaces): each host's phase while the
+service registers, on rank 0's events and its /health, and every record naming its host."""
 
 from __future__ import annotations
 

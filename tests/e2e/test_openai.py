@@ -102,7 +102,8 @@ def test_chat_completion(client, model_id):
 
 
 def test_chat_stream_equals_the_whole_answer(client, model_id):
-    kw = {"model": model_id, "max_tokens": 6, "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+    kw = {"model": model_id, "max_tokens": 6,
+          "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
           "extra_body": {"ignore_eos": True}}
     whole = client.chat.completions.create(**kw)
     chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
@@ -151,7 +152,8 @@ def test_bad_chat_requests_are_400_naming_the_field(tiny_server, kw, field):
 
 def test_unknown_model_is_404_model_not_found(tiny_server):
     url, _, _ = tiny_server
-    r = httpx.post(f"{url}/v1/chat/completions", json={"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]})
+    r = httpx.post(f"{url}/v1/chat/completions",
+                   json={"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
 

@@ -42,7 +42,8 @@ def test_prometheus_scrapes_a_generating_service_and_the_rules_and_panels_read_i
         api = f"http://127.0.0.1:{port}"
         with open(tmp_path / "prometheus.log", "w") as log:
             prom = subprocess.Popen([binary, f"--config.file={tmp_path / 'prometheus.yml'}",
-                                     f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+                                     f"--storage.tsdb.path={tmp_path / 'data'}",
+                                     f"--web.listen-address=127.0.0.1:{port}"],
                                     stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
 
         def load() -> None:
@@ -69,7 +70,8 @@ def test_prometheus_scrapes_a_generating_service_and_the_rules_and_panels_read_i
                 pytest.fail(f"no generation rate recorded: {got}")
             time.sleep(3)  # a few more evaluations: the 5 min windows have two samples or more
             for expr, want in (("dsv4:kv_slots_used:ratio", lambda v: 0 <= v <= 1), ("dsv4_rank_up", lambda v: v == 1),
-                               ("dsv4:prefill_tokens:rate1m", lambda v: v > 0), ("dsv4:errors:ratio_rate5m", lambda v: v == 0),
+                               ("dsv4:prefill_tokens:rate1m", lambda v: v > 0),
+                               ("dsv4:errors:ratio_rate5m", lambda v: v == 0),
                                ("dsv4:time_to_first_token_seconds:p99_5m", lambda v: 0 < v <= 60)):
                 result = _query(api, expr)["data"]["result"]
                 assert result and want(float(result[0]["value"][1])), (expr, result)

@@ -112,7 +112,8 @@ def test_no_unsafe_deserialisation_in_the_code(tmp_path_factory):
     for d in ("store", "runtime", "console", "bench"):
         for p in (REPO / d).rglob("*.py"):
             hits += [f"{p}:{i}" for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
-    record(tmp_path_factory, "security: unsafe deserialisation", injection="source scan of store/ runtime/ console/ bench/",
+    record(tmp_path_factory, "security: unsafe deserialisation",
+           injection="source scan of store/ runtime/ console/ bench/",
            trials=1, clean_error=int(not hits), data_lost=len(hits))
     assert hits == []
 

@@ -196,7 +196,8 @@ class Publish:
 
     def before(self, trial: int) -> None:
         # The program must be absent so the child compiles and publishes it again.
-        remove(self.cache.layout, [e for e in inventory(self.cache.layout) if e.program == "mlp" and e.state != PARTIAL])
+        remove(self.cache.layout,
+               [e for e in inventory(self.cache.layout) if e.program == "mlp" and e.state != PARTIAL])
 
     def check(self, before: None) -> tuple[list[str], bool]:
         problems, lost = [], False

@@ -198,7 +198,8 @@ def test_eacces_on_the_cache_root_is_a_clean_fallback_or_one_clear_error(case, t
         ok = one_clear_line(proc) and "refusing to load programs" in proc.stderr and listing == []
         outcome = {"clean_error": int(ok)}
     record(tmp_path_factory, f"resource: EACCES cache root ({case})",
-           injection="child dropping to uid 65534: " + ("root 0555 owned by it" if case == "own-read-only-root" else "root 0700 owned by root"),
+           injection="child dropping to uid 65534: "
+           + ("root 0555 owned by it" if case == "own-read-only-root" else "root 0700 owned by root"),
            trials=1, **outcome)
     assert ok, (proc.returncode, proc.stdout, proc.stderr[-3000:])
 

@@ -30,7 +30,8 @@ def rows(snap: SidecarsSnapshot) -> list[dict[str, Any]]:
     """The wanted sidecar first, then the files the next launch does not use."""
     out = [row_of(snap.wanted, name=Path(snap.wanted.path).name, next_launch=snap.wanted.next_launch())] \
         if snap.wanted else []
-    return out + [row_of(o, name=Path(o.path).name, next_launch=f"not used (ranks {o.ranks or '?'})") for o in snap.others]
+    return out + [row_of(o, name=Path(o.path).name, next_launch=f"not used (ranks {o.ranks or '?'})")
+                  for o in snap.others]
 
 
 class SidecarsPane(Pane):

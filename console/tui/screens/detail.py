@@ -28,7 +28,8 @@ MAX_MANIFEST_BYTES = 1 << 20
 TIME_KEYS = frozenset({"created", "last_used", "last_hit", "sampled_at", "started", "create_time", "when", "ended",
                        "spawned", "ts", "mtime"})
 FRACTION_KEYS = frozenset({"residency", "fraction", "utilization", "acceptance"})
-HIDDEN = frozenset({"cells", "view", "value", "reading", "service"})  # the pane's rendering of the row, not what the row knows
+# the pane's rendering of the row, not what the row knows
+HIDDEN = frozenset({"cells", "view", "value", "reading", "service"})
 LINES = frozenset({"log"})  # a list of text lines under one of these keys: one line each, as written
 Row = tuple[int, str, str | None]  # (depth, key, value in words); no value: a heading of what follows
 

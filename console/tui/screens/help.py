@@ -21,7 +21,8 @@ EXTRA = (
 
 
 class HelpScreen(ModalScreen[None]):
-    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape,q,question_mark", "dismiss_help", "Close", id="help.close")]
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape,q,question_mark", "dismiss_help", "Close",
+                                                     id="help.close")]
 
     def __init__(self, bindings: list[Binding], mutating: frozenset[str], readonly: bool,
                  title: str = "dsv4-console keys", extra: tuple[tuple[str, str, str], ...] = EXTRA) -> None:

@@ -39,7 +39,8 @@ def _path(r: LaunchRecord, phase: str) -> str:
 
 def row(record: LaunchRecord) -> dict[str, Any]:
     """Its row: what sorts (its start, total seconds, each phase's path) beside the record."""
-    return row_of(record, total=round(record.seconds, 3), **{p: _path(record, p) for p in ("programs", "weights", "kv")})
+    return row_of(record, total=round(record.seconds, 3),
+                  **{p: _path(record, p) for p in ("programs", "weights", "kv")})
 
 
 def cells(row: dict[str, Any]) -> dict[str, str]:

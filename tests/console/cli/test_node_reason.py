@@ -34,8 +34,8 @@ def test_the_ranks_own_error_line_is_the_reason_not_torchruns_footer(tmp_path):
                          "E0105 14:02:35.000000 100 torch/distributed/elastic/multiprocessing/api.py:1002] failed "
                          "(exitcode: 1) local_rank: 0 (pid: 4242) of binary: dsv4\n"
                          "torchrun: rank 0 on host-a (pid 4242) exited 1\n" + FOOTER)
-    assert node_reason(log) == ("rank 1 on host-b (pid 77) stopped answering: no heartbeat for 5.2 s (--rank-timeout 5) "
-                                "during phase serve; stopped serving (launch again)")
+    assert node_reason(log) == ("rank 1 on host-b (pid 77) stopped answering: no heartbeat for 5.2 s "
+                                "(--rank-timeout 5) during phase serve; stopped serving (launch again)")
 
 
 def test_a_rank_killed_first_is_the_reason_whatever_the_others_said_after(tmp_path):

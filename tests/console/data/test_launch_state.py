@@ -203,7 +203,8 @@ async def test_on_accelerators_each_rank_has_a_device_and_too_many_ranks_warn():
     assert text[0] == "⚠ 4 ranks need one cuda device each, 2 found"
     assert text[1] == "rank 0 on cuda:0  KV budget 71.0 GiB · 71 slots"
     assert text[2].startswith("rank 1 on cuda:1  KV budget")
-    assert text[3] == f"2 ranks · {snap.slots} slots in all (each rank holds its own sequences)" and snap.slots == 2 * 71
+    assert text[3] == f"2 ranks · {snap.slots} slots in all (each rank holds its own sequences)" and \
+        snap.slots == 2 * 71
 
 
 def test_a_device_without_a_rank_sizes_no_kv_and_only_cpu_splits_the_budget():

@@ -49,7 +49,8 @@ def test_a_stale_record_whose_pid_now_runs_another_program_is_never_shown_nor_si
     assert services.send(record) is False  # refused before any signal
     assert services.running() == []
     [gone] = services.services()  # kept as a service that ended, with what is known of its end
-    assert (gone.pid, gone.ending.how, gone.ending.phase, gone.ending.by) == (os.getpid(), "gone", "serving", "registry")
+    assert (gone.pid, gone.ending.how, gone.ending.phase, gone.ending.by) == \
+        (os.getpid(), "gone", "serving", "registry")
     assert services.send(gone) is False
     assert services.dismiss(gone) and not path.exists()
 

@@ -37,7 +37,8 @@ def test_a_snapshot_round_trips_through_json_as_the_same_values():
     snap = snapshot()
     back = _trip(snap)
     assert back == snap  # every part, typed: frozen values compare by what they say
-    assert _without_ages(json.loads(json.dumps(back.to_json()))) == _without_ages(json.loads(json.dumps(snap.to_json())))
+    assert _without_ages(json.loads(json.dumps(back.to_json()))) == \
+        _without_ages(json.loads(json.dumps(snap.to_json())))
 
 
 def test_the_previous_versions_snapshot_reads_into_the_same_types():

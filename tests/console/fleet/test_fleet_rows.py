@@ -29,7 +29,8 @@ def _reading(name: str, rank: int, *, torch: str = "2.13.0", nodes=(), reachable
 
 def _node(*ranks):
     return NodeView.from_json({"state": "running", "node_rank": 0, "nnodes": 2, "pid": 7, "create_time": 1.0,
-                               "master": "127.0.0.2:29500", "model": "/m", "log": "", "events": "", "ranks": list(ranks)})
+                               "master": "127.0.0.2:29500", "model": "/m", "log": "", "events": "",
+                               "ranks": list(ranks)})
 
 
 def test_drift_names_the_component_and_how_many_others_differ():
@@ -37,7 +38,8 @@ def test_drift_names_the_component_and_how_many_others_differ():
     assert drift(readings) == {"c": ("torch 2.12.1 here, 2.13.0 on 3 others",)}
     assert drift(readings[:2]) == {}  # two alike: nothing to say
     split = [_reading("a", 0), _reading("b", 1, torch="2.12.1")]  # one each: both are named
-    assert drift(split) == {"a": ("torch 2.13.0 here, 2.12.1 on 1 other",), "b": ("torch 2.12.1 here, 2.13.0 on 1 other",)}
+    assert drift(split) == {"a": ("torch 2.13.0 here, 2.12.1 on 1 other",),
+                            "b": ("torch 2.12.1 here, 2.13.0 on 1 other",)}
 
 
 def test_a_registering_host_shows_its_ranks_progress_with_an_eta_and_the_slowest_is_named():
@@ -57,7 +59,8 @@ def test_a_row_names_what_blocks_a_launch_there_in_its_own_words():
     snap = snapshot()
     blocked = dataclasses.replace(snap, services=dataclasses.replace(snap.services, services=()),
                                   plan=dataclasses.replace(snap.plan, problems=(Problem(
-                                      kind="check", text="config.json: n_routed_experts=8 is not divisible by ranks=3"),)))
+                                      kind="check",
+                                      text="config.json: n_routed_experts=8 is not divisible by ranks=3"),)))
     [row] = rows(FleetSnapshot(0.0, (_reading("c", 2, snap=blocked),)))
     assert row.state == "blocked: check: config.json: n_routed_experts=8 is not divisible by ranks=3" and not row.ok
 

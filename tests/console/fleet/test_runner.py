@@ -25,7 +25,8 @@ NODE0 = Answer.record(pid=4321, master="10.0.0.1:29577", node_rank=0, nnodes=3)
 
 def _session(names, script=None, snaps=None, **kw) -> tuple[FleetSession, dict[str, FakeHost], Ledger]:
     ledger = Ledger()
-    hosts = {n: FakeHost(n, i, snapshots=[(snaps or {}).get(n, snapshot())], script=(script or {}).get(n), ledger=ledger)
+    hosts = {n: FakeHost(n, i, snapshots=[(snaps or {}).get(n, snapshot())], script=(script or {}).get(n),
+                         ledger=ledger)
              for i, n in enumerate(names)}
     fleet = Fleet(tuple(FleetHost(n, i) for i, n in enumerate(names)))
     session = FleetSession(list(hosts.values()), SPEC.with_(ranks=len(names)), fleet=fleet, **kw)
@@ -42,7 +43,8 @@ def test_a_launch_starts_node_0_first_and_relays_the_port_it_picked():
     jobs = asyncio.run(session.runner.run("launch", session.active()))
     assert {h: j.outcome for h, j in jobs.items()} == {"a": "ok", "b": "ok", "c": "ok"}
     [first] = hosts["a"].commands
-    assert (_arg(first, "--node-rank"), _arg(first, "--master-port"), _arg(first, "--master-addr")) == ("0", "0", "auto")
+    assert (_arg(first, "--node-rank"), _arg(first, "--master-port"), _arg(first, "--master-addr")) == \
+        ("0", "0", "auto")
     for rank, name in ((1, "b"), (2, "c")):
         [args] = hosts[name].commands
         assert (_arg(args, "--node-rank"), _arg(args, "--master-addr"), _arg(args, "--master-port")) == (
@@ -122,7 +124,8 @@ def test_a_host_left_out_takes_its_ranks_and_the_launch_covers_the_others():
     session, hosts, _ = _session(["a", "b", "c"], {"a": {("node", "start"): NODE0}})
     hosts["c"].go_away("connection refused")
     session.collector.snapshot()
-    assert session.launch_problem() == "c cannot be reached (connection refused); leave it out (-) to launch on the others"
+    assert session.launch_problem() == ("c cannot be reached (connection refused); "
+                                        "leave it out (-) to launch on the others")
     session.leave_out("c")
     assert session.spec.ranks == 2 and session.active() == ["a", "b"] and session.launch_problem() == ""
     assert hosts["a"].watched[-1] == (SPEC.with_(ranks=2), 1)  # each host plans the KV of its own rank
@@ -135,7 +138,8 @@ def test_a_host_left_out_takes_its_ranks_and_the_launch_covers_the_others():
 
 def test_a_purge_lists_each_hosts_targets_then_deletes_only_those_confirmed():
     targets = [{"kind": "program", "path": "/cache/v1/head/c3", "reason": "corrupt: sha256", "size_bytes": 10},
-               {"kind": "sidecar", "path": "/models/v4/dsv4-packed.r2.safetensors", "reason": "stale", "size_bytes": 20}]
+               {"kind": "sidecar", "path": "/models/v4/dsv4-packed.r2.safetensors", "reason": "stale",
+                "size_bytes": 20}]
 
     def answer(host, args):
         if "--dry-run" in args:

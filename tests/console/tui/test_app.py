@@ -93,7 +93,8 @@ def test_launch_state_follows_events_to_serving():
     state = LaunchState()
     for phase in PHASES:
         state.apply(Event(phase, "start"))
-        detail = {"url": "http://127.0.0.1:9"} if phase == "serve" else {"counts": {"HIT": 3}} if phase == "programs" else {}
+        detail = {"url": "http://127.0.0.1:9"} if phase == "serve" else \
+            {"counts": {"HIT": 3}} if phase == "programs" else {}
         state.apply(Event(phase, "end", seconds=0.5, detail=detail))
     assert all(p.state == DONE for p in state.phases.values())
     assert state.url == "http://127.0.0.1:9" and state.phases["programs"].path == "HIT 3"
@@ -211,9 +212,11 @@ def test_registration_shows_programs_by_tier_until_every_swap():
         launch.apply(Event("programs", "progress", done=1, total=2,
                            detail={"program": name, "outcome": "MISS", "tier": "eager"}))
     assert launch.tier_line == "programs: eager 2 · compiled 0"
-    launch.apply(Event("programs", "log", message="a: compiled tier swapped in", detail={"program": "a", "tier": "compiled"}))
+    launch.apply(Event("programs", "log", message="a: compiled tier swapped in",
+                       detail={"program": "a", "tier": "compiled"}))
     assert launch.tier_line == "programs: eager 1 · compiled 1"
-    launch.apply(Event("programs", "log", message="b: compiled tier swapped in", detail={"program": "b", "tier": "compiled"}))
+    launch.apply(Event("programs", "log", message="b: compiled tier swapped in",
+                       detail={"program": "b", "tier": "compiled"}))
     assert launch.tier_line == ""
 
 

@@ -14,7 +14,8 @@ def _app(**kw) -> Dsv4Console:
                        create_default=False, interval=0, **kw)
 
 
-@pytest.mark.parametrize("size", [(200, 50), (120, 36), (100, 30), (80, 24)], ids=["200x50", "120x36", "100x30", "80x24"])
+@pytest.mark.parametrize("size", [(200, 50), (120, 36), (100, 30), (80, 24)],
+                         ids=["200x50", "120x36", "100x30", "80x24"])
 def test_main_screen(snap_compare, size):
     assert snap_compare(_app(), terminal_size=size)
 

@@ -184,7 +184,8 @@ def test_capability_comes_from_nvidia_smi_or_npu_smi_without_torch_and_never_thr
     smi.write_text("#!/bin/sh\nprintf '0, GPU-aaa, 8.0\\n1, GPU-bbb, 9.0\\n'\n")
     smi.chmod(0o755)
     (tmp_path / "bin" / "npu-smi").write_text(
-        "#!/bin/sh\nprintf '| 0     910B3     | OK  | 93.5  45  0 / 0 |\\n| 0           | 0000:C1:00.0 | 0 0 / 0 3396 / 65536 |\\n"
+        "#!/bin/sh\nprintf '| 0     910B3     | OK  | 93.5  45  0 / 0 |\\n"
+        "| 0           | 0000:C1:00.0 | 0 0 / 0 3396 / 65536 |\\n"
         "| 1     910B4     | OK  | 93.5  45  0 / 0 |\\n| 0           | 0000:C2:00.0 | 0 0 / 0 3396 / 65536 |\\n'\n")
     (tmp_path / "bin" / "npu-smi").chmod(0o755)
 

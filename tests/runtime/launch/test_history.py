@@ -51,7 +51,8 @@ def test_a_warm_prediction_is_never_based_on_a_launch_that_compiled():
     newer_corrupt = _record({"a": "CORRUPT", "b": "HIT"}, 9.0)
     assert predict_seconds(plan, [older_hot, newer_corrupt])["programs"] == 0.1
     assert plan.basis["programs"] == "history" and plan.compared is not None
-    plan.programs[0] = dataclasses.replace(plan.programs[0], state=Outcome.CORRUPT)  # it recompiles: its peer is the compiling one
+    # it recompiles: its peer is the compiling one
+    plan.programs[0] = dataclasses.replace(plan.programs[0], state=Outcome.CORRUPT)
     assert predict_seconds(plan, [older_hot, newer_corrupt])["programs"] == 9.0
 
 

@@ -18,7 +18,8 @@ SAMPLES = {
     "model": Path("/models/v4"), "kernel_cache_dir": Path("/cache/k"), "backend": "export", "device": "cpu",
     "ranks": 2, "max_seq": 512, "max_slots": 7, "max_batch": 3, "memory_utilization": 0.5,
     "device_memory": 8 << 30, "use_sidecar": False, "cold_policy": "read", "ready": "auto", "jobs": 3,
-    "speculative": "off", "compile_after_ready": "error", "validate_tokens": 2, "max_body": 1 << 20, "queue_timeout": 2.5, "host": "0.0.0.0",
+    "speculative": "off", "compile_after_ready": "error", "validate_tokens": 2, "max_body": 1 << 20,
+    "queue_timeout": 2.5, "host": "0.0.0.0",
     "port": 0, "master_port": 29400, "rendezvous_timeout": 5.0, "rank_timeout": 2.5, "stall_timeout": 30.0,
     "signing_key": Path("/keys/signing.key"), "trusted_keys": Path("/keys/trusted"), "events": "-",
     "api_key_file": Path("/keys/api"), "status_needs_key": False, "ssl_certfile": Path("/tls/cert.pem"),
@@ -73,9 +74,11 @@ def test_parsers_take_their_defaults_from_the_spec(tmp_path):
     (["--max-slots", "0"], "--max-slots 0 is out of range; allowed 1..4096"),
     (["--max-seq", "8"], "--max-seq 8 is out of range"),
     (["--ready", "early", "--ranks", "2"], "--ready early serves one rank only"),
-    (["--events", "/no/such/dir/events.jsonl"], "--events /no/such/dir/events.jsonl: directory /no/such/dir does not exist"),
+    (["--events", "/no/such/dir/events.jsonl"],
+     "--events /no/such/dir/events.jsonl: directory /no/such/dir does not exist"),
     (["/no/such/model"], "/no/such/model: no such directory; point at a checkpoint directory"),
-    (["--log-file", "/no/such/dir/serve.log"], "--log-file /no/such/dir/serve.log: directory /no/such/dir does not exist"),
+    (["--log-file", "/no/such/dir/serve.log"],
+     "--log-file /no/such/dir/serve.log: directory /no/such/dir does not exist"),
 ])
 def test_a_bad_setting_is_one_line(argv, says):
     with pytest.raises(UserError) as e:

@@ -22,7 +22,8 @@ def test_a_plan_report_round_trips_through_json_as_typed_parts(tiny_ckpt_ro, tmp
     report = _report(tiny_ckpt_ro, tmp_path / "kc")
     raw = json.loads(json.dumps(report.to_json()))
     back = PlanReport.from_json(raw)
-    assert back.to_json() == {**raw, "sidecar": {**raw["sidecar"], "age_seconds": back.to_json()["sidecar"]["age_seconds"]}}
+    assert back.to_json() == \
+        {**raw, "sidecar": {**raw["sidecar"], "age_seconds": back.to_json()["sidecar"]["age_seconds"]}}
     assert {p.state for p in back.programs} == {Outcome.MISS} and back.programs[0].state is Outcome.MISS
     assert back.sidecar.verdict == "REPACK" and back.sidecar.reason == "missing" and back.sidecar.expected_bytes > 0
     assert back.kv.slots == sum(r.slots for r in back.kv.per_rank) >= 1

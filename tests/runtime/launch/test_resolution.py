@@ -22,7 +22,8 @@ _counting = [False]
 
 
 def _audit(event: str, args: tuple) -> None:
-    if _counting[0] and event == "open" and isinstance(args[0], str | Path) and os.path.basename(args[0]) == "config.json":
+    if (_counting[0] and event == "open" and isinstance(args[0], str | Path)
+            and os.path.basename(args[0]) == "config.json"):
         opened.append(str(args[0]))
 
 

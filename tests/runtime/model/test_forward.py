@@ -206,9 +206,11 @@ def test_matmuls_of_several_rows_of_a_large_weight_run_through_onednn_eagerly_an
     rows = torch.export.Dim("rows", min=1, max=64)
     programs = {}
     for w in (large, small):
-        programs[w.shape] = torch.export.export(Product(), (torch.randn(32, w.shape[0]), w), dynamic_shapes=({0: rows}, None))
+        programs[w.shape] = torch.export.export(Product(), (torch.randn(32, w.shape[0]), w),
+                                                dynamic_shapes=({0: rows}, None))
     assert "dsv4.matmul" in programs[large.shape].graph_module.code
-    assert "dsv4" not in programs[small.shape].graph_module.code and "aten.matmul" in programs[small.shape].graph_module.code
+    assert "dsv4" not in programs[small.shape].graph_module.code and \
+        "aten.matmul" in programs[small.shape].graph_module.code
     for rows, w, via in ((1, large, "aten::mm"), (2, large, "mkldnn::_linear_pointwise"),
                          (32, large, "mkldnn::_linear_pointwise"), (32, small, "aten::mm")):
         x = torch.randn(rows, w.shape[0], generator=gen)
@@ -230,7 +232,8 @@ def test_without_onednn_every_matmul_is_torchs_and_traces_as_torchs(monkeypatch)
         def forward(self, x, w):
             return m.matmul(x, w * 1.0)
 
-    program = torch.export.export(Product(), (torch.randn(32, 1024), w), dynamic_shapes=({0: torch.export.Dim("rows", min=1, max=64)}, None))
+    program = torch.export.export(Product(), (torch.randn(32, 1024), w),
+                                  dynamic_shapes=({0: torch.export.Dim("rows", min=1, max=64)}, None))
     assert "dsv4" not in program.graph_module.code and "aten.matmul" in program.graph_module.code
     x = torch.randn(8, 1024)
     ran = _ran(lambda: m.matmul(x, w))

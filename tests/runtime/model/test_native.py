@@ -99,7 +99,8 @@ def test_the_grouped_product_refuses_ids_and_bounds_it_cannot_trust(native):
                         (ok[0], [0, 3, 2]), (ok[0], [0, 4]),  # backwards, short
                         ([0.0, 2.0], ok[1]), (ok[0], [0, 1.5, 4])):  # not whole numbers
         assert native.grouped(x, ids, starts, packed, scale) is None
-    assert native.grouped(x.double(), *ok, packed, scale) is None and native.grouped(x[:, :32], *ok, packed, scale) is None
+    assert native.grouped(x.double(), *ok, packed, scale) is None and \
+        native.grouped(x[:, :32], *ok, packed, scale) is None
     assert native.grouped(x, *ok, packed[:0], scale[:0]) is None  # no experts at all
 
 
@@ -203,7 +204,8 @@ def test_the_dense_product_refuses_what_it_cannot_read(native):
     x = torch.randn(2, 64, generator=gen)
     assert native.dense(x, q, scale) is not None
     odd_q, odd_scale = _fp8(64, 48, 8, gen)  # a scale block of 8 columns splits a 16-column unit
-    for args in ((x, q, None), (x, q, scale.float()), (x, q, scale.repeat(1, 2)[:, :3]), (x, q, scale[:1].expand(3, 2)), (x, q, scale.t()),
+    for args in ((x, q, None), (x, q, scale.float()), (x, q, scale.repeat(1, 2)[:, :3]),
+                 (x, q, scale[:1].expand(3, 2)), (x, q, scale.t()),
                  (x, odd_q, odd_scale), (x[:, :32], q, scale), (x.double(), q, scale),
                  (x, q.view(torch.uint8), scale), (x, torch.randn(64, 64), None),
                  (x, torch.randn(64, 64).bfloat16(), scale), (x[0], q, scale)):

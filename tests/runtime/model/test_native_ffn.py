@@ -81,7 +81,8 @@ def test_a_layers_experts_checked_once_still_follow_their_tensors(native):
     h, idx, gates = torch.randn(3, 64, generator=gen), torch.randint(0, 6, (3, 2), generator=gen), torch.rand(3, 2)
     first, second = _layer(6, 64, 32, gen), _layer(6, 64, 32, gen)
     for w in (first, second, first):
-        assert torch.equal(moe.routed_fused(d, w, h, idx, gates, native=native), moe.routed(d, w, h, idx, gates, native=native))
+        assert torch.equal(moe.routed_fused(d, w, h, idx, gates, native=native),
+                           moe.routed(d, w, h, idx, gates, native=native))
     with torch.no_grad():
         for name, t in first.items():
             t.set_(second[name].clone())  # the same tensors, other bytes

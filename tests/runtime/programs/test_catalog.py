@@ -79,7 +79,8 @@ def test_a_host_with_no_cxx_compiler_has_no_experts_native_and_groups_with_the_e
     assert set(with_native.specs) - set(programs.specs) == {EXPERTS_NATIVE}
     prompt = torch.arange(3, 30)
     want = Engine(with_native, weights).forward(prompt).logits
-    assert torch.equal(Engine(programs, weights, engine_runners(programs, _units(programs))).forward(prompt).logits, want)
+    assert torch.equal(Engine(programs, weights, engine_runners(programs, _units(programs))).forward(prompt).logits,
+                       want)
 
 
 def test_a_layer_programs_key_changes_with_the_form(tiny_packed):
@@ -184,13 +185,15 @@ def test_a_fused_compiled_picked_program_serves_few_rows_and_the_rest_run_groupe
 
     def experts_run(fuses: bool, picked_tier: str, rows: int, native_tier: str = EAGER) -> list[int]:
         table = TieredRunners({**units, EXPERTS_PICKED: compiled_picked, EXPERTS_NATIVE: compiled_native},
-                              {**dict.fromkeys(units, COMPILED), EXPERTS_PICKED: picked_tier, EXPERTS_NATIVE: native_tier})
+                              {**dict.fromkeys(units, COMPILED), EXPERTS_PICKED: picked_tier,
+                               EXPERTS_NATIVE: native_tier})
         logits = step(Engine(programs, weights, engine_runners(programs, table, fuses), slots=4), rows)
         assert torch.equal(logits, reference[rows])
         return sorted(set(ran))
 
     reference = {rows: step(Engine(programs, weights, slots=4), rows) for rows in (1, 40)}
-    k, n, size = config.num_experts_per_tok, config.n_routed_experts, 3 * config.hidden_size * config.moe_intermediate_size
+    k, n, size = config.num_experts_per_tok, config.n_routed_experts, \
+        3 * config.hidden_size * config.moe_intermediate_size
     assert not picks_few(4, k, n)  # op by op: 4 rows pick as many pairs as tiny has experts
     assert picks_few(4 * 30, k, n, True, size) and not picks_few(4 * 40, k, n, True, size)
     assert experts_run(fuses=True, picked_tier=COMPILED, rows=1) == [4]  # picked, in every layer

@@ -148,7 +148,8 @@ def test_without_worker_processes_programs_compile_serially_and_still_load(tmp_p
     events: list = []
     runners, results = _prepare(tmp_path, [_spec("mlp"), cached, _spec("mlp2")], events)
     assert [(r["program"], r["outcome"]) for r in results] == [("mlp", "MISS"), ("cached", "HIT"), ("mlp2", "MISS")]
-    assert [e.detail["error"] for e in events if _said(e, "*", "serial")] == ["[Errno 11] Resource temporarily unavailable"]
+    assert [e.detail["error"] for e in events if _said(e, "*", "serial")] == \
+        ["[Errno 11] Resource temporarily unavailable"]
     x = sp.inputs()
     assert all(torch.allclose(runners[n](*x), sp.scaled_mlp(*x)) for n in ("mlp", "cached", "mlp2"))
     assert _loaders_alive() == []

@@ -116,7 +116,8 @@ def test_a_killed_worker_fails_its_program_naming_the_signal(tmp_path):
 def test_a_worker_that_says_more_than_a_pipe_holds_still_publishes(tmp_path):
     import threading
 
-    noisy = ProgramSpec("noisy", "tests.sample_programs:noisy", sp.spec().inputs, sp.spec().dims, captures={"hidden": 8})
+    noisy = ProgramSpec("noisy", "tests.sample_programs:noisy", sp.spec().inputs, sp.spec().dims,
+                        captures={"hidden": 8})
     stop, results = threading.Event(), {}
     pool = CompilePool(tmp_path / "kc", "export", "cpu", jobs=1, stop=stop)
     t = threading.Thread(target=lambda: results.update(pool.run([noisy])))

@@ -27,7 +27,8 @@ LENGTHS = [12, 5, 14, 9, 20, 3]
 def tiny(tiny_ckpt_ro):
     config = load_config(tiny_ckpt_ro)
     layout = PackedLayout(config, ranks=1)
-    return build_programs(config, layout, max_seq=256), packed_views(layout, pack_in_memory(Checkpoint.open(tiny_ckpt_ro), layout))
+    return build_programs(config, layout, max_seq=256), \
+        packed_views(layout, pack_in_memory(Checkpoint.open(tiny_ckpt_ro), layout))
 
 
 def _alone(programs, weights, prompt, n, temperature=0.0, seed=0):
@@ -165,7 +166,8 @@ def test_a_job_goes_to_the_rank_with_the_most_free_slots_then_the_least_work():
                       [1, 2, 0],  # rank 1: two free
                       [1, 2, 1],  # one free each: rank 2 has no work
                       [1, 3, 1]]  # one free each on ranks 0 and 1: rank 1 has less work (6 + 3 tokens vs 10)
-    assert slots == 6 and [(r["rank"], r["slots"], r["free_slots"]) for r in per_rank] == [(0, 2, 1), (1, 3, 0), (2, 1, 0)]
+    assert slots == 6 and [(r["rank"], r["slots"], r["free_slots"]) for r in per_rank] == \
+        [(0, 2, 1), (1, 3, 0), (2, 1, 0)]
 
 
 def test_a_failed_service_fails_its_queued_jobs_at_once_and_admits_none():

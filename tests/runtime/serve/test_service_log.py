@@ -57,7 +57,8 @@ def test_every_request_sent_leaves_one_access_line_with_what_it_asked_and_got(tm
     auth = {"Authorization": "Bearer sk-alice-0123456789abcdef"}
     sent = []
     with served(fake_launched(tmp_path), door=door) as svc:
-        whole = svc.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 5, "model": svc.app.state.service.model_id},
+        whole = svc.post("/v1/completions",
+                         json={"prompt": [1, 2, 3], "max_tokens": 5, "model": svc.app.state.service.model_id},
                          headers={**auth, "X-Request-Id": "trace-42"})
         sent.append(("/v1/completions", whole.status_code, 3, 5, "trace-42"))
         stream = svc.post("/v1/completions", json={"prompt": [4, 5], "max_tokens": 4, "stream": True,
@@ -176,7 +177,8 @@ def test_text_and_json_say_the_same_words(tmp_path):
 def test_an_error_line_is_read_back_from_either_form():
     text = "2026-01-05 14:02:33.120 ERROR service failed: rank 1 on b was killed by SIGKILL"
     assert service_log.error_of(text) == "failed: rank 1 on b was killed by SIGKILL"
-    assert service_log.error_of(json.dumps({"level": "error", "msg": "rank 2 stopping: lost"})) == "rank 2 stopping: lost"
+    assert service_log.error_of(json.dumps({"level": "error", "msg": "rank 2 stopping: lost"})) == \
+        "rank 2 stopping: lost"
     assert service_log.error_of("2026-01-05 14:02:33.120 INFO  access 200") is None
     assert service_log.error_of("dsv4 serve: --port 1 in use") == "--port 1 in use"
 

@@ -47,7 +47,8 @@ def test_https_with_the_ca_file_and_the_key_reads_health(tmp_path, pki, keys):
         # without the key: the console's one line, no figures
         word, value, problem = health(svc.url, Access.of(None, pki.ca))
         assert word == "HTTP 401" and value is None
-        assert problem == f"401: the service needs an API key ({svc.url}); pass --api-key-file FILE or set $DSV4_API_KEY_FILE"
+        assert problem == (f"401: the service needs an API key ({svc.url}); "
+                           "pass --api-key-file FILE or set $DSV4_API_KEY_FILE")
         wrong = key_file(tmp_path / "wrong", console="w" * 40)
         problem = health(svc.url, Access.of(wrong, pki.ca))[2]
         assert problem == f"401: the service at {svc.url} refused the key 'console' of {wrong}"
@@ -80,7 +81,8 @@ def test_tls_files_that_cannot_serve_are_one_line(tmp_path, pki):
     public_key = tmp_path / "public.key"
     public_key.write_bytes(pki.key.read_bytes())
     public_key.chmod(0o644)
-    with pytest.raises(SecretFileError, match=r"--ssl-keyfile .*public.key: refused: it is readable or writable by others"):
+    with pytest.raises(SecretFileError,
+                       match=r"--ssl-keyfile .*public.key: refused: it is readable or writable by others"):
         server_context(pki.cert, public_key)
     with pytest.raises(SecretFileError, match="cannot serve TLS with them"):
         server_context(pki.client_cert, pki.key)  # a certificate with another certificate's key

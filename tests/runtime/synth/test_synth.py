@@ -26,7 +26,8 @@ def test_same_preset_and_seed_gives_byte_identical_files(tiny_ckpt_ro, tmp_path)
     again = synthesize("tiny", tmp_path / "again", seed=0)
     assert _digests(again) == _digests(tiny_ckpt_ro)
     other = synthesize("tiny", tmp_path / "other", seed=1)
-    assert _digests(other)["model-00001-of-00003.safetensors"] != _digests(tiny_ckpt_ro)["model-00001-of-00003.safetensors"]
+    assert _digests(other)["model-00001-of-00003.safetensors"] != \
+        _digests(tiny_ckpt_ro)["model-00001-of-00003.safetensors"]
 
 
 def test_tensor_bytes_do_not_depend_on_shard_count(tiny_ckpt_ro, tmp_path):
