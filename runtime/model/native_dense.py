@@ -94,7 +94,8 @@ struct DenseAvx512 {
         d[0] = _mm512_cvtph_ps(_mm256_and_si256(_mm256_srai_epi16(w, 1), _mm256_set1_epi16((short)0xBF80)));
     }
     __attribute__((target("avx512f,avx2,fma,f16c"))) static inline void bf16(const uint8_t *p, __m512 *d) {
-        d[0] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+        d[0] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)),
+                                                     16));
     }
 };
 #endif
@@ -113,7 +114,8 @@ typedef NK_D D;
 /* out = the block's sums p folded in (FP8: p times the block's factor f; BF16: p is the sum) */
 NK_ATTR static inline void dense_fold(float *q, F p, F f, int first, int fp8, int big) {
     if (!fp8) V::store(q, p);
-    else if (big) V::store(q, first ? V::mul(V::mul(p, V::bcast(&DENSE_256)), f) : V::fma(V::mul(p, V::bcast(&DENSE_256)), f, V::load(q)));
+    else if (big) V::store(q, first ? V::mul(V::mul(p, V::bcast(&DENSE_256)), f)
+                                    : V::fma(V::mul(p, V::bcast(&DENSE_256)), f, V::load(q)));
     else V::store(q, first ? V::mul(p, f) : V::fma(p, f, V::load(q)));
 }
 
@@ -124,7 +126,8 @@ NK_ATTR static void dense_regs(const float *x, int64_t in, const uint8_t *w, int
     constexpr int N = NT * D::DV, B = KIND == DENSE_FP8 ? 1 : 2;  /* vectors a row, bytes a weight */
     F p[R][N];
     _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)
-        _Pragma("GCC unroll 16") for (int v = 0; v < N; v++) p[r][v] = (KIND == DENSE_FP8 || b0 == 0) ? V::zero() : V::load(out + r * cols + o + V::W * v);
+        _Pragma("GCC unroll 16") for (int v = 0; v < N; v++)
+            p[r][v] = (KIND == DENSE_FP8 || b0 == 0) ? V::zero() : V::load(out + r * cols + o + V::W * v);
     const uint8_t *row = w + B * (b0 * ld + o);
     /* the lines the tile's bytes of a row start (or cross into), once each: the next block's prefetched */
     const int64_t first = (64 - (B * o) % 64) % 64, span = B * DENSE_UNIT * NT;
@@ -144,7 +147,8 @@ NK_ATTR static void dense_regs(const float *x, int64_t in, const uint8_t *w, int
     const float fs = KIND == DENSE_FP8 ? (s > 246 ? e8m0(s) : dense_factor(s)) : 1.f;
     const F f = V::bcast(&fs);
     _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)
-        _Pragma("GCC unroll 16") for (int v = 0; v < N; v++) dense_fold(out + r * cols + o + V::W * v, p[r][v], f, b0 == 0, KIND == DENSE_FP8, s > 246);
+        _Pragma("GCC unroll 16") for (int v = 0; v < N; v++)
+            dense_fold(out + r * cols + o + V::W * v, p[r][v], f, b0 == 0, KIND == DENSE_FP8, s > 246);
 }
 
 /* rows beyond RMAX: one unit's block widened once into a panel, then PR rows at a time over it */
@@ -153,7 +157,8 @@ NK_ATTR static void dense_pass(const float *x, int64_t in, const float *panel, i
                                F f, int first, int big) {
     F p[N][D::DV];
     _Pragma("GCC unroll 16") for (int r = 0; r < N; r++)
-        _Pragma("GCC unroll 16") for (int v = 0; v < D::DV; v++) p[r][v] = (KIND == DENSE_FP8 || first) ? V::zero() : V::load(out + r * cols + V::W * v);
+        _Pragma("GCC unroll 16") for (int v = 0; v < D::DV; v++)
+            p[r][v] = (KIND == DENSE_FP8 || first) ? V::zero() : V::load(out + r * cols + V::W * v);
     for (int64_t k = 0; k < kb; k++) {
         F wv[D::DV];
         _Pragma("GCC unroll 16") for (int v = 0; v < D::DV; v++) wv[v] = V::load(panel + DENSE_UNIT * k + V::W * v);
@@ -163,7 +168,8 @@ NK_ATTR static void dense_pass(const float *x, int64_t in, const float *panel, i
         }
     }
     _Pragma("GCC unroll 16") for (int r = 0; r < N; r++)
-        _Pragma("GCC unroll 16") for (int v = 0; v < D::DV; v++) dense_fold(out + r * cols + V::W * v, p[r][v], f, first, KIND == DENSE_FP8, big);
+        _Pragma("GCC unroll 16") for (int v = 0; v < D::DV; v++)
+            dense_fold(out + r * cols + V::W * v, p[r][v], f, first, KIND == DENSE_FP8, big);
 }
 
 template <int KIND>
@@ -187,7 +193,8 @@ NK_ATTR static void dense_panel(const float *x, int64_t rows, int64_t in, const 
         const float *xr = x + r0 * in + b0;
         float *q = out + r0 * cols + o;
         switch (rows - r0 < D::PR ? rows - r0 : D::PR) {
-#define PASS(n) case n: if constexpr (n <= D::PR) dense_pass<n, KIND>(xr, in, panel, kb, q, cols, f, b0 == 0, s > 246); break;
+#define PASS(n) case n: if constexpr (n <= D::PR) \
+            dense_pass<n, KIND>(xr, in, panel, kb, q, cols, f, b0 == 0, s > 246); break;
             PASS(1) PASS(2) PASS(3) PASS(4) PASS(5) PASS(6) PASS(7) PASS(8)
 #undef PASS
         }
@@ -233,7 +240,8 @@ NK_ATTR static void dense_columns(const float *x, int64_t rows, int64_t in, cons
                 continue;
             }
             switch (rows) {
-#define TILES(r) case r: if constexpr (r <= D::RMAX) dense_tiles<r, KIND>(x, in, w, ld, sc, lds, bi, bo, out, cols, s0, s1, b0, n); break;
+#define TILES(r) case r: if constexpr (r <= D::RMAX) \
+                dense_tiles<r, KIND>(x, in, w, ld, sc, lds, bi, bo, out, cols, s0, s1, b0, n); break;
                 TILES(1) TILES(2) TILES(3) TILES(4) TILES(5) TILES(6) TILES(7) TILES(8)
 #undef TILES
             }
@@ -252,7 +260,8 @@ static void dense_column_scalar(const float *x, int64_t rows, int64_t in, const 
         float acc = 0.f;
         for (int64_t b0 = 0; b0 < in; b0 += kb) {
             float p = 0.f;
-            for (int64_t i = b0; i < b0 + kb && i < in; i++) p += x[r * in + i] * dense_scalar_value(w, i * ld + c, kind);
+            for (int64_t i = b0; i < b0 + kb && i < in; i++)
+                p += x[r * in + i] * dense_scalar_value(w, i * ld + c, kind);
             if (kind != DENSE_FP8) {
                 acc = p;
                 continue;
@@ -272,7 +281,8 @@ static void dense_columns(const float *x, int64_t rows, int64_t in, const uint8_
 #if defined(__x86_64__)
 #define DENSE_RUN(ns)                                                                                                  \
     do {                                                                                                               \
-        if (kind == DENSE_FP8) ns::dense_columns<DENSE_FP8>(x, rows, in, w, ld, scale, ld_scale, bi, bo, out, cols, c0, c1); \
+        if (kind == DENSE_FP8)                                                                                         \
+            ns::dense_columns<DENSE_FP8>(x, rows, in, w, ld, scale, ld_scale, bi, bo, out, cols, c0, c1);              \
         else ns::dense_columns<0>(x, rows, in, w, ld, scale, ld_scale, bi, bo, out, cols, c0, c1);                    \
         return;                                                                                                        \
     } while (0)
@@ -280,7 +290,8 @@ static void dense_columns(const float *x, int64_t rows, int64_t in, const uint8_
     if (isa == 1) DENSE_RUN(isa_avx2);
 #undef DENSE_RUN
 #endif
-    for (int64_t c = c0; c < c1; c++) dense_column_scalar(x, rows, in, w, ld, kind, scale, ld_scale, bi, bo, out, cols, c);
+    for (int64_t c = c0; c < c1; c++)
+        dense_column_scalar(x, rows, in, w, ld, kind, scale, ld_scale, bi, bo, out, cols, c);
 }
 
 /* out [rows, cols] = x [rows, in] @ w [in, cols] (row stride ld, in elements), both contiguous

@@ -83,9 +83,10 @@ struct Avx2 {
         /* bfloat16 of 0, .5, 1, 1.5, 2, 3, 4, 6: high bytes, low bytes */
         const __m256i th = _mm256_setr_epi8(0, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40, 0, 0, 0, 0, 0, 0, 0, 0,
                                             0, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40, 0, 0, 0, 0, 0, 0, 0, 0);
-        const __m256i tl = _mm256_setr_epi8(0, 0, (char)0x80, (char)0xC0, 0, 0x40, (char)0x80, (char)0xC0, 0, 0, 0, 0, 0, 0, 0,
-                                            0, 0, 0, (char)0x80, (char)0xC0, 0, 0x40, (char)0x80, (char)0xC0, 0, 0, 0, 0, 0, 0,
-                                            0, 0);
+        const __m256i tl = _mm256_setr_epi8(0, 0, (char)0x80, (char)0xC0, 0, 0x40, (char)0x80, (char)0xC0,
+                                            0, 0, 0, 0, 0, 0, 0, 0,
+                                            0, 0, (char)0x80, (char)0xC0, 0, 0x40, (char)0x80, (char)0xC0,
+                                            0, 0, 0, 0, 0, 0, 0, 0);
         const __m256i seven = _mm256_set1_epi8(7), top = _mm256_set1_epi8((char)0x80);
         const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
         const __m256i b = _mm256_loadu_si256((const __m256i *)p);
@@ -152,7 +153,8 @@ struct Avx512 {
         for (int k = 0; k < 2; k++) {
             const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(s + 16 * k)));
             const __mmask16 zero = _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512());
-            f[k] = _mm512_castsi512_ps(_mm512_mask_blend_epi32(zero, _mm512_slli_epi32(e, 23), _mm512_set1_epi32(0x00400000)));
+            f[k] = _mm512_castsi512_ps(_mm512_mask_blend_epi32(zero, _mm512_slli_epi32(e, 23),
+                                                               _mm512_set1_epi32(0x00400000)));
         }
     }
     static inline void unpermute(float *) {}
@@ -290,7 +292,8 @@ NK_ATTR static void fp4_columns(const float *x, int64_t rows, const uint8_t *w, 
         fp4_panel(x, rows, w, ld, sc, lds, out, half, cols, group, o0, o1);
     } else {
         switch (rows) {
-#define REGS(n) case n: if constexpr (n <= V::RMAX) fp4_regs<n>(x, w, ld, sc, lds, out, half, cols, group, o0, o1); break;
+#define REGS(n) case n: if constexpr (n <= V::RMAX) \
+            fp4_regs<n>(x, w, ld, sc, lds, out, half, cols, group, o0, o1); break;
             REGS(1) REGS(2) REGS(3) REGS(4) REGS(5) REGS(6) REGS(7) REGS(8)
 #undef REGS
             default: return;
@@ -340,7 +343,8 @@ static void grouped_in_team(const float *x, const int64_t *ids, const int64_t *s
         const int64_t m = u / units, k = (u % units) / chunks, c = u % chunks, e = ids[k];
         const int64_t o0 = c * FP4_CHUNK, o1 = o0 + FP4_CHUNK < whole ? o0 + FP4_CHUNK : whole;
         fp4_columns(x + starts[k] * 2 * half, starts[k + 1] - starts[k], w.packed[m] + e * packed_stride, ld_packed,
-                    w.scale[m] + e * scale_stride, ld_scale, w.out[m] + starts[k] * cols, half, cols, group, o0, o1, isa);
+                    w.scale[m] + e * scale_stride, ld_scale, w.out[m] + starts[k] * cols, half, cols, group, o0, o1,
+                    isa);
     }
 #pragma omp for schedule(static)
     for (int64_t mk = 0; mk < w.count * used; mk++) {
