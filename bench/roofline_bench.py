@@ -126,24 +126,25 @@ class Steps:
         return self._timed(lambda: self.engine.step([(slot, prompt)], prefill=True, logits_rows=[1]))
 
 
-def gemm_rates(shapes: set[tuple[int, int, int]], runs: int = 5) -> dict[tuple[int, int, int], float]:
-    """The float32 GEMM rate (FLOP/s, best of `runs`) of x [rows, in] @ w [in, out] at each shape,
-    through `runtime.model.ops.matmul`."""
+def gemm_rates(shapes: set[tuple[int, int, int]], rounds: int = 3, runs: int = 2) -> dict[tuple[int, int, int], float]:
+    """The float32 GEMM rate (FLOP/s) of x [rows, in] @ w [in, out] at each shape, through
+    `runtime.model.ops.matmul`: the best of `runs` a round over `rounds` rounds of every shape, so
+    a burst of another process's work (which stalls every 2-thread OpenMP region) spoils a round,
+    not a shape's figure."""
     import torch
 
     from runtime.model.ops import matmul
 
-    rates = {}
-    for rows, i, o in sorted(shapes):
-        x, w = torch.randn(rows, i), torch.randn(i, o)
-        matmul(x, w)
-        best = float("inf")
-        for _ in range(runs):
-            t0 = time.perf_counter()
-            matmul(x, w)
-            best = min(best, time.perf_counter() - t0)
-        rates[(rows, i, o)] = 2.0 * rows * i * o / best
-    return rates
+    operands = {shape: (torch.randn(shape[0], shape[1]), torch.randn(shape[1], shape[2])) for shape in sorted(shapes)}
+    best = dict.fromkeys(operands, float("inf"))
+    for _ in range(rounds):
+        for shape, (x, w) in operands.items():
+            matmul(x, w)  # warm: oneDNN picks and caches its kernel for the shape
+            for _ in range(runs):
+                t0 = time.perf_counter()
+                matmul(x, w)
+                best[shape] = min(best[shape], time.perf_counter() - t0)
+    return {(rows, i, o): 2.0 * rows * i * o / best[(rows, i, o)] for rows, i, o in operands}
 
 
 def _median_sample(samples: list[dict[str, Any]]) -> dict[str, Any]:
