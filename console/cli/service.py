@@ -1,7 +1,7 @@
-"""`dsv4 service ls|stop|dismiss|log`: this host's services (the registry in `store.services`) as
+"""`dsv4 service ls|stop|dismiss|log` and `dsv4 events`: this host's services (the registry in `store.services`) as
 the console acts on them — on this host, or on another over ssh (the fleet console runs these
 there): stop one (SIGTERM, it drains; SIGKILL after --timeout), forget an ended one, follow a log
-(the service's, a rank's, or a node's). Torch-free."""
+(the service's, a rank's, or a node's), and say what happened here (its timeline). Torch-free."""
 
 from __future__ import annotations
 
@@ -41,6 +41,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     log.add_argument("--node", type=int, metavar="PID", help="a service node's log, by its agent pid (`dsv4 node ls`)")
     log.add_argument("--follow", action="store_true", help="keep printing lines as they are written")
     log.set_defaults(func=cmd_log)
+
+    events = sub.add_parser("events", help="what happened on this host: its services, nodes and consoles' events",
+                            description="This host's timeline (every file under $DSV4_STATE_DIR/timeline), oldest "
+                            "first: services registering, serving, failed (rank, host, reason), stopped, relaunched; "
+                            "nodes ending; what a console here did (actions started and ended) and saw of its hosts "
+                            "(stale, unreachable, back). Repeats are folded: the latest, how many, since when.")
+    events.add_argument("--json", action="store_true", help="one JSON object per event (repeats not folded)")
+    events.set_defaults(func=cmd_events)
 
 
 def _find(pid: int):
@@ -86,6 +94,21 @@ def cmd_dismiss(args: argparse.Namespace) -> int:
         raise UserError(f"pid {args.pid} is {target.state}: only an ended service is dismissed (stop it first)")
     services.dismiss(target)
     print(f"pid {args.pid}: dismissed")
+    return 0
+
+
+def cmd_events(args: argparse.Namespace) -> int:
+    import json
+
+    from console.fleet.events import lines
+    from store import timeline
+
+    found = timeline.read_dir()
+    if args.json:
+        for event in found:
+            sys.stdout.write(json.dumps(event.to_json(), separators=(",", ":")) + "\n")
+    else:
+        print("\n".join(lines(found)) if found else "nothing happened yet on this host (its timeline is empty)")
     return 0
 
 

@@ -7,7 +7,9 @@ A host
   every action goes through, its stdin and stdout pipeable into another host's command);
 - answers snapshots of the launch it was given (`watch`, then `ask` / `pending` / `reading`: a
   reading says when it is not fresh, and why, and keeps what was last known);
-- follows a service's or a rank's log (`log`), and a node's.
+- follows a service's or a rank's log (`log`), and a node's, and the previous run's of each;
+- tells what happened there (`timeline`: its services', nodes' and consoles' events, from its
+  `store.timeline` files).
 
 Three implementations: this host (`console.fleet.local`), a host over ssh with one shared
 connection (`console.fleet.remote`), and a fake that records the commands it was given and
@@ -26,6 +28,7 @@ from typing import Any, ClassVar
 from console.data.snapshot import Snapshot
 from runtime.events import Event
 from runtime.launch.spec import LaunchSpec
+from store.timeline import TimelineEvent
 
 OnEvent = Callable[[Any, Event], None]
 OnLine = Callable[[Any, str, str], None]  # (command, "stdout" | "stderr", line)
@@ -190,6 +193,22 @@ class Host(ABC):
     def close(self) -> None:
         """The console is leaving: end what runs for it (snapshots, shared connections)."""
         return None  # nothing to do for most hosts
+
+    # -- what happened there ------------------------------------------------------------------------
+
+    async def timeline(self) -> list[TimelineEvent]:
+        """Every event this host's timeline files keep (`dsv4 events --json` there, through the
+        funnel), oldest first; a UserError saying why when it cannot be read."""
+        from store import timeline
+        from store.errors import UserError
+
+        said: list[str] = []
+        command = self.command("events", ("events", "--json"),
+                               on_line=lambda _c, which, line: said.append(line) if which == "stdout" else None)
+        code = await command.run()
+        if code != 0:
+            raise UserError(self.why(code, list(command.stderr_tail)))
+        return timeline.parse(said)
 
     # -- logs -----------------------------------------------------------------------------------
 

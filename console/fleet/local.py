@@ -11,6 +11,7 @@ from console.data.snapshot import LOCAL, Snapshot
 from console.fleet.command import Worker, dsv4
 from console.fleet.host import FileFeed, Host, HostReading, LogFeed, OnEvent, OnLine
 from runtime.launch.spec import LaunchSpec
+from store.timeline import TimelineEvent
 
 
 def _ignore(*_: Any) -> None:
@@ -78,6 +79,14 @@ class LocalHost(Host):
     def replan(self) -> None:
         if self.collectors is not None:
             self.collectors.plans.invalidate()
+
+    async def timeline(self) -> list[TimelineEvent]:
+        """This host's timeline files, read here (off the event loop)."""
+        import asyncio
+
+        from store import timeline
+
+        return await asyncio.to_thread(timeline.read_dir)
 
     def log(self, label: str, *, pid: int | None = None, rank: int | None = None, node: int | None = None,
             follow: bool = True) -> LogFeed:

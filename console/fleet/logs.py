@@ -1,15 +1,13 @@
 """A service's logs across its hosts: its own log on the host it runs from, and each rank's on
 whichever host that rank runs — a rank of this host by the log its launcher keeps, a rank on
 another host of the fleet by that host's node log — each read over that host's own connection
-(`Host.log`). And the launch history as events, for the fleet's timeline. Torch-free, no Textual."""
+(`Host.log`). Torch-free, no Textual."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from console.data.records import LaunchRecord
 from console.data.services import ServiceView
-from console.fleet import events as E
 from console.fleet.host import Host, LogFeed
 from store.errors import UserError
 
@@ -64,25 +62,4 @@ def feeds(hosts: Mapping[str, Host], fleet_snapshot, host: str, *, view: Service
         elif rank is not None:
             raise UserError(f"rank {r} of pid {view.pid} runs on {where or 'an unknown host'}, whose log this fleet "
                             f"cannot reach")
-    return out
-
-
-def history_events(records: Sequence[LaunchRecord]) -> list[E.FleetEvent]:
-    """Each launch of the history as events: registering when it started, then serving, stopped
-    or failed when its record says it ended so."""
-    out = []
-    for r in records:
-        host = r.host
-        if r.started:
-            out.append(E.FleetEvent(kind=E.REGISTERING, host=host, ts=r.started, pid=r.pid, text=r.model))
-        if r.ended is None:
-            continue
-        if r.outcome == "ok" and not r.end:
-            out.append(E.FleetEvent(kind=E.SERVING, host=host, ts=r.ended, pid=r.pid, seconds=r.seconds))
-        elif r.outcome == "ok" or r.end.startswith("stopped"):
-            out.append(E.FleetEvent(kind=E.STOPPED, host=host, ts=r.ended, pid=r.pid, text=r.end))
-        else:
-            phase = f" during {r.failed_phase}" if r.failed_phase else ""
-            out.append(E.FleetEvent(kind=E.FAILED, host=host, ts=r.ended, pid=r.pid,
-                                    text=f"{r.end or r.outcome}{phase}: {r.error}".rstrip(": ")))
     return out

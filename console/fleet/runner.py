@@ -24,6 +24,7 @@ from console.fleet.host import Host, HostReading
 from runtime.events import Event
 from runtime.launch.purge import Target
 from runtime.launch.spec import LaunchSpec
+from store import timeline as T
 
 
 @dataclass
@@ -84,8 +85,8 @@ class Runner:
         for listen in list(self.listeners):
             listen(host, job, event)
 
-    def _say(self, kind: str, host: str = E.FLEET, **kw: Any) -> None:
-        self.log.add(E.FleetEvent(kind=kind, host=host, **kw))
+    def _say(self, kind: str, host: str = T.FLEET, **kw: Any) -> None:
+        self.log.add(T.TimelineEvent(kind=kind, host=host, **kw))
 
     def _snapshot(self, host: str):
         return next((r.snapshot for r in self.readings() if r.host == host), None)
@@ -99,7 +100,7 @@ class Runner:
         if action not in A.ACTIONS:
             raise ValueError(f"unknown action {action}")
         started = time.monotonic()
-        self._say(E.STARTED, action=action, hosts=tuple(hosts))
+        self._say(T.STARTED, action=action, hosts=tuple(hosts))
         jobs = {name: HostJob(action) for name in hosts}
         self.jobs.update(jobs)
         for name, job in jobs.items():
@@ -111,7 +112,7 @@ class Runner:
         else:
             await asyncio.gather(*(self._one(action, name, jobs[name], chosen, scope) for name in hosts))
         failed = [h for h, j in jobs.items() if not j.ok]
-        self._say(E.ENDED, action=action, hosts=tuple(failed or hosts), ok=not failed, seconds=time.monotonic() - started,
+        self._say(T.ENDED, action=action, hosts=tuple(failed or hosts), ok=not failed, seconds=time.monotonic() - started,
                   text="; ".join(f"{h}: {jobs[h].outcome}" for h in failed))
         return jobs
 
@@ -153,7 +154,7 @@ class Runner:
         """`step`'s command on host `name`, made (holding the pipe ends it is given) but not started."""
         job.step = step.label
         job.progress = Progress(step.label, step.unit, rate=step.rate, items=dict(step.items))
-        self._say(E.STEP, name, action=job.action, text=step.label)
+        self._say(T.STEP, name, action=job.action, text=step.label)
         job.command = self.hosts[name].command(job.action, step.args, on_event=lambda c, e: self._event(name, job, c, e),
                                                on_line=lambda c, which, line: self._line(name, job, which, line), **pipes)
         self._moved(name, job, None)
@@ -173,7 +174,7 @@ class Runner:
         if job.progress is not None:
             job.pool = follow(job.progress, job.pool, event)
         if event.message and event.kind != "progress":
-            self._say(E.LINE, name, action=job.action, text=event.message, event=event)
+            self._say(T.LINE, name, action=job.action, text=event.message)
         self._moved(name, job, event)
 
     def _line(self, name: str, job: HostJob, which: str, line: str) -> None:
@@ -191,12 +192,12 @@ class Runner:
             return
         if which == "stdout":
             job.lines.append(line)
-        self._say(E.LINE, name, action=job.action, text=line)
+        self._say(T.LINE, name, action=job.action, text=line)
 
     def done(self, name: str, job: HostJob, outcome: str) -> None:
         job.outcome, job.took = outcome, time.monotonic() - job.started
         if outcome != "ok":
-            self._say(E.LINE, name, action=job.action, text=f"failed: {outcome}")
+            self._say(T.LINE, name, action=job.action, text=f"failed: {outcome}")
         self._moved(name, job, None)
 
     # -- the orderings ----------------------------------------------------------------------------
@@ -218,7 +219,7 @@ class Runner:
             return
         addr, _, port = str(record["master"]).rpartition(":")
         self.done(first, jobs[first], "ok")
-        self._say(E.STEP, first, action="launch", text=f"node 0 up: torchrun pid {record['pid']}, master {addr}:{port}")
+        self._say(T.STEP, first, action="launch", text=f"node 0 up: torchrun pid {record['pid']}, master {addr}:{port}")
 
         async def other(rank: int, name: str) -> None:
             if await self.step(name, jobs[name], A.node_start(self.spec, len(hosts), rank, addr, int(port))):
@@ -256,7 +257,7 @@ class Runner:
             self.done(name, job, "no other host holds what it misses under the same keys")
             return
         export, into = A.export_import(self.spec)
-        self._say(E.STEP, name, action="import", text=f"from {source}: {len(programs)} programs ({', '.join(programs)})")
+        self._say(T.STEP, name, action="import", text=f"from {source}: {len(programs)} programs ({', '.join(programs)})")
         read, write = os.pipe()
         try:  # each command holds its own end: ours close at once, so each sees the other's end
             out = self.hosts[source].command("import", export, stdout=write)

@@ -19,12 +19,12 @@ from console.data.collectors import default_preset
 from console.data.eta import Progress, follow
 from console.data.launch_state import ProgramStates
 from console.fleet import actions as A
-from console.fleet import events as E
 from console.fleet.runner import HostJob
 from console.tui.panes.programs import ProgramsPane
 from console.tui.panes.sidecars import SidecarsPane
 from console.tui.screens.confirm import ConfirmScreen
 from runtime.events import Event
+from store import timeline as T
 from store.checkpoint import INDEX_NAME
 
 HOST_ACTIONS = ("warm", "prepack", "compile", "purge")  # what the panes' keys start on their host
@@ -89,13 +89,13 @@ class JobControl:
         else:
             self.show_job(job.action)
 
-    def _said(self, event: E.FleetEvent) -> None:
+    def _said(self, event: T.TimelineEvent) -> None:
         """The fleet log's events about the shown host, in its Log pane."""
         if self.host is None or event.host != self.host.name:
             return
-        if event.kind == E.LINE:
+        if event.kind == T.LINE:
             self.app.log_line(event.action or event.host, event.text)
-        elif event.kind == E.STEP:
+        elif event.kind == T.STEP:
             self.app.log_line("console", f"{event.action}: {event.text}")
 
     def _ended(self, job: HostJob) -> None:
