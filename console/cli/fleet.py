@@ -53,6 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     logs.add_argument("host", metavar="HOST", help="the host (its name in the fleet)")
     logs.add_argument("--rank", type=int, metavar="N", help="the service's rank N (on whichever host it runs)")
     logs.add_argument("--pid", type=int, metavar="PID", help="which service of that host (default: the newest running)")
+    logs.add_argument("--previous", action="store_true", help="the previous run's log of the same (kept beside it)")
     logs.add_argument("--follow", action="store_true", help="keep printing lines as they are written (ctrl+c ends)")
     logs.set_defaults(func=cmd_logs)
     events = actions.add_parser("events", parents=[common], help="what happened on every host, merged by time: "
@@ -144,7 +145,9 @@ def cmd_logs(args: argparse.Namespace) -> int:
             raise UserError(f"{args.host}: not a host of this fleet ({', '.join(session.hosts)})")
         snap = session.collector.first(FIRST_ANSWER_S)
         chosen = feeds(session.hosts, snap, args.host, pid=args.pid, rank=args.rank, follow=args.follow)
-        return asyncio.run(_follow(chosen, args.follow))
+        if args.previous:
+            chosen = [chosen[0].earlier()]
+        return asyncio.run(_follow(chosen, args.follow and not args.previous))
     finally:
         session.close()
 

@@ -39,6 +39,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     log.add_argument("--pid", type=int, metavar="PID", help="the service (default: the newest running one)")
     log.add_argument("--rank", type=int, metavar="N", help="that service's rank N's own log")
     log.add_argument("--node", type=int, metavar="PID", help="a service node's log, by its agent pid (`dsv4 node ls`)")
+    log.add_argument("--previous", action="store_true",
+                     help="the previous run's log instead (kept beside the log when the same port, rank or node "
+                     "ran before)")
     log.add_argument("--follow", action="store_true", help="keep printing lines as they are written")
     log.set_defaults(func=cmd_log)
 
@@ -116,7 +119,7 @@ def cmd_log(args: argparse.Namespace) -> int:
     from console.data.logs import which_log
     from console.fleet.host import FOLLOWING, FileFeed
 
-    label, path = which_log(args.pid, args.rank, args.node)
+    label, path = which_log(args.pid, args.rank, args.node, args.previous)
     print(f"{FOLLOWING}{path}", file=sys.stderr, flush=True)
     feed = FileFeed(label, path)
     parent = os.getppid()

@@ -71,6 +71,7 @@ class LogFeed(ABC):
     label: str = "log"
     where: str = ""  # the file, as the host names it
     host_name: str = ""  # the host it is read on
+    earlier: Callable[[], LogFeed] | None = None  # the previous run's log of the same (`p` in the log view)
 
     def start(self) -> None:
         """Begin following (an event loop runs)."""
@@ -214,9 +215,10 @@ class Host(ABC):
 
     @abstractmethod
     def log(self, label: str, *, pid: int | None = None, rank: int | None = None, node: int | None = None,
-            follow: bool = True) -> LogFeed:
+            follow: bool = True, previous: bool = False) -> LogFeed:
         """A log of this host (followed as it grows, unless not `follow`): a service's (by pid;
-        None: the newest), one of its ranks', or a node's (`console.data.logs.which_log`)."""
+        None: the newest), one of its ranks', or a node's (`console.data.logs.which_log`);
+        `previous`: the previous run's, kept beside it."""
 
 
 class CommandFeed(LogFeed):

@@ -89,8 +89,8 @@ class LocalHost(Host):
         return await asyncio.to_thread(timeline.read_dir)
 
     def log(self, label: str, *, pid: int | None = None, rank: int | None = None, node: int | None = None,
-            follow: bool = True) -> LogFeed:
+            follow: bool = True, previous: bool = False) -> LogFeed:
         from console.data.logs import which_log
 
-        found, path = which_log(pid, rank, node)
+        found, path = which_log(pid, rank, node, previous)
         return FileFeed(label or found, path, self.name)

@@ -77,6 +77,8 @@ def test_logs_of_a_host_come_over_its_connection(fleet, capsys):
     assert main(["fleet", "logs", "a", "--hosts", "x"]) == 0
     assert capsys.readouterr().out.splitlines() == ["registering", "serving http://127.0.0.1:8000"]
     assert fleet["hosts"]["a"].commands[-1] == ("service", "log", "--pid", "4242")
+    assert main(["fleet", "logs", "a", "--hosts", "x", "--previous"]) == 0
+    assert fleet["hosts"]["a"].commands[-1] == ("service", "log", "--pid", "4242", "--previous")
 
 
 def test_status_lists_every_host(fleet, capsys):
