@@ -17,10 +17,13 @@ FOLLOW_POLL_S = 0.25
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    group = sub.add_parser("service", help="this host's services: ls, stop, dismiss, log",
+    group = sub.add_parser("service", help="this host's services: start, ls, stop, dismiss, log",
                            description="Every `dsv4 serve` of this user on this host, running or ended, and what "
                            "the console does to one: stop it, forget an ended one, follow its logs.")
     actions = group.add_subparsers(dest="action", metavar="ACTION", required=True)
+    from console.cli.service_start import register as register_start
+
+    register_start(actions)
     ls = actions.add_parser("ls", help="every service of this host, running or ended")
     ls.add_argument("--json", action="store_true", help="print them as JSON")
     ls.set_defaults(func=cmd_ls)

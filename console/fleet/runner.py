@@ -20,6 +20,7 @@ from console.data.eta import Progress, follow
 from console.data.launch_state import ProgramStates
 from console.fleet import actions as A
 from console.fleet import events as E
+from console.fleet.command import STOP_TIMEOUT
 from console.fleet.host import Host, HostReading
 from runtime.events import Event
 from runtime.launch.purge import Target
@@ -93,42 +94,69 @@ class Runner:
 
     # -- an action, start to end ----------------------------------------------------------------
 
+    @property
+    def alone(self) -> bool:
+        """A fleet of one (the one-host console): a launch there is one detached `dsv4 serve`."""
+        return len(self.hosts) == 1
+
     async def run(self, action: str, hosts: Sequence[str], *, chosen: Mapping[str, Sequence[str]] | None = None,
-                  scope: str = A.PLAN_SCOPE) -> dict[str, HostJob]:
+                  scope: str = A.PLAN_SCOPE, service: int | None = None,
+                  timeout: float = STOP_TIMEOUT) -> dict[str, HostJob]:
         """`action` on `hosts` (in node order: a launch's node 0 is the first); purge deletes
-        `chosen[host]` (what its dry run listed and the operator confirmed)."""
+        `chosen[host]` (what its dry run listed and the operator confirmed); stop and dismiss act
+        on one `service` (its pid on each host; a stop without one: the fleet's nodes), a stop's
+        SIGKILL after `timeout`."""
         if action not in A.ACTIONS:
             raise ValueError(f"unknown action {action}")
+        if action == "dismiss" and service is None:
+            raise ValueError("dismiss: which service (its pid)?")
         started = time.monotonic()
         self._say(T.STARTED, action=action, hosts=tuple(hosts))
         jobs = {name: HostJob(action) for name in hosts}
         self.jobs.update(jobs)
         for name, job in jobs.items():
             self._moved(name, job, None)
-        if action == "launch":
+        if action == "launch" and self.alone:
+            await self._one(action, hosts[0], jobs[hosts[0]])
+        elif action == "launch":
             await self.launch(hosts, jobs)
-        elif action == "stop":
+        elif action == "stop" and service is None:
             await self.stop(hosts, jobs)
         else:
-            await asyncio.gather(*(self._one(action, name, jobs[name], chosen, scope) for name in hosts))
+            todo = {"stop": A.Step(label="stop", args=A.service_stop(service, timeout)) if service else None,
+                    "dismiss": A.Step(label="dismiss", args=A.service_dismiss(service)) if service else None}
+            await asyncio.gather(*(self._one(action, name, jobs[name], chosen, scope, todo.get(action))
+                                   for name in hosts))
         failed = [h for h, j in jobs.items() if not j.ok]
         self._say(T.ENDED, action=action, hosts=tuple(failed or hosts), ok=not failed, seconds=time.monotonic() - started,
                   text="; ".join(f"{h}: {jobs[h].outcome}" for h in failed))
         return jobs
 
     async def _one(self, action: str, name: str, job: HostJob, chosen: Mapping[str, Sequence[str]] | None = None,
-                   scope: str = A.PLAN_SCOPE) -> None:
+                   scope: str = A.PLAN_SCOPE, step: A.Step | None = None) -> None:
         if action == "import":
             await self._import(name, job)
             return
-        if action == "purge":
+        if step is not None:
+            todo = [step]
+        elif action == "purge":
             todo = [A.Step(label="purge", args=A.purge_args(self.spec, scope, list((chosen or {}).get(name, ()))))]
+        elif action == "launch":  # a fleet of one: the service detached under its supervisor, its record said
+            todo = [A.service_start(self.spec)]
         else:
             todo = A.steps(action, self.spec, self._snapshot(name), self.registry, self.insecure)
-        for step in todo:
-            if not await self.step(name, job, step):
+        for one in todo:
+            if not await self.step(name, job, one):
                 return
+        if action == "launch" and (record := self.service_record(job)) is not None:
+            self._say(T.STEP, name, action="launch", text=f"service up: pid {record['pid']}, log "
+                      f"{record.get('log_file') or record.get('log')}")
         self.done(name, job, "ok")
+
+    @staticmethod
+    def service_record(job: HostJob) -> dict[str, Any] | None:
+        """The registry record a one-host launch printed (`dsv4 service start --json`)."""
+        return next((r for r in reversed(job.records) if "pid" in r and "cmdline" in r), None)
 
     async def listing(self, hosts: Sequence[str], scope: str = A.PLAN_SCOPE) -> dict[str, list[Target]]:
         """What a purge would delete on each host (`dsv4 purge --dry-run`), each file and why; a

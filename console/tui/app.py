@@ -171,9 +171,13 @@ class Dsv4Console(ReadingKeys, App):
         self.first_paint = time.monotonic()
 
     def _tick(self) -> None:
+        """Each second: a running job's progress, and every age an ending shows ("12 s ago" in
+        the header and the Registration pane: one clock, rendered again as it moves)."""
         if self.jobs_control.running():
             self.jobs_control.tick_jobs()
+        if self.jobs_control.running() or (self.launch is not None and self.launch.ending is not None):
             self.show_registration()
+            self.topbar()
 
     def _needs_default(self) -> bool:
         return self.spec.model == default_model_dir() and not (self.spec.model / INDEX_NAME).is_file()
@@ -288,16 +292,9 @@ class Dsv4Console(ReadingKeys, App):
             self.log_line(message.worker.name, message.line)
 
     def on_worker_event(self, message: WorkerEvent) -> None:
-        worker, event = message.worker, message.event
-        if event.kind == "error" and event.phase == worker.name:  # the parent's verdict on a dead worker
-            self.jobs_control.failed(worker, event)
-            if worker is self.service and self.launch:
-                self.launch.apply(event)
-            self.show_registration()
-        elif worker is self.service:
-            self.service_control.event(event)
-        else:
-            self.jobs_control.event(worker, event)
+        """An event of the held service (its events file, tailed): the actions' come through the runner."""
+        if message.worker is self.service:
+            self.service_control.event(message.event)
 
     # -- the one guard of every mutating action -----------------------------------------------
 
@@ -319,8 +316,9 @@ class Dsv4Console(ReadingKeys, App):
         jobs, service = self.jobs_control, self.service_control
         if name in HOST_ACTIONS:
             jobs.purge() if name == "purge" else jobs.start(name)
-        elif name == "launch" and self.host is not None and self.host.kind != "local":
-            self.fleet.act("launch", self.session.active())  # a fleet host's service is the fleet's
+        elif name == "launch" and (not self.session.alone or self.host.kind == "ssh"):
+            # a fleet host's service is the fleet's (one remote host alone: `dsv4 service start` there)
+            self.fleet.act("launch", self.session.active())
         else:
             {"create": jobs.create, "launch": service.launch_new, "stop": service.stop, "dismiss": service.dismiss}[name]()
 
