@@ -172,12 +172,16 @@ class Dsv4Console(ReadingKeys, App):
 
     def _tick(self) -> None:
         """Each second: a running job's progress, and every age an ending shows ("12 s ago" in
-        the header and the Registration pane: one clock, rendered again as it moves)."""
+        the header, the Registration pane and the Services pane: one clock, rendered again as it
+        moves)."""
         if self.jobs_control.running():
             self.jobs_control.tick_jobs()
         if self.jobs_control.running() or (self.launch is not None and self.launch.ending is not None):
             self.show_registration()
             self.topbar()
+        services = self.pane(ServicesPane)
+        if services is not None and self.snapshot is not None and any(v.ended for v in self.snapshot.services.services):
+            services.show(self.snapshot.services, time.time(), self.needle)  # its endings' ages, by the same clock
 
     def _needs_default(self) -> bool:
         return self.spec.model == default_model_dir() and not (self.spec.model / INDEX_NAME).is_file()

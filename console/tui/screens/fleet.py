@@ -223,8 +223,11 @@ class FleetScreen(Screen):
         if snap is not None and snap.nodes:
             v = snap.nodes[0]
             n, ending = v.node, v.node.ending
+            # how it ended is its cause (the failing rank's own words), never its log's last lines
+            # (torchrun's footer): those are its log's, L shows them
+            cause = ending.reason if ending else ""  # its state says how ("exited 1")
             lines.append(escape(f"  node {n.node_rank}/{n.nnodes} torchrun pid {n.pid} master {n.master}: {v.state}"
-                                + (f" — {' / '.join(ending.lines)[-160:]}" if ending and ending.lines else "")))
+                                + (f" — {cause}" if cause else "")))
         box.update("\n".join(lines))
 
     def on_data_table_row_highlighted(self, _event) -> None:

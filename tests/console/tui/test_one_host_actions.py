@@ -143,20 +143,29 @@ async def test_a_sweeps_gone_gives_way_to_the_supervisors_cause(tmp_path):
     assert alone.ending.by == "supervisor"
 
 
-async def test_the_age_of_an_ending_moves_in_the_header_and_registration():
-    """One clock: the header's and the Registration pane's `… ago` are rendered again each second."""
-    host = FakeHost("this", snapshots=[dataclasses.replace(snapshot(), services=ServicesSnapshot())])
+async def test_the_age_of_an_ending_moves_in_the_header_registration_and_services():
+    """One clock: the header's, the Registration pane's and the Services pane's `… ago` are
+    rendered again each second (the header kept saying `0 s ago` while Services said `2 min ago`)."""
+    ending = services.Ending(time.time(), "killed by SIGKILL", "serve", by="supervisor")
+    record = dataclasses.replace(_this_process_as_a_service(), state=services.ENDED, ending=ending)
+    ended = dataclasses.replace(snapshot(), services=ServicesSnapshot((ServiceView(record, "ok"),)))
+    host = FakeHost("this", snapshots=[ended])
     app = Dsv4Console(SPEC, host=host, watch=False, create_default=False, interval=0)
     async with app.run_test(size=(180, 50)) as pilot:
         await pilot.pause()
         app.launch = app.service_control.new_launch(spawned=time.time() - 60)
-        ending = services.Ending(time.time(), "killed by SIGKILL", "serve", by="supervisor")
         app.launch.end(ending.cause(), failed=True, ending=ending)
         app._tick()
         await pilot.pause()
-        assert "killed by SIGKILL 0 s ago during serve" in str(app.query_one("#topbar").render())
-        app.launch.ending = dataclasses.replace(ending, at=ending.at - 300)  # five minutes on
+        assert " s ago during serve" in str(app.query_one("#topbar").render())  # seconds, as the app started
+        assert " s ago during serve" in str(app.query_one("#services-summary").render())
+        # five minutes on (the records' clocks moved back, as the wall clock moves on)
+        app.launch.ending = later = dataclasses.replace(ending, at=ending.at - 300)
+        app.snapshot = dataclasses.replace(ended, services=ServicesSnapshot((
+            ServiceView(dataclasses.replace(record, ending=later), "ok"),)))
         app._tick()
         await pilot.pause()
         header, summary = str(app.query_one("#topbar").render()), str(app.query_one("#registration-summary").render())
+        listed = str(app.query_one("#services-summary").render())
     assert "killed by SIGKILL 5 min ago during serve" in header and "5 min ago" in summary
+    assert "killed by SIGKILL 5 min ago during serve" in listed
