@@ -123,8 +123,8 @@ class Runner:
         elif action == "stop" and service is None:
             await self.stop(hosts, jobs)
         else:
-            todo = {"stop": A.Step(label="stop", args=A.service_stop(service, timeout)) if service else None,
-                    "dismiss": A.Step(label="dismiss", args=A.service_dismiss(service)) if service else None}
+            todo = {"stop": A.Step(label=f"stop pid {service}", args=A.service_stop(service, timeout)) if service else None,
+                    "dismiss": A.Step(label=f"dismiss pid {service}", args=A.service_dismiss(service)) if service else None}
             await asyncio.gather(*(self._one(action, name, jobs[name], chosen, scope, todo.get(action))
                                    for name in hosts))
         failed = [h for h, j in jobs.items() if not j.ok]
