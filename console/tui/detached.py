@@ -36,7 +36,6 @@ class Detached:
         self.events = Path(service.events) if service.events else Path()
         self.stderr_tail: deque[str] = deque(maxlen=STDERR_TAIL)
         self.returncode: int | None = None  # never known here: the registry's ending says how it ended
-        self.stopping = False
         self.started: float | None = service.create_time  # the process's start time
         self._filter = LineFilter()
 
