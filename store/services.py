@@ -46,7 +46,7 @@ KEEP_ENDED = 20  # ended records kept (newest first) until dismissed; older ones
 ID_ENV = "DSV4_SERVICE_ID"  # the launcher's identity, handed to its ranks (they are that service)
 # who recorded an ending, weakest first: a stronger witness replaces a weaker one's words (the
 # launcher saw a rank die, which rank 0 only hears of)
-WITNESSES = ("registry", "console", "service", "launcher")
+WITNESSES = ("registry", "console", "supervisor", "service", "launcher")  # the supervisor saw its exit status
 LOG_TAIL_LINES = 5  # an ending keeps this many last lines of the service's log
 LOG_TAIL_BYTES = 16 << 10  # read from the log's end, never more
 GONE = "gone"
@@ -130,10 +130,16 @@ class Ending:
         return cls(**{**known, "log": tuple(str(x) for x in raw.get("log") or ())})
 
     def line(self, now: float | None = None) -> str:
-        """`killed by SIGKILL 12 s ago during serve: <error>`."""
+        """`killed by SIGKILL 12 s ago during serve: <error>`: its age as of `now` (render it
+        again as time goes: the age moves)."""
         ago = max(0.0, (now or time.time()) - self.at)
         when = f"{ago:.0f} s ago" if ago < 120 else f"{ago / 60:.0f} min ago" if ago < 7200 else f"{ago / 3600:.0f} h ago"
-        text = f"{self.how} {when}" + (f" during {self.phase}" if self.phase else "")
+        return self.cause(f"{self.how} {when}")
+
+    def cause(self, how: str | None = None) -> str:
+        """`killed by SIGKILL during serve: <error>`: how, the phase, and the error line — the cause,
+        never the log's last line (those are `log`)."""
+        text = (how or self.how) + (f" during {self.phase}" if self.phase else "")
         return text + (f": {self.error}" if self.error else "")
 
 

@@ -114,8 +114,9 @@ class TimelineEvent:
         return f"{time.strftime('%H:%M:%S', time.localtime(self.ts))} {self.sentence()}"
 
     def key(self) -> tuple:
-        """What makes two events repeats of one another (their time, pid and figures aside)."""
-        return self.kind, self.host, self.action, self.hosts, self.text, self.ok, self.rank
+        """What makes two events repeats of one another (their time, pid and figures aside; two
+        services serving at two URLs are two events)."""
+        return self.kind, self.host, self.action, self.hosts, self.text, self.ok, self.rank, self.url
 
     def to_json(self) -> dict[str, Any]:
         """Its fields, those at their defaults left out (a subclass's own fields stay home)."""

@@ -164,11 +164,17 @@ class FixedHost(LocalHost):
         self.received = time.monotonic()
         self.on_change()
 
-    def log(self, label: str, *, pid=None, rank=None, node=None, follow: bool = True):
+    def log(self, label: str, *, pid=None, rank=None, node=None, follow: bool = True, previous: bool = False):
+        from store.errors import UserError
+        from store.logs import previous_of
+
         view = next(v for v in self.latest.services.services if pid is None or v.pid == pid)
-        logs = dict(view.logs())
-        name = "service" if rank is None else f"rank {rank}"
-        return FileFeed(label, logs[name], self.name)
+        path = dict(view.logs())["service" if rank is None else f"rank {rank}"]
+        if previous:  # as which_log: the record's previous_log, else the one kept beside the log
+            path = view.record.previous_log if rank is None and view.record.previous_log else str(previous_of(Path(path)))
+            if not Path(path).is_file():
+                raise UserError(f"{label}: no previous run's log here")
+        return FileFeed(label, path, self.name)
 
 
 FakeCollectors = FixedHost  # the name the older tests know it by

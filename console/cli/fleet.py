@@ -53,11 +53,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     logs.add_argument("host", metavar="HOST", help="the host (its name in the fleet)")
     logs.add_argument("--rank", type=int, metavar="N", help="the service's rank N (on whichever host it runs)")
     logs.add_argument("--pid", type=int, metavar="PID", help="which service of that host (default: the newest running)")
+    logs.add_argument("--previous", action="store_true", help="the previous run's log of the same (kept beside it)")
     logs.add_argument("--follow", action="store_true", help="keep printing lines as they are written (ctrl+c ends)")
     logs.set_defaults(func=cmd_logs)
     events = actions.add_parser("events", parents=[common], help="what happened on every host, merged by time: "
-                                "launches and how they ended, services and hosts now")
-    events.add_argument("--json", action="store_true", help="one JSON object per event")
+                                "services registering, serving, failed, stopped, relaunched; hosts stale, "
+                                "unreachable and back; actions started and ended (each host's timeline, read over "
+                                "its connection)")
+    events.add_argument("--json", action="store_true", help="one JSON object per event (repeats not folded)")
     events.set_defaults(func=cmd_events)
 
 
@@ -142,7 +145,9 @@ def cmd_logs(args: argparse.Namespace) -> int:
             raise UserError(f"{args.host}: not a host of this fleet ({', '.join(session.hosts)})")
         snap = session.collector.first(FIRST_ANSWER_S)
         chosen = feeds(session.hosts, snap, args.host, pid=args.pid, rank=args.rank, follow=args.follow)
-        return asyncio.run(_follow(chosen, args.follow))
+        if args.previous:
+            chosen = [chosen[0].earlier()]
+        return asyncio.run(_follow(chosen, args.follow and not args.previous))
     finally:
         session.close()
 
@@ -167,15 +172,20 @@ async def _follow(chosen, follow: bool) -> int:
 
 
 def cmd_events(args: argparse.Namespace) -> int:
-    from console.fleet.events import timeline
-    from console.fleet.logs import history_events
+    """Every host's timeline, read over its connection, and this host's (the consoles' actions and
+    what they saw of the hosts), merged by time; repeats folded in the text."""
+    from console.fleet.events import gather, lines
 
     session = _session(args)
     try:
-        session.collector.once(FIRST_ANSWER_S)
-        history = history_events(session.collector.history())
+        events, problems = asyncio.run(gather(session.hosts))
     finally:
         session.close()
-    for event in timeline(history, session.log.events()):
-        print(json.dumps(event.to_json()) if args.json else event.line())
-    return 0
+    for host, why in problems.items():
+        print(f"{host}: its timeline could not be read: {why}", file=sys.stderr)
+    if args.json:
+        for event in events:
+            print(json.dumps(event.to_json()))
+    else:
+        print("\n".join(lines(events)) if events else "nothing happened yet (no host's timeline has an event)")
+    return 1 if problems else 0

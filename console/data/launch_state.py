@@ -213,7 +213,8 @@ class LaunchState:
     # world size its check announced
     ranks: dict[int, Track] = field(default_factory=dict)
     world: int | None = None
-    ended: str = ""  # how the service's process ended, once it has ("killed by SIGKILL 3 s ago during serve")
+    ended: str = ""  # how the service's process ended, its cause, once it has ("killed by SIGKILL during serve")
+    ending: Any = None  # the registry's store.services.Ending it was read from (its time: the age moves)
 
     def current_phase(self) -> str:
         """The phase the launch is in: the one running, else serve once it served, else the last
@@ -226,16 +227,22 @@ class LaunchState:
         started = [p for p in PHASES if self.phases[p].state != PENDING]
         return started[-1] if started else ""
 
-    def end(self, line: str, failed: bool) -> None:
-        """The service's process is gone: how, and (when it did not stop as asked) the phase it
-        was in fails, so no row says ✓ or "serving" beside a process that is not there."""
+    def end(self, line: str, failed: bool, ending: Any = None) -> None:
+        """The service's process is gone: how (`line`: the cause; `ending`: the registry's value,
+        whose age `ended_line` renders as time goes), and (when it did not stop as asked) the
+        phase it was in fails, so no row says ✓ or "serving" beside a process that is not there."""
         phase = self.current_phase()
-        self.ended = line
+        self.ended, self.ending = line, ending
         if failed and phase and self.phases[phase].state != FAILED:
             p = self.phases[phase]
             p.state, p.path = FAILED, line
         elif not failed:
             self.stopped = True
+
+    def ended_line(self, now: float | None = None) -> str:
+        """How it ended with its age as of `now` (`killed by SIGKILL 2 min ago during serve`): one
+        clock for the header, this pane and the Services pane, rendered again as it moves."""
+        return self.ending.line(now) if self.ending is not None else self.ended
 
     @property
     def tier_line(self) -> str:

@@ -236,9 +236,13 @@ class ServiceView:
         return "this console" if mine else "a console" if self.from_console else "a shell"
 
     def logs(self) -> list[tuple[str, str]]:
-        """(label, path) of every log it has: the service's, then each rank's."""
-        out = [("service", self.record.log)] if self.record.log else []
-        return out + [(f"rank {r}", p) for r, p in enumerate(self.record.rank_logs) if p]
+        """(label, path) of every log it has: the service's own (its capped log file; an older
+        dsv4's: its output), then each rank's."""
+        record = self.record
+        own = record.log_file or record.log
+        ranks = [f or (record.rank_logs[r] if r < len(record.rank_logs) else "")
+                 for r, f in enumerate(record.rank_log_files)] or list(record.rank_logs)
+        return ([("service", own)] if own else []) + [(f"rank {r}", p) for r, p in enumerate(ranks) if p]
 
     def to_json(self) -> dict[str, Any]:
         return {**self.record.to_json(), "identity": self.identity.key, "state": self.state, "health": self.health,

@@ -2,10 +2,16 @@
 lines it runs there, chosen from that host's own snapshot. Warm reads the sidecar where there is
 one (the host says) and compiles what the launch misses; prepack replaces one only after asking;
 purge lists what that host's plan allows it to delete, and deletes only what was confirmed and a
-fresh look there still allows. The launch across hosts is `dsv4 node start` on every host (node
-0 first: its free port is the master's), the stop `dsv4 node stop` (node 0 first); an import
-pipes `cache export` on the host that holds the entries into `cache import` on the one that
-misses them. `console.fleet.runner` runs them; the console and `dsv4 fleet` start them.
+fresh look there still allows; an import pipes `cache export` on the host that holds the entries
+into `cache import` on the one that misses them; the first run's `create` makes the embedded
+default checkpoint.
+
+A launch has two forms, one action: on a fleet of one (the one-host console), `dsv4 service start`
+— `dsv4 serve` detached under a supervisor that records how it ended, its registry record printed,
+so the console attaches to it as it re-attaches to any —; across hosts, `dsv4 node start` on every
+host (node 0 first: its free port is the master's). A stop likewise: one service, by its pid
+(`dsv4 service stop`, SIGTERM then SIGKILL after a timeout), or the fleet's nodes (`dsv4 node
+stop`, node 0 first). `console.fleet.runner` runs them; the console and `dsv4 fleet` start them.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from dataclasses import dataclass, field
 
 from runtime.launch.spec import CACHE, COMPILE, PLAN, PREPACK, SERVE, LaunchSpec
 
-ACTIONS = ("warm", "prepack", "compile", "purge", "pull", "import", "launch", "stop")
+ACTIONS = ("warm", "prepack", "compile", "purge", "pull", "import", "launch", "stop", "dismiss", "create")
 WHAT = {
     "warm": "read the sidecar into the page cache (where there is one), then compile what the launch misses",
     "prepack": "pack the checkpoint into a sidecar for the service's ranks (replacing one that exists)",
@@ -27,7 +33,10 @@ WHAT = {
     "launch": "start the service across these hosts: torchrun on each with its node rank, node 0 first",
     "stop": "stop the service's node on each host, node 0 first (SIGTERM: rank 0 drains, then stops the other ranks; "
             "a node stopped while node 0 serves is a lost rank: the service fails)",
+    "dismiss": "forget an ended service of the host (its record goes)",
+    "create": "create the embedded default checkpoint (the first run)",
 }
+ONE_HOST_LAUNCH = "start `dsv4 serve` on this host, detached (it outlives the console), its ending recorded"
 PLAN_SCOPE, CACHE_SCOPE = "plan", "cache"  # runtime.launch.purge's scopes
 
 
@@ -69,6 +78,11 @@ def steps(action: str, spec: LaunchSpec, snapshot=None, registry: str = "", inse
                                          *(["--insecure"] if insecure else [])))]
     if action == "stop":
         return [Step(label="stop", args=("node", "stop", "--json"))]
+    if action == "create":
+        from store.paths import default_preset
+
+        return [Step(label=f"creating the default {default_preset()} checkpoint (first run)",
+                     args=("check", "--events", "-"), unit="bytes")]
     raise ValueError(f"{action}: not a one-step action (launch, import and purge have their own)")
 
 
@@ -109,6 +123,12 @@ def node_start(spec: LaunchSpec, hosts: int, node_rank: int, master_addr: str, m
     return Step(label=f"launch node {node_rank}", args=(
         "node", "start", "--json", "--nnodes", str(hosts), "--node-rank", str(node_rank), "--nproc-per-node", str(per),
         "--master-addr", master_addr, "--master-port", str(master_port), *serve))
+
+
+def service_start(spec: LaunchSpec) -> Step:
+    """`dsv4 service start`: the launch of a fleet of one — `dsv4 serve` with the launch flags,
+    detached under its supervisor; its registry record printed (one JSON line)."""
+    return Step(label="start the service, detached", args=("service", "start", "--json", *spec.with_(events=None).argv(SERVE)))
 
 
 def service_stop(pid: int, timeout: float) -> tuple[str, ...]:

@@ -1,137 +1,117 @@
-"""What happened on the hosts, as values: an action started or ended (with its hosts), a step of
-it, a host stale, unreachable or back (with how long), a service registering, serving, failed
-(its rank, host and reason) or stopped. Each says itself in a sentence (`FleetEvent.sentence`):
-the fleet log shows sentences, never a raw record.
+"""What happened on the hosts, in the console's memory and on disk: one vocabulary, the
+timeline's (`store.timeline.TimelineEvent`: an action started or ended with its hosts, a step of
+it, a host stale, unreachable or back with how long, a service registering, serving, failed with
+its rank, host and reason, stopped or relaunched), each saying itself in a sentence.
 
-Events are kept per host (`FleetLog`) and merge by time into one timeline (`timeline`); each is
-a frozen value with `to_json`/`from_json`, so a host's events can be kept on disk and a
-timeline merged from several. Torch-free, no Textual.
+`FleetLog` keeps what this console saw and did, per host, for its screens (listeners hear each
+event as it comes); what only the console can know — a host going stale, unreachable and coming
+back, a host left out, an action started and ended — it also appends to this host's timeline file,
+where the services and nodes append their own. `gather` reads every host's timeline (this one's
+from its files, another's over its own connection: `Host.timeline`) and merges them by time:
+what `e` shows and `dsv4 fleet events` prints. Torch-free, no Textual.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import socket
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field, fields
 from typing import Any
 
-from console import fmt
+from console.data.snapshot import LOCAL
+from store import timeline as T
+from store.timeline import TimelineEvent
 
-FLEET = ""  # the host of an event about the fleet as a whole (an action over several hosts)
-# kinds
-STARTED, STEP, LINE, PROGRESS, ENDED = "action.started", "action.step", "action.line", "action.progress", "action.ended"
-STALE, UNREACHABLE, BACK = "host.stale", "host.unreachable", "host.back"
-LEFT_OUT, BROUGHT_BACK = "host.left_out", "host.brought_back"
-REGISTERING, SERVING, FAILED, STOPPED = "service.registering", "service.serving", "service.failed", "service.stopped"
-KEPT = 500  # events kept per host
-
-
-@dataclass(frozen=True, kw_only=True)
-class FleetEvent:
-    kind: str
-    host: str = FLEET
-    ts: float = field(default_factory=time.time)
-    action: str = ""
-    hosts: tuple[str, ...] = ()  # an action's hosts
-    text: str = ""  # a step's label, a line, a reason, how a service ended
-    ok: bool | None = None  # an action's outcome
-    seconds: float | None = None  # an action's time, how long a host was away or stale
-    rank: int | None = None  # a failed service's rank
-    url: str = ""  # a serving service's
-    pid: int | None = None  # a service's, a node's
-    done: float | None = None  # progress
-    total: float | None = None
-    event: Any = field(default=None, compare=False, repr=False)  # the command's own runtime.events.Event, if any
-
-    def sentence(self) -> str:
-        """The event in words, as the fleet log says it."""
-        on = ", ".join(self.hosts) or self.host
-        took = f" in {fmt.duration(self.seconds)}" if self.seconds is not None else ""
-        where = f" on {self.host}" if self.host else ""
-        match self.kind:
-            case "action.started":
-                return f"{self.action} started on {on}" + (f": {self.text}" if self.text else "")
-            case "action.ended":
-                if self.ok:
-                    return f"{self.action} done on {on}{took}"
-                return f"{self.action} failed on {on}{took}" + (f": {self.text}" if self.text else "")
-            case "action.step" | "action.line":
-                if self.action:
-                    return f"{self.action}{where}: {self.text}"
-                return f"{self.host}: {self.text}" if self.host else self.text
-            case "action.progress":
-                count = f" {self.done:g}/{self.total:g}" if self.done is not None and self.total else ""
-                return f"{self.action}{where}: {self.text}{count}"
-            case "host.stale":
-                return f"{self.host} stale: {self.text}"
-            case "host.unreachable":
-                return f"{self.host} unreachable: {self.text}"
-            case "host.back":
-                return f"{self.host} back after {fmt.duration(self.seconds or 0)}" + (f" ({self.text})" if self.text else "")
-            case "host.left_out":
-                return f"{self.host} left out: ranks, plans and launches cover the others"
-            case "host.brought_back":
-                return f"{self.host} brought back into the fleet"
-            case "service.registering":
-                return f"service registering on {self.host}" + (f" (pid {self.pid})" if self.pid else "") + \
-                    (f": {self.text}" if self.text else "")
-            case "service.serving":
-                return f"service serving {self.url or ''} on {self.host}".replace("  ", " ") + \
-                    (f" (pid {self.pid})" if self.pid else "")
-            case "service.failed":
-                return f"service on {self.host} failed: {self.text}".rstrip(": ")
-            case "service.stopped":
-                return f"service on {self.host} stopped" + (f": {self.text}" if self.text else "")
-        return f"{self.kind}{where}: {self.text}"
-
-    def line(self) -> str:
-        """`14:02:33 <sentence>`: the event with its local time."""
-        return f"{time.strftime('%H:%M:%S', time.localtime(self.ts))} {self.sentence()}"
-
-    def to_json(self) -> dict[str, Any]:
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "event"}
-        out["hosts"] = list(self.hosts)
-        return out
-
-    @classmethod
-    def from_json(cls, raw: Mapping[str, Any]) -> FleetEvent:
-        known = {f.name: raw[f.name] for f in fields(cls) if f.name in raw and f.name != "event"}
-        known["hosts"] = tuple(str(h) for h in raw.get("hosts") or ())
-        return cls(**known)
+KEPT = 500  # events kept in memory per host
+# what only the console knows, kept on disk in this host's timeline (a service's own events are
+# written by the service; an action's steps and lines stay in the console's log)
+PERSISTED = frozenset({T.STARTED, T.ENDED, T.STALE, T.UNREACHABLE, T.BACK, T.LEFT_OUT, T.BROUGHT_BACK})
 
 
-def timeline(*streams: Iterable[FleetEvent]) -> list[FleetEvent]:
-    """Events of several hosts (or several files of one) as one list, oldest first."""
-    return sorted((e for s in streams for e in s), key=lambda e: e.ts)
+def on_disk(event: TimelineEvent) -> TimelineEvent:
+    """`event` as this host's timeline keeps it: this host by its hostname, not a fleet of one's `local`."""
+    name = socket.gethostname()
+
+    def real(host: str) -> str:
+        return name if host == LOCAL else host
+
+    if event.host != LOCAL and LOCAL not in event.hosts:
+        return event
+    return dataclasses.replace(event, host=real(event.host), hosts=tuple(real(h) for h in event.hosts))
 
 
 class FleetLog:
-    """Every host's events, kept per host (the fleet's own under FLEET); listeners hear each one
-    as it is added (the fleet screen's log, `dsv4 fleet`'s output). Thread-safe: the collector
-    adds from its thread."""
+    """Every host's events as this console saw them, kept per host (the fleet's own under
+    `store.timeline.FLEET`); listeners hear each one as it is added (the screens' logs, `dsv4
+    fleet`'s output); the kinds only the console knows (PERSISTED) also go to this host's timeline
+    file (`keep`). Thread-safe: the collector adds from its thread."""
 
-    def __init__(self) -> None:
-        self.by_host: dict[str, deque[FleetEvent]] = {}
-        self.listeners: list[Callable[[FleetEvent], None]] = []
+    def __init__(self, keep: bool = True) -> None:
+        self.by_host: dict[str, deque[TimelineEvent]] = {}
+        self.listeners: list[Callable[[TimelineEvent], None]] = []
+        self.keep = keep
         self._lock = threading.Lock()
 
-    def add(self, event: FleetEvent) -> FleetEvent:
+    def add(self, event: TimelineEvent) -> TimelineEvent:
         with self._lock:
             self.by_host.setdefault(event.host, deque(maxlen=KEPT)).append(event)
             listeners = list(self.listeners)
+        if self.keep and event.kind in PERSISTED:
+            T.append(on_disk(event), T.host_file())  # never raises: a full disk must not stop the console
         for listen in listeners:
             listen(event)
         return event
 
-    def events(self, host: str | None = None) -> list[FleetEvent]:
+    def say(self, kind: str, host: str = T.FLEET, **fields: Any) -> TimelineEvent:
+        """Add an event of `kind` (now)."""
+        return self.add(TimelineEvent(kind=kind, host=host, **fields))
+
+    def events(self, host: str | None = None) -> list[TimelineEvent]:
         """One host's events (None: every host's, merged by time)."""
         with self._lock:
             if host is not None:
                 return list(self.by_host.get(host, ()))
             streams = [list(s) for s in self.by_host.values()]
-        return timeline(*streams)
+        return T.merge(*streams)
 
     def sentences(self) -> list[str]:
         return [e.sentence() for e in self.events()]
+
+
+def unique(events: Iterable[TimelineEvent]) -> list[TimelineEvent]:
+    """Events read twice (two hosts sharing a state directory, a file and its copy) once, in time order."""
+    seen: set[str] = set()
+    out = []
+    for e in T.merge(events):
+        key = repr(sorted(e.to_json().items()))
+        if key not in seen:
+            seen.add(key)
+            out.append(e)
+    return out
+
+
+async def gather(hosts: Mapping[str, Any]) -> tuple[list[TimelineEvent], dict[str, str]]:
+    """Every host's timeline (`Host.timeline`: this host's files, another's over its connection),
+    merged by time, and each host that could not say why; this host's own file is read once even
+    when no host of the fleet is this one (the console's actions and what it saw of the hosts are
+    kept there)."""
+    names = list(hosts)
+    answers = await asyncio.gather(*(hosts[n].timeline() for n in names), return_exceptions=True)
+    streams: list[list[TimelineEvent]] = []
+    problems: dict[str, str] = {}
+    for name, answer in zip(names, answers, strict=True):
+        if isinstance(answer, BaseException):
+            problems[name] = str(answer) or type(answer).__name__
+        else:
+            streams.append(answer)
+    if not any(getattr(h, "kind", "") == "local" for h in hosts.values()):
+        streams.append(await asyncio.to_thread(T.read_dir))
+    return unique(e for s in streams for e in s), problems
+
+
+def lines(events: Iterable[TimelineEvent]) -> list[str]:
+    """The timeline as a person reads it: repeats folded (`(×5 since 13:40:02)`), oldest first."""
+    return [c.line() for c in T.counted(events)]

@@ -204,10 +204,10 @@ class FakeHost(Host):
         self.away = ""
 
     def log(self, label: str, *, pid: int | None = None, rank: int | None = None, node: int | None = None,
-            follow: bool = True) -> LogFeed:
+            follow: bool = True, previous: bool = False) -> LogFeed:
         from console.data.logs import log_args
 
-        args = ("service", "log", *log_args(pid, rank, node))
+        args = ("service", "log", *log_args(pid, rank, node, previous))
         self.commands.append(args)
         feed = ScriptedFeed(label, self.answer(args).lines, " ".join(args))
         feed.host_name = self.name

@@ -7,7 +7,9 @@ A host
   every action goes through, its stdin and stdout pipeable into another host's command);
 - answers snapshots of the launch it was given (`watch`, then `ask` / `pending` / `reading`: a
   reading says when it is not fresh, and why, and keeps what was last known);
-- follows a service's or a rank's log (`log`), and a node's.
+- follows a service's or a rank's log (`log`), and a node's, and the previous run's of each;
+- tells what happened there (`timeline`: its services', nodes' and consoles' events, from its
+  `store.timeline` files).
 
 Three implementations: this host (`console.fleet.local`), a host over ssh with one shared
 connection (`console.fleet.remote`), and a fake that records the commands it was given and
@@ -26,6 +28,7 @@ from typing import Any, ClassVar
 from console.data.snapshot import Snapshot
 from runtime.events import Event
 from runtime.launch.spec import LaunchSpec
+from store.timeline import TimelineEvent
 
 OnEvent = Callable[[Any, Event], None]
 OnLine = Callable[[Any, str, str], None]  # (command, "stdout" | "stderr", line)
@@ -68,6 +71,7 @@ class LogFeed(ABC):
     label: str = "log"
     where: str = ""  # the file, as the host names it
     host_name: str = ""  # the host it is read on
+    earlier: Callable[[], LogFeed] | None = None  # the previous run's log of the same (`p` in the log view)
 
     def start(self) -> None:
         """Begin following (an event loop runs)."""
@@ -191,13 +195,30 @@ class Host(ABC):
         """The console is leaving: end what runs for it (snapshots, shared connections)."""
         return None  # nothing to do for most hosts
 
+    # -- what happened there ------------------------------------------------------------------------
+
+    async def timeline(self) -> list[TimelineEvent]:
+        """Every event this host's timeline files keep (`dsv4 events --json` there, through the
+        funnel), oldest first; a UserError saying why when it cannot be read."""
+        from store import timeline
+        from store.errors import UserError
+
+        said: list[str] = []
+        command = self.command("events", ("events", "--json"),
+                               on_line=lambda _c, which, line: said.append(line) if which == "stdout" else None)
+        code = await command.run()
+        if code != 0:
+            raise UserError(self.why(code, list(command.stderr_tail)))
+        return timeline.parse(said)
+
     # -- logs -----------------------------------------------------------------------------------
 
     @abstractmethod
     def log(self, label: str, *, pid: int | None = None, rank: int | None = None, node: int | None = None,
-            follow: bool = True) -> LogFeed:
+            follow: bool = True, previous: bool = False) -> LogFeed:
         """A log of this host (followed as it grows, unless not `follow`): a service's (by pid;
-        None: the newest), one of its ranks', or a node's (`console.data.logs.which_log`)."""
+        None: the newest), one of its ranks', or a node's (`console.data.logs.which_log`);
+        `previous`: the previous run's, kept beside it."""
 
 
 class CommandFeed(LogFeed):

@@ -11,6 +11,7 @@ from console.data.snapshot import LOCAL, Snapshot
 from console.fleet.command import Worker, dsv4
 from console.fleet.host import FileFeed, Host, HostReading, LogFeed, OnEvent, OnLine
 from runtime.launch.spec import LaunchSpec
+from store.timeline import TimelineEvent
 
 
 def _ignore(*_: Any) -> None:
@@ -79,9 +80,17 @@ class LocalHost(Host):
         if self.collectors is not None:
             self.collectors.plans.invalidate()
 
+    async def timeline(self) -> list[TimelineEvent]:
+        """This host's timeline files, read here (off the event loop)."""
+        import asyncio
+
+        from store import timeline
+
+        return await asyncio.to_thread(timeline.read_dir)
+
     def log(self, label: str, *, pid: int | None = None, rank: int | None = None, node: int | None = None,
-            follow: bool = True) -> LogFeed:
+            follow: bool = True, previous: bool = False) -> LogFeed:
         from console.data.logs import which_log
 
-        found, path = which_log(pid, rank, node)
+        found, path = which_log(pid, rank, node, previous)
         return FileFeed(label or found, path, self.name)

@@ -1,15 +1,13 @@
 """A service's logs across its hosts: its own log on the host it runs from, and each rank's on
 whichever host that rank runs — a rank of this host by the log its launcher keeps, a rank on
 another host of the fleet by that host's node log — each read over that host's own connection
-(`Host.log`). And the launch history as events, for the fleet's timeline. Torch-free, no Textual."""
+(`Host.log`). Torch-free, no Textual."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from console.data.records import LaunchRecord
 from console.data.services import ServiceView
-from console.fleet import events as E
 from console.fleet.host import Host, LogFeed
 from store.errors import UserError
 
@@ -34,10 +32,18 @@ def _node_of(readings, name: str):
     return next((n for n in nodes if n.running), nodes[0] if nodes else None)
 
 
+def _feed(h: Host, label: str, follow: bool, **where) -> LogFeed:
+    """`h`'s log `where` says, which knows how to open the previous run's of the same (`p`)."""
+    feed = h.log(label, follow=follow, **where)
+    feed.earlier = lambda: h.log(f"{label}, previous run", follow=False, previous=True, **where)
+    return feed
+
+
 def feeds(hosts: Mapping[str, Host], fleet_snapshot, host: str, *, view: ServiceView | None = None,
           pid: int | None = None, rank: int | None = None, follow: bool = True) -> list[LogFeed]:
     """The logs of the service on `host` (`view`, or the one `pid` names, or the newest): its own,
-    then each rank's (`rank`: that one only). A host with no service: its node's log."""
+    then each rank's own (`rank`: that one only), a rank on another host of the fleet read there,
+    from that host's node. A host with no service: its node's log."""
     readings: Sequence = fleet_snapshot.hosts
     reading = fleet_snapshot.reading(host)
     snap = reading.snapshot if reading is not None else None
@@ -47,42 +53,25 @@ def feeds(hosts: Mapping[str, Host], fleet_snapshot, host: str, *, view: Service
         node = _node_of(readings, host)
         if node is None:
             raise UserError(f"{host}: no service and no node there to read a log of")
-        return [h.log(f"node {node.node.node_rank}", node=node.node.pid, follow=follow)]
-    out = [] if rank is not None else [h.log("service", pid=view.pid, follow=follow)]
+        return [_feed(h, f"node {node.node.node_rank}", follow, node=node.node.pid)]
+    out = [] if rank is not None else [_feed(h, "service", follow, pid=view.pid)]
     here = view.record.host or (snap.hostname if snap is not None else "")  # what the service's own host calls itself
-    ranks = [r.rank for r in view.ranks] or list(range(len(view.record.rank_logs)))
+    kept = dict(view.logs())
+    ranks = [r.rank for r in view.ranks] or [int(k.split()[1]) for k in kept if k.startswith("rank ")]
     for r in ranks if rank is None else [rank]:
         health = next((x for x in view.ranks if x.rank == r), None)
         where = health.host if health is not None and health.host else here
-        if where == here and r < len(view.record.rank_logs) and view.record.rank_logs[r]:
-            out.append(h.log(f"rank {r}", pid=view.pid, rank=r, follow=follow))
+        if where == here and f"rank {r}" in kept:
+            out.append(_feed(h, f"rank {r}", follow, pid=view.pid, rank=r))
             continue
         other = _host_named(readings, where)
         node = _node_of(readings, other) if other is not None else None
         if other is not None and other != host and node is not None:
-            out.append(hosts[other].log(f"rank {r} on {other}", node=node.node.pid, follow=follow))
+            # its own log among its node's (`serve-PORT.rankR.log`), over that host's connection; a node
+            # of an older dsv4 keeps none apart: torchrun's log, every rank of that host in it
+            own = {"rank": r} if node.node.service_logs else {}
+            out.append(_feed(hosts[other], f"rank {r} on {other}", follow, node=node.node.pid, **own))
         elif rank is not None:
             raise UserError(f"rank {r} of pid {view.pid} runs on {where or 'an unknown host'}, whose log this fleet "
                             f"cannot reach")
-    return out
-
-
-def history_events(records: Sequence[LaunchRecord]) -> list[E.FleetEvent]:
-    """Each launch of the history as events: registering when it started, then serving, stopped
-    or failed when its record says it ended so."""
-    out = []
-    for r in records:
-        host = r.host
-        if r.started:
-            out.append(E.FleetEvent(kind=E.REGISTERING, host=host, ts=r.started, pid=r.pid, text=r.model))
-        if r.ended is None:
-            continue
-        if r.outcome == "ok" and not r.end:
-            out.append(E.FleetEvent(kind=E.SERVING, host=host, ts=r.ended, pid=r.pid, seconds=r.seconds))
-        elif r.outcome == "ok" or r.end.startswith("stopped"):
-            out.append(E.FleetEvent(kind=E.STOPPED, host=host, ts=r.ended, pid=r.pid, text=r.end))
-        else:
-            phase = f" during {r.failed_phase}" if r.failed_phase else ""
-            out.append(E.FleetEvent(kind=E.FAILED, host=host, ts=r.ended, pid=r.pid,
-                                    text=f"{r.end or r.outcome}{phase}: {r.error}".rstrip(": ")))
     return out

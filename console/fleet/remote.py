@@ -96,8 +96,9 @@ class SshHost(Host):
         return self.stream.reading(now)
 
     def log(self, label: str, *, pid: int | None = None, rank: int | None = None, node: int | None = None,
-            follow: bool = True) -> LogFeed:
-        return CommandFeed(self, label, ("service", "log", *log_args(pid, rank, node), *(("--follow",) if follow else ())))
+            follow: bool = True, previous: bool = False) -> LogFeed:
+        return CommandFeed(self, label, ("service", "log", *log_args(pid, rank, node, previous),
+                                                  *(("--follow",) if follow and not previous else ())))
 
     def close(self) -> None:
         if self.stream is not None:

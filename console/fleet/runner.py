@@ -20,10 +20,12 @@ from console.data.eta import Progress, follow
 from console.data.launch_state import ProgramStates
 from console.fleet import actions as A
 from console.fleet import events as E
+from console.fleet.command import STOP_TIMEOUT
 from console.fleet.host import Host, HostReading
 from runtime.events import Event
 from runtime.launch.purge import Target
 from runtime.launch.spec import LaunchSpec
+from store import timeline as T
 
 
 @dataclass
@@ -84,50 +86,77 @@ class Runner:
         for listen in list(self.listeners):
             listen(host, job, event)
 
-    def _say(self, kind: str, host: str = E.FLEET, **kw: Any) -> None:
-        self.log.add(E.FleetEvent(kind=kind, host=host, **kw))
+    def _say(self, kind: str, host: str = T.FLEET, **kw: Any) -> None:
+        self.log.add(T.TimelineEvent(kind=kind, host=host, **kw))
 
     def _snapshot(self, host: str):
         return next((r.snapshot for r in self.readings() if r.host == host), None)
 
     # -- an action, start to end ----------------------------------------------------------------
 
+    @property
+    def alone(self) -> bool:
+        """A fleet of one (the one-host console): a launch there is one detached `dsv4 serve`."""
+        return len(self.hosts) == 1
+
     async def run(self, action: str, hosts: Sequence[str], *, chosen: Mapping[str, Sequence[str]] | None = None,
-                  scope: str = A.PLAN_SCOPE) -> dict[str, HostJob]:
+                  scope: str = A.PLAN_SCOPE, service: int | None = None,
+                  timeout: float = STOP_TIMEOUT) -> dict[str, HostJob]:
         """`action` on `hosts` (in node order: a launch's node 0 is the first); purge deletes
-        `chosen[host]` (what its dry run listed and the operator confirmed)."""
+        `chosen[host]` (what its dry run listed and the operator confirmed); stop and dismiss act
+        on one `service` (its pid on each host; a stop without one: the fleet's nodes), a stop's
+        SIGKILL after `timeout`."""
         if action not in A.ACTIONS:
             raise ValueError(f"unknown action {action}")
+        if action == "dismiss" and service is None:
+            raise ValueError("dismiss: which service (its pid)?")
         started = time.monotonic()
-        self._say(E.STARTED, action=action, hosts=tuple(hosts))
+        self._say(T.STARTED, action=action, hosts=tuple(hosts))
         jobs = {name: HostJob(action) for name in hosts}
         self.jobs.update(jobs)
         for name, job in jobs.items():
             self._moved(name, job, None)
-        if action == "launch":
+        if action == "launch" and self.alone:
+            await self._one(action, hosts[0], jobs[hosts[0]])
+        elif action == "launch":
             await self.launch(hosts, jobs)
-        elif action == "stop":
+        elif action == "stop" and service is None:
             await self.stop(hosts, jobs)
         else:
-            await asyncio.gather(*(self._one(action, name, jobs[name], chosen, scope) for name in hosts))
+            todo = {"stop": A.Step(label=f"stop pid {service}", args=A.service_stop(service, timeout)) if service else None,
+                    "dismiss": A.Step(label=f"dismiss pid {service}", args=A.service_dismiss(service)) if service else None}
+            await asyncio.gather(*(self._one(action, name, jobs[name], chosen, scope, todo.get(action))
+                                   for name in hosts))
         failed = [h for h, j in jobs.items() if not j.ok]
-        self._say(E.ENDED, action=action, hosts=tuple(failed or hosts), ok=not failed, seconds=time.monotonic() - started,
+        self._say(T.ENDED, action=action, hosts=tuple(failed or hosts), ok=not failed, seconds=time.monotonic() - started,
                   text="; ".join(f"{h}: {jobs[h].outcome}" for h in failed))
         return jobs
 
     async def _one(self, action: str, name: str, job: HostJob, chosen: Mapping[str, Sequence[str]] | None = None,
-                   scope: str = A.PLAN_SCOPE) -> None:
+                   scope: str = A.PLAN_SCOPE, step: A.Step | None = None) -> None:
         if action == "import":
             await self._import(name, job)
             return
-        if action == "purge":
+        if step is not None:
+            todo = [step]
+        elif action == "purge":
             todo = [A.Step(label="purge", args=A.purge_args(self.spec, scope, list((chosen or {}).get(name, ()))))]
+        elif action == "launch":  # a fleet of one: the service detached under its supervisor, its record said
+            todo = [A.service_start(self.spec)]
         else:
             todo = A.steps(action, self.spec, self._snapshot(name), self.registry, self.insecure)
-        for step in todo:
-            if not await self.step(name, job, step):
+        for one in todo:
+            if not await self.step(name, job, one):
                 return
+        if action == "launch" and (record := self.service_record(job)) is not None:
+            self._say(T.STEP, name, action="launch", text=f"service up: pid {record['pid']}, log "
+                      f"{record.get('log_file') or record.get('log')}")
         self.done(name, job, "ok")
+
+    @staticmethod
+    def service_record(job: HostJob) -> dict[str, Any] | None:
+        """The registry record a one-host launch printed (`dsv4 service start --json`)."""
+        return next((r for r in reversed(job.records) if "pid" in r and "cmdline" in r), None)
 
     async def listing(self, hosts: Sequence[str], scope: str = A.PLAN_SCOPE) -> dict[str, list[Target]]:
         """What a purge would delete on each host (`dsv4 purge --dry-run`), each file and why; a
@@ -153,7 +182,7 @@ class Runner:
         """`step`'s command on host `name`, made (holding the pipe ends it is given) but not started."""
         job.step = step.label
         job.progress = Progress(step.label, step.unit, rate=step.rate, items=dict(step.items))
-        self._say(E.STEP, name, action=job.action, text=step.label)
+        self._say(T.STEP, name, action=job.action, text=step.label)
         job.command = self.hosts[name].command(job.action, step.args, on_event=lambda c, e: self._event(name, job, c, e),
                                                on_line=lambda c, which, line: self._line(name, job, which, line), **pipes)
         self._moved(name, job, None)
@@ -173,7 +202,7 @@ class Runner:
         if job.progress is not None:
             job.pool = follow(job.progress, job.pool, event)
         if event.message and event.kind != "progress":
-            self._say(E.LINE, name, action=job.action, text=event.message, event=event)
+            self._say(T.LINE, name, action=job.action, text=event.message)
         self._moved(name, job, event)
 
     def _line(self, name: str, job: HostJob, which: str, line: str) -> None:
@@ -191,12 +220,12 @@ class Runner:
             return
         if which == "stdout":
             job.lines.append(line)
-        self._say(E.LINE, name, action=job.action, text=line)
+        self._say(T.LINE, name, action=job.action, text=line)
 
     def done(self, name: str, job: HostJob, outcome: str) -> None:
         job.outcome, job.took = outcome, time.monotonic() - job.started
         if outcome != "ok":
-            self._say(E.LINE, name, action=job.action, text=f"failed: {outcome}")
+            self._say(T.LINE, name, action=job.action, text=f"failed: {outcome}")
         self._moved(name, job, None)
 
     # -- the orderings ----------------------------------------------------------------------------
@@ -218,7 +247,7 @@ class Runner:
             return
         addr, _, port = str(record["master"]).rpartition(":")
         self.done(first, jobs[first], "ok")
-        self._say(E.STEP, first, action="launch", text=f"node 0 up: torchrun pid {record['pid']}, master {addr}:{port}")
+        self._say(T.STEP, first, action="launch", text=f"node 0 up: torchrun pid {record['pid']}, master {addr}:{port}")
 
         async def other(rank: int, name: str) -> None:
             if await self.step(name, jobs[name], A.node_start(self.spec, len(hosts), rank, addr, int(port))):
@@ -256,7 +285,7 @@ class Runner:
             self.done(name, job, "no other host holds what it misses under the same keys")
             return
         export, into = A.export_import(self.spec)
-        self._say(E.STEP, name, action="import", text=f"from {source}: {len(programs)} programs ({', '.join(programs)})")
+        self._say(T.STEP, name, action="import", text=f"from {source}: {len(programs)} programs ({', '.join(programs)})")
         read, write = os.pipe()
         try:  # each command holds its own end: ours close at once, so each sees the other's end
             out = self.hosts[source].command("import", export, stdout=write)

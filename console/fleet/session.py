@@ -13,6 +13,7 @@ from console.fleet.host import Host
 from console.fleet.runner import Runner
 from console.fleet.spec import Fleet
 from runtime.launch.spec import LaunchSpec
+from store import timeline as T
 
 
 class FleetSession:
@@ -77,14 +78,14 @@ class FleetSession:
             raise ValueError("every other host is left out already: a service needs one host")
         self.left_out |= {name}
         self.watch()
-        self.log.add(E.FleetEvent(kind=E.LEFT_OUT, host=name))
+        self.log.add(T.TimelineEvent(kind=T.LEFT_OUT, host=name))
 
     def bring_back(self, name: str) -> None:
         if name not in self.left_out:
             return
         self.left_out -= {name}
         self.watch()
-        self.log.add(E.FleetEvent(kind=E.BROUGHT_BACK, host=name))
+        self.log.add(T.TimelineEvent(kind=T.BROUGHT_BACK, host=name))
 
     def launch_problem(self) -> str:
         """Why a launch over the active hosts cannot start now ("" when it can), in words."""

@@ -8,8 +8,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from console.fleet import events as E
 from console.fleet.host import HostReading
+from store import timeline as T
 
 STOPPED_WORDS = ("stopped",)  # how a service that was asked to stop says it ended (`store.services.how`)
 
@@ -28,9 +28,9 @@ class Transitions:
     def __init__(self) -> None:
         self.hosts: dict[str, _Host] = {}
 
-    def see(self, readings: tuple[HostReading, ...], now: float | None = None) -> list[E.FleetEvent]:
+    def see(self, readings: tuple[HostReading, ...], now: float | None = None) -> list[T.TimelineEvent]:
         now = time.time() if now is None else now
-        out: list[E.FleetEvent] = []
+        out: list[T.TimelineEvent] = []
         for r in readings:
             known = self.hosts.setdefault(r.host, _Host())
             out += self._reach(r, known, now)
@@ -38,7 +38,7 @@ class Transitions:
                 out += self._services(r, known, now)
         return out
 
-    def _reach(self, r: HostReading, known: _Host, now: float) -> list[E.FleetEvent]:
+    def _reach(self, r: HostReading, known: _Host, now: float) -> list[T.TimelineEvent]:
         if r.connecting:
             return []
         state = r.state
@@ -47,11 +47,11 @@ class Transitions:
         was, since = known.state, known.since
         known.state, known.since = state, now
         if state == "fresh":
-            return [E.FleetEvent(kind=E.BACK, host=r.host, ts=now, seconds=now - since)] if was else []
-        kind = E.UNREACHABLE if state == "unreachable" else E.STALE
-        return [E.FleetEvent(kind=kind, host=r.host, ts=now, text=r.error or state)]
+            return [T.TimelineEvent(kind=T.BACK, host=r.host, ts=now, seconds=now - since)] if was else []
+        kind = T.UNREACHABLE if state == "unreachable" else T.STALE
+        return [T.TimelineEvent(kind=kind, host=r.host, ts=now, text=r.error or state)]
 
-    def _services(self, r: HostReading, known: _Host, now: float) -> list[E.FleetEvent]:
+    def _services(self, r: HostReading, known: _Host, now: float) -> list[T.TimelineEvent]:
         out = []
         for view in r.snapshot.services.services:
             key, state = view.identity.key, view.state
@@ -66,26 +66,26 @@ class Transitions:
         return out
 
 
-def _service_event(host: str, view, now: float) -> E.FleetEvent | None:
+def _service_event(host: str, view, now: float) -> T.TimelineEvent | None:
     state = view.state
     if state == "registering":
         phase = view.detail.phase if view.detail is not None else ""
-        return E.FleetEvent(kind=E.REGISTERING, host=host, ts=now, pid=view.pid, text=phase)
+        return T.TimelineEvent(kind=T.REGISTERING, host=host, ts=now, pid=view.pid, text=phase)
     if state == "serving":
-        return E.FleetEvent(kind=E.SERVING, host=host, ts=now, pid=view.pid, url=view.url)
+        return T.TimelineEvent(kind=T.SERVING, host=host, ts=now, pid=view.pid, url=view.url)
     if state == "failed":
         lost = next((rk for rk in view.ranks if rk.error), None)
         reason = (view.detail.reason if view.detail is not None else "") or (lost.error if lost else "")
         if lost is not None and f"rank {lost.rank}" not in reason:  # name the rank and its host, once
             reason = f"rank {lost.rank}" + (f" on {lost.host}" if lost.host else "") + f": {reason}"
-        return E.FleetEvent(kind=E.FAILED, host=host, ts=now, pid=view.pid, rank=lost.rank if lost else None,
+        return T.TimelineEvent(kind=T.FAILED, host=host, ts=now, pid=view.pid, rank=lost.rank if lost else None,
                             text=reason)
     if view.ended:
         ending = view.record.ending
         how = ending.how if ending else "ended"
         if how.startswith(STOPPED_WORDS):
-            return E.FleetEvent(kind=E.STOPPED, host=host, ts=now, pid=view.pid, text=how)
+            return T.TimelineEvent(kind=T.STOPPED, host=host, ts=now, pid=view.pid, text=how)
         said = f"{how} during {ending.phase}" if ending and ending.phase else how
-        return E.FleetEvent(kind=E.FAILED, host=host, ts=now, pid=view.pid,
+        return T.TimelineEvent(kind=T.FAILED, host=host, ts=now, pid=view.pid,
                             text=f"{said}: {ending.error}" if ending and ending.error else said)
     return None

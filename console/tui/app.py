@@ -15,16 +15,14 @@ screen is shown. No torch: the commands import it, the console never does.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
 from typing import Any, ClassVar
 
 from textual import work
-from textual.app import App, ComposeResult, SystemCommand
-from textual.binding import Binding, BindingType
+from textual.app import App, ComposeResult
+from textual.binding import BindingType
 from textual.containers import Grid
 from textual.css.query import NoMatches
-from textual.screen import Screen
-from textual.widgets import Footer, Input, Static
+from textual.widgets import Footer, Static
 
 from console.data.collectors import default_model_dir
 from console.data.launch_state import LaunchState
@@ -36,7 +34,7 @@ from console.tui.control.jobs import HOST_ACTIONS, JobControl
 from console.tui.control.service import ServiceControl
 from console.tui.control.watch import FileWatch
 from console.tui.filter_box import FilterBox
-from console.tui.keys import BINDINGS, FLEET_MUTATING, MUTATING, system_commands
+from console.tui.keys import BINDINGS, FLEET_MUTATING, MUTATING
 from console.tui.panes.device import DevicePane
 from console.tui.panes.host import HostPane
 from console.tui.panes.log import LogPane
@@ -44,11 +42,8 @@ from console.tui.panes.programs import ProgramsPane
 from console.tui.panes.registration import RegistrationPane
 from console.tui.panes.services import ServicesPane
 from console.tui.panes.sidecars import SidecarsPane
-from console.tui.screens.detail import DetailScreen
+from console.tui.reading import ReadingKeys
 from console.tui.screens.fleet import FleetScreen
-from console.tui.screens.help import HelpScreen
-from console.tui.screens.history import HistoryScreen
-from console.tui.tables import PaneTable
 from console.tui.topbar import topbar_line
 from console.tui.workers import WorkerEvent, WorkerLine
 from runtime.launch.spec import LaunchSpec
@@ -58,7 +53,7 @@ MIN_SIZE = (80, 24)  # below this: one line saying so, not a broken layout
 COMPACT_BELOW = (120, 36)  # below this: one column, panes collapse to summaries but the focused one
 
 
-class Dsv4Console(App):
+class Dsv4Console(ReadingKeys, App):
     CSS_PATH = "app.tcss"
     TITLE = "dsv4-console"
     AUTO_FOCUS = "#programs-table"
@@ -176,9 +171,17 @@ class Dsv4Console(App):
         self.first_paint = time.monotonic()
 
     def _tick(self) -> None:
+        """Each second: a running job's progress, and every age an ending shows ("12 s ago" in
+        the header, the Registration pane and the Services pane: one clock, rendered again as it
+        moves)."""
         if self.jobs_control.running():
             self.jobs_control.tick_jobs()
+        if self.jobs_control.running() or (self.launch is not None and self.launch.ending is not None):
             self.show_registration()
+            self.topbar()
+        services = self.pane(ServicesPane)
+        if services is not None and self.snapshot is not None and any(v.ended for v in self.snapshot.services.services):
+            services.show(self.snapshot.services, time.time(), self.needle)  # its endings' ages, by the same clock
 
     def _needs_default(self) -> bool:
         return self.spec.model == default_model_dir() and not (self.spec.model / INDEX_NAME).is_file()
@@ -293,97 +296,9 @@ class Dsv4Console(App):
             self.log_line(message.worker.name, message.line)
 
     def on_worker_event(self, message: WorkerEvent) -> None:
-        worker, event = message.worker, message.event
-        if event.kind == "error" and event.phase == worker.name:  # the parent's verdict on a dead worker
-            self.jobs_control.failed(worker, event)
-            if worker is self.service and self.launch:
-                self.launch.apply(event)
-            self.show_registration()
-        elif worker is self.service:
-            self.service_control.event(event)
-        else:
-            self.jobs_control.event(worker, event)
-
-    # -- read-only actions --------------------------------------------------------------------
-
-    def action_refresh(self) -> None:
-        self.refresh_now()
-
-    def action_help(self) -> None:
-        self.push_screen(HelpScreen(self.all_bindings(), MUTATING, self.readonly))
-
-    def all_bindings(self) -> list[Binding]:
-        return [b for b in [*self.BINDINGS, *PaneTable.BINDINGS]
-                if isinstance(b, Binding) and (b.id != "fleet" or not self.session.alone)]
-
-    def action_history(self) -> None:
-        """`h`: the shown host's launch history (asked of it: another host's travels in its snapshot)."""
-        if self.host is None:
-            return
-        if not self.host.blocking:
-            self.push_screen(HistoryScreen(self.session.collector.history(only=[self.host.name])))
-            return
-        self._history(self.host.name)
-
-    @work(thread=True, exclusive=True, group="history")
-    def _history(self, name: str) -> None:
-        records = self.session.collector.history(only=[name])
-        self.call_from_thread(self.push_screen, HistoryScreen(records))
-
-    def action_kernel_cache(self) -> None:
-        pane = self.pane(ProgramsPane)
-        table = pane.toggle() if pane is not None else None
-        if table is not None:
-            table.focus()
-
-    def action_service_log(self) -> None:
-        self.service_control.open_log()
-
-    def action_zoom(self) -> None:
-        screen = self.screen
-        if screen.maximized is not None:
-            screen.minimize()
-            return
-        focused = self.focused
-        pane = next((a for a in (focused.ancestors if focused else []) if a.has_class("pane")), None)
-        if pane is not None:
-            screen.maximize(pane, container=False)
-
-    def action_save_log(self) -> None:
-        pane = self.pane(LogPane)
-        path = pane.save() if pane is not None else None
-        if path:
-            self.notify(f"log saved to {path}", title="saved")
-
-    def on_pane_table_chosen(self, message: PaneTable.Chosen) -> None:
-        self.push_screen(DetailScreen(message.pane, message.row))
-
-    def action_filter(self) -> None:
-        """`/` on either screen: the one filter box, the shown screen's rows narrowed as it is typed."""
-        self.screen.query_one(FilterBox).open()
-
-    def on_input_changed(self, event: Input.Changed) -> None:
-        if event.input.id != "filter":
-            return
-        self.needle = event.value.strip().lower()
-        if isinstance(self.screen, FleetScreen):
-            self.screen.filter(self.needle)  # the fleet screen's hosts
-            return
-        pane = self.pane(LogPane)
-        if pane is not None:
-            pane.filter(self.needle)
-        if self.snapshot:
-            self.apply_snapshot(self.snapshot, force=True)
-
-    def on_key(self, event) -> None:
-        boxes = self.screen.query(FilterBox)
-        if event.key == "escape" and boxes and boxes.first().display:  # esc: the filter goes with the box
-            boxes.first().clear_and_close()
-            event.stop()
-
-    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
-        """The palette (ctrl+p) lists every action of the console; read-only hides the mutating."""
-        yield from system_commands(self)
+        """An event of the held service (its events file, tailed): the actions' come through the runner."""
+        if message.worker is self.service:
+            self.service_control.event(message.event)
 
     # -- the one guard of every mutating action -----------------------------------------------
 
@@ -405,8 +320,9 @@ class Dsv4Console(App):
         jobs, service = self.jobs_control, self.service_control
         if name in HOST_ACTIONS:
             jobs.purge() if name == "purge" else jobs.start(name)
-        elif name == "launch" and self.host is not None and self.host.kind != "local":
-            self.fleet.act("launch", self.session.active())  # a fleet host's service is the fleet's
+        elif name == "launch" and (not self.session.alone or self.host.kind == "ssh"):
+            # a fleet host's service is the fleet's (one remote host alone: `dsv4 service start` there)
+            self.fleet.act("launch", self.session.active())
         else:
             {"create": jobs.create, "launch": service.launch_new, "stop": service.stop, "dismiss": service.dismiss}[name]()
 

@@ -21,6 +21,8 @@ BINDINGS: list[BindingType] = [
             tooltip="filter every pane's rows and the log (enter keeps it, esc clears it)"),
     Binding("z", "zoom", "Zoom", id="zoom", tooltip="maximise the focused pane (again: restore)"),
     Binding("h", "history", "History", id="history", show=False, tooltip="past launches, newest first"),
+    Binding("e", "events", "Events", id="events", show=False,
+            tooltip="what happened: services, hosts and actions, one timeline merged by time (repeats counted)"),
     Binding("c", "kernel_cache", "Kernel cache", id="kernel-cache", show=False,
             tooltip="Programs pane: next launch's programs ↔ the kernel cache's entries"),
     Binding("ctrl+s", "save_log", "Save log", id="save-log", show=False,

@@ -19,7 +19,7 @@ def topbar_line(app: Any, compact: bool) -> str:
     if app.service_control.running:
         service = f"[green]service {app.service_control.name()}[/]"
     elif app.launch and app.launch.ended and not app.launch.stopped:
-        service = f"[red]service ended: {app.launch.ended}[/]"
+        service = f"[red]service ended: {escape(app.launch.ended_line())}[/]"
     else:
         service = f"[dim]l binds {s.host}:{s.port}[/]"
     settings = [f"device {device}", f"backend {s.backend}"] + ([f"ranks {s.ranks}"] if s.ranks > 1 else [])

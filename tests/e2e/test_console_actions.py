@@ -204,11 +204,23 @@ async def test_launch_streams_every_phase_survives_the_console_and_a_new_console
     assert services.services() == []  # stopped as the operator asked: no row left to dismiss
 
 
+STAND_IN = ("import time; from store.services import Announcement; a = Announcement('/models/m'); "
+            "a.serving('http://127.0.0.1:9'); print('up', flush=True); time.sleep(600)")
+
+
 def _sleeper(app: Dsv4Console, tmp_path: Path) -> Detached:
-    """A detached stand-in for a service: output to a file, own session, like `l` starts one."""
-    return Detached("launch", [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(600)"],
-                    **app.worker_callbacks(), log=tmp_path / "svc.log",
-                    events=tmp_path / "svc.events.jsonl")
+    """A stand-in for a service: detached (own session, output to a file), in the registry, held
+    by the console as `l` holds the service it starts (by its record)."""
+    from store import services
+
+    with open(tmp_path / "svc.log", "ab") as out:
+        proc = subprocess.Popen([sys.executable, "-c", STAND_IN], stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                                start_new_session=True)
+    deadline = time.monotonic() + WAIT
+    while (record := services.find(proc.pid)) is None or record.state != services.SERVING:
+        assert time.monotonic() < deadline, "the stand-in never announced itself"
+        time.sleep(0.05)
+    return Detached(record, **app.worker_callbacks())
 
 
 async def test_quit_with_a_running_service_asks_and_can_stop_it(tiny_ckpt_ro, tmp_path):
@@ -219,9 +231,9 @@ async def test_quit_with_a_running_service_asks_and_can_stop_it(tiny_ckpt_ro, tm
         await until(pilot, lambda: app.service.running, "sleeper")
         await app.run_action("quit")  # ctrl+q and the palette's Quit: the same dialog as q
         await until(pilot, lambda: isinstance(app.screen, QuitScreen), "quit dialog")
-        await pilot.press("s")
-        await until(pilot, lambda: app.service.returncode is not None, "stopped")
-    assert app.service.returncode != 0 and app.failures == []  # stopped on request: not a failure
+        await pilot.press("s")  # stopped through the host's `dsv4 service stop`
+        await until(pilot, lambda: not app.service.running, "stopped")
+    assert app.failures == []  # stopped on request: not a failure
 
 
 async def test_leave_running_detaches_for_real_and_prints_where_it_is(tiny_ckpt_ro, tmp_path):
@@ -263,22 +275,28 @@ async def test_first_run_creates_the_embedded_default_with_progress(tmp_path, mo
     app = Dsv4Console(console_spec(kernel_cache=tmp_path / "programs", backend="eager"), watch=False, interval=0.5)
     shown: list[tuple[float | None, float | None, str, str]] = []  # (done, total, job line, Registration's)
     async with app.run_test() as pilot:
-        real = app.jobs_control.event
+        ended: list[object] = []
 
-        def event(worker, e) -> None:  # every event the creation sends, and what the panes say then
-            real(worker, e)
-            if worker.name == "create" and (p := app.jobs_control.progress.get("create")) is not None:
+        def moved(host, job, e) -> None:  # every move of the creation (an action of the runner), and what the panes say then
+            if job.action != "create":
+                return
+            if job.outcome:
+                ended.append(job)
+            elif (p := app.jobs_control.progress.get("create")) is not None:
                 shown.append((p.done, p.total, str(app.query_one("#sidecars-job Static").render()),
                               str(app.query_one("#registration-summary").render())))
 
-        app.jobs_control.event = event
+        app.session.runner.listeners.append(moved)  # after the console's own: it has shown the move
         await until(pilot, lambda: "create" in app.jobs, "create started")
         assert "creating the default" in str(app.query_one("#sidecars-job Static").render())
-        await until(pilot, lambda: done(app, "create"), "create")
-        await asyncio.sleep(0)
+        await until(pilot, lambda: ended, "create")
+        await pilot.pause()
         logged = [text for _, _, text in app.query_one(LogPane).lines]
         told = [n.message for n in app._notifications]
-    assert app.jobs["create"].returncode == 0
+        after = str(app.query_one("#registration-summary").render())
+    [job] = ended
+    assert job.ok, job.outcome
+    assert "creating the default" not in after  # once done the pane no longer waits for it (it did until a restart)
     assert (target / sidecar.INDEX_NAME).is_file()
     # real progress: bytes written of the checkpoint's total, then what comes next
     total = json.loads((target / sidecar.INDEX_NAME).read_text())["metadata"]["total_size"]

@@ -234,7 +234,8 @@ async def test_a_service_launched_across_two_hosts_serves_stops_and_a_lost_host_
                 assert labels[0] == ("service", "host-a") and ("rank 1 on host-b", "host-b") in labels, labels
                 await pilot.press(str(labels.index(("rank 1 on host-b", "host-b"))))
                 await _until(pilot, lambda: view.lines, "rank 1's log, read on host-b")
-                assert "node" in view.feeds[view.which].where
+                # rank 1's own log file among host-b's node's service logs (no longer the node's torchrun log)
+                assert view.feeds[view.which].where.endswith(".rank1.log"), view.feeds[view.which].where
                 await pilot.press("escape", "F")
 
                 await pilot.press("a", "s", "y")

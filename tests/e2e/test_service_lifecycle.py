@@ -121,9 +121,9 @@ async def test_a_killed_service_the_console_launched_is_one_row_one_record_never
         summary = str(app.query_one("#registration-summary").render())
         assert "killed by SIGKILL" in summary and "during serve" in summary and "serving http" not in summary
         assert app.launch.phases["serve"].state == "error"
-        # a registry sweep may see the dead pid first ("gone"); the console's words replace it
-        await until(pilot, lambda: any(v.ended and v.record.ending.by == "console"
-                                       for v in app.snapshot.services.services), "the console's ended row")
+        # a registry sweep may see the dead pid first ("gone"); its supervisor's words replace it
+        await until(pilot, lambda: any(v.ended and v.record.ending.by == "supervisor"
+                                       for v in app.snapshot.services.services), "the supervisor's ended row")
         [view] = app.snapshot.services.services
         assert (view.pid, view.state, view.record.ending.how, view.record.ending.phase) == (
             pid, "ended", "killed by SIGKILL", "serve")

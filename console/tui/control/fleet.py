@@ -12,11 +12,11 @@ from rich.markup import escape
 
 from console import fmt
 from console.fleet import actions as A
-from console.fleet import events as E
 from console.fleet.runner import HostJob
 from console.fleet.session import FleetSession
 from console.tui.screens.confirm import ConfirmScreen
 from runtime.events import Event
+from store import timeline as T
 
 
 class FleetControl:
@@ -47,9 +47,9 @@ class FleetControl:
             return None
         return screen if screen.is_attached else None
 
-    def _said(self, event: E.FleetEvent) -> None:
+    def _said(self, event: T.TimelineEvent) -> None:
         """An event, in its sentence, in the fleet log (from the collector's thread too)."""
-        if event.kind == E.PROGRESS:
+        if event.kind == T.PROGRESS:
             return
         self.log.append((event.host, event.sentence()))
         screen = self._screen()
@@ -59,10 +59,10 @@ class FleetControl:
             self.app.call_from_thread(screen.add_event, event)
         except RuntimeError:  # on the app's own thread already
             screen.add_event(event)
-        if event.kind == E.ENDED:
+        if event.kind == T.ENDED:
             self._ended(event)
 
-    def _ended(self, event: E.FleetEvent) -> None:
+    def _ended(self, event: T.TimelineEvent) -> None:
         if event.ok:
             self.app.notify(escape(event.sentence()), title="done")
         else:
@@ -110,7 +110,7 @@ class FleetControl:
                              lambda yes: self.run(action, hosts) if yes else self._cancelled(action))
 
     def _cancelled(self, action: str) -> None:
-        self.session.log.add(E.FleetEvent(kind=E.LINE, text=f"{action}: cancelled, nothing run"))
+        self.session.log.add(T.TimelineEvent(kind=T.LINE, text=f"{action}: cancelled, nothing run"))
 
     def run(self, action: str, hosts: list[str], chosen: dict[str, list[str]] | None = None) -> None:
         self.app.run_worker(self.session.runner.run(action, hosts, chosen=chosen), group="fleet")

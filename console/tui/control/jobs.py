@@ -3,12 +3,13 @@ screen): warm, prepack, compile and purge start here and run through the fleet's
 (`console.fleet.runner`, the very code the fleet screen and `dsv4 fleet` run), on that host's
 own `dsv4`; their progress (done/total, elapsed, ETA, what now) shows in the Sidecars pane (a
 compile's in the Programs pane, each program's row saying where it is), their lines in the log,
-a notification when each ends. The first run's default checkpoint (`create`) is this host's."""
+a notification when each ends. The first run's default checkpoint (`create`) is an action too,
+this host's; while it runs the Registration pane says what the next launch waits for, and once it
+ends, what the plan says."""
 
 from __future__ import annotations
 
 import shlex
-import time
 from typing import Any
 
 from rich.markup import escape
@@ -16,18 +17,19 @@ from textual.app import App
 
 from console import fmt
 from console.data.collectors import default_preset
-from console.data.eta import Progress, follow
+from console.data.eta import Progress
 from console.data.launch_state import ProgramStates
 from console.fleet import actions as A
-from console.fleet import events as E
 from console.fleet.runner import HostJob
 from console.tui.panes.programs import ProgramsPane
 from console.tui.panes.sidecars import SidecarsPane
 from console.tui.screens.confirm import ConfirmScreen
 from runtime.events import Event
+from store import timeline as T
 from store.checkpoint import INDEX_NAME
 
 HOST_ACTIONS = ("warm", "prepack", "compile", "purge")  # what the panes' keys start on their host
+SHOWN = (*HOST_ACTIONS, "create")  # the jobs whose progress the panes show
 
 
 class JobControl:
@@ -76,7 +78,7 @@ class JobControl:
 
     def _changed(self, host: str, job: HostJob, event: Event | None) -> None:
         """A job of the runner moved: the shown host's shows in its panes."""
-        if self.host is None or host != self.host.name or job.action not in HOST_ACTIONS:
+        if self.host is None or host != self.host.name or job.action not in SHOWN:
             return
         if job.command is not None:
             self.jobs[job.action] = job.command
@@ -89,13 +91,13 @@ class JobControl:
         else:
             self.show_job(job.action)
 
-    def _said(self, event: E.FleetEvent) -> None:
+    def _said(self, event: T.TimelineEvent) -> None:
         """The fleet log's events about the shown host, in its Log pane."""
         if self.host is None or event.host != self.host.name:
             return
-        if event.kind == E.LINE:
+        if event.kind == T.LINE:
             self.app.log_line(event.action or event.host, event.text)
-        elif event.kind == E.STEP:
+        elif event.kind == T.STEP:
             self.app.log_line("console", f"{event.action}: {event.text}")
 
     def _ended(self, job: HostJob) -> None:
@@ -105,12 +107,19 @@ class JobControl:
         if pane is not None:
             pane.job("")
         self.app.log_line("console", f"{name}: {'done' if job.ok else job.outcome}")
-        if job.ok:
+        if job.ok and name == "create":
+            self.app.notify("the default checkpoint is ready: w warms it (reads the sidecar, compiles the "
+                            "programs), then l launches", title="next", timeout=15)
+            self.app.log_line("console", "next: w warms the checkpoint (compiles its programs), then l launches")
+        elif job.ok:
             self.app.notify(f"{name} done in {fmt.duration(job.took or 0)}", title="done")
         else:
             failure = job.failure or Event(name, "error", message=f"{name}: {job.outcome}", detail={})
             self.failed(failure)
+        self.app.show_registration()  # a job that ended no longer holds the next launch back
         self.app.topbar()
+        if name == "create" and self.host is not None:
+            self.host.replan()  # the checkpoint the plan failed on is there now
         self.app.refresh_now()
 
     # -- starting -------------------------------------------------------------------------------
@@ -220,44 +229,13 @@ class JobControl:
             return
         self.app.log_line("console", f"creating the embedded default checkpoint ({default_preset()}) at "
                                      f"{self.spec.model}")
-        # its progress as events on stdout (bytes written of the total, the tensor now), as every job's
-        w = self.host.command("create", ("check", "--events", "-"), **self.app.worker_callbacks())
-        self.jobs["create"] = w
-        self.progress["create"] = Progress(f"creating the default {default_preset()} checkpoint (first run)",
-                                           unit="bytes")
-        self.show_job("create")
-        self.app.run_worker(self._created(w), group="jobs")
+        self._run("create")
 
-    def event(self, worker: Any, event: Event) -> None:
-        """An event of a command this control runs itself (`create`; the runner's jobs come
-        through `_changed`): its progress, by the runner's own rule (`console.data.eta.follow`)."""
-        p = self.progress.get(worker.name)
-        if p is not None:
-            self.pools[worker.name] = follow(p, self.pools.get(worker.name), event)
-            self.show_job(worker.name)
-        if event.message and event.kind != "progress":
-            self.app.log_line(worker.name, event.message)
-
-    async def finish(self, worker: Any, what: str = "") -> int | None:
-        """Run `worker` to its end: its exit said in the log, a job's progress line cleared and
-        its success notified (a service's end is the service control's to say)."""
+    async def finish(self, worker: Any, what: str = "") -> None:
+        """Follow the held service (`console.tui.detached.Detached`) until its process is gone:
+        said in the log (how it ended is the service control's to say)."""
         self.app.topbar()
-        code = await worker.run()
-        self.app.log_line("console", f"{worker.name}: {'ended' if code is None else f'exit code {code}'}")
-        p = self.progress.pop(worker.name, None)
-        if worker is not self.app.service:
-            pane = self.job_pane(p)
-            if pane is not None:
-                pane.job("")
-            if code == 0:
-                took = fmt.duration(time.monotonic() - p.started) if p else ""
-                self.app.notify(f"{what or worker.name} done{' in ' + took if took else ''}", title="done")
+        await worker.run()
+        self.app.log_line("console", f"{what or worker.name}: the service's process is gone")
         self.app.topbar()
         self.app.refresh_now()
-        return code
-
-    async def _created(self, w: Any) -> None:
-        if await self.finish(w, "default checkpoint") == 0:
-            self.app.notify("the default checkpoint is ready: w warms it (reads the sidecar, compiles the "
-                            "programs), then l launches", title="next", timeout=15)
-            self.app.log_line("console", "next: w warms the checkpoint (compiles its programs), then l launches")

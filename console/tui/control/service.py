@@ -1,20 +1,22 @@
 """The service this console holds, and every service of the host it shows (this one, or a fleet
-host opened from the fleet screen): launch, re-attach, stop, dismiss, open a log, quit. Stop,
-dismiss and the logs go through that host (`Host.command`, `Host.log`): the same keys act on
-this host and on one over ssh.
+host opened from the fleet screen): launch, re-attach, stop, dismiss, open a log, quit. Launch,
+stop and dismiss are the fleet's actions, run by its runner on that host (`console.fleet.actions`:
+a launch on a fleet of one is `dsv4 service start`, a stop `dsv4 service stop PID`), so the same
+keys act on this host and on one over ssh; the logs come through the host too (`Host.log`).
 
-A launch on this host runs detached (own session, output in files under the state dir) so
-"Leave running" leaves it running for real; a console that starts while one of its services runs
-re-attaches to it. The service is one identity (`store.services.ServiceId`) in every line this console
-writes. When it ends the console says how, once — "killed by SIGKILL during serve", "exited 1:
-<its error>" — in the Registration pane, the registry (whose row stays until dismissed) and the
-launch history (when the service itself could not: a signal).
+The service a launch starts is detached under its own supervisor (it outlives the console, and
+"Leave running" leaves it running for real); the console attaches to it by its record, as a
+console that starts while one of its services runs re-attaches to it. The service is one identity
+(`store.services.ServiceId`) in every line this console writes. When it ends the console says
+its cause, once — "killed by SIGKILL during serve", "exited 1: <its error line>", "rank 1 on
+host-b …" — from the registry's ending (the service's own words, or its supervisor's for a
+signal), with an age that moves, in the header, the Registration pane and the Services pane.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
-import os
 import time
 
 from rich.markup import escape
@@ -22,15 +24,14 @@ from textual.app import App
 
 from console.data.launch_state import LaunchState
 from console.data.services import ServiceView
-from console.fleet import actions as A
 from console.tui.detached import Detached
 from console.tui.screens.confirm import ConfirmScreen
 from console.tui.screens.logview import LogScreen
 from console.tui.screens.quit import LEAVE, STOP, QuitScreen
-from console.tui.workers import service_argv, shown
 from runtime.events import Event
-from runtime.launch.spec import SERVE
-from store import history, services
+from store import services
+
+ENDING_WAIT_S = 3.0  # a service's supervisor records a signal a moment after the process is gone
 
 
 class ServiceControl:
@@ -40,6 +41,7 @@ class ServiceControl:
         self.launch: LaunchState | None = None  # its launch, as the Registration pane shows it
         self.status = ""
         self.asked_to_stop: set[str] = set()  # identities the operator stopped here: no row left behind
+        self.starting = False  # `dsv4 service start` runs: the service has no record yet
 
     @property
     def running(self) -> bool:
@@ -95,8 +97,9 @@ class ServiceControl:
 
     def launch_new(self) -> None:
         app = self.app
-        if self.running:
-            app.notify(f"this console's service is running ({self.name()}); stop it first (s)", severity="warning")
+        if self.running or self.starting:
+            app.notify(f"this console's service is {'starting' if self.starting else 'running'} ({self.name()}); "
+                       "stop it first (s)", severity="warning")
             return
         if not app.jobs_control.model_ready():
             return
@@ -111,22 +114,52 @@ class ServiceControl:
 
     def _launch(self) -> None:
         app = self.app
-        log, events = services.output_paths(time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}")
-        # every setting the console was started with; --ready auto (its default) lets the launch's
-        # own plan decide: the eager tier at once when programs would compile and one rank serves
-        argv = service_argv(*app.spec.with_(events=str(events)).argv(SERVE))
         plan = app.snapshot.plan if app.snapshot else None
         if app.spec.ready == "auto" and plan is not None and plan.ready == "early":  # say so: it serves eager meanwhile
             compiling = sum(e.state.compiles for e in plan.programs)
             app.notify(f"--ready auto is early here: {compiling} programs to compile; it serves on the eager "
                        "tier meanwhile and swaps each in as it compiles", title="launch")
         self.launch = self.new_launch()
-        self.status = ""
-        self.held = Detached("launch", argv, log=log, events=events, **app.worker_callbacks())
-        app.jobs["launch"] = self.held
-        app.log_line("console", f"launch: {shown(argv)}")
-        app.log_line("console", f"launch: output in {log}")
+        self.status = "starting the service…"
         app.show_registration()
+        app.run_worker(self._start(), group="jobs")
+
+    async def _start(self) -> None:
+        """The fleet's launch on this fleet of one (`dsv4 service start` through the host's funnel:
+        `dsv4 serve` detached under its supervisor, with every setting the console was started
+        with; `--ready auto` lets the launch's own plan decide), then this console attaches to
+        the service it started by its record, as it re-attaches to one at start."""
+        from console.fleet.runner import Runner
+
+        app, host = self.app, self.app.host
+        self.starting = True
+        try:
+            jobs = await app.session.runner.run("launch", [host.name])
+        finally:
+            self.starting = False
+        job, launch = jobs[host.name], self.launch
+        record = Runner.service_record(job)
+        if not job.ok or record is None:
+            why = job.outcome if not job.ok else "dsv4 service start printed no record"
+            if launch is not None:
+                launch.end(f"did not start: {why}", failed=True)
+            self.status = ""
+            app.notify(escape(f"launch: {why}"), title="launch failed", severity="error", timeout=10)
+            app.show_registration()
+            return
+        service = services.Service.from_json(record)
+        if launch is not None:
+            launch.spawned = service.create_time  # the whole launch counts from its process's start
+        self.status = ""
+        self._hold(service, fresh=True)
+        app.log_line("console", f"launch: pid {service.pid}, log {self.held.log_path or service.log}")
+
+    def _hold(self, service: services.Service, fresh: bool) -> None:
+        app = self.app
+        self.held = Detached(service, fresh=fresh, **app.worker_callbacks())
+        app.jobs["launch"] = self.held
+        app.show_registration()
+        app.topbar()
         app.run_worker(self._watch(self.held), group="jobs")
 
     def attach(self) -> None:
@@ -139,47 +172,36 @@ class ServiceControl:
             return
         found = mine[-1].record
         self.launch = self.new_launch(spawned=found.create_time)
-        self.held = Detached.attach(found, **app.worker_callbacks())
-        app.jobs["launch"] = self.held
-        app.log_line("console", f"re-attached to pid {found.pid} {found.url or found.state}; log {found.log}")
-        app.run_worker(self._watch(self.held), group="jobs")
+        app.log_line("console", f"re-attached to pid {found.pid} {found.url or found.state}; log "
+                                f"{found.log_file or found.log}")
+        self._hold(found, fresh=False)
 
     async def _watch(self, held: Detached) -> None:
-        code = await self.app.jobs_control.finish(held, "launch")
+        await self.app.jobs_control.finish(held, "launch")
         if held is self.held:
-            self.ended(held, code)
+            await self.ended(held)
 
     # -- how it ended -------------------------------------------------------------------------
 
-    def ended(self, held: Detached, code: int | None) -> None:
-        """The held service is gone: one line of how, everywhere it is shown."""
+    async def ended(self, held: Detached) -> None:
+        """The held service is gone: its cause (the signal, the rank and host, the service's own
+        error line: the registry's ending, never its log's last line), everywhere it is shown, with
+        an age that moves."""
         app, launch = self.app, self.launch
-        record = services.find(held.pid) if held.pid else None
-        identity = self.identity()
         phase = launch.current_phase() if launch else ""
-        if code is not None and code < 0:  # a signal: the service could not say so itself
-            how = services.how(code)
-            error = (launch.error if launch else "") or (held.stderr_tail[-1] if held.stderr_tail else "")
-            if record is not None:
-                record = services.end(record, how, phase, error, by="console")
-            if identity is not None:
-                history.append({"v": 1, "launch": identity.key, "outcome": "killed", "error": error or how,
-                                "end": how, "ended": round(time.time(), 3), "failed_phase": phase})
-        elif code is None and record is not None and not record.ended:  # not our child: nobody saw its end
-            record = services.gone(record, phase, "no exit status (not this console's child)", by="console")
-        if identity is not None and identity.key in self.asked_to_stop and record is not None:
-            services.dismiss(record)  # the operator stopped it here: nothing to dismiss later
-            record = None
+        record = await ending_of(held.pid)
+        if record is not None and not record.ended:  # nobody saw its end: its supervisor is gone too
+            record = services.gone(record, phase, "no exit status was recorded (its supervisor is gone too)",
+                                   by="console")
         ending = record.ending if record is not None else None
-        if ending is not None:
-            line = ending.line()
-        else:  # it ended before it could announce itself (a port in use, a bad flag): its own last line
-            last = held.stderr_tail[-1] if held.stderr_tail else ""
-            line = (services.how(code) if code is not None else "ended") + (f": {last}" if code and last else "")
+        if held.identity.key in self.asked_to_stop and record is not None:
+            services.dismiss(record)  # the operator stopped it here: nothing to dismiss later
+        stopped = ending is None or ending.how.startswith("stopped")
+        line = ending.cause() if ending is not None else "stopped"
         if launch is not None:
-            launch.end(line, failed=code not in (0, None) or (ending is not None and ending.how == services.GONE))
-        if code not in (0, None) and not held.stopping:
-            app.notify(line, title="service ended", severity="error", timeout=10)
+            launch.end(line, failed=not stopped, ending=ending)
+        if not stopped and held.identity.key not in self.asked_to_stop:
+            app.notify(escape(ending.line()), title="service ended", severity="error", timeout=10)
         self.status = "" if launch is not None else line
         app.show_registration()
         app.topbar()
@@ -220,35 +242,25 @@ class ServiceControl:
                 self.app.log_line("console", f"stop: cancelled, pid {view.pid} left running")
                 return
             self.asked_to_stop.add(view.identity.key)
-            if mine:
-                self.app.log_line("console", f"stop: SIGTERM to pid {view.pid}")
-                self.app.run_worker(self._stop_held(), group="stop")
-            else:
-                self.app.run_worker(self._on_host(f"stop pid {view.pid}", A.service_stop(view.pid, self.stop_timeout)),
-                                    group="stop")
+            self.app.run_worker(self._act("stop", view.pid, mine), group="stop")
 
         self.app.push_screen(ConfirmScreen("Stop this service?", body), confirmed)
 
-    async def _stop_held(self) -> None:
-        if self.held:
-            code = await self.held.stop(self.stop_timeout)
-            self.status = f"service stopped ({services.how(code) if code is not None else 'ended'})"
-            self.app.log_line("console", self.status)
-            self.app.notify(self.status, title="stopped")
-
-    async def _on_host(self, what: str, args: tuple[str, ...]) -> bool:
-        """`dsv4 ARGS` on the shown host (this one, or one over ssh): its lines in the log, its
-        failure in one line; True when it did what it was asked."""
+    async def _act(self, action: str, pid: int, mine: bool = False) -> bool:
+        """`action` (stop, dismiss) on service `pid` of the shown host, through the fleet's runner
+        (`dsv4 service stop|dismiss` there: this host, or one over ssh); True when it did."""
         app, host = self.app, self.app.host
-        command = host.command(what, args, on_line=lambda c, which, line: app.log_line(host.name, line))
-        app.log_line("console", f"{what} on {host.where}")
-        code = await command.run()
-        if code != 0:
-            app.notify(escape(f"{what}: {host.why(code, list(command.stderr_tail))}"), severity="error", timeout=8)
+        jobs = await app.session.runner.run(action, [host.name], service=pid, timeout=self.stop_timeout)
+        job = jobs[host.name]
+        if not job.ok:
+            app.notify(escape(f"{action} pid {pid}: {job.outcome}"), severity="error", timeout=8)
         else:
-            app.notify(f"{what}: done", title=host.name)
+            said = next((r.get("now") for r in reversed(job.records) if "now" in r), "")
+            if mine:
+                self.status = f"service stopped ({said or 'ended'})"
+            app.notify(f"{action} pid {pid}: {said or 'done'}", title=host.name)
         app.refresh_now()
-        return code == 0
+        return job.ok
 
     def dismiss(self) -> None:
         """`d`: forget the ended service selected in the Services pane."""
@@ -259,7 +271,7 @@ class ServiceControl:
             self.app.notify(f"pid {view.pid} is {view.state}: only an ended service is dismissed (s stops it)",
                             severity="warning")
             return
-        self.app.run_worker(self._on_host(f"dismiss pid {view.pid}", A.service_dismiss(view.pid)), group="stop")
+        self.app.run_worker(self._act("dismiss", view.pid), group="stop")
 
     def open_log(self) -> None:
         """`L`: the selected service's log and each rank's, wherever they run, over each host's
@@ -306,10 +318,8 @@ class ServiceControl:
 
     async def _stop_then_exit(self) -> None:
         if self.held:
-            identity = self.identity()
-            if identity is not None:
-                self.asked_to_stop.add(identity.key)
-            await self.held.stop(self.stop_timeout)
+            self.asked_to_stop.add(self.held.identity.key)
+            await self._act("stop", self.held.pid, mine=True)
         self.app.exit()
 
     def exit_message(self) -> str:
@@ -336,3 +346,17 @@ class ServiceControl:
             self.app.notify(f"serving {launch.url}", title="launch done")
             self.app.topbar()
         self.app.show_registration()
+
+
+async def ending_of(pid: int, wait: float = ENDING_WAIT_S) -> services.Service | None:
+    """Service `pid`'s record once it says how it ended: its own words, or its supervisor's (a
+    moment after the process is gone; a registry sweep's "gone", which may come first, is what
+    stands only when no witness speaks within `wait` s); None once the record went (a stop as
+    asked)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait
+    record = services.find(pid)
+    while record is not None and (record.ending is None or record.ending.by == "registry") and loop.time() < deadline:
+        await asyncio.sleep(0.1)
+        record = services.find(pid)
+    return record

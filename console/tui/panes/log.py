@@ -14,6 +14,7 @@ from textual.widgets import RichLog
 from console.tui.panes.base import Pane
 
 MAX_LINES = 2000
+MIN_WRAP = 20  # narrower than this the pane is hidden (another pane zoomed) or collapsed: wrap later
 
 
 class LogPane(Pane):
@@ -22,6 +23,7 @@ class LogPane(Pane):
         self.lines: deque[tuple[float, str, str]] = deque(maxlen=MAX_LINES)  # (time, source, text)
         self.needle = ""
         self._width = 0
+        self._stale = False  # lines came while the pane was too narrow to wrap them: redraw once it is not
 
     def compose(self) -> ComposeResult:
         # min_width 1: RichLog otherwise renders every line at least 78 cells wide
@@ -29,11 +31,20 @@ class LogPane(Pane):
 
     def on_mount(self) -> None:
         self.border_title = "Log"
+        # a zoom hides the pane without resizing it, and ending one shows it without a resize or a
+        # Show event: the screen's `maximized` is what says so
+        self.watch(self.screen, "maximized", lambda _: self.call_after_refresh(self._rewrap), init=False)
 
     def on_resize(self) -> None:
+        self._rewrap()
+
+    def _rewrap(self) -> None:
         log = self.query_one(RichLog)
-        if log.scrollable_content_region.width != self._width:
-            self._width = log.scrollable_content_region.width
+        width = log.scrollable_content_region.width
+        if width < MIN_WRAP:
+            return
+        if width != self._width or self._stale:
+            self._width, self._stale = width, False
             self._redraw()  # re-wrap to the new width
 
     @staticmethod
@@ -50,12 +61,19 @@ class LogPane(Pane):
 
     def add(self, source: str, text: str) -> None:
         self.lines.append((time.time(), source, text))
-        if self._matches(source, text):
-            log = self.query_one(RichLog)
-            log.write(self._markup(source, text), width=self._wrap_width(log), scroll_end=log.is_vertical_scroll_end)
+        if not self._matches(source, text):
+            return
+        log = self.query_one(RichLog)
+        if log.scrollable_content_region.width < MIN_WRAP:  # hidden: a line wrapped now would be a letter a row
+            self._stale = True
+            return
+        log.write(self._markup(source, text), width=self._wrap_width(log), scroll_end=log.is_vertical_scroll_end)
 
     def _redraw(self) -> None:
         log = self.query_one(RichLog)
+        if log.scrollable_content_region.width < MIN_WRAP:
+            self._stale = True  # when it shows again
+            return
         at_end = log.is_vertical_scroll_end
         log.clear()
         for _, source, text in self.lines:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from rich.markup import escape
 from textual.app import ComposeResult
 from textual.widgets import Static
 
@@ -125,7 +126,7 @@ class RegistrationPane(Pane):
             parts.append(f"this launch {fmt.duration(time.time() - launch.spawned)} elapsed" if running_now
                          else f"this launch {launch.total_seconds:.2f} s")
             if launch.ended and not launch.stopped:  # never "serving" beside a process that is gone
-                parts.append(f"[red]ended: {launch.ended}[/]")
+                parts.append(f"[red]ended: {escape(launch.ended_line())}[/]")
             elif launch.stopped:
                 parts.append("[yellow]service stopped[/]")
             elif launch.url:

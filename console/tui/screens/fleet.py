@@ -20,15 +20,15 @@ from textual.screen import Screen
 from textual.widgets import Footer, RichLog, Static
 
 from console import fmt
-from console.fleet import events as E
 from console.fleet.collector import FleetSnapshot
 from console.fleet.rows import HostRow, kv_total, rows, slowest
 from console.tui.filter_box import FilterBox
 from console.tui.tables import Column, PaneTable, row_of, title
+from store import timeline as T
 
 REACH_ORDER = {"✗": 0, "stale": 1, "✓": 2}
-EVENT_STYLE = {E.UNREACHABLE: "red", E.FAILED: "red", E.STALE: "yellow", E.BACK: "green", E.SERVING: "green",
-               E.LEFT_OUT: "yellow"}
+EVENT_STYLE = {T.UNREACHABLE: "red", T.FAILED: "red", T.STALE: "yellow", T.BACK: "green", T.SERVING: "green",
+               T.LEFT_OUT: "yellow"}
 COLUMNS = (  # which host and whether it serves first; what differs and what is missing next
     Column("mark", " ", 1, essential=True),
     Column("host", "host", 12, essential=True),
@@ -76,6 +76,9 @@ class FleetScreen(Screen):
                 tooltip="mark every host not left out (again: none)"),
         Binding("h", "history", "History", id="fleet.history", show=False,
                 tooltip="every host's launch history, one record per launch"),
+        Binding("e", "app.events", "Events", id="fleet.events", show=False,
+                tooltip="what happened on every host, one timeline merged by time (each host's read over its "
+                "connection; repeats counted)"),
         Binding("r", "refresh", "Refresh", id="fleet.refresh", show=False, tooltip="ask every host for a snapshot now"),
         Binding("slash", "app.filter", "Filter", key_display="/", id="fleet.filter", show=False,
                 tooltip="filter the hosts (enter keeps it, esc clears it)"),
@@ -220,8 +223,11 @@ class FleetScreen(Screen):
         if snap is not None and snap.nodes:
             v = snap.nodes[0]
             n, ending = v.node, v.node.ending
+            # how it ended is its cause (the failing rank's own words), never its log's last lines
+            # (torchrun's footer): those are its log's, L shows them
+            cause = ending.reason if ending else ""  # its state says how ("exited 1")
             lines.append(escape(f"  node {n.node_rank}/{n.nnodes} torchrun pid {n.pid} master {n.master}: {v.state}"
-                                + (f" — {' / '.join(ending.lines)[-160:]}" if ending and ending.lines else "")))
+                                + (f" — {cause}" if cause else "")))
         box.update("\n".join(lines))
 
     def on_data_table_row_highlighted(self, _event) -> None:
@@ -267,12 +273,12 @@ class FleetScreen(Screen):
         message.stop()
         self.app.show_host(message.row["host"])
 
-    def add_event(self, event: E.FleetEvent) -> None:
+    def add_event(self, event: T.TimelineEvent) -> None:
         """An event in the fleet's log: its time and its sentence (never a raw record)."""
-        if event.kind == E.PROGRESS:
+        if event.kind == T.PROGRESS:
             return
         stamp = time.strftime("%H:%M:%S", time.localtime(event.ts))
-        style = EVENT_STYLE.get(event.kind, "red" if event.kind == E.ENDED and event.ok is False else "")
+        style = EVENT_STYLE.get(event.kind, "red" if event.kind == T.ENDED and event.ok is False else "")
         text = escape(event.sentence())
         self.query_one("#fleet-log", RichLog).write(f"[dim]{stamp}[/] " + (f"[{style}]{text}[/]" if style else text))
 

@@ -2,7 +2,8 @@
 (followed only while the view is at the bottom), wrapped to the width, `/` to search (enter
 jumps to the next match, `n` again), and the service's other logs — each rank's, on whichever
 host it runs, read over that host's connection (`console.fleet.host.LogFeed`) — one key away
-(`tab`, or its number)."""
+(`tab`, or its number); `p` the previous run's of the one shown (kept beside it when the same
+port, rank or node ran before), `p` again back."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ class LogScreen(ModalScreen[None]):
         Binding("slash", "search", "Search", key_display="/", id="logview.search"),
         Binding("n", "next", "Next match", id="logview.next"),
         Binding("tab", "switch", "Next log", id="logview.switch"),
+        Binding("p", "previous", "Previous run", id="logview.previous"),
         Binding("G", "end", "Follow", id="logview.end"),
     ]
 
@@ -38,6 +40,7 @@ class LogScreen(ModalScreen[None]):
         self.lines: list[str] = []  # the shown feed's
         self.needle = ""
         self.match = -1
+        self.previous_of: dict[int, int] = {}  # a feed → its previous run's (opened on `p`), and back
 
     def compose(self) -> ComposeResult:
         with Vertical(id="logview"):
@@ -107,6 +110,31 @@ class LogScreen(ModalScreen[None]):
                 and not self.query_one(Input).display:
             self._open(int(event.character))
             event.stop()
+
+    def action_previous(self) -> None:
+        """The previous run's log of the one shown (opened once, then one key away), or back."""
+        from store.errors import UserError
+
+        if not self.feeds:
+            return
+        if self.which in self.previous_of:
+            self._open(self.previous_of[self.which])
+            return
+        feed = self.feeds[self.which]
+        if feed.earlier is None:
+            self.app.notify(f"{feed.label}: no previous run's log is kept for it", severity="warning")
+            return
+        try:
+            earlier = feed.earlier()
+        except UserError as e:
+            self.app.notify(str(e), severity="warning")
+            return
+        earlier.start()
+        self.feeds.append(earlier)
+        self.held.append([])
+        at = len(self.feeds) - 1
+        self.previous_of[self.which], self.previous_of[at] = at, self.which
+        self._open(at)
 
     def action_switch(self) -> None:
         if self.feeds:

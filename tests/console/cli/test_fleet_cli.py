@@ -5,6 +5,7 @@ what the command prints in sentences, its JSON, its exit code."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,8 @@ from console.fleet.fake import Answer, FakeHost, Ledger
 from console.fleet.session import FleetSession
 from console.fleet.spec import Fleet, FleetHost
 from runtime.launch.spec import LaunchSpec
+from store import timeline as T
+from store.timeline import TimelineEvent
 
 NODE0 = Answer.record(pid=4321, master="10.0.0.1:29577")
 
@@ -74,19 +77,38 @@ def test_logs_of_a_host_come_over_its_connection(fleet, capsys):
     assert main(["fleet", "logs", "a", "--hosts", "x"]) == 0
     assert capsys.readouterr().out.splitlines() == ["registering", "serving http://127.0.0.1:8000"]
     assert fleet["hosts"]["a"].commands[-1] == ("service", "log", "--pid", "4242")
+    assert main(["fleet", "logs", "a", "--hosts", "x", "--previous"]) == 0
+    assert fleet["hosts"]["a"].commands[-1] == ("service", "log", "--pid", "4242", "--previous")
 
 
-def test_status_and_events_list_every_host(fleet, capsys):
-    fleet["history"] = {"a": [LaunchRecord(launch="a/1/1.0", host="a", pid=9, started=100.0, ended=103.0, outcome="ok")],
-                        "b": [LaunchRecord(launch="b/2/2.0", host="b", pid=8, started=101.0, ended=150.0,
-                                           outcome="killed", end="killed by SIGKILL", error="rank 1 lost")]}
+def test_status_lists_every_host(fleet, capsys):
+    fleet["history"] = {"a": [LaunchRecord(launch="a/1/1.0", host="a", pid=9, started=100.0, ended=103.0, outcome="ok")]}
     assert main(["fleet", "status", "--hosts", "x", "--exclude", "b", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert [h["host"] for h in data["hosts"]] == ["a", "b", "c"] and data["left_out"] == ["b"]
-    assert main(["fleet", "events", "--hosts", "x"]) == 0
-    said = [line.split(" ", 1)[1] for line in capsys.readouterr().out.splitlines()]
-    assert said[:4] == ["service registering on a (pid 9)", "service registering on b (pid 8)",
-                        "service serving on a (pid 9)", "service on b failed: killed by SIGKILL: rank 1 lost"]
+    assert [r["pid"] for r in data["hosts"][0]["history"]] == [9]
+
+
+def test_events_merge_every_hosts_timeline_read_over_its_connection(fleet, capsys):
+    def said(*events: TimelineEvent) -> Answer:
+        return Answer(lines=tuple(json.dumps(e.to_json()) for e in events))
+
+    fleet["script"] = {
+        "a": {("events",): said(TimelineEvent(kind=T.REGISTERING, host="a", ts=100.0, pid=9),
+                                TimelineEvent(kind=T.SERVING, host="a", ts=103.0, pid=9, url="http://a:8000"))},
+        "b": {("events",): said(*(TimelineEvent(kind=T.FAILED, host="b", ts=t, pid=8, rank=1, text="rank 1 lost")
+                                  for t in (101.0, 150.0)))},
+        "c": {("events",): Answer(code=255, stderr=("ssh: connect to host c port 22: Connection refused",))}}
+    T.append(TimelineEvent(kind=T.UNREACHABLE, host="c", ts=120.0, text="connection refused"))  # the console's own
+    assert main(["fleet", "events", "--hosts", "x"]) == 1  # a host whose timeline could not be read
+    out = capsys.readouterr()
+    assert [line.split(" ", 1)[1] for line in out.out.splitlines()] == [
+        "service registering on a (pid 9)", "service serving http://a:8000 on a (pid 9)", "c unreachable: connection refused",
+        f"service on b failed (rank 1): rank 1 lost (×2 since {time.strftime('%H:%M:%S', time.localtime(101.0))})"]
+    assert "c: its timeline could not be read: " in out.err and "Connection refused" in out.err
+    assert all(h.commands == [("events", "--json")] for h in fleet["hosts"].values())
+    main(["fleet", "events", "--hosts", "x", "--json"])
+    assert len(capsys.readouterr().out.splitlines()) == 5  # every event, repeats too
 
 
 def test_without_hosts_it_is_one_line(capsys):

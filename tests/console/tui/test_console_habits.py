@@ -308,19 +308,23 @@ async def test_a_warm_compile_shows_in_the_programs_pane_and_says_where_each_pro
 
     from rich.text import Text
 
+    from console.data.eta import follow
+    from console.fleet.runner import HostJob
     from runtime.events import Event
 
     app = fake_app()
     async with app.run_test(size=(200, 50)) as pilot:
         await pilot.pause()
-        app.progress["warm"] = Progress("compile", "programs")
-        warm = SimpleNamespace(name="warm")
+        job = HostJob("warm", step="warm (compile)", progress=Progress("compile", "programs"),
+                      command=SimpleNamespace(name="warm", running=True, pid=1))
 
         def plain(cell) -> str:
             return Text.from_markup(str(cell)).plain
         for program, state in (("layer.csa.prefill", "compiling"), ("head", "queued"),
                                ("layer.sliding.decode", "published")):
-            app.jobs_control.event(warm, Event("programs", "log", detail={"program": program, "state": state}))
+            event = Event("programs", "log", detail={"program": program, "state": state})
+            job.pool = follow(job.progress, job.pool, event)  # as the runner moves a job by its events
+            app.session.runner._moved(app.host.name, job, event)
         await pilot.pause()
         table = app.query_one("#programs-table", PaneTable)
         states = {str(table.get_row_at(i)[0]): plain(table.get_row_at(i)[1]) for i in range(table.row_count)}

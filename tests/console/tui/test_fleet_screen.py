@@ -95,3 +95,26 @@ async def test_a_host_opened_from_the_fleet_keeps_its_actions_and_they_run_there
         assert hosts["host-a"].commands == [] and app.failures == []
         await pilot.press("F")
         assert app.screen is screen
+
+
+async def test_a_failed_nodes_detail_says_its_cause_not_torchruns_footer():
+    """The node line says how it ended and the failing rank's own words (issue 71: it showed the
+    log's last lines, torchrun's `traceback : To enable traceback see: …` footer)."""
+    import dataclasses
+
+    from console.data.nodes import NodeView
+    from store.nodes import Node, NodeEnding
+
+    ending = NodeEnding(at=time.time(), how="exited 1", reason="rank 1 on host-b (pid 712) was killed by SIGKILL",
+                        lines=("N/A> / traceback : To enable traceback see: https://pytorch.org/docs/elastic",))
+    node = Node(pid=700, create_time=1.0, node_rank=0, nnodes=2, master="10.0.0.1:29577", model="/models/v4",
+                log="/state/nodes/n.log", events="", ending=ending)
+    app, hosts = _app()
+    hosts["host-a"].snapshots[0] = dataclasses.replace(snapshot(), nodes=(NodeView(node=node, state=node.state()),))
+    async with app.run_test(size=(200, 50)) as pilot:
+        screen = await _rows(pilot, app)
+        screen.query_one("#fleet-table").move_cursor(row=0)
+        await pilot.pause()
+        screen.detail()
+        said = str(screen.query_one("#fleet-detail").render())
+    assert "exited 1 — rank 1 on host-b (pid 712) was killed by SIGKILL" in said and "traceback" not in said
