@@ -28,6 +28,17 @@ def _isolated_user_dirs(tmp_path_factory, monkeypatch):
 
 
 @pytest.fixture(scope="session")
+def native_library(tmp_path_factory) -> bytes:
+    """The native products' library (`runtime.model.native`), built once a session: each build is
+    several seconds of the C++ compiler, and every module that loads it loads these bytes."""
+    from runtime.model.native import build
+
+    out = tmp_path_factory.mktemp("native") / "native.so"
+    build(out)
+    return out.read_bytes()
+
+
+@pytest.fixture(scope="session")
 def tiny_ckpt_ro(tmp_path_factory) -> Path:
     """A tiny checkpoint shared by the whole session: never modify it (use `tiny_ckpt`)."""
     from runtime.synth.checkpoint import synthesize

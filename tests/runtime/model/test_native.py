@@ -10,7 +10,7 @@ import torch
 from runtime.model import ops
 from runtime.model.dims import Dims
 from runtime.model.moe import _expert_tensors
-from runtime.model.native import ISA_AVX2, ISA_BEST, ISA_SCALAR, Native, build, load
+from runtime.model.native import ISA_AVX2, ISA_BEST, ISA_SCALAR, Native, load
 from runtime.programs.build import ARTIFACT, prepare
 from runtime.programs.catalog import EXPERTS_NATIVE, EXPERTS_PICKED, build_programs
 from runtime.programs.spec import build_function, program_key
@@ -20,17 +20,10 @@ from store.kernel_cache import Hit, KernelCache
 MAX_SEQ = 64
 
 
-@pytest.fixture(scope="module")
-def library(tmp_path_factory) -> bytes:
-    out = tmp_path_factory.mktemp("fp4") / "fp4.so"
-    build(out)
-    return out.read_bytes()
-
-
 @pytest.fixture(params=[ISA_SCALAR, ISA_AVX2, ISA_BEST], ids=["c", "avx2", "best"])
-def native(library, request) -> Native:
+def native(native_library, request) -> Native:
     """Each of the library's paths this cpu has (a cap above the cpu's runs what it has)."""
-    lib = load(library)
+    lib = load(native_library)
     lib.isa = request.param
     return lib
 
@@ -217,7 +210,7 @@ def test_the_dense_product_refuses_what_it_cannot_read(native):
 
 @pytest.mark.slow
 def test_every_layer_program_and_the_head_multiply_natively_where_the_native_products_are_built(tiny_packed,
-                                                                                                 library):
+                                                                                                 native_library):
     """The catalog marks every layer program (prefill and decode), the head and the MTP input; traced, each of their
     FP8 and BF16 products is one `dsv4::dense` call, which runs the native products once they are
     loaded and the eager dequantisation before: the same numbers to float32 rounding."""
@@ -243,7 +236,7 @@ def test_every_layer_program_and_the_head_multiply_natively_where_the_native_pro
         ops.use_native(None)
         eager = ops.dense(x, top["head.weight"], None)
         assert _rel(eager, x @ top["head.weight"].float()) < 1e-6
-        ops.use_native(load(library))
+        ops.use_native(load(native_library))
         assert _rel(ops.dense(x, top["head.weight"], None), eager) < 1e-5
     finally:
         ops.use_native(before)
@@ -292,7 +285,7 @@ def test_more_rows_than_the_native_product_is_faster_for_multiply_the_widened_we
     assert widths == [32, 32, 32]
 
 
-def test_a_grouped_output_multiplies_each_groups_own_columns_as_a_product_of_its_own(monkeypatch, library):
+def test_a_grouped_output_multiplies_each_groups_own_columns_as_a_product_of_its_own(monkeypatch, native_library):
     """`ops.linear_groups` (V4's grouped attention output): each group's rows times its own output
     columns, through `linear` (so natively: one product a group, of the real library here), equal
     to the whole dequantised weight's einsum to float32 rounding; groups that split a scale block
@@ -303,7 +296,7 @@ def test_a_grouped_output_multiplies_each_groups_own_columns_as_a_product_of_its
     stored = {"w.qweight": q, "w.qscale": scale}
     want = torch.einsum("tgi,igo->tgo", x, ops.weight(stored, "w").reshape(64, 4, 64))
     asked = []
-    real = load(library)
+    real = load(native_library)
     monkeypatch.setattr(ops, "_native_dense", real)
     monkeypatch.setattr(real, "dense", lambda x, w, s=None, f=real.dense: asked.append(tuple(w.shape)) or f(x, w, s))
     got = ops.linear_groups(stored, "w", x)

@@ -12,7 +12,7 @@ import torch
 from runtime.model import moe
 from runtime.model.dims import Dims
 
-library, native = test_native.library, test_native.native  # fixtures: the library built once, each ISA path
+native = test_native.native  # a fixture: each ISA path of the library built once a session (conftest)
 
 
 def _layer(experts: int, hidden: int, inter: int, gen) -> dict[str, torch.Tensor]:

@@ -8,14 +8,7 @@ import pytest
 import torch
 
 from runtime.model import ops
-from runtime.model.native import ISA_AVX2, ISA_BEST, ISA_SCALAR, build, load
-
-
-@pytest.fixture(scope="module")
-def library(tmp_path_factory) -> bytes:
-    out = tmp_path_factory.mktemp("op") / "native.so"
-    build(out)
-    return out.read_bytes()
+from runtime.model.native import ISA_AVX2, ISA_BEST, ISA_SCALAR, load
 
 
 @pytest.fixture
@@ -49,11 +42,12 @@ class _Asked:
         return self.real.dense(x, w, scale)
 
 
-def test_the_library_serves_the_op_while_it_serves_the_process_with_the_same_numbers(library, serving, monkeypatch):
+def test_the_library_serves_the_op_while_it_serves_the_process_with_the_same_numbers(native_library, serving,
+                                                                                    monkeypatch):
     """Once `ops.use_native` takes the library, `dsv4::dense` on the cpu is its kernel: each product
     the very numbers `Native.dense` makes (every instruction set this cpu has), and no product asked
     of Python; released, the op's Python kernel serves again, the same numbers."""
-    native = load(library)
+    native = load(native_library)
     serving(native)
     if not _has_cpu_kernel():
         pytest.skip("torch has no stable ABI headers here: the op stays Python's")
@@ -78,10 +72,10 @@ def test_the_library_serves_the_op_while_it_serves_the_process_with_the_same_num
     assert not _has_cpu_kernel() and torch.equal(torch.ops.dsv4.dense(x, *fp8), want)
 
 
-def test_what_the_kernel_does_not_multiply_goes_to_the_python_kernel(library, serving):
+def test_what_the_kernel_does_not_multiply_goes_to_the_python_kernel(native_library, serving):
     """More rows than `dense_rows` (a GEMM of the widened weight is faster there), a transposed x,
     a weight of another dtype: each what the op's Python kernel computes (`ops.dense`)."""
-    native = load(library)
+    native = load(native_library)
     serving(native)
     gen = torch.Generator().manual_seed(2)
     q, scale = _fp8(128, 64, 32, gen)
@@ -93,10 +87,10 @@ def test_what_the_kernel_does_not_multiply_goes_to_the_python_kernel(library, se
     assert torch.allclose(torch.ops.dsv4.dense(xt, f32, None), xt @ f32, rtol=1e-5, atol=1e-5)
 
 
-def test_an_exported_programs_products_run_the_kernel(library, serving, monkeypatch):
+def test_an_exported_programs_products_run_the_kernel(native_library, serving, monkeypatch):
     """A program calling `dsv4::dense` (as every layer program does, traced) runs the library's
     kernel once it serves: no product asked of Python, the numbers `Native.dense` makes."""
-    native = load(library)
+    native = load(native_library)
     serving(native)
     if not _has_cpu_kernel():
         pytest.skip("torch has no stable ABI headers here: the op stays Python's")
