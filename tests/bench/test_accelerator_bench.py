@@ -43,6 +43,7 @@ def test_the_accelerator_run_works_end_to_end_on_the_cpu(tmp_path):
         assert f[name]["devices"][0]["total"] > 0
 
 
+@pytest.mark.slow  # a whole launch through the bench's child process: ~6 s
 def test_a_run_that_fails_keeps_what_it_measured_and_says_why(tmp_path):
     """No NPU here: the cold launch fails; the figures hold the synthesis, the memory reading
     (npu-smi absent, in one line) and the launch's own error, and the exit status is 1."""

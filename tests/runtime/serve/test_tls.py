@@ -98,6 +98,7 @@ def test_tls_files_that_cannot_serve_are_one_line(tmp_path, pki):
         Access.of(None, tmp_path / "missing.pem")
 
 
+@pytest.mark.slow  # waits out the answerer's 10 s handshake deadline
 def test_the_registering_answer_holds_the_same_door(tmp_path, pki, keys):
     from runtime.serve.registering import Registering, answer_while_registering
 
