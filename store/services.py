@@ -133,7 +133,8 @@ class Ending:
         """`killed by SIGKILL 12 s ago during serve: <error>`: its age as of `now` (render it
         again as time goes: the age moves)."""
         ago = max(0.0, (now or time.time()) - self.at)
-        when = f"{ago:.0f} s ago" if ago < 120 else f"{ago / 60:.0f} min ago" if ago < 7200 else f"{ago / 3600:.0f} h ago"
+        when = (f"{ago:.0f} s ago" if ago < 120 else f"{ago / 60:.0f} min ago" if ago < 7200
+                else f"{ago / 3600:.0f} h ago")
         return self.cause(f"{self.how} {when}")
 
     def cause(self, how: str | None = None) -> str:

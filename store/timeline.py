@@ -91,7 +91,8 @@ class TimelineEvent:
             case "host.unreachable":
                 return f"{self.host} unreachable{said}"
             case "host.back":
-                return f"{self.host} back after {format_duration(self.seconds or 0)}" + (f" ({self.text})" if self.text else "")
+                return (f"{self.host} back after {format_duration(self.seconds or 0)}"
+                        + (f" ({self.text})" if self.text else ""))
             case "host.left_out":
                 return f"{self.host} left out: ranks, plans and launches cover the others"
             case "host.brought_back":

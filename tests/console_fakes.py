@@ -85,7 +85,8 @@ def snapshot(*, starving: bool = False) -> Snapshot:
     device = device_snapshot(used=(16 << 30) if starving else (8 << 30))
     predicted = {"check": 0.05, "programs": 0.4, "weights": 0.2, "upload": 0.01, "kv": 0.01, "validate": 0.3}
     registration = RegistrationSnapshot(
-        previous=LaunchRecord.of(record(2.5, pid=4101, program="MISS")), best_warm=LaunchRecord.of(record(0.4, pid=4002)),
+        previous=LaunchRecord.of(record(2.5, pid=4101, program="MISS")),
+        best_warm=LaunchRecord.of(record(0.4, pid=4002)),
         prediction={"check": "contract check", "programs": "HIT 1 MISS 1 STALE 1 CORRUPT 1", "weights": "MAP",
                     "upload": "zero-copy (cpu)", "validate": "decode check", "serve": "HTTP",
                     "kv": f"{device.slots} slots of 1.0 MiB" if device.slots else f"FAIL: {device.budgets[0].problem}"},
@@ -171,7 +172,8 @@ class FixedHost(LocalHost):
         view = next(v for v in self.latest.services.services if pid is None or v.pid == pid)
         path = dict(view.logs())["service" if rank is None else f"rank {rank}"]
         if previous:  # as which_log: the record's previous_log, else the one kept beside the log
-            path = view.record.previous_log if rank is None and view.record.previous_log else str(previous_of(Path(path)))
+            path = (view.record.previous_log if rank is None and view.record.previous_log
+                    else str(previous_of(Path(path))))
             if not Path(path).is_file():
                 raise UserError(f"{label}: no previous run's log here")
         return FileFeed(label, path, self.name)

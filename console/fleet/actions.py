@@ -128,7 +128,8 @@ def node_start(spec: LaunchSpec, hosts: int, node_rank: int, master_addr: str, m
 def service_start(spec: LaunchSpec) -> Step:
     """`dsv4 service start`: the launch of a fleet of one — `dsv4 serve` with the launch flags,
     detached under its supervisor; its registry record printed (one JSON line)."""
-    return Step(label="start the service, detached", args=("service", "start", "--json", *spec.with_(events=None).argv(SERVE)))
+    return Step(label="start the service, detached",
+                args=("service", "start", "--json", *spec.with_(events=None).argv(SERVE)))
 
 
 def service_stop(pid: int, timeout: float) -> tuple[str, ...]:

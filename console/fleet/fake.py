@@ -145,8 +145,8 @@ class FakeHost(Host):
     kind = "fake"
     blocking = False  # its snapshots are given values: asked on the UI thread, screens stay deterministic
 
-    def __init__(self, name: str, node_rank: int = 0, *, snapshots: Sequence[Snapshot] = (), script: Script | None = None,
-                 ledger: Ledger | None = None, history: Sequence[Any] = ()):
+    def __init__(self, name: str, node_rank: int = 0, *, snapshots: Sequence[Snapshot] = (),
+                 script: Script | None = None, ledger: Ledger | None = None, history: Sequence[Any] = ()):
         super().__init__(name, node_rank)
         self.snapshots = deque(snapshots)  # answered in turn; the last one keeps being answered
         self.latest: Snapshot | None = None

@@ -123,13 +123,14 @@ class Runner:
         elif action == "stop" and service is None:
             await self.stop(hosts, jobs)
         else:
-            todo = {"stop": A.Step(label=f"stop pid {service}", args=A.service_stop(service, timeout)) if service else None,
-                    "dismiss": A.Step(label=f"dismiss pid {service}", args=A.service_dismiss(service)) if service else None}
+            todo = ({"stop": A.Step(label=f"stop pid {service}", args=A.service_stop(service, timeout)),
+                     "dismiss": A.Step(label=f"dismiss pid {service}", args=A.service_dismiss(service))}
+                    if service else {})
             await asyncio.gather(*(self._one(action, name, jobs[name], chosen, scope, todo.get(action))
                                    for name in hosts))
         failed = [h for h, j in jobs.items() if not j.ok]
-        self._say(T.ENDED, action=action, hosts=tuple(failed or hosts), ok=not failed, seconds=time.monotonic() - started,
-                  text="; ".join(f"{h}: {jobs[h].outcome}" for h in failed))
+        self._say(T.ENDED, action=action, hosts=tuple(failed or hosts), ok=not failed,
+                  seconds=time.monotonic() - started, text="; ".join(f"{h}: {jobs[h].outcome}" for h in failed))
         return jobs
 
     async def _one(self, action: str, name: str, job: HostJob, chosen: Mapping[str, Sequence[str]] | None = None,
@@ -183,8 +184,10 @@ class Runner:
         job.step = step.label
         job.progress = Progress(step.label, step.unit, rate=step.rate, items=dict(step.items))
         self._say(T.STEP, name, action=job.action, text=step.label)
-        job.command = self.hosts[name].command(job.action, step.args, on_event=lambda c, e: self._event(name, job, c, e),
-                                               on_line=lambda c, which, line: self._line(name, job, which, line), **pipes)
+        job.command = self.hosts[name].command(job.action, step.args,
+                                               on_event=lambda c, e: self._event(name, job, c, e),
+                                               on_line=lambda c, which, line: self._line(name, job, which, line),
+                                               **pipes)
         self._moved(name, job, None)
 
     async def finish(self, name: str, job: HostJob) -> bool:
@@ -285,7 +288,8 @@ class Runner:
             self.done(name, job, "no other host holds what it misses under the same keys")
             return
         export, into = A.export_import(self.spec)
-        self._say(T.STEP, name, action="import", text=f"from {source}: {len(programs)} programs ({', '.join(programs)})")
+        self._say(T.STEP, name, action="import",
+                  text=f"from {source}: {len(programs)} programs ({', '.join(programs)})")
         read, write = os.pipe()
         try:  # each command holds its own end: ours close at once, so each sees the other's end
             out = self.hosts[source].command("import", export, stdout=write)

@@ -324,7 +324,8 @@ class Dsv4Console(ReadingKeys, App):
             # a fleet host's service is the fleet's (one remote host alone: `dsv4 service start` there)
             self.fleet.act("launch", self.session.active())
         else:
-            {"create": jobs.create, "launch": service.launch_new, "stop": service.stop, "dismiss": service.dismiss}[name]()
+            {"create": jobs.create, "launch": service.launch_new, "stop": service.stop,
+             "dismiss": service.dismiss}[name]()
 
     # -- the fleet ----------------------------------------------------------------------------------
 

@@ -237,10 +237,7 @@ class PackedLayout:
         for (prefix, fam), layers in members.items():
             p = params[(prefix, fam)]
             rule = self.slots[p.name].rule
-            if rule.group == EXPERTS:
-                lead = (self.ranks, len(layers), experts_per_rank)
-            else:
-                lead = (len(layers),)
+            lead = (self.ranks, len(layers), experts_per_rank) if rule.group == EXPERTS else (len(layers),)
             self._add(rule, p, f"{prefix}.{fam}", lead, register_slot=False)
 
     def _names(self, rule: Rule, base: str) -> tuple[str, ...]:

@@ -146,7 +146,8 @@ async def test_the_kernel_cache_view_lists_every_entry_and_x_there_deletes_only_
         await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), "confirm")
         assert "2 program entries and 0 sidecars" in app.screen.body and "torch is 2.99.0 here" in app.screen.body
         await pilot.press("y")
-        await until(pilot, lambda: sorted(e.program for e in inventory(cache.layout)) == sorted([current, layout]), "purge")
+        await until(pilot, lambda: sorted(e.program for e in inventory(cache.layout)) == sorted([current, layout]),
+                    "purge")
         await pilot.press("c")
         assert app.query_one("#programs-table").display
 
@@ -277,7 +278,8 @@ async def test_first_run_creates_the_embedded_default_with_progress(tmp_path, mo
     async with app.run_test() as pilot:
         ended: list[object] = []
 
-        def moved(host, job, e) -> None:  # every move of the creation (an action of the runner), and what the panes say then
+        # every move of the creation (an action of the runner), and what the panes say then
+        def moved(host, job, e) -> None:
             if job.action != "create":
                 return
             if job.outcome:

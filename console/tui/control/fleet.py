@@ -126,7 +126,8 @@ class FleetControl:
         lines = []
         for h, ts in listed.items():
             lines.append(f"{h}: {len(ts)} files, {fmt.size(sum(t.size_bytes for t in ts))}")
-            lines += [f"  {t.path}: {t.reason}" for t in ts[:8]] + ([f"  … and {len(ts) - 8} more"] if len(ts) > 8 else [])
+            lines += [f"  {t.path}: {t.reason}" for t in ts[:8]]
+            lines += [f"  … and {len(ts) - 8} more"] if len(ts) > 8 else []
         self.app.push_screen(ConfirmScreen(f"purge on {len(chosen)} hosts?", escape("\n".join(lines))),
                              lambda yes: self.run("purge", list(chosen), chosen) if yes else self._cancelled("purge"))
 

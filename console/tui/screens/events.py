@@ -51,7 +51,8 @@ class EventsScreen(ModalScreen[None]):
             yield Static(id="events-title")
             yield Input(placeholder="filter events (host, service, action, reason…)", id="events-filter")
             yield RichLog(id="events-log", wrap=True, markup=True, auto_scroll=False, min_width=1, max_lines=5000)
-            yield Static("[dim]/: filter · r: read again · esc: close · repeats folded: the latest, ×count since the first[/]")
+            yield Static("[dim]/: filter · r: read again · esc: close · "
+                         "repeats folded: the latest, ×count since the first[/]")
 
     def on_mount(self) -> None:
         self.query_one("#events-log").focus()

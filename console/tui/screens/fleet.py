@@ -57,7 +57,8 @@ def _age(seconds: float | None) -> str:
 
 class FleetScreen(Screen):
     BINDINGS: ClassVar[list[BindingType]] = [
-        Binding("w", "app.mutate('warm')", "Warm", id="fleet.warm", tooltip="read the sidecar, then compile, on the hosts"),
+        Binding("w", "app.mutate('warm')", "Warm", id="fleet.warm",
+                tooltip="read the sidecar, then compile, on the hosts"),
         Binding("p", "app.mutate('prepack')", "Prepack", id="fleet.prepack", tooltip="pack a sidecar on the hosts"),
         Binding("b", "app.mutate('compile')", "Compile", id="fleet.compile", tooltip="compile what the launch misses"),
         Binding("x", "app.mutate('purge')", "Purge", id="fleet.purge",

@@ -77,7 +77,8 @@ class LogScreen(ModalScreen[None]):
         label = feed.label if feed else "log"
         where = f"{feed.host_name}:{feed.where}" if feed and feed.host_name else (feed.where if feed else "")
         others = "  ".join(f"[b]{i}[/] {f.label}" for i, f in enumerate(self.feeds) if i != self.which)
-        found = f"  /{escape(self.needle)}: {sum(self.needle in x.lower() for x in self.lines)} lines" if self.needle else ""
+        found = (f"  /{escape(self.needle)}: {sum(self.needle in x.lower() for x in self.lines)} lines"
+                 if self.needle else "")
         error = f"  [red]{escape(feed.error)}[/]" if feed and feed.error else ""
         self.query_one("#logview-title", Static).update(
             f"[b]{escape(self.title_text)}[/]  {label} {escape(where)}{found}{error}"

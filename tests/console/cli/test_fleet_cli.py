@@ -64,7 +64,8 @@ def test_an_action_that_fails_on_a_host_exits_1_and_json_says_each_outcome(fleet
 
 
 def test_purge_lists_each_hosts_files_then_deletes_those(fleet, capsys):
-    target = {"kind": "sidecar", "path": "/models/v4/dsv4-packed.r3.safetensors", "reason": "stale: packer", "size_bytes": 8}
+    target = {"kind": "sidecar", "path": "/models/v4/dsv4-packed.r3.safetensors", "reason": "stale: packer",
+              "size_bytes": 8}
     fleet["script"] = {n: (lambda host, args: Answer(lines=(json.dumps([target]),))) for n in "abc"}
     assert main(["fleet", "purge", "--hosts", "x", "--yes"]) == 0
     out = capsys.readouterr().out
@@ -82,7 +83,8 @@ def test_logs_of_a_host_come_over_its_connection(fleet, capsys):
 
 
 def test_status_lists_every_host(fleet, capsys):
-    fleet["history"] = {"a": [LaunchRecord(launch="a/1/1.0", host="a", pid=9, started=100.0, ended=103.0, outcome="ok")]}
+    fleet["history"] = {"a": [LaunchRecord(launch="a/1/1.0", host="a", pid=9, started=100.0, ended=103.0,
+                                           outcome="ok")]}
     assert main(["fleet", "status", "--hosts", "x", "--exclude", "b", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert [h["host"] for h in data["hosts"]] == ["a", "b", "c"] and data["left_out"] == ["b"]
@@ -103,7 +105,8 @@ def test_events_merge_every_hosts_timeline_read_over_its_connection(fleet, capsy
     assert main(["fleet", "events", "--hosts", "x"]) == 1  # a host whose timeline could not be read
     out = capsys.readouterr()
     assert [line.split(" ", 1)[1] for line in out.out.splitlines()] == [
-        "service registering on a (pid 9)", "service serving http://a:8000 on a (pid 9)", "c unreachable: connection refused",
+        "service registering on a (pid 9)", "service serving http://a:8000 on a (pid 9)",
+        "c unreachable: connection refused",
         f"service on b failed (rank 1): rank 1 lost (×2 since {time.strftime('%H:%M:%S', time.localtime(101.0))})"]
     assert "c: its timeline could not be read: " in out.err and "Connection refused" in out.err
     assert all(h.commands == [("events", "--json")] for h in fleet["hosts"].values())

@@ -23,7 +23,8 @@ from store.services import Ending
 
 
 def _reading(snap, *, reachable=True, error=""):
-    return HostReading(host="a", node_rank=0, reachable=reachable, error=error, snapshot=snap, fresh=reachable and not error)
+    return HostReading(host="a", node_rank=0, reachable=reachable, error=error, snapshot=snap,
+                       fresh=reachable and not error)
 
 
 def _with_service(snap, **changes):
@@ -61,7 +62,8 @@ def test_every_hosts_timeline_merges_into_one_read_over_each_connection():
     here = T.TimelineEvent(kind=T.SERVING, host=socket.gethostname(), ts=NOW + 2, url="http://127.0.0.1:8000", pid=7)
     T.append(here)
     there = [T.TimelineEvent(kind=T.FAILED, host="host-b", ts=NOW + t, rank=1, text="rank 1 lost") for t in (1, 3)]
-    remote = FakeHost("host-b", script={("events", "--json"): Answer(lines=tuple(json.dumps(e.to_json()) for e in there))})
+    remote = FakeHost("host-b",
+                      script={("events", "--json"): Answer(lines=tuple(json.dumps(e.to_json()) for e in there))})
     away = FakeHost("host-c", script={("events",): Answer(code=255, stderr=("ssh: connect to host-c: refused",))})
     events, problems = asyncio.run(E.gather({"local": LocalHost(), "host-b": remote, "host-c": away}))
     assert events == [there[0], here, there[1]]  # merged by time
@@ -86,13 +88,15 @@ def test_a_service_registering_serving_and_failing_on_another_host_is_said_so():
     said = []
     for s in (registering, snap, failed):
         said += [e.sentence() for e in watch.see((_reading(s),), now=NOW)]
-    assert said == ["service registering on a (pid 4242): weights", "service serving http://127.0.0.1:8000 on a (pid 4242)",
+    assert said == ["service registering on a (pid 4242): weights",
+                    "service serving http://127.0.0.1:8000 on a (pid 4242)",
                     "service on a failed (rank 1): rank 1 on host-b stopped answering"]
     unsaid = _with_service(failed, detail=dataclasses.replace(failed.services.services[0].detail, reason=""))
     watch = Transitions()
     watch.see((_reading(snap),), now=NOW)
     [event] = watch.see((_reading(unsaid),), now=NOW)
-    assert event.sentence() == "service on a failed (rank 1): rank 1 on host-b: no heartbeat for 2.0 s" and event.rank == 1
+    assert (event.sentence() == "service on a failed (rank 1): rank 1 on host-b: no heartbeat for 2.0 s"
+            and event.rank == 1)
 
 
 def test_a_service_stopped_or_killed_says_how_and_what_ended_before_is_not_news():

@@ -102,7 +102,8 @@ async def test_create_is_an_action_and_registration_stops_waiting_once_it_is_don
         app.show_registration()
         waiting = str(app.query_one("#registration-table").get_row_at(1)[5])
         summary = str(app.query_one("#registration-summary").render())
-        await _until(pilot, lambda: "create" not in app.jobs_control.running() and not app.progress, "the creation done")
+        await _until(pilot, lambda: "create" not in app.jobs_control.running() and not app.progress,
+                     "the creation done")
         await pilot.pause()
         after = str(app.query_one("#registration-table").get_row_at(1)[5])
         summary_after = str(app.query_one("#registration-summary").render())
