@@ -10,7 +10,7 @@ from typing import Any
 
 from console.data.records import LaunchRecord, path_taken
 from runtime.events import PHASES, Event
-from runtime.launch.history import basis_line
+from runtime.launch.history import basis_line, launch_seconds, span
 
 PENDING, RUNNING, DONE, FAILED = "pending", "running", "done", "error"
 # a program's log events (`programs` phase) say `queued`, `compiling`, then one of these
@@ -213,6 +213,10 @@ class LaunchState:
     # world size its check announced
     ranks: dict[int, Track] = field(default_factory=dict)
     world: int | None = None
+    # the figures its history record keeps, as its serve event says them: the whole launch (process
+    # start to serving) and its registration span (check through validate)
+    launch_seconds: float | None = None
+    registration_seconds: float | None = None
     ended: str = ""  # how the service's process ended, its cause, once it has ("killed by SIGKILL during serve")
     ending: Any = None  # the registry's store.services.Ending it was read from (its time: the age moves)
 
@@ -265,6 +269,9 @@ class LaunchState:
             self._planned(event.detail.get("plan"))
         if event.kind == "end" and event.phase == "serve":
             self.url = event.detail.get("url", "")
+            for name in ("launch_seconds", "registration_seconds"):
+                if isinstance(event.detail.get(name), int | float):
+                    setattr(self, name, float(event.detail[name]))
         elif event.kind == "error":
             self.error = _by_rank(event.rank, event.message or "failed")
 
@@ -280,16 +287,17 @@ class LaunchState:
         self.predicted = dict(plan.predicted)
         self.basis = basis_line(dict(plan.basis), dict(plan.compared) if plan.compared else None)
 
-    def totals(self) -> tuple[float, float] | None:
-        """(predicted, actual) seconds over the phases that finished with a prediction, once the
-        launch is through registration; None before, or when nothing was predicted."""
+    def registration(self) -> tuple[float | None, float] | None:
+        """(predicted, actual) seconds of the registration span (check, programs ∥ weights, upload,
+        kv, validate: `history.span`, the record's one formula) once the launch is through it:
+        the actual its record keeps (the serve event's), else the span of each phase's seconds
+        (the slowest rank's); the predicted the span of the plan's (None while a phase's is unknown)."""
         from runtime.events import REGISTRATION
 
-        if any(self.phases[p].state not in (DONE, FAILED) for p in REGISTRATION):
-            return None
-        both = [(self.predicted.get(p), self.phases[p].seconds) for p in REGISTRATION]
-        both = [(float(a), float(b)) for a, b in both if a is not None and b is not None]
-        return (sum(a for a, _ in both), sum(b for _, b in both)) if both else None
+        actual = self.registration_seconds
+        if actual is None and all(self.phases[p].state == DONE for p in REGISTRATION):
+            actual = span({p: self.phases[p].seconds for p in REGISTRATION})
+        return None if actual is None else (span(self.predicted), actual)
 
     def _apply_rank(self, event: Event) -> None:
         track = self.ranks.setdefault(event.rank, Track())
@@ -371,4 +379,7 @@ class LaunchState:
 
     @property
     def total_seconds(self) -> float:
-        return sum(p.seconds or 0.0 for p in self.phases.values())
+        """The whole launch's seconds as its history record says them (`history.launch_seconds`):
+        from its process's start to serving, else (it never served) its phases' sum."""
+        return launch_seconds({"seconds": self.launch_seconds,
+                               "phases": {name: {"seconds": p.seconds} for name, p in self.phases.items()}})
