@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from console.data.rate import Rate
 from console.data.records import LaunchRecord, path_taken
 from runtime.events import PHASES, Event
 from runtime.launch.history import basis_line, launch_seconds, span
@@ -25,6 +26,7 @@ class PhaseState:
     seconds: float | None = None
     path: str = ""
     started: float | None = None
+    rate: Rate = field(default_factory=Rate)  # its progress events' rate, smoothed (the ETA's)
 
     @property
     def fraction(self) -> float:
@@ -114,6 +116,7 @@ def step(phases: dict[str, PhaseState], now: dict[str, str], pool: ProgramStates
     p = phases[event.phase]
     if event.kind == "start":
         p.state, p.started = RUNNING, event.ts
+        p.rate.sample(event.ts, 0.0)
         if isinstance(event.detail.get("total"), int | float):
             p.total = event.detail["total"]
     elif event.kind == "log" and ProgramStates.applies(event.detail):
@@ -124,6 +127,8 @@ def step(phases: dict[str, PhaseState], now: dict[str, str], pool: ProgramStates
     elif event.kind == "progress":
         p.state = RUNNING
         p.done, p.total = event.done, event.total
+        if event.done is not None:
+            p.rate.sample(event.ts, event.done)
         if event.phase == "programs" and "outcome" in event.detail:
             p.path = f"{event.detail.get('program', '')} {event.detail['outcome']}"
         what = event.detail.get("group") or event.detail.get("part") or ""
@@ -335,7 +340,7 @@ class LaunchState:
         agg = self.phases[phase]
         agg.state = (FAILED if failed else DONE if all(p.state == DONE for p in states.values()) else RUNNING)
         slowest = min(states, key=lambda r: states[r].fraction)
-        agg.done, agg.total = states[slowest].done, states[slowest].total
+        agg.done, agg.total, agg.rate = states[slowest].done, states[slowest].total, states[slowest].rate
         seconds = [p.seconds for p in states.values() if p.seconds is not None]
         agg.seconds = max(seconds) if seconds else None
         started = [p.started for p in states.values() if p.started is not None]

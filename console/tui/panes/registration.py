@@ -49,8 +49,8 @@ def phase_progress(phase: str, p, expected: float | None, now: str, pool: Progra
     """The running phase's progress line (elapsed, ETA from the plan or the compared launch, or
     the compile pool's own: what is left spread over its workers, what it does now)."""
     elapsed = max(0.0, time.time() - (p.started or time.time()))
-    tracker = Progress(phase, "bytes" if phase == "weights" else "", p.done, p.total, now,
-                       started=time.monotonic() - elapsed, pool=pool if pool is not None and pool.expected else None)
+    tracker = Progress(phase, "bytes" if phase == "weights" else "", p.done, p.total, now, started=p.started or time.time(),
+                       pool=pool if pool is not None and pool.expected else None, measured=p.rate, clock=time.time)
     if expected and p.total:
         tracker.rate = p.total / expected
     elif expected and tracker.pool is None:  # no done/total: the ETA is what is left of its recorded time

@@ -185,8 +185,8 @@ def test_a_running_launch_says_which_program_it_prepares_now_and_how_long_is_lef
     state.apply(Event("programs", "progress", done=1, total=20, detail={"program": order[0], "outcome": "MISS"}))
     assert state.now["programs"] == "preparing program.1"
     line = phase_progress("programs", state.phases["programs"], 40.0, state.now["programs"])
-    # 1 of 20 done: the plan's 40 s still says more than 10 s of measuring (19 left at 0.5/s)
-    assert line.startswith("programs · 1/20 · 10s elapsed · ETA 38s (history)")
+    # 1 of 20 done in 10 s: the rate measured here (19 left at 0.1/s), not the plan's 0.5/s, and it says so
+    assert line.startswith("programs · 1/20 · 10s elapsed · ETA 3m") and "(measured at 0.10/s)" in line
     assert line.endswith("now: preparing program.1")
 
 
