@@ -49,6 +49,7 @@ class ProgramStates:
     started: dict[str, float] = field(default_factory=dict)  # program → when its compile started (wall)
     took: dict[str, float] = field(default_factory=dict)  # program → the seconds its compile took
     workers: int = 1
+    said: tuple[float, float, float] | None = None  # (when, ETA, scale) the last `eta` said
 
     @staticmethod
     def applies(detail: dict[str, Any]) -> bool:
@@ -62,7 +63,7 @@ class ProgramStates:
         if isinstance(detail.get("workers"), int) and detail["workers"] >= 1:
             self.workers = detail["workers"]
         if state == "compiling":
-            self.started[name] = ts or time.time()
+            self.started[name] = ts if ts is not None else time.time()
         elif state == "published" and isinstance(detail.get("seconds"), int | float):
             self.took[name] = float(detail["seconds"])
 
@@ -86,10 +87,11 @@ class ProgramStates:
     def eta(self, now: float | None = None) -> float | None:
         """Seconds until every program is through: what is left of each (its expected seconds,
         scaled by `scale`; a running one less what it has run), laid on the pool's workers
-        longest first, as the pool takes them; None with nothing expected to go by."""
+        longest first, as the pool takes them; None with nothing expected to go by. While the
+        scale stands and no compile overruns it never rises (`said`: what it said last)."""
         import heapq
 
-        now = now or time.time()
+        now = now if now is not None else time.time()
         left = [n for n, s in self.states.items() if s not in FINISHED]
         if not left:
             return 0.0
@@ -101,13 +103,21 @@ class ProgramStates:
         def cost(name: str) -> float:
             return (self.expected.get(name) or mean) * k
 
-        running = [max(0.0, cost(n) - (now - self.started[n])) for n in left
+        running = [cost(n) - (now - self.started[n]) for n in left
                    if self.states[n] == "compiling" and n in self.started]
+        on_time = all(r >= 0 for r in running)  # no compile past what the scale says it takes
+        running = [max(0.0, r) for r in running]
         free = sorted(running)[: self.workers] + [0.0] * max(0, self.workers - len(running))
         heapq.heapify(free)
         for c in sorted((cost(n) for n in left if self.states[n] != "compiling"), reverse=True):
             heapq.heappush(free, heapq.heappop(free) + c)
-        return max(free)
+        eta = max(free)
+        if on_time and self.said is not None and now >= self.said[0] and abs(k - self.said[2]) <= 0.01 * k:
+            # compiles keep the rate measured (the scale stands, none overruns): the ETA counts
+            # down, never up — the pool's own order is not the longest-first this lays them in
+            eta = min(eta, max(0.0, self.said[1] - max(0.0, now - self.said[0])))
+        self.said = (now, eta, k)
+        return eta
 
 
 def step(phases: dict[str, PhaseState], now: dict[str, str], pool: ProgramStates, order: list[str],

@@ -91,3 +91,54 @@ def test_the_registration_panes_eta_comes_from_the_phases_events():
     line = phase_progress("weights", p, None, "")
     assert "ETA 30s (measured at 8.0 MiB/s)" in line
     assert p.rate.eta(now + 0.5, TOTAL) == 29.5
+
+
+def _compile(seed: int, scale: float = 1.6, workers: int = 2) -> list[tuple[float, float, bool]]:
+    """A pool of 16 programs compiling each `scale` times its expected seconds, in the pool's own
+    order (not the longest first its ETA lays them in): (time, ETA, any finished yet) every 0.1 s."""
+    import heapq
+
+    from console.data.launch_state import ProgramStates
+
+    rnd = random.Random(seed)
+    expected = {f"p{i}": rnd.uniform(2, 12) for i in range(16)}
+    pool, events, free = ProgramStates(), [], [0.0] * workers
+    for name, e in expected.items():
+        pool.feed({"program": name, "state": "queued", "expected_s": e, "workers": workers}, 0.0)
+        start = heapq.heappop(free)
+        events += [(start, 1, name, None), (start + e * scale, 0, name, e * scale)]
+        heapq.heappush(free, start + e * scale)
+    events.sort()
+    out, i, t = [], 0, 0.0
+    while i < len(events):
+        while i < len(events) and events[i][0] <= t:
+            at, compiling, name, took = events[i]
+            pool.feed({"program": name, "state": "compiling"} if compiling else
+                      {"program": name, "state": "published", "seconds": took}, at)
+            i += 1
+        out.append((t, pool.eta(t), bool(pool.took)))
+        t += 0.1
+    return out
+
+
+def test_a_compile_pools_eta_never_rises_while_compiles_keep_the_measured_scale():
+    for seed in range(5):
+        measured = [eta for _, eta, took in _compile(seed) if took]  # after the first compile set the scale
+        assert all(b <= a + 1e-9 for a, b in pairwise(measured)), seed
+        assert measured[-1] < 0.2
+
+
+def test_a_compile_slower_than_measured_raises_the_pools_eta():
+    from console.data.launch_state import ProgramStates
+
+    pool = ProgramStates()
+    for name in "abc":
+        pool.feed({"program": name, "state": "queued", "expected_s": 10.0, "workers": 1}, 0.0)
+    pool.feed({"program": "a", "state": "compiling"}, 0.0)
+    pool.feed({"program": "a", "state": "published", "seconds": 10.0}, 10.0)
+    assert pool.eta(10.0) == 20.0
+    pool.feed({"program": "b", "state": "compiling"}, 10.0)
+    assert pool.eta(15.0) == 15.0  # on time: counting down
+    assert pool.eta(30.0) == 10.0  # b past its 10 s: slower than measured, c's 10 s still ahead
+    pool.feed({"program": "b", "state": "published", "seconds": 30.0}, 40.0)  # three times its expected
+    assert pool.eta(40.0) == 20.0  # slower than measured: the scale is 2 now, c's 10 s take 20
