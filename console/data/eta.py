@@ -4,9 +4,10 @@ runs), falling back to the rate measured so far.
 
 A measured rate is smoothed (`console.data.rate.Rate`: exponentially weighted by time) and
 counts down between progress samples, so an ETA never rises while work completes at the rate
-measured; it rises only once a sample is later than that rate says (a
-stall is slower). Its basis is shown with the rate: `ETA 12s (measured at 48.0 MiB/s)`, or
-`(history at …)`: the earlier runs' rate, until a span of at least MIN_SPAN_S measured one here."""
+measured; it rises only once the next sample is more than `rate.JITTER` times as late as that
+rate says (a stall is slower). Its basis is shown with the rate: `ETA 12s (measured at 48.0
+MiB/s)`, or `(history at …)`: the earlier runs' rate, until a span of at least
+`rate.MIN_SPAN_S` measured one here."""
 
 from __future__ import annotations
 
