@@ -1,6 +1,13 @@
 """How long a long action will take: done/total, elapsed, and an ETA from recorded history
 (compile seconds per program from the cache manifests; pack and read throughput from earlier
-runs), falling back to the rate measured so far."""
+runs), falling back to the rate measured so far.
+
+A measured rate is smoothed (`console.data.rate.Rate`: exponentially weighted by time) and
+counts down between progress samples, so an ETA never rises while work completes at the rate
+measured; it rises only once the next sample is more than `rate.JITTER` times as late as that
+rate says (a stall is slower). Its basis is shown with the rate: `ETA 12s (measured at 48.0
+MiB/s)`, or `(history at …)`: the earlier runs' rate, until a span of at least
+`rate.MIN_SPAN_S` measured one here."""
 
 from __future__ import annotations
 
@@ -8,16 +15,16 @@ import json
 import os
 import stat
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from console import fmt
+from console.data.rate import Rate
 
 MAX_MANIFEST_BYTES = 1 << 20  # a manifest is a few KiB; larger is corrupt (never read whole)
 HIT_SECONDS = 0.1  # a verified load of a cached program, when nothing better is recorded
-TRUST_MEASURED_AFTER = 0.1  # share of the work after which the measured rate beats history
 
 
 def _compile_seconds(entry_dir: Path) -> float | None:
@@ -53,6 +60,13 @@ def program_seconds(programs: Iterable[Any]) -> dict[str, float]:
     return out
 
 
+def per_second(rate: float, unit: str) -> str:
+    """`48.0 MiB/s`, `1.5 programs/s`."""
+    if unit == "bytes":
+        return f"{fmt.size(rate)}/s"
+    return f"{rate:.2f} {unit}/s" if unit else f"{rate:.2f}/s"
+
+
 @dataclass
 class Progress:
     """One long action as it runs; `line()` renders it through `fmt.progress`."""
@@ -67,22 +81,25 @@ class Progress:
     items: dict[str, float] = field(default_factory=dict)  # expected seconds per item (programs)
     finished: set[str] = field(default_factory=set)
     pool: Any = None  # console.data.launch_state.ProgramStates of a compile pool: its own ETA
+    measured: Rate = field(default_factory=Rate)  # the rate measured here, sample by sample
+    clock: Callable[[], float] = time.monotonic  # what `started`, the samples and `t` are read on
 
     def update(self, done: float | None = None, total: float | None = None, now: str = "",
-               item: str = "") -> None:
+               item: str = "", t: float | None = None) -> None:
         self.done = done if done is not None else self.done
         self.total = total if total is not None else self.total
         if item:
             self.finished.add(item)
         self.now = now
+        if done is not None:
+            self.measured.sample(t if t is not None else self.clock(), done)
 
     def eta(self, t: float | None = None) -> tuple[float | None, str]:
         """(seconds left, basis) or (None, "") while nothing can say."""
-        elapsed = (t or time.monotonic()) - self.started
+        t = t if t is not None else self.clock()
         if not self.total or self.done is None:
             return None, ""
         left = max(0.0, self.total - self.done)
-        share = self.done / self.total
         if self.pool is not None and (pooled := self.pool.eta()) is not None:  # spread over its workers
             return pooled, "history" if not self.pool.took else "measured"
         if self.items:  # per-item history (programs): what is left, item by item
@@ -91,14 +108,15 @@ class Progress:
                 unknown = max(0, int(left) - len(known))
                 mean = sum(self.items.values()) / len(self.items)
                 return sum(known[: int(left)]) + unknown * mean, "history"
-        if self.rate and share < TRUST_MEASURED_AFTER:
-            return left / self.rate, "history"
-        if self.done > 0 and elapsed > 0:
-            return left * elapsed / self.done, "measured"
-        return None, ""
+        eta = self.measured.eta(t, self.total, self.rate, self.done)
+        if eta is None:
+            return None, ""
+        measured = self.measured.rate is not None
+        rate = self.measured.blended(self.rate) or 0.0
+        return eta, f"{'measured' if measured else 'history'} at {per_second(rate, self.unit)}"
 
     def line(self, t: float | None = None) -> str:
-        t = t or time.monotonic()
+        t = t if t is not None else self.clock()
         eta, basis = self.eta(t)
         return fmt.progress(self.label, self.done, self.total, self.unit, t - self.started, eta, basis, self.now)
 

@@ -8,9 +8,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from console.data.rate import Rate
 from console.data.records import LaunchRecord, path_taken
 from runtime.events import PHASES, Event
-from runtime.launch.history import basis_line
+from runtime.launch.history import basis_line, launch_seconds, span
 
 PENDING, RUNNING, DONE, FAILED = "pending", "running", "done", "error"
 # a program's log events (`programs` phase) say `queued`, `compiling`, then one of these
@@ -25,6 +26,7 @@ class PhaseState:
     seconds: float | None = None
     path: str = ""
     started: float | None = None
+    rate: Rate = field(default_factory=Rate)  # its progress events' rate, smoothed (the ETA's)
 
     @property
     def fraction(self) -> float:
@@ -47,6 +49,7 @@ class ProgramStates:
     started: dict[str, float] = field(default_factory=dict)  # program → when its compile started (wall)
     took: dict[str, float] = field(default_factory=dict)  # program → the seconds its compile took
     workers: int = 1
+    said: tuple[float, float, float] | None = None  # (when, ETA, scale) the last `eta` said
 
     @staticmethod
     def applies(detail: dict[str, Any]) -> bool:
@@ -60,7 +63,7 @@ class ProgramStates:
         if isinstance(detail.get("workers"), int) and detail["workers"] >= 1:
             self.workers = detail["workers"]
         if state == "compiling":
-            self.started[name] = ts or time.time()
+            self.started[name] = ts if ts is not None else time.time()
         elif state == "published" and isinstance(detail.get("seconds"), int | float):
             self.took[name] = float(detail["seconds"])
 
@@ -84,10 +87,11 @@ class ProgramStates:
     def eta(self, now: float | None = None) -> float | None:
         """Seconds until every program is through: what is left of each (its expected seconds,
         scaled by `scale`; a running one less what it has run), laid on the pool's workers
-        longest first, as the pool takes them; None with nothing expected to go by."""
+        longest first, as the pool takes them; None with nothing expected to go by. While the
+        scale stands and no compile overruns it never rises (`said`: what it said last)."""
         import heapq
 
-        now = now or time.time()
+        now = now if now is not None else time.time()
         left = [n for n, s in self.states.items() if s not in FINISHED]
         if not left:
             return 0.0
@@ -99,13 +103,21 @@ class ProgramStates:
         def cost(name: str) -> float:
             return (self.expected.get(name) or mean) * k
 
-        running = [max(0.0, cost(n) - (now - self.started[n])) for n in left
+        running = [cost(n) - (now - self.started[n]) for n in left
                    if self.states[n] == "compiling" and n in self.started]
+        on_time = all(r >= 0 for r in running)  # no compile past what the scale says it takes
+        running = [max(0.0, r) for r in running]
         free = sorted(running)[: self.workers] + [0.0] * max(0, self.workers - len(running))
         heapq.heapify(free)
         for c in sorted((cost(n) for n in left if self.states[n] != "compiling"), reverse=True):
             heapq.heappush(free, heapq.heappop(free) + c)
-        return max(free)
+        eta = max(free)
+        if on_time and self.said is not None and now >= self.said[0] and abs(k - self.said[2]) <= 0.01 * k:
+            # compiles keep the rate measured (the scale stands, none overruns): the ETA counts
+            # down, never up — the pool's own order is not the longest-first this lays them in
+            eta = min(eta, max(0.0, self.said[1] - max(0.0, now - self.said[0])))
+        self.said = (now, eta, k)
+        return eta
 
 
 def step(phases: dict[str, PhaseState], now: dict[str, str], pool: ProgramStates, order: list[str],
@@ -114,6 +126,7 @@ def step(phases: dict[str, PhaseState], now: dict[str, str], pool: ProgramStates
     p = phases[event.phase]
     if event.kind == "start":
         p.state, p.started = RUNNING, event.ts
+        p.rate.sample(event.ts, 0.0)
         if isinstance(event.detail.get("total"), int | float):
             p.total = event.detail["total"]
     elif event.kind == "log" and ProgramStates.applies(event.detail):
@@ -124,6 +137,8 @@ def step(phases: dict[str, PhaseState], now: dict[str, str], pool: ProgramStates
     elif event.kind == "progress":
         p.state = RUNNING
         p.done, p.total = event.done, event.total
+        if event.done is not None:
+            p.rate.sample(event.ts, event.done)
         if event.phase == "programs" and "outcome" in event.detail:
             p.path = f"{event.detail.get('program', '')} {event.detail['outcome']}"
         what = event.detail.get("group") or event.detail.get("part") or ""
@@ -213,6 +228,10 @@ class LaunchState:
     # world size its check announced
     ranks: dict[int, Track] = field(default_factory=dict)
     world: int | None = None
+    # the figures its history record keeps, as its serve event says them: the whole launch (process
+    # start to serving) and its registration span (check through validate)
+    launch_seconds: float | None = None
+    registration_seconds: float | None = None
     ended: str = ""  # how the service's process ended, its cause, once it has ("killed by SIGKILL during serve")
     ending: Any = None  # the registry's store.services.Ending it was read from (its time: the age moves)
 
@@ -265,6 +284,9 @@ class LaunchState:
             self._planned(event.detail.get("plan"))
         if event.kind == "end" and event.phase == "serve":
             self.url = event.detail.get("url", "")
+            for name in ("launch_seconds", "registration_seconds"):
+                if isinstance(event.detail.get(name), int | float):
+                    setattr(self, name, float(event.detail[name]))
         elif event.kind == "error":
             self.error = _by_rank(event.rank, event.message or "failed")
 
@@ -280,16 +302,17 @@ class LaunchState:
         self.predicted = dict(plan.predicted)
         self.basis = basis_line(dict(plan.basis), dict(plan.compared) if plan.compared else None)
 
-    def totals(self) -> tuple[float, float] | None:
-        """(predicted, actual) seconds over the phases that finished with a prediction, once the
-        launch is through registration; None before, or when nothing was predicted."""
+    def registration(self) -> tuple[float | None, float] | None:
+        """(predicted, actual) seconds of the registration span (check, programs ∥ weights, upload,
+        kv, validate: `history.span`, the record's one formula) once the launch is through it:
+        the actual its record keeps (the serve event's), else the span of each phase's seconds
+        (the slowest rank's); the predicted the span of the plan's (None while a phase's is unknown)."""
         from runtime.events import REGISTRATION
 
-        if any(self.phases[p].state not in (DONE, FAILED) for p in REGISTRATION):
-            return None
-        both = [(self.predicted.get(p), self.phases[p].seconds) for p in REGISTRATION]
-        both = [(float(a), float(b)) for a, b in both if a is not None and b is not None]
-        return (sum(a for a, _ in both), sum(b for _, b in both)) if both else None
+        actual = self.registration_seconds
+        if actual is None and all(self.phases[p].state == DONE for p in REGISTRATION):
+            actual = span({p: self.phases[p].seconds for p in REGISTRATION})
+        return None if actual is None else (span(self.predicted), actual)
 
     def _apply_rank(self, event: Event) -> None:
         track = self.ranks.setdefault(event.rank, Track())
@@ -327,7 +350,7 @@ class LaunchState:
         agg = self.phases[phase]
         agg.state = (FAILED if failed else DONE if all(p.state == DONE for p in states.values()) else RUNNING)
         slowest = min(states, key=lambda r: states[r].fraction)
-        agg.done, agg.total = states[slowest].done, states[slowest].total
+        agg.done, agg.total, agg.rate = states[slowest].done, states[slowest].total, states[slowest].rate
         seconds = [p.seconds for p in states.values() if p.seconds is not None]
         agg.seconds = max(seconds) if seconds else None
         started = [p.started for p in states.values() if p.started is not None]
@@ -371,4 +394,7 @@ class LaunchState:
 
     @property
     def total_seconds(self) -> float:
-        return sum(p.seconds or 0.0 for p in self.phases.values())
+        """The whole launch's seconds as its history record says them (`history.launch_seconds`):
+        from its process's start to serving, else (it never served) its phases' sum."""
+        return launch_seconds({"seconds": self.launch_seconds,
+                               "phases": {name: {"seconds": p.seconds} for name, p in self.phases.items()}})

@@ -13,8 +13,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from runtime.events import PHASES
-
 
 def path_taken(phase: str, detail: Mapping[str, Any]) -> str:
     """The path a finished phase took, in a few words (from its `end` event's detail)."""
@@ -76,11 +74,20 @@ class LaunchRecord:
     end: str = ""  # how its service ended, when something other than the service said so
     failed_phase: str = ""
     phases: Mapping[str, PhaseRecord] = field(default_factory=dict)
+    # the whole launch (its process's start to serving: the history line's `seconds`), and its
+    # registration span beside the plan's prediction of the same span (runtime.launch.history)
+    launch_seconds: float | None = None
+    registration_seconds: float | None = None
+    predicted_registration_seconds: float | None = None
 
     @property
     def seconds(self) -> float:
-        """Every phase's seconds, through serve."""
-        return sum(float(p.seconds or 0.0) for name, p in self.phases.items() if name in PHASES)
+        """The whole launch's seconds (`history.launch_seconds`: the recorded ones, else its
+        phases' through serve): what the Registration pane said as "this launch"."""
+        from runtime.launch.history import launch_seconds
+
+        return launch_seconds({"seconds": self.launch_seconds,
+                               "phases": {k: {"seconds": p.seconds} for k, p in self.phases.items()}})
 
     def phase(self, name: str) -> PhaseRecord | None:
         return self.phases.get(name)
@@ -110,6 +117,8 @@ class LaunchRecord:
         """`to_json`'s inverse, and a history line's reading (`of`) for one that has a phase's
         detail instead of its path."""
         known = {f.name: raw[f.name] for f in fields(cls) if f.name in raw and f.name != "phases"}
+        if "launch_seconds" not in raw and isinstance(raw.get("seconds"), int | float):  # a history line
+            known["launch_seconds"] = raw["seconds"]
         for text in ("launch", "host", "model", "backend", "device", "outcome", "error", "end", "failed_phase"):
             known[text] = str(known.get(text) or "")
         phases = raw.get("phases") if isinstance(raw.get("phases"), Mapping) else {}

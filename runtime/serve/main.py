@@ -172,12 +172,16 @@ def _serve(launched, sock, emitter: Emitter, announced, started: float, door) ->
 
     def ready(url: str) -> None:
         seconds = time.perf_counter() - t0
-        emitter.emit(Phase.SERVE, "end", seconds=seconds, detail={"url": url})
+        # the whole launch: from the service's first process (the launcher of several ranks) to serving
+        whole = round(time.time() - ServiceId.of_this_process().started, 3)
+        spans = {"launch_seconds": whole, "registration_seconds": launched.registration_seconds}
+        # the event carries the figures the launch's record keeps: the console shows them, never its own
+        emitter.emit(Phase.SERVE, "end", seconds=seconds,
+                     detail={"url": url, **{k: v for k, v in spans.items() if v is not None}})
         with contextlib.suppress(Exception):  # a store gone meanwhile: rank 0's own seconds stand
             launched.slowest_phases()
         launched.phases[Phase.SERVE] = {"seconds": round(seconds, 4), "url": url}
-        # the whole launch: from the service's first process (the launcher of several ranks) to serving
-        launched.record(started, "ok", url=url, seconds=round(time.time() - ServiceId.of_this_process().started, 3))
+        launched.record(started, "ok", url=url, seconds=whole)
         announced.serving(url)
         if launched.group is not None:  # each rank's own log, on its host, as it posted it when it joined
             with contextlib.suppress(Exception):

@@ -35,7 +35,14 @@ from console.tui.screens.detail import DetailScreen
 from console.tui.screens.logview import LogScreen
 from runtime import contract
 from runtime.contract import ContractError, Health
-from runtime.launch.history import SETTINGS, Likeness, comparable, recompiled, weights_path
+from runtime.launch.history import (
+    SETTINGS,
+    Likeness,
+    comparable,
+    recompiled,
+    registered,
+    weights_path,
+)
 from store import services
 from store.history import read_history
 
@@ -130,8 +137,13 @@ async def test_a_killed_service_the_console_launched_is_one_row_one_record_never
         app.query_one("#services-table").focus()
         await pilot.press("d")  # dismissed: the row goes
         await until(pilot, lambda: not app.snapshot.services.services, "dismissed")
-    [record] = read_history()  # one record of the launch, its true end, never a basis for predictions
+    [record] = read_history()  # one record of the launch, its true end; it registered: it predicts the next
     assert (record["outcome"], record["end"], record["pid"]) == ("killed", "killed by SIGKILL", pid)
+    assert registered(record)
+    # the pane said the record's figures: the whole launch, and the registration span (issue 71 item 5)
+    assert f"this launch {record['seconds']:.2f} s" in summary
+    assert f"actual {record['registration_seconds']:.2f} s" in summary or (
+        f"registration {record['registration_seconds']:.2f} s" in summary)
     assert services.services() == []
 
 

@@ -19,7 +19,8 @@ from console.data.records import LaunchRecord
 from console.data.snapshot import RegistrationSnapshot
 from console.tui.panes.base import Pane
 from console.tui.tables import Column, PaneTable
-from runtime.events import PHASES
+from runtime.events import PHASES, REGISTRATION
+from runtime.launch.history import span
 
 STATE_MARK = {DONE: "[green]✓[/]", FAILED: "[red]✗[/]", RUNNING: "[yellow]…[/]"}
 COLUMNS = (
@@ -49,12 +50,21 @@ def phase_progress(phase: str, p, expected: float | None, now: str, pool: Progra
     the compile pool's own: what is left spread over its workers, what it does now)."""
     elapsed = max(0.0, time.time() - (p.started or time.time()))
     tracker = Progress(phase, "bytes" if phase == "weights" else "", p.done, p.total, now,
-                       started=time.monotonic() - elapsed, pool=pool if pool is not None and pool.expected else None)
+                       started=p.started or time.time(), pool=pool if pool is not None and pool.expected else None,
+                       measured=p.rate, clock=time.time)
     if expected and p.total:
         tracker.rate = p.total / expected
     elif expected and tracker.pool is None:  # no done/total: the ETA is what is left of its recorded time
         return fmt.progress(phase, None, None, "", elapsed, max(0.0, expected - elapsed), "history", now)
     return tracker.line()
+
+
+def registration_line(predicted: float | None, actual: float) -> str:
+    """`registration predicted 3.00 s · actual 3.50 s (+17%)`: one span (check through validate,
+    programs ∥ weights) on both sides, as the launch's history record keeps them."""
+    if predicted is None:
+        return f"registration {actual:.2f} s (not predicted: a phase's seconds were unknown)"
+    return f"registration predicted {predicted:.2f} s · actual {actual:.2f} s ({delta(actual, predicted)})"
 
 
 RANKS_PER_LINE = 4
@@ -135,12 +145,12 @@ class RegistrationPane(Pane):
                 parts.append(f"[red]{launch.error}[/]")
             if launch.tier_line:
                 parts.append(launch.tier_line)
-            if (both := launch.totals()) is not None:  # first: a collapsed pane (below 120×36) keeps it
-                predicted, actual = both
-                parts.insert(0, f"predicted {predicted:.2f} s · actual {actual:.2f} s ({delta(actual, predicted)})")
-        elif known := [s for s in seconds_ahead.values() if s is not None]:  # "at least" while a phase is unknown
-            at_least = "≥ " if len(known) < len(seconds_ahead) else ""
-            parts.append(f"next launch predicted {at_least}{sum(known):.2f} s")
+            if (both := launch.registration()) is not None:  # first: a collapsed pane (below 120×36) keeps it
+                parts.insert(0, registration_line(*both))
+        elif any(s is not None for s in seconds_ahead.values()):  # "at least" while a phase is unknown
+            at_least = "≥ " if any(s is None for s in seconds_ahead.values()) else ""
+            lower = span({p: seconds_ahead.get(p) or 0.0 for p in REGISTRATION})
+            parts.append(f"next launch: registration predicted {at_least}{lower:.2f} s")
         if status and not (launch and launch.stopped and "stopped" in status):
             parts.append(status)
         # the running phase first: a collapsed pane (below 120×36) shows only its first line

@@ -1,5 +1,6 @@
-"""`h`: the launch history, newest first: phase seconds, paths taken, outcome; filterable,
-sortable, Enter for a launch's every phase in full."""
+"""`h`: the launch history, newest first: the whole launch's seconds, its registration span
+beside the prediction of that span (the Registration pane's figures), paths taken, outcome;
+filterable, sortable, Enter for a launch's every phase in full."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ COLUMNS = (
     Column("started", "started", 14, essential=True),
     Column("outcome", "outcome", 8, essential=True),
     Column("total", "total s", 8, essential=True),
+    Column("registration", "registration · predicted", 20),
     Column("programs", "programs", 16),
     Column("weights", "weights", 22),
     Column("kv", "kv", 9),
@@ -37,9 +39,18 @@ def _path(r: LaunchRecord, phase: str) -> str:
     return p.path if p else ""
 
 
+def registration(r: LaunchRecord) -> str:
+    """`3.50 s · 3.00 s`: its registration span and the plan's prediction of the same span, as
+    the Registration pane said them ("-" for one it does not have)."""
+    if r.registration_seconds is None and r.predicted_registration_seconds is None:
+        return ""
+    return f"{fmt.secs(r.registration_seconds)} · {fmt.secs(r.predicted_registration_seconds)}"
+
+
 def row(record: LaunchRecord) -> dict[str, Any]:
-    """Its row: what sorts (its start, total seconds, each phase's path) beside the record."""
-    return row_of(record, total=round(record.seconds, 3),
+    """Its row: what sorts (its start, whole seconds, registration span, each phase's path)
+    beside the record."""
+    return row_of(record, total=round(record.seconds, 3), registration=record.registration_seconds,
                   **{p: _path(record, p) for p in ("programs", "weights", "kv")})
 
 
@@ -48,6 +59,7 @@ def cells(row: dict[str, Any]) -> dict[str, str]:
     color = "green" if r.outcome == "ok" else "red"
     return {"started": time.strftime("%m-%d %H:%M:%S", time.localtime(r.started or 0)),
             "outcome": f"[{color}]{r.outcome}[/]", "total": fmt.secs(r.seconds),
+            "registration": registration(r),
             "programs": _path(r, "programs"), "weights": _path(r, "weights"), "kv": _path(r, "kv"),
             "model": Path(r.model).name, "host": r.host, "pid": str(r.pid if r.pid is not None else ""),
             "error": r.error}

@@ -147,13 +147,14 @@ async def test_h_shows_past_launches_newest_first_and_filters_them():
 
 
 def test_one_progress_line_with_elapsed_eta_and_what_now():
-    p = Progress("prepack", "bytes", rate=100e6, started=0.0)
-    p.update(10e6, 1e9, now="layer 1/5 attn")
-    line = p.line(t=5.0)
-    assert line.startswith("prepack · 9.5 MiB / 953.7 MiB · 5s elapsed · ETA 10s (history)")
+    p = Progress("prepack", "bytes", rate=100e6, started=-5.0)
+    p.update(0, 1e9, t=0.0)
+    p.update(10e6, 1e9, now="layer 1/5 attn", t=0.1)  # too short a span to measure a rate by
+    line = p.line(t=0.15)  # the earlier runs' rate, counting down since the last sample
+    assert line.startswith("prepack · 9.5 MiB / 953.7 MiB · 5s elapsed · ETA 10s (history at 95.4 MiB/s)")
     assert line.endswith("now: layer 1/5 attn")
-    p.update(500e6, 1e9)
-    assert p.eta(t=50.0) == (50.0, "measured")  # past the first tenth: the rate measured here
+    p.update(500e6, 1e9, t=10.0)
+    assert p.eta(t=10.0) == (10.0, "measured at 47.7 MiB/s")  # once a span measured it: the rate here
     compile_ = Progress("compile", "programs", items={"a": 10.0, "b": 20.0}, started=0.0)
     compile_.update(1, 2, item="a")
     assert compile_.eta(t=12.0) == (20.0, "history")
@@ -377,7 +378,8 @@ async def test_the_collapsed_registration_keeps_predicted_vs_actual_first():
         app.show_registration()
         await pilot.pause()
         first = str(app.query_one("#registration-summary", Static).render()).splitlines()[0]
-    assert first.startswith("predicted 4.00 s · actual 4.50 s (+12%)")
+    # the registration span on both sides: programs ∥ weights, the longer counts (not their sum, 4.00 · 4.50)
+    assert first.startswith("registration predicted 3.00 s · actual 3.50 s (+17%)")
 
 
 @pytest.mark.asyncio
