@@ -9,7 +9,7 @@ from rich.text import Text
 
 from console import fmt
 from console.data.snapshot import Snapshot
-from console.tui.panes.device import kv_lines
+from console.tui.panes.device import kv_lines, use_lines
 from console.tui.panes.services import rank_line, ranks_worth_a_line, serving_lines
 from runtime.events import PHASES
 
@@ -58,7 +58,7 @@ def render(snap: Snapshot) -> str:
     lines += ["", f"Device ({d.kind} via {d.source}):"]
     if d.error:
         lines.append(f"  {d.error}")
-    lines += [f"  {_plain(line)}" for line in kv_lines(d)]
+    lines += [f"  {_plain(line)}" for line in kv_lines(d) + use_lines(snap.services)]
     reg = snap.registration
     lines += ["", f"Registration, next launch ({reg.basis}):" if reg.basis else "Registration, next launch:"]
     for phase in PHASES:

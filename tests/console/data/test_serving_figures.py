@@ -13,12 +13,14 @@ from conftest import get_json
 from console.data.services import (
     MetricsWindow,
     ServicesCollector,
+    ServicesSnapshot,
     ServiceView,
     parse_metrics,
     quantile,
     serving,
     with_recent,
 )
+from console.tui.panes.device import use_lines
 from runtime import contract as c
 from store.services import Service
 
@@ -75,6 +77,10 @@ def test_a_generating_service_read_once_shows_its_own_nonzero_rates(tiny_app):
     assert s.tokens_s > 0 and s.prompt_tokens_s > 0 and s.requests_s > 0
     assert s.ttft_p50 is not None or "ttft_p50" in s.above
     assert sum(s.finished.values()) >= 1
+    # this host has no accelerator: its rank's device reads n/a, its process's CPU and RSS are the service's
+    [rank] = view.ranks
+    assert rank.device_use is None and rank.rss_bytes and rank.rss_bytes > 0
+    assert use_lines(ServicesSnapshot((view,)))[0].endswith("util, temp, power n/a (no accelerator)")
     # the console's own window would have said nothing yet: its first scrape has no rate
     raw = httpx.get(f"{url}/metrics", timeout=10).text
     assert MetricsWindow().add(0.0, parse_metrics(raw)).tokens_s is None
