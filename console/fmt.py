@@ -70,16 +70,26 @@ def per_second(value: float | None) -> str:
 SPARKS = "▁▂▃▄▅▆▇█"
 
 
+def bars(values, width: int, top: float | None = None) -> str:
+    """`values` as `width` bars (each the peak of its share of them), from 0 to `top` (a percent:
+    100) or to their peak: a flat line at the top is drawn full, a flat 0 a floor of `▁`."""
+    values = [max(0.0, float(v)) for v in values]
+    if not values or width <= 0:
+        return ""
+    scale = max(top or 0.0, max(values))
+    n = len(values)
+    out = []
+    for i in range(width):
+        lo = i * n // width
+        v = max(values[lo:max(lo + 1, (i + 1) * n // width)])
+        out.append(SPARKS[min(len(SPARKS) - 1, int(v / scale * (len(SPARKS) - 1) + 0.5))] if scale > 0 else SPARKS[0])
+    return "".join(out)
+
+
 def spark(values, width: int = 8, top: float | None = None) -> str:
-    """The last `width` values as a one-line sparkline and its scale: the bars from 0 to `top`
-    (a percent: 100) or to their peak, and the peak beside them (`▃▅▇█ 182`); a flat line at the
-    top is drawn full, a flat 0 a floor of `▁`; "-" for none."""
+    """The last `width` values as a one-line sparkline and its scale: the bars (`bars`) and their
+    peak beside them (`▃▅▇█ 182`); "-" for none."""
     values = [max(0.0, float(v)) for v in values][-width:]
     if not values:
         return "-"
-    peak = max(values)
-    scale = max(top or 0.0, peak)
-    if scale <= 0:
-        return SPARKS[0] * len(values) + " 0"
-    bars = "".join(SPARKS[min(len(SPARKS) - 1, int(v / scale * (len(SPARKS) - 1) + 0.5))] for v in values)
-    return f"{bars} {peak:.3g}"
+    return f"{bars(values, len(values), top)} {max(values):.3g}"
