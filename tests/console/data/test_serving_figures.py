@@ -5,7 +5,6 @@ its histogram's top bucket says `>bound`, never the bound."""
 from __future__ import annotations
 
 import os
-import time
 
 import httpx
 from conftest import get_json
@@ -22,7 +21,7 @@ from console.data.services import (
 )
 from console.tui.panes.device import use_lines
 from runtime import contract as c
-from store.services import Service
+from store.services import Announcement, Service
 
 
 def _exposition(le_counts: dict[str, int], name: str = c.TTFT.name) -> str:
@@ -70,8 +69,10 @@ def test_a_generating_service_read_once_shows_its_own_nonzero_rates(tiny_app):
     r = httpx.post(f"{url}/v1/completions", timeout=120,
                    json={"model": models["data"][0]["id"], "prompt": "hello", "max_tokens": 8})
     assert r.status_code == 200, r.text
-    record = Service(os.getpid(), 1.0, ("dsv4", "serve"), "/m", "serving", url)
-    view = ServicesCollector().view(record, time.monotonic())  # one read: one scrape of /metrics
+    Announcement("/m").serving(url)  # this process serves it: the registry every reader lists
+    snap = ServicesCollector()()  # one read (--once, --once --json, a fleet host's): one scrape of /metrics
+    [view] = [v for v in snap.services if v.pid == os.getpid()]
+    assert ServicesSnapshot.from_json(snap.to_json()) == snap  # what --once --json and the fleet carry
     s = view.serving
     assert s is not None and s.source == "10s" and s.window_s > 0
     assert s.tokens_s > 0 and s.prompt_tokens_s > 0 and s.requests_s > 0
