@@ -90,7 +90,8 @@ def row(view: ServiceView, now: float) -> dict[str, Any]:
 def serving_lines(s: Serving) -> list[str]:
     """What a service serves, in the field's order, every latency with its unit (the details and
     `--once`): errors and saturation, tail latency, throughput, finish reasons."""
-    window = "last 10 s, its own" if s.source == "10s" else f"last {s.window_s:.0f} s, scraped"
+    window = ("last 10 s, its own" if s.source == "10s" else f"last {s.window_s:.0f} s, scraped" if s.window_s > 0
+              else "an older service: rates after a second scrape")
     kv = "-" if s.kv_fraction is None else f"{s.kv_used}/{s.kv_slots} ({s.kv_fraction:.0%})"
     lines = [f"errors 4xx {s.errors_4xx} · 5xx {s.errors_5xx} · 503 {s.busy_503} · running {s.running} · "
              f"queued {s.queued} (wait p99 {fmt.latency(s.latency('queue_p99'))}) · kv {kv}",

@@ -49,3 +49,12 @@ def test_the_details_and_once_carry_finish_reasons_and_each_ranks_cpu_and_rss():
         assert "prefill 96.0 tok/s · gen 182 tok/s" in said and "queued 1 (wait p99 4 ms)" in said
         assert "rank 0 pid 4242 cpu serve 12/32 slots cpu 97% rss 1.3 GiB" in said
         assert "5120" not in said
+
+
+def test_an_older_service_without_its_own_window_says_where_its_rates_come_from():
+    from console.data.services import serving
+    from console.tui.panes.services import serving_lines
+
+    first, later = serving({}, None, 0.0), serving({}, {}, 12.0)
+    assert "an older service: rates after a second scrape" in serving_lines(first)[2]
+    assert "last 12 s, scraped" in serving_lines(later)[2] and "gen 0.0 tok/s" in serving_lines(later)[2]
