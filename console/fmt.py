@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from runtime.contract import Quantile
 from store.units import format_age, format_duration, format_size
 
 
@@ -49,9 +50,16 @@ def progress(label: str, done: float | None, total: float | None, unit: str, ela
     return f"{line} · now: {now}" if now else line
 
 
-def millis(seconds: float | None) -> str:
-    """A latency in milliseconds (seconds past 10 s), "-" for none."""
-    return "-" if seconds is None else f"{seconds * 1000:.0f}" if seconds < 10 else f"{seconds:.0f}s"
+def latency(q: Quantile) -> str:
+    """A latency with its unit: `640 ms`, `1.2 s`; past its histogram's top bucket the bound it
+    lies beyond, `>5.1 s` (never the bound as a value); "-" for none."""
+    if q.above is not None:
+        return f">{q.above:.2g} s"
+    if q.value is None:
+        return "-"
+    if q.value < 1:
+        return f"{q.value * 1000:.2g} ms" if q.value < 0.01 else f"{q.value * 1000:.0f} ms"
+    return f"{q.value:.2g} s" if q.value < 10 else f"{q.value:.0f} s"
 
 
 def per_second(value: float | None) -> str:
@@ -62,13 +70,26 @@ def per_second(value: float | None) -> str:
 SPARKS = "▁▂▃▄▅▆▇█"
 
 
-def spark(values, width: int = 8) -> str:
-    """The last `width` values as a one-line sparkline, scaled from 0 to their peak (a flat 0
-    is a floor of `▁`); "-" for none."""
+def bars(values, width: int, top: float | None = None) -> str:
+    """`values` as `width` bars (each the peak of its share of them), from 0 to `top` (a percent:
+    100) or to their peak: a flat line at the top is drawn full, a flat 0 a floor of `▁`."""
+    values = [max(0.0, float(v)) for v in values]
+    if not values or width <= 0:
+        return ""
+    scale = max(top or 0.0, max(values))
+    n = len(values)
+    out = []
+    for i in range(width):
+        lo = i * n // width
+        v = max(values[lo:max(lo + 1, (i + 1) * n // width)])
+        out.append(SPARKS[min(len(SPARKS) - 1, int(v / scale * (len(SPARKS) - 1) + 0.5))] if scale > 0 else SPARKS[0])
+    return "".join(out)
+
+
+def spark(values, width: int = 8, top: float | None = None) -> str:
+    """The last `width` values as a one-line sparkline and its scale: the bars (`bars`) and their
+    peak beside them (`▃▅▇█ 182`); "-" for none."""
     values = [max(0.0, float(v)) for v in values][-width:]
     if not values:
         return "-"
-    peak = max(values)
-    if peak <= 0:
-        return SPARKS[0] * len(values)
-    return "".join(SPARKS[min(len(SPARKS) - 1, int(v / peak * (len(SPARKS) - 1) + 0.5))] for v in values)
+    return f"{bars(values, len(values), top)} {max(values):.3g}"

@@ -98,9 +98,12 @@ def snapshot(*, starving: bool = False) -> Snapshot:
                 max_seq=64),
         "ok", Health("ok", "/models/tiny", "tiny", 32, 20, 1, 12, 64, backend="export", device="cpu", host="host-a",
                      pid=4242, engine={"steps": 812, "mean_batch": 12.4, "acceptance": 0.61},
-                     ranks=(RankHealth(0, 32, 20, 12, "host-a", 4242, "cpu", "serve"),)),
-        serving=Serving(60.0, 3.5, 182.4, 0.031, 0.12, 0.019, 0.044, 12, 1, 12, 32, 2, 0, 1, 52000,
-                        {"tokens_s": (150.0, 170.0, 182.4)})),),)
+                     ranks=(RankHealth(0, 32, 20, 12, "host-a", 4242, "cpu", "serve", cpu_percent=97.0,
+                                       rss_bytes=1300 << 20),)),
+        serving=Serving(10.0, 3.5, 182.4, 0.031, 0.12, 0.019, None, 12, 1, 12, 32, 2, 0, 1, 52000,
+                        {"tokens_s": (150.0, 170.0, 182.4)}, prompt_tokens_s=96.0, e2e_p50=2.1, e2e_p99=4.8,
+                        queue_p50=0.002, queue_p99=0.004, above={"itl_p99": 5.12},
+                        finished={"length": 30, "stop": 5}, source="10s")),),)
     kv = KvPlan(slot_bytes=1 << 20, slots=device.slots, fits=device.fits, max_slots=32, max_seq=64,
                 per_rank=device.budgets, problem=device.budgets[0].problem if device.budgets else "")
     plan = PlanReport(model="/models/tiny", spec=SPEC, device="cpu", backend="eager", programs=programs.entries,

@@ -1,6 +1,7 @@
 """Services: every `dsv4 serve` of this user on this host, running or ended (the registry in
 `store.services`), each as a `ServiceView`: its record, its `/health` (the contract's `Health`,
-ranks included) and what it serves, live, from its `/metrics` (`Serving`, over the last minute).
+ranks included) and what it serves (`Serving`: the service's own last 10 s from /health's `recent`,
+its counts and gauges from `/metrics`; an older service's rates from two scrapes up to a minute apart).
 Plain Python, no torch, off the UI thread.
 """
 
@@ -68,35 +69,41 @@ def _sum(samples: Samples, name: str, **match: Any) -> float:
         pred(dict(labels).get(k, "")) for k, pred in match.items()))
 
 
-def quantile(q: float, now: Samples, then: Samples | None, name: str) -> float | None:
-    """The q-quantile of histogram `name` over the observations between two scrapes, by linear
-    interpolation inside the bucket it falls in (as PromQL's histogram_quantile)."""
+def quantile(q: float, now: Samples, then: Samples | None, name: str) -> c.Quantile:
+    """The q-quantile of histogram `name` over the observations between two scrapes, by the
+    contract's rule (`bucket_quantile`): past the top bucket, `above` its bound, never the bound."""
     bucket = f"{name}_bucket"
 
     def cumulative(samples: Samples) -> dict[float, float]:
         return {float(dict(labels)["le"]): v for (n, labels), v in samples.items() if n == bucket}
 
     cur, old = cumulative(now), cumulative(then or {})
-    delta = sorted((le, cur[le] - old.get(le, 0.0)) for le in cur)
-    if not delta or delta[-1][1] <= 0:
-        return None
-    target, lower, below = q * delta[-1][1], 0.0, 0.0
-    for le, count in delta:
-        if count >= target:
-            if le == float("inf"):
-                return lower
-            return lower + (le - lower) * ((target - below) / (count - below) if count > below else 1.0)
-        lower, below = le, count
-    return lower
+    bounds, counts, below = [], [], 0.0
+    for le in sorted(cur):
+        seen = max(0.0, cur[le] - old.get(le, 0.0))
+        counts.append(max(0.0, seen - below))
+        below = max(below, seen)
+        if le != float("inf"):
+            bounds.append(le)
+    return c.bucket_quantile(q, tuple(bounds), counts) if bounds else c.Quantile()
+
+
+# each latency the console shows: its key, the histogram of /metrics, and the quantiles kept
+LATENCY_METRICS = {"ttft": c.TTFT, "itl": c.ITL, "e2e": c.REQUEST_SECONDS, "queue": c.QUEUE_WAIT}
+SHOWN_QUANTILES = ("p50", "p99")
 
 
 @dataclass(frozen=True)
 class Serving:
-    """What a service serves, from two scrapes of its /metrics up to a minute apart."""
+    """What a service serves. Rates, latency quantiles and finish reasons: the service's own last
+    10 s (`source` "10s", /health's `recent`), or for an older service without it the console's
+    two scrapes of /metrics up to a minute apart (`source` "metrics"). Counts since it started
+    and gauges: its /metrics. A quantile past its histogram's top bucket is None here and its
+    bound in `above` (`ttft_p99` → 5.12), as the contract says it: `latency("ttft_p99")`."""
 
     window_s: float
     requests_s: float | None
-    tokens_s: float | None
+    tokens_s: float | None  # generation tokens/s
     ttft_p50: float | None
     ttft_p99: float | None
     itl_p50: float | None
@@ -110,10 +117,34 @@ class Serving:
     busy_503: int
     generated: int  # tokens generated since the service started
     history: dict[str, tuple[float, ...]] = field(default_factory=dict)  # each of FIGURES: its last minute
+    prompt_tokens_s: float | None = None  # prefill tokens/s
+    e2e_p50: float | None = None  # end to end (arrival to the last byte)
+    e2e_p99: float | None = None
+    queue_p50: float | None = None  # waiting for a slot
+    queue_p99: float | None = None
+    above: dict[str, float] = field(default_factory=dict)  # a quantile past its top bucket → that bound
+    finished: dict[str, int] = field(default_factory=dict)  # generations over the window, by finish reason
+    source: str = "metrics"  # "10s": the service's own recent window; "metrics": the console's two scrapes
 
     @property
     def kv_fraction(self) -> float | None:
         return self.kv_used / self.kv_slots if self.kv_slots else None
+
+    def latency(self, key: str) -> c.Quantile:
+        """`ttft_p99` as the contract's Quantile: its value, or the bound it lies past."""
+        return c.Quantile(getattr(self, key), self.above.get(key))
+
+
+def _latencies(of) -> dict[str, Any]:
+    """Serving's latency fields and `above` from `of(kind, quantile) -> Quantile`."""
+    out: dict[str, Any] = {"above": {}}
+    for kind in LATENCY_METRICS:
+        for q in SHOWN_QUANTILES:
+            value = of(kind, q)
+            out[f"{kind}_{q}"] = value.value
+            if value.above is not None:
+                out["above"][f"{kind}_{q}"] = value.above
+    return out
 
 
 def serving(now: Samples, then: Samples | None, seconds: float,
@@ -130,14 +161,32 @@ def serving(now: Samples, then: Samples | None, seconds: float,
     def status_count(pred) -> int:
         return int(_sum(now, requests, status=lambda s: s.isdigit() and pred(int(s))))
 
+    finished: dict[str, int] = {}
+    if then is not None:
+        for (name, labels), v in now.items():
+            if name == f"{c.GENERATIONS.name}_total" and (n := int(v - then.get((name, labels), 0.0))) > 0:
+                finished[dict(labels).get("reason", "")] = n
+    lat = _latencies(lambda kind, q: quantile(dict(c.QUANTILES)[q], now, then, LATENCY_METRICS[kind].name))
     return Serving(
-        seconds, rate(requests, **generation), rate(f"{c.GENERATED.name}_total"),
-        quantile(0.5, now, then, c.TTFT.name), quantile(0.99, now, then, c.TTFT.name),
-        quantile(0.5, now, then, c.ITL.name), quantile(0.99, now, then, c.ITL.name),
+        seconds, rate(requests, **generation), rate(f"{c.GENERATED.name}_total"), lat.pop("ttft_p50"),
+        lat.pop("ttft_p99"), lat.pop("itl_p50"), lat.pop("itl_p99"),
         int(_sum(now, c.RUNNING.name)), int(_sum(now, c.QUEUE_DEPTH.name)), int(_sum(now, c.KV_SLOTS_USED.name)),
         int(_sum(now, c.KV_SLOTS.name)), status_count(lambda s: 400 <= s < 500 and s != 499),
         status_count(lambda s: 500 <= s < 600 and s != 503), status_count(lambda s: s == 503),
-        int(_sum(now, f"{c.GENERATED.name}_total")), history or {})
+        int(_sum(now, f"{c.GENERATED.name}_total")), history or {},
+        prompt_tokens_s=rate(f"{c.PREFILLED.name}_total"), finished=finished, **lat)
+
+
+def with_recent(figures: Serving, recent: c.Recent, name: str) -> Serving:
+    """`figures` with the rates, latencies and finish reasons the service measured itself over
+    its recent window `name`: what a one-shot read shows, however close its scrapes."""
+    return replace(figures, window_s=recent.window_s, requests_s=recent.requests_s,
+                   tokens_s=recent.generation_tokens_s, prompt_tokens_s=recent.prompt_tokens_s,
+                   finished=dict(recent.finished), source=name,
+                   **_latencies(lambda kind, q: getattr(recent, kind).quantile(q)))
+
+
+RECENT = "10s"  # the service's window the console reads: as its summary line; the sparklines keep the minute
 
 
 class MetricsWindow:
@@ -147,12 +196,16 @@ class MetricsWindow:
         self.scrapes: deque[tuple[float, Samples]] = deque()
         self.history: dict[str, deque[tuple[float, float]]] = {k: deque() for k in FIGURES}
 
-    def add(self, t: float, samples: Samples) -> Serving:
+    def add(self, t: float, samples: Samples, recent: c.Recent | None = None) -> Serving:
+        """The figures at `t`: the service's own `recent` window where it has one (a v4 /health),
+        else the rates and quantiles between this scrape and the oldest of the last minute."""
         self.scrapes.append((t, samples))
         while len(self.scrapes) > 2 and self.scrapes[1][0] <= t - WINDOW_S:
             self.scrapes.popleft()  # keep one scrape at or before the window's start
         then_t, then = self.scrapes[0] if len(self.scrapes) > 1 else (t, None)
         figures = serving(samples, then, t - then_t)
+        if recent is not None:
+            figures = with_recent(figures, recent, RECENT)
         for key, values in self.history.items():
             if (value := getattr(figures, key)) is not None:
                 values.append((t, float(value)))
@@ -259,6 +312,8 @@ class ServiceView:
         if figures:
             known = {k: figures[k] for k in Serving.__dataclass_fields__ if k in figures}
             known["history"] = {str(k): tuple(v) for k, v in (figures.get("history") or {}).items()}
+            known["above"] = {str(k): float(v) for k, v in (figures.get("above") or {}).items()}
+            known["finished"] = {str(k): int(v) for k, v in (figures.get("finished") or {}).items()}
             figures = Serving(**known)
         return cls(Service.from_json(raw), str(raw.get("health") or ""), detail, str(raw.get("problem") or ""),
                    figures or None)
@@ -297,7 +352,8 @@ class ServicesCollector:
             except ValueError as e:  # not an exposition this parser reads: say so, keep the rest
                 problem = problem or f"/metrics: {e}"
             else:
-                figures = self.windows.setdefault(record.identity.key, MetricsWindow()).add(now, samples)
+                window = self.windows.setdefault(record.identity.key, MetricsWindow())
+                figures = window.add(now, samples, detail.window(RECENT) if detail is not None else None)
         return ServiceView(record, word, detail, problem, figures)
 
     def __call__(self) -> ServicesSnapshot:

@@ -266,8 +266,8 @@ class Dsv4Console(ReadingKeys, App):
             show(SidecarsPane, snap.sidecars, snap.ts, self.needle)
         show(ServicesPane, snap.services, snap.ts, self.needle)
         show(HostPane, snap.host)
-        if changed("device"):
-            show(DevicePane, snap.device)
+        if changed("device") or changed("services"):  # its ranks' device use comes with the services
+            show(DevicePane, snap.device, snap.services)
         if changed("registration"):
             self.show_registration()
         if old is None:

@@ -9,8 +9,8 @@ from rich.text import Text
 
 from console import fmt
 from console.data.snapshot import Snapshot
-from console.tui.panes.device import kv_lines
-from console.tui.panes.services import rank_line
+from console.tui.panes.device import kv_lines, use_lines
+from console.tui.panes.services import rank_line, ranks_worth_a_line, serving_lines
 from runtime.events import PHASES
 
 
@@ -48,12 +48,8 @@ def render(snap: Snapshot) -> str:
         if v.ended:
             lines.append(f"    {v.ending_line()}")
         if s_ := v.serving:
-            lines.append(f"    {fmt.per_second(s_.tokens_s)} tok/s  {fmt.per_second(s_.requests_s)} req/s  "
-                         f"ttft p50 {fmt.millis(s_.ttft_p50)} p99 {fmt.millis(s_.ttft_p99)} ms  "
-                         f"itl p50 {fmt.millis(s_.itl_p50)} p99 {fmt.millis(s_.itl_p99)} ms  "
-                         f"running {s_.running} queued {s_.queued}  kv {s_.kv_used}/{s_.kv_slots}  "
-                         f"4xx {s_.errors_4xx} 5xx {s_.errors_5xx} 503 {s_.busy_503}")
-        if len(v.ranks) > 1:
+            lines += [f"    {_plain(line)}" for line in serving_lines(s_)]
+        if ranks_worth_a_line(v):
             lines.append(f"    {_plain(rank_line(v))}")
     h = snap.host
     lines += ["", f"Host: CPU {h.cpu_percent:.1f}%  load {' '.join(map(str, h.load))}  memory available "
@@ -62,7 +58,7 @@ def render(snap: Snapshot) -> str:
     lines += ["", f"Device ({d.kind} via {d.source}):"]
     if d.error:
         lines.append(f"  {d.error}")
-    lines += [f"  {_plain(line)}" for line in kv_lines(d)]
+    lines += [f"  {_plain(line)}" for line in kv_lines(d) + use_lines(snap.services)]
     reg = snap.registration
     lines += ["", f"Registration, next launch ({reg.basis}):" if reg.basis else "Registration, next launch:"]
     for phase in PHASES:

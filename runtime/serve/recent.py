@@ -82,8 +82,11 @@ class Tally:
     def figures(self, window: float) -> Recent:
         """What happened over the last `window` seconds (the current second included)."""
         now = self.clock()
-        span = max(1.0, min(window, now - self.started))
-        first = int(now) - math.ceil(span) + 1
+        age = now - self.started
+        span = max(1.0, min(window, age))
+        # younger than the window: everything since its first second (its age spans one more slot than
+        # ceil(age) when it started late in a second, and a one-shot read must not miss that first one)
+        first = int(self.started) if age <= window else int(now) - math.ceil(span) + 1
         counts: Counter[str] = Counter()
         hists: dict[str, Counter[int]] = {name: Counter() for name in LATENCIES}
         with self._lock:

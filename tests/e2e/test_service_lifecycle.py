@@ -262,7 +262,8 @@ def _said(text: str) -> dict[str, float]:
 
 def test_the_figures_shown_while_a_load_runs_are_what_its_metrics_say(two_ranks, monkeypatch):
     """While requests decode and queue, the Services row shows exactly what that scrape of
-    /metrics said: running/queued, KV in use, and tokens/s over the scrapes it spans."""
+    /metrics said: running/queued, KV in use; and tokens/s as the service measured it over its
+    last 10 s (/health's recent window), nonzero while it generates."""
     record = two_ranks.record
     bodies: list[str] = []
     real = services_data.fetch
@@ -278,7 +279,6 @@ def test_the_figures_shown_while_a_load_runs_are_what_its_metrics_say(two_ranks,
     collector = ServicesCollector()
     t0 = time.monotonic()
     collector.view(record, t0)  # the window's first scrape
-    first = _said(bodies[-1])
 
     def load(i: int) -> int:
         body = {"prompt": f"load {i}", "max_tokens": MAX_SEQ - 16, "ignore_eos": True, "temperature": 0}
@@ -291,18 +291,18 @@ def test_the_figures_shown_while_a_load_runs_are_what_its_metrics_say(two_ranks,
         while seen is None and time.monotonic() < deadline and not all(f.done() for f in futures):
             t = time.monotonic()
             view = collector.view(record, t)
-            if view.serving is not None and view.serving.running > 0:
+            if view.serving is not None and view.serving.running > 0 and view.serving.tokens_s:
                 seen = (view, t, _said(bodies[-1]))
         assert [f.result() for f in futures] == [200] * 8
     assert seen is not None, "no scrape while the load ran"
     view, t, said = seen
     generated = f"{contract.GENERATED.name}_total"
-    rate = (said[generated] - first[generated]) / (t - t0)
     s, shown = view.serving, cells(view, time.time())
     assert (s.running, s.queued) == (said[contract.RUNNING.name], said[contract.QUEUE_DEPTH.name])
     assert (s.kv_used, s.kv_slots) == (said[contract.KV_SLOTS_USED.name], said[contract.KV_SLOTS.name])
-    assert s.tokens_s == pytest.approx(rate) and s.generated == said[generated]
-    assert shown["load"] == f"{s.running}/{s.queued}" and shown["tokens_s"] == fmt.per_second(rate)
+    recent = view.detail.window("10s")
+    assert s.source == "10s" and s.tokens_s == recent.generation_tokens_s > 0 and s.generated == said[generated]
+    assert shown["load"] == f"{s.running}/{s.queued}" and shown["tokens_s"] == fmt.per_second(s.tokens_s)
     assert shown["kv"] == f"{said[contract.KV_SLOTS_USED.name] / said[contract.KV_SLOTS.name]:.0%}"
     assert s.history["tokens_s"][-1] == s.tokens_s and set(s.history) == set(services_data.FIGURES)
 

@@ -1,5 +1,6 @@
 """Host pane: CPU (total and per core, each labelled), load, memory and page cache, disk rates,
-sparklines with their scale (the values of their lowest and highest bar)."""
+sparklines with their scale: CPU's drawn from 0 to 100 % (a flat line at 100 % is full), the disk
+rates' from their lowest to their highest bar, whose values the labels say."""
 
 from __future__ import annotations
 
@@ -35,13 +36,21 @@ class HostPane(Pane):
     def compose(self) -> ComposeResult:
         yield Static(id="host-text")
         yield Static("cpu", id="spark-cpu-label", classes="spark-label")
-        yield Sparkline([], id="spark-cpu")
+        yield Static("", id="spark-cpu", classes="spark-bars")
         yield Static("disk read / write", id="spark-disk-label", classes="spark-label")
         yield Sparkline([], id="spark-read")
         yield Sparkline([], id="spark-write")
 
     def on_mount(self) -> None:
         self.border_title = "Host"
+        self.cpu: tuple[float, ...] = ()
+
+    def on_resize(self) -> None:
+        self.draw_cpu()
+
+    def draw_cpu(self) -> None:
+        bars = self.query_one("#spark-cpu", Static)
+        bars.update(fmt.bars(self.cpu, bars.size.width or 40, top=100.0))
 
     def show(self, snap: HostSnapshot) -> None:
         load = " ".join(f"{x:.2f}" for x in snap.load)
@@ -52,10 +61,12 @@ class HostPane(Pane):
             f"page cache {fmt.size(snap.page_cache)}\n"
             f"disk read {fmt.rate(snap.disk_read_bps)}  write {fmt.rate(snap.disk_write_bps)}")
         history = {k: tuple(snap.history.get(k, ())) for k in ("cpu", "read", "write")}
-        for key, wid in (("cpu", "#spark-cpu"), ("read", "#spark-read"), ("write", "#spark-write")):
+        self.cpu = history["cpu"]
+        self.draw_cpu()
+        for key, wid in (("read", "#spark-read"), ("write", "#spark-write")):
             self.query_one(wid, Sparkline).data = list(history[key])
         points = f"[dim]last {len(history['cpu'])} samples[/]" if history["cpu"] else ""
         self.query_one("#spark-cpu-label", Static).update(
-            f"cpu {scale(history['cpu'], '%')}  {points}")
+            f"cpu {scale(history['cpu'], '%')}  {points}" + ("[dim], bars 0–100%[/]" if points else ""))
         self.query_one("#spark-disk-label", Static).update(
             f"disk read {scale(history['read'], ' MB/s', 1e6, 1)} / write {scale(history['write'], ' MB/s', 1e6, 1)}")

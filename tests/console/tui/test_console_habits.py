@@ -482,9 +482,14 @@ def test_deltas_under_a_tenth_of_a_second_are_seconds_not_shares():
     assert delta(2.5, 2.0) == "+25%" and delta(1.0, 2.0) == "−50%" and delta(None, 1.0) == ""
 
 
-def test_a_sparkline_scales_the_last_values_to_their_peak():
-    assert fmt.spark([0, 4, 8]) == "▁▅█" and fmt.spark([0.0, 0.0]) == "▁▁" and fmt.spark([]) == "-"
-    assert len(fmt.spark(range(100), 8)) == 8 and fmt.spark(range(100), 8)[-1] == "█"
+def test_a_sparkline_scales_the_last_values_to_their_peak_and_says_it():
+    assert fmt.spark([0, 4, 8]) == "▁▅█ 8" and fmt.spark([0.0, 0.0]) == "▁▁ 0" and fmt.spark([]) == "-"
+    bars, top = fmt.spark(range(100), 8).split()
+    assert len(bars) == 8 and bars[-1] == "█" and top == "99"
+    assert fmt.spark([1.2] * 4) == "████ 1.2" and fmt.spark([2.0, 1.2]).endswith(" 2")  # the scale tells them apart
+    assert fmt.spark([100.0] * 3, top=100) == "███ 100" and fmt.spark([50.0], top=100) == "▅ 50"  # a percent: 0..100
+    assert fmt.bars([100.0] * 3, 12, top=100) == "█" * 12  # the Host pane's CPU at 100 %: full, not ▁▁▁
+    assert fmt.bars([0.0, 100.0], 4, top=100) == "▁▁██" and fmt.bars([50.0] * 2, 2, top=100) == "▅▅"
 
 
 def test_a_stale_cache_entrys_details_keep_the_raw_key_difference_under_the_sentence():

@@ -41,6 +41,17 @@ def test_rates_cover_the_window_and_a_young_service_only_its_age():
     assert tally.figures(60).generation_tokens_s == 0 and tally.figures(60).ttft.count == 0
 
 
+def test_a_young_service_read_a_second_later_still_counts_its_first_second():
+    clock = Clock(1000.7)  # started late in a second: its first request lands in that second's slot
+    tally = r.Tally(clock)
+    clock.t = 1000.8
+    tally.add("prompt_tokens", 6)
+    tally.observe("ttft", 0.05)
+    clock.t = 1002.1  # 1.4 s old: three slots (1000, 1001, 1002), not the last ceil(1.4) = 2
+    young = tally.figures(10)
+    assert young.prompt_tokens_s == round(6 / 1.4, 3) and young.ttft.count == 1
+
+
 def test_quantiles_are_never_under_the_true_value_and_at_most_a_bucket_over():
     rng = random.Random(7)
     clock = Clock()
