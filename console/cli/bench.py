@@ -337,12 +337,6 @@ def _compile(args: argparse.Namespace) -> int:
     return main(preset=args.preset, backend=args.backend, jobs=args.jobs, json_output=args.json)
 
 
-def _roofline(args: argparse.Namespace) -> int:
-    from bench.roofline_bench import main
-
-    return main(preset=args.preset, backend=args.backend, json_output=args.json, products=args.products)
-
-
 def _peer(args: argparse.Namespace) -> int:
     from bench.peer_bench import main
 
@@ -350,12 +344,6 @@ def _peer(args: argparse.Namespace) -> int:
         raise UserError("--prompt-tokens: 1 or more; --new-tokens: 2 or more (decode follows the first token)")
     return main(preset=args.preset, backend=args.backend, json_output=args.json,
                 prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, peer=args.peer)
-
-
-def _cache_ship(args: argparse.Namespace) -> int:
-    from bench.cache_ship_bench import main
-
-    return main(preset=args.preset, backend=args.backend, json_output=args.json)
 
 
 def _eta(args: argparse.Namespace) -> int:
@@ -371,18 +359,6 @@ def _startup(args: argparse.Namespace) -> int:
                 setups=tuple(s.strip() for s in args.setups.split(",") if s.strip()))
 
 
-def _cache(args: argparse.Namespace) -> int:
-    from bench.cache_bench import main
-
-    return main(json_output=args.json)
-
-
-def _sidecar(args: argparse.Namespace) -> int:
-    from bench.sidecar_bench import main
-
-    return main(preset=args.preset, json_output=args.json)
-
-
 def _console(args: argparse.Namespace) -> int:
     from console.benches.console_bench import main
 
@@ -391,36 +367,12 @@ def _console(args: argparse.Namespace) -> int:
     return main(json_output=args.json, idle_seconds=args.idle_seconds, fleet_hosts=args.fleet_hosts)
 
 
-def _service(args: argparse.Namespace) -> int:
-    from bench.service_bench import main
-
-    return main(backend=args.backend, json_output=args.json)
-
-
 def _hostile(args: argparse.Namespace) -> int:
     from bench.hostile_bench import main
 
     if args.source is not None and not (args.source / "runtime" / "serve").is_dir():
         raise UserError(f"--source {args.source}: not a dsv4-console checkout (no runtime/serve in it)")
     return main(json_output=args.json, source=args.source)
-
-
-def _ranks(args: argparse.Namespace) -> int:
-    from bench.ranks_bench import main
-
-    return main(preset=args.preset, backend=args.backend, ranks=args.ranks, json_output=args.json)
-
-
-def _hosts(args: argparse.Namespace) -> int:
-    from bench.hosts_bench import main
-
-    return main(preset=args.preset, backend=args.backend, json_output=args.json)
-
-
-def _node_loss(args: argparse.Namespace) -> int:
-    from bench.node_loss_bench import main
-
-    return main(rank_timeout=args.rank_timeout, json_output=args.json)
 
 
 def _accelerator(args: argparse.Namespace) -> int:
@@ -441,13 +393,24 @@ def _accelerator(args: argparse.Namespace) -> int:
                 greedy_tokens=args.greedy_tokens, json_output=args.json, work=args.work)
 
 
-def _plan(args: argparse.Namespace) -> int:
-    from bench.plan_bench import main
+def _main(module: str, *same: str, **renamed: str):
+    """A bench whose `main` takes these flags as keywords (`same` by their own names; `renamed`:
+    main's keyword = the flag's name), its module imported only when it runs (torch with it)."""
+    def run(args: argparse.Namespace) -> int:
+        from importlib import import_module
 
-    return main(runs=args.runs, as_json=args.json)
+        keywords = {n: getattr(args, n) for n in same} | {k: getattr(args, v) for k, v in renamed.items()}
+        return import_module(f"bench.{module}").main(**keywords)
+    return run
 
 
-def _packing(args: argparse.Namespace) -> int:
-    from bench.packing_bench import main
-
-    return main(preset=args.preset, json_output=args.json)
+_roofline = _main("roofline_bench", "preset", "backend", "products", json_output="json")
+_cache_ship = _main("cache_ship_bench", "preset", "backend", json_output="json")
+_cache = _main("cache_bench", json_output="json")
+_sidecar = _main("sidecar_bench", "preset", json_output="json")
+_service = _main("service_bench", "backend", json_output="json")
+_ranks = _main("ranks_bench", "preset", "backend", "ranks", json_output="json")
+_hosts = _main("hosts_bench", "preset", "backend", json_output="json")
+_node_loss = _main("node_loss_bench", "rank_timeout", json_output="json")
+_plan = _main("plan_bench", "runs", as_json="json")
+_packing = _main("packing_bench", "preset", json_output="json")
