@@ -15,6 +15,8 @@ def topbar_line(app: Any, compact: bool) -> str:
     name only and the service before the settings, so the URL shows."""
     s = app.spec
     device = app.snapshot.settings.device if app.snapshot is not None else s.device
+    plan = app.snapshot.plan if app.snapshot is not None else None
+    backend = plan.backend if plan is not None and plan.backend else s.backend  # `auto` as the plan resolved it
     parts = [f"[b]dsv4-console[/]  model [b]{s.model.name if compact else s.model}[/]"]
     if app.service_control.running:
         service = f"[green]service {app.service_control.name()}[/]"
@@ -22,7 +24,7 @@ def topbar_line(app: Any, compact: bool) -> str:
         service = f"[red]service ended: {escape(app.launch.ended_line())}[/]"
     else:
         service = f"[dim]l binds {s.host}:{s.port}[/]"
-    settings = [f"device {device}", f"backend {s.backend}"] + ([f"ranks {s.ranks}"] if s.ranks > 1 else [])
+    settings = [f"device {device}", f"backend {backend}"] + ([f"ranks {s.ranks}"] if s.ranks > 1 else [])
     if app.host is not None and not app.session.alone:
         parts.insert(0, f"[b reverse] {escape(app.host.name)} [/] [dim]{escape(app.host.where)} · F: the fleet[/]")
     reading = app.reading
