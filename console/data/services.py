@@ -148,8 +148,13 @@ def _latencies(of) -> dict[str, Any]:
 
 
 def serving(now: Samples, then: Samples | None, seconds: float,
-            history: dict[str, tuple[float, ...]] | None = None) -> Serving:
-    """The figures between two scrapes `seconds` apart (`then` None: rates unknown)."""
+            history: dict[str, tuple[float, ...]] | None = None, recent: c.Recent | None = None) -> Serving:
+    """The figures of a scrape: its counts and gauges; rates, latency quantiles and finish reasons
+    from the service's own `recent` window where it has one, else between the two scrapes `seconds`
+    apart (`then` None: rates unknown)."""
+    if recent is not None:  # the service said them: nothing of the scrapes' deltas is worked out
+        then, seconds = None, recent.window_s
+
     def rate(name: str, **match: Any) -> float | None:
         if then is None or seconds <= 0:
             return None
@@ -166,8 +171,11 @@ def serving(now: Samples, then: Samples | None, seconds: float,
         for (name, labels), v in now.items():
             if name == f"{c.GENERATIONS.name}_total" and (n := int(v - then.get((name, labels), 0.0))) > 0:
                 finished[dict(labels).get("reason", "")] = n
-    lat = _latencies(lambda kind, q: quantile(dict(c.QUANTILES)[q], now, then, LATENCY_METRICS[kind].name))
-    return Serving(
+    if recent is not None:
+        lat = _latencies(lambda kind, q: getattr(recent, kind).quantile(q))
+    else:
+        lat = _latencies(lambda kind, q: quantile(dict(c.QUANTILES)[q], now, then, LATENCY_METRICS[kind].name))
+    figures = Serving(
         seconds, rate(requests, **generation), rate(f"{c.GENERATED.name}_total"), lat.pop("ttft_p50"),
         lat.pop("ttft_p99"), lat.pop("itl_p50"), lat.pop("itl_p99"),
         int(_sum(now, c.RUNNING.name)), int(_sum(now, c.QUEUE_DEPTH.name)), int(_sum(now, c.KV_SLOTS_USED.name)),
@@ -175,15 +183,10 @@ def serving(now: Samples, then: Samples | None, seconds: float,
         status_count(lambda s: 500 <= s < 600 and s != 503), status_count(lambda s: s == 503),
         int(_sum(now, f"{c.GENERATED.name}_total")), history or {},
         prompt_tokens_s=rate(f"{c.PREFILLED.name}_total"), finished=finished, **lat)
-
-
-def with_recent(figures: Serving, recent: c.Recent, name: str) -> Serving:
-    """`figures` with the rates, latencies and finish reasons the service measured itself over
-    its recent window `name`: what a one-shot read shows, however close its scrapes."""
-    return replace(figures, window_s=recent.window_s, requests_s=recent.requests_s,
-                   tokens_s=recent.generation_tokens_s, prompt_tokens_s=recent.prompt_tokens_s,
-                   finished=dict(recent.finished), source=name,
-                   **_latencies(lambda kind, q: getattr(recent, kind).quantile(q)))
+    if recent is None:
+        return figures
+    return replace(figures, requests_s=recent.requests_s, tokens_s=recent.generation_tokens_s,
+                   prompt_tokens_s=recent.prompt_tokens_s, finished=dict(recent.finished), source=RECENT)
 
 
 RECENT = "10s"  # the service's window the console reads: as its summary line; the sparklines keep the minute
@@ -203,9 +206,7 @@ class MetricsWindow:
         while len(self.scrapes) > 2 and self.scrapes[1][0] <= t - WINDOW_S:
             self.scrapes.popleft()  # keep one scrape at or before the window's start
         then_t, then = self.scrapes[0] if len(self.scrapes) > 1 else (t, None)
-        figures = serving(samples, then, t - then_t)
-        if recent is not None:
-            figures = with_recent(figures, recent, RECENT)
+        figures = serving(samples, then, t - then_t, recent=recent)
         for key, values in self.history.items():
             if (value := getattr(figures, key)) is not None:
                 values.append((t, float(value)))

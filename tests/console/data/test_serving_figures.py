@@ -17,7 +17,6 @@ from console.data.services import (
     parse_metrics,
     quantile,
     serving,
-    with_recent,
 )
 from console.tui.panes.device import use_lines
 from runtime import contract as c
@@ -55,7 +54,7 @@ def test_the_services_recent_window_is_the_source_and_survives_the_snapshots_jso
     recent = c.Recent(10.0, requests_s=0.4, prompt_tokens_s=12.0, generation_tokens_s=2.5, finished={"length": 4},
                       ttft=c.Latency.of(4, p50=c.Quantile(0.64), p99=c.Quantile(above=5.12)),
                       e2e=c.Latency.of(4, p50=c.Quantile(3.2), p99=c.Quantile(4.1)))
-    shown = with_recent(figures, recent, "10s")
+    shown = serving({}, None, 0.0, recent=recent)
     assert (shown.tokens_s, shown.prompt_tokens_s, shown.requests_s, shown.source) == (2.5, 12.0, 0.4, "10s")
     assert shown.ttft_p50 == 0.64 and shown.ttft_p99 is None and shown.latency("ttft_p99").text() == ">5.12 s"
     assert (shown.e2e_p50, shown.e2e_p99, shown.finished) == (3.2, 4.1, {"length": 4})
