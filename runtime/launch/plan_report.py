@@ -135,12 +135,10 @@ class SidecarPlan:
     def of(cls, verdict: Any, size: Any = None) -> SidecarPlan:
         """From a `store.sidecar.verdict.Verdict` and a prepack's `SidecarSize` (None: unknown)."""
         sized = size.to_json() if size is not None else {}
-        return cls(path=verdict.path, verdict=str(verdict.action), reason=str(verdict.reason or ""),
-                   detail=verdict.detail, residency=verdict.residency, residency_method=verdict.residency_method,
-                   size_bytes=verdict.size_bytes, tensors=verdict.tensors, created=verdict.created,
-                   pack_seconds=verdict.pack_seconds, changes=tuple(verdict.changes), cold_read=verdict.cold_read,
-                   predicted_read_s=verdict.predicted_read_s, predicted_pack_s=verdict.predicted_pack_s,
-                   read_bytes_per_s=verdict.read_bytes_per_s, **sized)
+        own = {"verdict", "reason", "changes", *sized}  # what this value says its own way
+        same = {f.name: getattr(verdict, f.name) for f in fields(cls) if f.name not in own and hasattr(verdict, f.name)}
+        return cls(**same, verdict=str(verdict.action), reason=str(verdict.reason or ""),
+                   changes=tuple(verdict.changes), **sized)
 
 
 @dataclass(frozen=True, kw_only=True)
