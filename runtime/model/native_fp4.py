@@ -35,6 +35,7 @@ FP4_MAX_GROUP = 64  # inputs a scale group, at most (its FP4_MAX_GROUP: a panel'
 FP4_HEAD = r"""
 #include <stdint.h>
 #include <string.h>
+#include <omp.h>
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -77,9 +78,13 @@ struct Avx2 {
     __attribute__((target("avx2,fma,f16c"))) static inline F mul(F a, F b) { return _mm256_mul_ps(a, b); }
     __attribute__((target("avx2,fma,f16c"))) static inline F load(const float *p) { return _mm256_loadu_ps(p); }
     __attribute__((target("avx2,fma,f16c"))) static inline void store(float *p, F a) { _mm256_storeu_ps(p, a); }
-    /* a unit's 32 bytes -> the even inputs' values lo[4] and the odd inputs' hi[4] (the serving
-       byte: magnitudes in bits 0-2 and 3-5, signs in 6 and 7, `runtime.weights.pack.serving_fp4`) */
-    __attribute__((target("avx2,fma,f16c"))) static inline void fp4(const uint8_t *p, F *lo, F *hi) {
+    /* a unit's 32 bytes -> the even inputs' values (ODD 0) or the odd inputs' (ODD 1), d[4] (the
+       serving byte: magnitudes in bits 0-2 and 3-5, signs in 6 and 7, `runtime.weights.pack.serving_fp4`).
+       A half at a time: its 4 vectors are multiplied in before the other half is made, so a row's
+       sums, the tables and both halves never need more than the 16 registers (all of them at once
+       spilled the sums to the stack, and every sum then waited on a store and a load) */
+    template <int ODD>
+    __attribute__((target("avx2,fma,f16c"))) static inline void fp4_half(const uint8_t *p, F *d) {
         /* bfloat16 of 0, .5, 1, 1.5, 2, 3, 4, 6: high bytes, low bytes */
         const __m256i th = _mm256_setr_epi8(0, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40, 0, 0, 0, 0, 0, 0, 0, 0,
                                             0, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40, 0, 0, 0, 0, 0, 0, 0, 0);
@@ -90,18 +95,19 @@ struct Avx2 {
         const __m256i seven = _mm256_set1_epi8(7), top = _mm256_set1_epi8((char)0x80);
         const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
         const __m256i b = _mm256_loadu_si256((const __m256i *)p);
-        const __m256i il = _mm256_and_si256(b, seven), ih = _mm256_and_si256(_mm256_srli_epi16(b, 3), seven);
-        const __m256i hl = _mm256_or_si256(_mm256_shuffle_epi8(th, il), _mm256_and_si256(_mm256_add_epi8(b, b), top));
-        const __m256i hh = _mm256_or_si256(_mm256_shuffle_epi8(th, ih), _mm256_and_si256(b, top));
-        const __m256i ll = _mm256_shuffle_epi8(tl, il), lh = _mm256_shuffle_epi8(tl, ih);
-        const __m256i wl[2] = {_mm256_unpacklo_epi8(ll, hl), _mm256_unpackhi_epi8(ll, hl)};
-        const __m256i wh[2] = {_mm256_unpacklo_epi8(lh, hh), _mm256_unpackhi_epi8(lh, hh)};
+        const __m256i i = _mm256_and_si256(ODD ? _mm256_srli_epi16(b, 3) : b, seven);
+        const __m256i h = _mm256_or_si256(_mm256_shuffle_epi8(th, i), _mm256_and_si256(ODD ? b : _mm256_add_epi8(b, b),
+                                                                                        top));
+        const __m256i l = _mm256_shuffle_epi8(tl, i);
+        const __m256i w[2] = {_mm256_unpacklo_epi8(l, h), _mm256_unpackhi_epi8(l, h)};
         for (int k = 0; k < 2; k++) {
-            lo[2 * k] = _mm256_castsi256_ps(_mm256_slli_epi32(wl[k], 16));
-            lo[2 * k + 1] = _mm256_castsi256_ps(_mm256_and_si256(wl[k], high));
-            hi[2 * k] = _mm256_castsi256_ps(_mm256_slli_epi32(wh[k], 16));
-            hi[2 * k + 1] = _mm256_castsi256_ps(_mm256_and_si256(wh[k], high));
+            d[2 * k] = _mm256_castsi256_ps(_mm256_slli_epi32(w[k], 16));
+            d[2 * k + 1] = _mm256_castsi256_ps(_mm256_and_si256(w[k], high));
         }
+    }
+    __attribute__((target("avx2,fma,f16c"))) static inline void fp4(const uint8_t *p, F *lo, F *hi) {
+        fp4_half<0>(p, lo);
+        fp4_half<1>(p, hi);
     }
     /* a unit's 32 E8M0 scale bytes -> 2^(s - 127) in the unit's column order (as `e8m0`) */
     __attribute__((target("avx2,fma,f16c"))) static inline void scales(const uint8_t *s, F *f) {
@@ -137,17 +143,22 @@ struct Avx512 {
     __attribute__((target("avx512f"))) static inline F mul(F a, F b) { return _mm512_mul_ps(a, b); }
     __attribute__((target("avx512f"))) static inline F load(const float *p) { return _mm512_loadu_ps(p); }
     __attribute__((target("avx512f"))) static inline void store(float *p, F a) { _mm512_storeu_ps(p, a); }
-    __attribute__((target("avx512f"))) static inline void fp4(const uint8_t *p, F *lo, F *hi) {
+    template <int ODD>
+    __attribute__((target("avx512f"))) static inline void fp4_half(const uint8_t *p, F *d) {
         const __m512 table = _mm512_loadu_ps(E2M1);
         const __m512i seven = _mm512_set1_epi32(7);
         for (int k = 0; k < 2; k++) {
             const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + 16 * k)));
-            const __m512i b3 = _mm512_srli_epi32(b, 3), b4 = _mm512_srli_epi32(b, 4);
+            const __m512i b3 = _mm512_srli_epi32(b, 3);
             /* the index (the permute reads its low 4 bits): magnitude in bits 0-2, sign in 3; bit by
                bit `seven ? magnitude's source : sign's source` (ternary logic 0xCA) */
-            lo[k] = _mm512_permutexvar_ps(_mm512_ternarylogic_epi32(seven, b, b3, 0xCA), table);
-            hi[k] = _mm512_permutexvar_ps(_mm512_ternarylogic_epi32(seven, b3, b4, 0xCA), table);
+            d[k] = _mm512_permutexvar_ps(ODD ? _mm512_ternarylogic_epi32(seven, b3, _mm512_srli_epi32(b, 4), 0xCA)
+                                             : _mm512_ternarylogic_epi32(seven, b, b3, 0xCA), table);
         }
+    }
+    __attribute__((target("avx512f"))) static inline void fp4(const uint8_t *p, F *lo, F *hi) {
+        fp4_half<0>(p, lo);
+        fp4_half<1>(p, hi);
     }
     __attribute__((target("avx512f"))) static inline void scales(const uint8_t *s, F *f) {
         for (int k = 0; k < 2; k++) {
@@ -209,12 +220,16 @@ NK_ATTR static void fp4_regs(const float *x, const uint8_t *w, int64_t ld, const
             const uint8_t *row = w + j0 * ld + o;
             for (int64_t j = j0; j < j0 + per; j++, row += ld) {
                 _mm_prefetch((const char *)(row + per * ld), _MM_HINT_T0);  /* the next group's (never faults) */
-                F lo[V::NU], hi[V::NU];
-                V::fp4(row, lo, hi);
+                F d[V::NU];
+                V::template fp4_half<0>(row, d);  /* the even input's values, then the odd one's */
                 _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {
-                    const F xl = V::bcast(x + r * in + 2 * j), xh = V::bcast(x + r * in + 2 * j + 1);
-                    _Pragma("GCC unroll 16") for (int v = 0; v < V::NU; v++) p[r][v] = V::fma(xl, lo[v], p[r][v]);
-                    _Pragma("GCC unroll 16") for (int v = 0; v < V::NU; v++) p[r][v] = V::fma(xh, hi[v], p[r][v]);
+                    const F xl = V::bcast(x + r * in + 2 * j);
+                    _Pragma("GCC unroll 16") for (int v = 0; v < V::NU; v++) p[r][v] = V::fma(xl, d[v], p[r][v]);
+                }
+                V::template fp4_half<1>(row, d);
+                _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {
+                    const F xh = V::bcast(x + r * in + 2 * j + 1);
+                    _Pragma("GCC unroll 16") for (int v = 0; v < V::NU; v++) p[r][v] = V::fma(xh, d[v], p[r][v]);
                 }
             }
             F f[V::NU];
@@ -308,7 +323,7 @@ NK_ATTR static void fp4_columns(const float *x, int64_t rows, const uint8_t *w, 
 FP4_GROUPED = r"""
 #define FP4_UNIT 32       /* columns a vector unit covers (both instruction sets) */
 #define FP4_MAX_GROUP 64  /* inputs a scale group, at most (the panel's rows) */
-#define FP4_CHUNK 128     /* columns a thread's piece of work: a few lines of each byte row */
+#define FP4_CHUNK 128     /* columns of a thread's piece of work, at least (a few lines of each byte row) */
 
 /* columns o0..o1 of rows x [rows, 2 half] times one weight, by the instruction set `isa` (2, 1, 0) */
 static void fp4_columns(const float *x, int64_t rows, const uint8_t *w, int64_t ld, const uint8_t *sc, int64_t lds,
@@ -323,7 +338,7 @@ static void fp4_columns(const float *x, int64_t rows, const uint8_t *w, int64_t 
 /* the routed experts of a layer, grouped by expert: x [pairs, 2 half] holds expert ids[k]'s rows
    from starts[k] to starts[k + 1]; each times its expert's weight (packed + ids[k] * packed_stride,
    scale + ids[k] * scale_stride) into out [pairs, cols]. One parallel loop over (weight, expert,
-   FP4_CHUNK columns): the experts' rows differ, so the pieces are handed out as threads free up;
+   piece of columns): the experts' rows differ, so the pieces are handed out as threads free up;
    of two weights of the same shape (w1 and w3), both in that one loop. Run by a team already
    started (`omp for`s, the last with its barrier): `dsv4_fp4_grouped` alone, or a phase of
    `dsv4_fp4_ffn_in`'s and `_out`'s (`native_ffn`). */
@@ -336,12 +351,18 @@ struct Weights {  /* weights[count] (stacks of the same shape): their products s
 static void grouped_in_team(const float *x, const int64_t *ids, const int64_t *starts, int64_t used,
                             const Weights &w, int64_t packed_stride, int64_t ld_packed, int64_t scale_stride,
                             int64_t ld_scale, int64_t half, int64_t cols, int64_t group, int isa) {
-    const int64_t whole = isa ? cols / FP4_UNIT * FP4_UNIT : 0, chunks = (whole + FP4_CHUNK - 1) / FP4_CHUNK;
-    const int64_t units = used * chunks;
+    const int64_t whole = isa ? cols / FP4_UNIT * FP4_UNIT : 0;
+    /* pieces as wide as the threads allow: a piece of whole byte rows reads its weight as one
+       stream (FP4_CHUNK columns of each row read a few lines a row apart); narrower ones only
+       where there are too few weights to keep every thread busy */
+    const int64_t weights = w.count * used, parts = weights ? (2 * omp_get_num_threads() + weights - 1) / weights : 1;
+    int64_t piece = (whole + parts - 1) / parts;
+    piece = piece < FP4_CHUNK ? FP4_CHUNK : (piece + FP4_UNIT - 1) / FP4_UNIT * FP4_UNIT;
+    const int64_t chunks = (whole + piece - 1) / piece, units = used * chunks;
 #pragma omp for schedule(dynamic, 1) nowait
     for (int64_t u = 0; u < w.count * units; u++) {
         const int64_t m = u / units, k = (u % units) / chunks, c = u % chunks, e = ids[k];
-        const int64_t o0 = c * FP4_CHUNK, o1 = o0 + FP4_CHUNK < whole ? o0 + FP4_CHUNK : whole;
+        const int64_t o0 = c * piece, o1 = o0 + piece < whole ? o0 + piece : whole;
         fp4_columns(x + starts[k] * 2 * half, starts[k + 1] - starts[k], w.packed[m] + e * packed_stride, ld_packed,
                     w.scale[m] + e * scale_stride, ld_scale, w.out[m] + starts[k] * cols, half, cols, group, o0, o1,
                     isa);

@@ -166,6 +166,26 @@ def test_the_dense_product_is_the_eager_product_and_a_rows_sums_never_depend_on_
             assert torch.equal(native.dense(x[-1:], w, scale), got[-1:])
 
 
+def test_fp8_in_registers_is_the_panels_product_to_the_bit_even_at_float32s_edges(native):
+    """With AVX2, up to 4 rows widen FP8 in float32's bits against inputs scaled by 2^112
+    (`native_dense.dense_low`), from 5 rows on through float16 into panels: the same products, so
+    the same numbers to the bit, also where the products fall below float32's normal range (inputs
+    near 2^-120, subnormal weights) and where an input of 2^16 or more (or infinity) makes the
+    few rows take the float16 widening instead."""
+    gen = torch.Generator().manual_seed(9)
+    w, scale = _fp8(256, 128, 128, gen, low=100, high=140)
+    filler = torch.randn(7, 256, generator=gen)
+    for factor in (1.0, 2.0 ** -120, 2.0 ** -100, 2.0 ** 15):
+        for x in (torch.randn(2, 256, generator=gen) * factor, torch.cat([torch.randn(1, 256) * factor,
+                                                                           torch.full((1, 256), 70000.0)])):
+            few, many = native.dense(x, w, scale), native.dense(torch.cat([x, filler]), w, scale)
+            assert torch.equal(few, many[:2]), factor
+    x = torch.randn(2, 256, generator=gen)
+    x[1, 3] = float("inf")
+    few, many = native.dense(x, w, scale), native.dense(torch.cat([x, filler]), w, scale)
+    assert torch.equal(few[0], many[0]) and torch.equal(few[1].isnan(), many[1].isnan())
+
+
 def test_a_dense_block_scale_past_float32s_factor_still_multiplies_exactly(native):
     """An E8M0 block scale above 246 (its sums' factor 2^(s - 119) has no float32): each weight is
     still its byte's value times 2^(s - 127) exactly, or infinite where that overflows, as a float64
