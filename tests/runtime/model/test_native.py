@@ -148,9 +148,9 @@ def _fp8(rows_in: int, cols: int, block: int, gen, low: int = 118, high: int = 1
 
 def test_the_dense_product_is_the_eager_product_and_a_rows_sums_never_depend_on_its_pass(native):
     """FP8 weights with their block scales and BF16 ones, whole tiles and a column tail, 1 to 19
-    rows (several passes, a short last one; with AVX2 from 4 rows on through decoded panels, 64
-    weight rows each): x @ the eagerly dequantised weight to float32 rounding, and each row's
-    numbers the same alone as among others."""
+    rows (several passes, a short last one; with AVX2 from 5 FP8 rows or 9 BF16 ones on through
+    decoded panels, 64 weight rows each): x @ the eagerly dequantised weight to float32 rounding,
+    and each row's numbers the same alone as among others."""
     gen = torch.Generator().manual_seed(7)
     cases = [(*_fp8(256, 96, 32, gen), "fp8"), (*_fp8(128, 256, 128, gen), "fp8"), (*_fp8(64, 64, 32, gen), "fp8"),
              (torch.randn(96, 80, generator=gen).bfloat16(), None, "bf16"),
