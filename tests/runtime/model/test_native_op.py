@@ -45,8 +45,8 @@ class _Asked:
 def test_the_library_serves_the_op_while_it_serves_the_process_with_the_same_numbers(native_library, serving,
                                                                                     monkeypatch):
     """Once `ops.use_native` takes the library, `dsv4::dense` on the cpu is its kernel: each product
-    the very numbers `Native.dense` makes (every instruction set this cpu has), and no product asked
-    of Python; released, the op's Python kernel serves again, the same numbers."""
+    the very numbers `Native.dense` makes (every instruction set this cpu has; rows a stride apart
+    too), and no product asked of Python; released, the op's Python kernel serves again, the same numbers."""
     native = load(native_library)
     serving(native)
     if not _has_cpu_kernel():
@@ -61,6 +61,9 @@ def test_the_library_serves_the_op_while_it_serves_the_process_with_the_same_num
             for rows in (r for r in (1, 2, 4, 5, 8) if r <= native.dense_rows):  # plain C: up to 4
                 x = torch.randn(rows, w.shape[0], generator=gen)
                 assert torch.equal(torch.ops.dsv4.dense(x, w, scale), native.dense(x, w, scale))
+                # rows a stride apart (a program's slice of a wider activation): gathered by the kernel
+                wide = torch.randn(rows, w.shape[0] + 24, generator=gen)[:, 8:8 + w.shape[0]]
+                assert torch.equal(torch.ops.dsv4.dense(wide, w, scale), native.dense(wide.contiguous(), w, scale))
     assert asked.asked == []
     monkeypatch.undo()
     serving(None)
