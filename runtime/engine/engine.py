@@ -85,6 +85,7 @@ class Engine:
         if slots < 1:
             raise ValueError("an engine needs at least one slot")
         self.p, self.w, self.device, self.group = programs, weights, device, group
+        self._weight_args: dict[tuple[str, str], tuple[torch.Tensor, ...]] = {}  # `_weights`
         self.rank = group.rank if group is not None else 0
         world = group.world if group is not None else 1
         if programs.expert_parallel != (world > 1):
@@ -206,7 +207,7 @@ class Engine:
                 out = (*(x if parallel else (x,)), *(new[n] for n in names))
             else:
                 out = self._run(f"{v.name}.{r.mode}", x, r.tokens, *r.args, *(caches[n] for n in names),
-                                *(self.w[group][n] for n in self.p.weight_names[v.name]))
+                                *self._weights(group, v.name))
         if parallel:  # the routed experts' rows go to their owners; every owner's share comes back
             parts = out[:model.FFN_PARTS] if out is not None else None
             routed = routed_exchange(self.group, self._empty_routed() if parts is None else parts[model.ROUTED_INPUT],
@@ -235,8 +236,16 @@ class Engine:
         w = self.w[group]
         if self.runners is None:
             return model.experts(self.p.dims, w, h, idx, weights, self.expert_base)
-        return self._run(EXPERTS_PROGRAM, h, idx, weights, self.expert_base,
-                         *(w[n] for n in self.p.weight_names[EXPERTS_PROGRAM]))[0]
+        return self._run(EXPERTS_PROGRAM, h, idx, weights, self.expert_base, *self._weights(group, EXPERTS_PROGRAM))[0]
+
+    def _weights(self, group: str, program: str) -> tuple[torch.Tensor, ...]:
+        """`program`'s weights of `group`, in its signature's order: looked up once (a layer's
+        forty-odd names a call, every step, otherwise)."""
+        key = (group, program)
+        found = self._weight_args.get(key)
+        if found is None:
+            found = self._weight_args[key] = tuple(self.w[group][n] for n in self.p.weight_names[program])
+        return found
 
     def _embed(self, r: _Rows) -> torch.Tensor:
         top = self.w["top"]

@@ -287,7 +287,11 @@ class _AotiProgram:
 
         self._loader = loader
         self._unflatten = pytree.tree_unflatten
-        self._out_spec = pytree.treespec_loads(loader.get_call_spec()[1])
+        self._out_spec = spec = pytree.treespec_loads(loader.get_call_spec()[1])
+        # a flat tuple of tensors (every program's outputs): built directly, not rebuilt through
+        # the tree on every call (some 20 us a call, 13 calls a decode step)
+        self._flat = spec.type is tuple and all(child.is_leaf() for child in spec.children())
 
     def __call__(self, *args: Any) -> Any:
-        return self._unflatten(self._loader.boxed_run(list(args)), self._out_spec)
+        out = self._loader.boxed_run(list(args))
+        return tuple(out) if self._flat else self._unflatten(out, self._out_spec)
