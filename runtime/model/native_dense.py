@@ -276,7 +276,7 @@ NK_ATTR static void dense_columns(const float *x, int64_t rows, int64_t in, cons
     /* FP8 in registers: a block's rows DENSE_FP8_PASS at a time across the slab (each row's bytes of
        the slab read as one run; the block's sums kept in `part` between passes) */
     const int64_t pass = KIND && regs ? DENSE_FP8_PASS : kb;
-    alignas(64) float part[KIND ? DENSE_GROUPS * D::RMAX * DENSE_FP8_SLAB : 1];
+    alignas(64) float part[KIND ? D::RMAX * DENSE_FP8_SLAB : 1];  /* FP8 rows in registers: one group */
     for (int64_t s0 = c0; s0 < c1; s0 += chunk) {
         const int64_t s1 = s0 + chunk < c1 ? s0 + chunk : c1;
         for (int64_t b0 = 0; b0 < in; b0 += kb) {
@@ -290,7 +290,7 @@ NK_ATTR static void dense_columns(const float *x, int64_t rows, int64_t in, cons
                 const int64_t m = b0 + n - i0 < pass ? b0 + n - i0 : pass;
                 for (int64_t r0 = 0; r0 < rows; r0 += D::RMAX) {
                     const float *xr = x + r0 * in;
-                    float *q = out + r0 * cols, *pr = part + r0 * (s1 - s0);
+                    float *q = out + r0 * cols, *pr = KIND ? part + r0 * (s1 - s0) : part;
                     switch (rows - r0 < D::RMAX ? rows - r0 : D::RMAX) {
 #define TILES(r) case r: if constexpr (r <= D::RMAX) \
                         dense_tiles<r, KIND>(xr, in, w, ld, sc, lds, bi, bo, q, cols, s0, s1, b0, n, i0, m, pr, \
