@@ -12,6 +12,12 @@ a decode step (a weight warm in L3 reads several times faster). A figure is the 
 turns) beside it: the share of the bound that product reaches. On torch's threads (the service's)
 and on one; in REPEATS turns taking each shape, row count and thread count in order, so a drift
 of a shared host falls on all; the median pass and the best.
+
+Beside each figure from memory, the same product on one copy read again and again, from the caches
+(a weight that fits the last-level cache with room to spare: not the head): the rate its own
+arithmetic allows, whatever the memory. Where that rate is below the read bandwidth the product is
+bound by its arithmetic on this host (`limit`: "compute"), and no memory faster than this one
+would make it faster: the ceiling a decode step's share of the bandwidth bound meets first.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ ROWS = (1, 2, 4, 8)
 REPEATS = 5
 POOL_BYTES = 96 << 20  # past a 32 MiB L3 several times over
 SHAPES = {"fp8 [1024, 1024]": (1024, 1024), "fp4 [1024, 512]": (1024, 512), "bf16 [1024, 32768]": (1024, 32768)}
+HOT_BYTES = 4 << 20  # a weight read again from the caches: well inside a last-level cache of 16 MiB or more
 
 
 def _one(name: str, gen) -> tuple:
@@ -54,9 +61,25 @@ def _bytes(weight, scale) -> int:
 
 
 def _runner(native: Any, name: str, x) -> Callable[[tuple], Any]:
-    if name.startswith("fp4"):
-        return lambda ws: native.grouped(x, [0], [0, x.shape[0]], *ws)
-    return lambda ws: native.dense(x, *ws)
+    """A call of the product as the service makes it: FP8 and BF16 through the `dsv4::dense` op (the
+    programs' call: its C++ kernel on the library), FP4 through the library's grouped entry made once
+    a weight (`Native.grouped_call`; `Native.ffn` keeps its arguments a layer likewise): not through
+    `Native.grouped`, whose checks in Python, some 20 us a call, were counted as the product's."""
+    import torch
+
+    if not name.startswith("fp4"):
+        return lambda ws: torch.ops.dsv4.dense(x, *ws)
+    out = torch.empty(x.shape[0], SHAPES[name][1], dtype=torch.float32)
+    made: dict[tuple[int, int], Callable[[], None]] = {}  # by the weight's and its scales' addresses
+
+    def call(ws: tuple) -> Any:
+        packed, scale = ws
+        if (product := made.get(key := (packed.data_ptr(), scale.data_ptr()))) is None:
+            product = made[key] = native.grouped_call(x, [0], [0, x.shape[0]], packed, scale, out)
+        product()
+        return out
+
+    return call
 
 
 def _pass(run: Callable[[tuple], Any], pool: list[tuple]) -> float:
@@ -67,17 +90,31 @@ def _pass(run: Callable[[tuple], Any], pool: list[tuple]) -> float:
     return sum(_bytes(*ws) for ws in pool) / (time.perf_counter() - t0) / 1e9
 
 
+def _hot(run: Callable[[tuple], Any], pool: list[tuple]) -> float | None:
+    """GB/s of as many calls as a pass on the pool's first copy, warm in the caches: the product's
+    own arithmetic (None for a weight too large to stay there)."""
+    if _bytes(*pool[0]) > HOT_BYTES:
+        return None
+    run(pool[0])
+    t0 = time.perf_counter()
+    for _ in pool:
+        run(pool[0])
+    return _bytes(*pool[0]) * len(pool) / (time.perf_counter() - t0) / 1e9
+
+
 def measure(repeats: int = REPEATS, rows: tuple[int, ...] = ROWS, log: Callable[[str], None] = print) -> dict[str, Any]:
     import torch
 
     from bench.bandwidth import Meter, best
     from runtime.model import native as native_module
+    from runtime.model.ops import use_native
 
     with tempfile.TemporaryDirectory(prefix="dsv4-products-") as tmp:
         lib = Path(tmp) / "native.so"
         log("building the native products from this checkout's source …")
         native_module.build(lib)
         native = native_module.load(lib.read_bytes())
+    use_native(native)  # `dsv4::dense` on this library's kernel
     gen = torch.Generator().manual_seed(0)
     pools = {name: _pool(name, gen) for name in SHAPES}
     xs = {n: torch.randn(n, 1024, generator=gen) for n in rows}
@@ -85,6 +122,7 @@ def measure(repeats: int = REPEATS, rows: tuple[int, ...] = ROWS, log: Callable[
     threads = sorted({service_threads, 1}, reverse=True)
     meter = Meter()
     samples: dict[tuple[str, int, int], list[float]] = {}
+    hot: dict[tuple[str, int, int], list[float]] = {}
     bandwidth = []
     try:
         for name, pool in pools.items():  # warm: the first calls fault pages and load code
@@ -96,7 +134,10 @@ def measure(repeats: int = REPEATS, rows: tuple[int, ...] = ROWS, log: Callable[
                 torch.set_num_threads(t)
                 for name, pool in pools.items():
                     for n in rows:
-                        samples.setdefault((name, n, t), []).append(_pass(_runner(native, name, xs[n]), pool))
+                        run = _runner(native, name, xs[n])
+                        samples.setdefault((name, n, t), []).append(_pass(run, pool))
+                        if (gbs := _hot(run, pool)) is not None:
+                            hot.setdefault((name, n, t), []).append(gbs)
     finally:
         torch.set_num_threads(service_threads)
         meter.close()
@@ -104,16 +145,21 @@ def measure(repeats: int = REPEATS, rows: tuple[int, ...] = ROWS, log: Callable[
     products = []
     for (name, n, t), gbs in samples.items():
         median = statistics.median(gbs)
+        cached = statistics.median(hot[name, n, t]) if (name, n, t) in hot else None
         products.append({"product": name, "rows": n, "threads": t, "gbs_median": round(median, 2),
                          "gbs_best": round(max(gbs), 2), "gbs_worst": round(min(gbs), 2),
-                         "share": round(median / bw.read_gbs, 4)})
+                         "share": round(median / bw.read_gbs, 4),
+                         "gbs_in_cache": None if cached is None else round(cached, 2),
+                         "limit": None if cached is None else "compute" if cached < bw.read_gbs else "memory"})
     return {"bandwidth_gbs": round(bw.read_gbs, 2), "threads": service_threads, "isa": native.isa_name,
             "products": products}
 
 
 def table(r: dict[str, Any]) -> tuple[str, list[str], list[list]]:
     rows = [[p["product"], p["rows"], p["threads"], p["gbs_median"], f"{p['gbs_worst']}-{p['gbs_best']}",
-             f"{p['share']:.1%}"] for p in r["products"]]
+             f"{p['share']:.1%}", "-" if p["gbs_in_cache"] is None else p["gbs_in_cache"], p["limit"] or "-"]
+            for p in r["products"]]
     return (f"the native products ({r['isa']}), weights read from memory, against the read bandwidth "
-            f"{r['bandwidth_gbs']} GB/s ({r['threads']} threads)",
-            ["product", "rows", "threads", "GB/s (median)", "GB/s worst-best", "share of the bandwidth"], rows)
+            f"{r['bandwidth_gbs']} GB/s ({r['threads']} threads); in cache: one copy read again and again",
+            ["product", "rows", "threads", "GB/s (median)", "GB/s worst-best", "share of the bandwidth",
+             "GB/s in cache", "limit"], rows)

@@ -256,8 +256,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     roof.add_argument("--backend", choices=("aoti", "export", "eager"), default="aoti",
                       help="program backend (default %(default)s; compiled on the first run)")
     roof.add_argument("--products", action="store_true",
-                      help="only the native products (FP8, FP4, BF16 at 1-8 rows, weights from memory) against the "
-                      "read bandwidth: the kernels' micro-benchmark")
+                      help="only the native products (FP8, FP4, BF16 at 1-8 rows, weights from memory, and again "
+                      "from the caches: what their arithmetic allows) against the read bandwidth: the kernels' "
+                      "micro-benchmark")
     roof.add_argument("--json", action="store_true", help="print one JSON object")
     roof.set_defaults(func=_roofline)
 
