@@ -67,6 +67,13 @@ def per_second(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}" if value < 100 else f"{value:.0f}"
 
 
+def unit_rate(rate: float, unit: str) -> str:
+    """A long action's rate with its unit: `48.0 MiB/s` (unit "bytes"), `1.50 programs/s`."""
+    if unit == "bytes":
+        return f"{size(rate)}/s"
+    return f"{rate:.2f} {unit}/s" if unit else f"{rate:.2f}/s"
+
+
 SPARKS = "▁▂▃▄▅▆▇█"
 
 

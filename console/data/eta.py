@@ -60,13 +60,6 @@ def program_seconds(programs: Iterable[Any]) -> dict[str, float]:
     return out
 
 
-def per_second(rate: float, unit: str) -> str:
-    """`48.0 MiB/s`, `1.5 programs/s`."""
-    if unit == "bytes":
-        return f"{fmt.size(rate)}/s"
-    return f"{rate:.2f} {unit}/s" if unit else f"{rate:.2f}/s"
-
-
 @dataclass
 class Progress:
     """One long action as it runs; `line()` renders it through `fmt.progress`."""
@@ -113,7 +106,7 @@ class Progress:
             return None, ""
         measured = self.measured.rate is not None
         rate = self.measured.blended(self.rate) or 0.0
-        return eta, f"{'measured' if measured else 'history'} at {per_second(rate, self.unit)}"
+        return eta, f"{'measured' if measured else 'history'} at {fmt.unit_rate(rate, self.unit)}"
 
     def line(self, t: float | None = None) -> str:
         t = t if t is not None else self.clock()

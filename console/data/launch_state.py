@@ -11,7 +11,7 @@ from typing import Any
 from console.data.rate import Rate
 from console.data.records import LaunchRecord, path_taken
 from runtime.events import PHASES, Event
-from runtime.launch.history import basis_line, launch_seconds, span
+from runtime.launch.history import basis_line, span, whole_seconds
 
 PENDING, RUNNING, DONE, FAILED = "pending", "running", "done", "error"
 # a program's log events (`programs` phase) say `queued`, `compiling`, then one of these
@@ -396,5 +396,4 @@ class LaunchState:
     def total_seconds(self) -> float:
         """The whole launch's seconds as its history record says them (`history.launch_seconds`):
         from its process's start to serving, else (it never served) its phases' sum."""
-        return launch_seconds({"seconds": self.launch_seconds,
-                               "phases": {name: {"seconds": p.seconds} for name, p in self.phases.items()}})
+        return whole_seconds(self.launch_seconds, {name: p.seconds for name, p in self.phases.items()})

@@ -84,10 +84,9 @@ class LaunchRecord:
     def seconds(self) -> float:
         """The whole launch's seconds (`history.launch_seconds`: the recorded ones, else its
         phases' through serve): what the Registration pane said as "this launch"."""
-        from runtime.launch.history import launch_seconds
+        from runtime.launch.history import whole_seconds
 
-        return launch_seconds({"seconds": self.launch_seconds,
-                               "phases": {k: {"seconds": p.seconds} for k, p in self.phases.items()}})
+        return whole_seconds(self.launch_seconds, {k: p.seconds for k, p in self.phases.items()})
 
     def phase(self, name: str) -> PhaseRecord | None:
         return self.phases.get(name)

@@ -151,10 +151,16 @@ def is_warm(record: dict[str, Any]) -> bool:
 def launch_seconds(record: dict[str, Any]) -> float:
     """The whole launch's seconds: from its process's start to serving (`seconds`); a record of an
     older dsv4 without them, the sum of its phases' through serve."""
-    if isinstance(record.get("seconds"), int | float):
-        return float(record["seconds"])
     phases = record.get("phases") or {}
-    return sum(float((phases.get(p) or {}).get("seconds") or 0) for p in PHASES)
+    return whole_seconds(record.get("seconds"), {p: (phases.get(p) or {}).get("seconds") for p in PHASES})
+
+
+def whole_seconds(seconds: Any, phase_seconds: dict[str, Any]) -> float:
+    """`launch_seconds` of a launch's parts as the console holds them: `seconds` where it is a
+    number, else the sum of its phases' through serve."""
+    if isinstance(seconds, int | float):
+        return float(seconds)
+    return sum(float(phase_seconds.get(p) or 0) for p in PHASES)
 
 
 def span(seconds: dict[str, Any]) -> float | None:
