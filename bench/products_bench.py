@@ -107,14 +107,13 @@ def measure(repeats: int = REPEATS, rows: tuple[int, ...] = ROWS, log: Callable[
 
     from bench.bandwidth import Meter, best
     from runtime.model import native as native_module
-    from runtime.model.ops import use_native
+    from runtime.model.ops import native_restored, use_native
 
     with tempfile.TemporaryDirectory(prefix="dsv4-products-") as tmp:
         lib = Path(tmp) / "native.so"
         log("building the native products from this checkout's source …")
         native_module.build(lib)
         native = native_module.load(lib.read_bytes())
-    use_native(native)  # `dsv4::dense` on this library's kernel
     gen = torch.Generator().manual_seed(0)
     pools = {name: _pool(name, gen) for name in SHAPES}
     xs = {n: torch.randn(n, 1024, generator=gen) for n in rows}
@@ -124,23 +123,25 @@ def measure(repeats: int = REPEATS, rows: tuple[int, ...] = ROWS, log: Callable[
     samples: dict[tuple[str, int, int], list[float]] = {}
     hot: dict[tuple[str, int, int], list[float]] = {}
     bandwidth = []
-    try:
-        for name, pool in pools.items():  # warm: the first calls fault pages and load code
-            _pass(_runner(native, name, xs[rows[0]]), pool)
-        for turn in range(repeats):
-            log(f"turn {turn + 1}/{repeats} …")
-            bandwidth.append(meter.measure(runs=2))
-            for t in threads:
-                torch.set_num_threads(t)
-                for name, pool in pools.items():
-                    for n in rows:
-                        run = _runner(native, name, xs[n])
-                        samples.setdefault((name, n, t), []).append(_pass(run, pool))
-                        if (gbs := _hot(run, pool)) is not None:
-                            hot.setdefault((name, n, t), []).append(gbs)
-    finally:
-        torch.set_num_threads(service_threads)
-        meter.close()
+    with native_restored():  # what served this process before serves it again after
+        use_native(native)  # `dsv4::dense` on this library's kernel
+        try:
+            for name, pool in pools.items():  # warm: the first calls fault pages and load code
+                _pass(_runner(native, name, xs[rows[0]]), pool)
+            for turn in range(repeats):
+                log(f"turn {turn + 1}/{repeats} …")
+                bandwidth.append(meter.measure(runs=2))
+                for t in threads:
+                    torch.set_num_threads(t)
+                    for name, pool in pools.items():
+                        for n in rows:
+                            run = _runner(native, name, xs[n])
+                            samples.setdefault((name, n, t), []).append(_pass(run, pool))
+                            if (gbs := _hot(run, pool)) is not None:
+                                hot.setdefault((name, n, t), []).append(gbs)
+        finally:
+            torch.set_num_threads(service_threads)
+            meter.close()
     bw = best(bandwidth)
     products = []
     for (name, n, t), gbs in samples.items():

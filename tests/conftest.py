@@ -38,6 +38,16 @@ def native_library(tmp_path_factory) -> bytes:
     return out.read_bytes()
 
 
+@pytest.fixture
+def serving():
+    """`ops.use_native` for a test (a library's `dsv4::dense` kernel released while others serve),
+    what the process served before restored after."""
+    from runtime.model import ops
+
+    with ops.native_restored():
+        yield ops.use_native
+
+
 @pytest.fixture(scope="session")
 def tiny_ckpt_ro(tmp_path_factory) -> Path:
     """A tiny checkpoint shared by the whole session: never modify it (use `tiny_ckpt`)."""

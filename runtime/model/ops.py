@@ -245,6 +245,17 @@ def use_native(native: NativeProducts | None) -> None:
 
 
 @contextlib.contextmanager
+def native_restored() -> Iterator[None]:
+    """A block that may `use_native` other products (a benchmark's, a test's): the products that
+    served before it serve again after it."""
+    before = _native_dense
+    try:
+        yield
+    finally:
+        use_native(before)
+
+
+@contextlib.contextmanager
 def dense_calls(on: bool = True) -> Iterator[None]:
     """Trace a program whose FP8 and BF16 products are `dsv4::dense` calls (traced on the cpu),
     which multiply natively up to the native products' `dense_rows` once they are loaded, else

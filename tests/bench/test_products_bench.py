@@ -13,11 +13,10 @@ from runtime.model.native import load
 
 @pytest.fixture
 def native(native_library):
-    before = ops._native_dense
-    lib = load(native_library)
-    ops.use_native(lib)
-    yield lib
-    ops.use_native(before)
+    with ops.native_restored():
+        lib = load(native_library)
+        ops.use_native(lib)
+        yield lib
 
 
 @pytest.mark.parametrize("rows", [1, 3])

@@ -251,15 +251,12 @@ def test_every_layer_program_and_the_head_multiply_natively_where_the_native_pro
     assert dense_calls(decode.replace(".decode", ".prefill")) == dense_calls(decode)
     top = weights["top"]
     x = torch.randn(3, config.hidden_size)
-    before = ops._native_dense  # what this process loaded so far (other tests' programs)
-    try:
+    with ops.native_restored():  # what this process loaded so far (other tests' programs) after
         ops.use_native(None)
         eager = ops.dense(x, top["head.weight"], None)
         assert _rel(eager, x @ top["head.weight"].float()) < 1e-6
         ops.use_native(load(native_library))
         assert _rel(ops.dense(x, top["head.weight"], None), eager) < 1e-5
-    finally:
-        ops.use_native(before)
 
 
 class _Counting:
@@ -273,15 +270,6 @@ class _Counting:
     def dense(self, x, w, scale=None):
         self.asked.append(x.shape[0])
         return ops.matmul(x, ops.weight({"w.qweight": w, "w.qscale": scale}, "w"))
-
-
-@pytest.fixture
-def serving():
-    """`ops.use_native` for a test (a library's `dsv4::dense` kernel released while others serve),
-    what the process served before restored after."""
-    before = ops._native_dense
-    yield ops.use_native
-    ops.use_native(before)
 
 
 def test_more_rows_than_the_native_product_is_faster_for_multiply_the_widened_weight(monkeypatch, serving):

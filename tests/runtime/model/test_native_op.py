@@ -11,13 +11,6 @@ from runtime.model import ops
 from runtime.model.native import ISA_AVX2, ISA_BEST, ISA_SCALAR, load
 
 
-@pytest.fixture
-def serving():
-    before = ops._native_dense
-    yield ops.use_native
-    ops.use_native(before)
-
-
 def _fp8(rows_in: int, cols: int, block: int, gen):
     q = torch.randint(0, 127, (rows_in, cols), dtype=torch.uint8, generator=gen)
     q |= torch.randint(0, 2, q.shape, dtype=torch.uint8, generator=gen) << 7
@@ -110,3 +103,12 @@ def test_an_exported_programs_products_run_the_kernel(native_library, serving, m
     monkeypatch.setattr(ops, "_native_dense", asked)
     assert torch.equal(program(x, q, scale), native.dense(torch.relu(x), q, scale) * 2)
     assert asked.asked == []
+
+
+def test_native_restored_puts_back_what_served_before_even_after_an_error(native_library):
+    before = ops._native_dense
+    with pytest.raises(RuntimeError, match="mid-block"), ops.native_restored():
+        ops.use_native(load(native_library))
+        assert ops._native_dense is not before
+        raise RuntimeError("mid-block")
+    assert ops._native_dense is before
