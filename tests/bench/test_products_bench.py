@@ -7,16 +7,14 @@ import pytest
 import torch
 
 from bench.products_bench import HOT_BYTES, _hot, _one, _runner
-from runtime.model import ops
 from runtime.model.native import load
 
 
 @pytest.fixture
-def native(native_library):
-    with ops.native_restored():
-        lib = load(native_library)
-        ops.use_native(lib)
-        yield lib
+def native(native_library, serving):
+    lib = load(native_library)
+    serving(lib)  # `dsv4::dense` on it for the test, what served before restored after
+    return lib
 
 
 @pytest.mark.parametrize("rows", [1, 3])
