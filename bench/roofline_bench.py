@@ -11,7 +11,11 @@
   bound: the seconds its weights' products take at the measured rate of each shape ÷ its seconds;
 - each split by program family (layer programs: attention, shared expert, routing; the routed
   experts; the head; the embedding), each family's time measured by wrapping its programs, so the
-  least efficient part of a step is named. What no family holds is the engine around the programs.
+  least efficient part of a step is named. What no family holds is the engine around the programs;
+- within a decode step, its native products (`products_timed`: the `dsv4::dense` calls of the layers
+  and the head, the routed experts' calls), their seconds and bytes, the programs' other work beside
+  them, and the products' ceiling: the share of the step's bound a step of nothing but these products
+  would reach, the most these kernels allow whatever the rest of the step (an eager launch has none).
 
 The engine is a launch of the preset's checkpoint in this process (`--backend`; programs from the
 user's kernel cache, compiled on the first run), without MTP. Every figure is measured in turns
@@ -23,11 +27,14 @@ STEP_8_TARGET × the 1-row step, a 1024-token prefill ≥ PREFILL_TARGET of the 
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from bench.step_cost import (
@@ -79,6 +86,59 @@ def record_routing(engine: Any) -> list[Any]:
     return seen
 
 
+@dataclass
+class Products:
+    """What the native products took of some steps (`products_timed`): the `dsv4::dense` calls
+    (the layers' and the head's FP8 and BF16 weights: seconds, calls, and the bytes of the weights
+    and scales they read) and the routed experts' native calls (`Native.ffn`: seconds and calls;
+    their bytes are the experts the rows picked, `bench.step_cost`)."""
+
+    dense_s: float = 0.0
+    dense_bytes: int = 0
+    dense_calls: int = 0
+    experts_s: float = 0.0
+    experts_calls: int = 0
+
+
+def _dense_bytes(shapes: list) -> int:
+    """The bytes of a `dsv4::dense` call's weight from its inputs' shapes (x, w, scale): FP8 (a byte
+    a weight) and its block scales, or BF16 (two bytes, no scale): the op multiplies no other."""
+    _, (i, o), scale = shapes[:3]
+    return i * o + math.prod(scale) if scale else 2 * i * o
+
+
+@contextlib.contextmanager
+def products_timed(native: Any) -> Iterator[Products]:
+    """Time the native products of the steps run in the block, filled in when it ends: the
+    `dsv4::dense` calls from torch's profiler (the programs call the op from C++, where no wrapper
+    reaches; the profiler adds a microsecond or two a call, outside the op's own time), `native`'s
+    `ffn` (the experts' calls, from Python) wrapped on the instance for the block."""
+    from torch.profiler import ProfilerActivity, profile
+
+    got = Products()
+    ffn = getattr(native, "ffn", None)
+    if ffn is not None:
+        def timed(*args: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return ffn(*args)
+            finally:
+                got.experts_s += time.perf_counter() - t0
+                got.experts_calls += 1
+        native.ffn = timed
+    try:
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as p:
+            yield got
+    finally:
+        if ffn is not None:
+            del native.ffn  # the class's method again
+    for e in p.events():
+        if e.name == "dsv4::dense":
+            got.dense_s += e.cpu_time_total / 1e6
+            got.dense_bytes += _dense_bytes(e.input_shapes)
+            got.dense_calls += 1
+
+
 class Steps:
     """The launch's engine, its slots filled with prompts, stepped and timed by family."""
 
@@ -118,6 +178,16 @@ class Steps:
         for s in range(rows):
             engine.truncate(s, PROMPT)
         return sample
+
+    def products(self, rows: int, steps: int) -> Products:
+        """`steps` decode steps of `rows` rows with their native products timed (`products_timed`:
+        the profiler makes these steps slower than the timed ones, not their products)."""
+        from runtime.model.ops import native_products
+
+        with products_timed(native_products()) as got:
+            for _ in range(steps):
+                self.decode(rows)
+        return got
 
     def prefill(self, tokens: int) -> dict[str, Any]:
         torch, slot = self.torch, self.prefill_slot
@@ -182,12 +252,14 @@ def measure(preset: str = "small", backend: str = "aoti", rows: tuple[int, ...] 
         for t in prefills:
             steps_.prefill(t)
         bandwidth, decodes, prefill_runs = [], {n: [] for n in rows}, {t: [] for t in prefills}
+        products: dict[int, list[Products]] = {n: [] for n in rows}
         for i in range(repeats):
-            log(f"turn {i + 1}/{repeats}: bandwidth, decode at {', '.join(map(str, rows))} rows, "
-                f"prefill of {', '.join(map(str, prefills))} tokens …")
+            log(f"turn {i + 1}/{repeats}: bandwidth, decode at {', '.join(map(str, rows))} rows (timed, then "
+                f"its products timed), prefill of {', '.join(map(str, prefills))} tokens …")
             bandwidth.append(meter.measure())
             for n in rows:
                 decodes[n] += [steps_.decode(n) for _ in range(steps)]
+                products[n].append(steps_.products(n, steps))
             for t in prefills:
                 prefill_runs[t].append(steps_.prefill(t))
         bw = best(bandwidth)
@@ -198,7 +270,8 @@ def measure(preset: str = "small", backend: str = "aoti", rows: tuple[int, ...] 
             "targets": {"decode_share_1": DECODE_TARGET, "step_8_vs_1": STEP_8_TARGET,
                         "prefill_share_1024": PREFILL_TARGET}}
         for n, samples in decodes.items():
-            result["decode"][n] = _decode_figures(programs, weights, n, samples, bw.read_gbs * 1e9)
+            result["decode"][n] = _decode_figures(programs, weights, n, samples, bw.read_gbs * 1e9,
+                                                  products[n], steps)
         rates = None
         for t, samples in prefill_runs.items():
             sample = _median_sample(samples)
@@ -210,6 +283,7 @@ def measure(preset: str = "small", backend: str = "aoti", rows: tuple[int, ...] 
         launched.close()
     for n in rows:
         result[f"decode_share_{n}"] = result["decode"][n]["share"]
+        result[f"products_ceiling_{n}"] = result["decode"][n]["products"]["ceiling"]
         if n > 1 and 1 in result["decode"]:
             result[f"step_{n}_vs_1"] = round(result["decode"][n]["seconds"] / result["decode"][1]["seconds"], 3)
     for t in prefills:
@@ -217,7 +291,8 @@ def measure(preset: str = "small", backend: str = "aoti", rows: tuple[int, ...] 
     return result
 
 
-def _decode_figures(programs, weights, rows: int, samples: list[dict], bandwidth: float) -> dict[str, Any]:
+def _decode_figures(programs, weights, rows: int, samples: list[dict], bandwidth: float,
+                    products: list[Products], steps: int) -> dict[str, Any]:
     sample = _median_sample(samples)
     picked = [int(r.unique().numel()) for r in sample["routing"]]
     cost = decode_bytes(programs, weights, [PROMPT] * rows, picked)
@@ -229,11 +304,31 @@ def _decode_figures(programs, weights, rows: int, samples: list[dict], bandwidth
                             "gbs": round(moved / spent / 1e9, 2) if spent else None,
                             "share": _share(moved / bandwidth, spent)}
     engine = sample["seconds"] - sum(sample["families"].values())
+    made = _products_figures(products, steps, cost.by_family.get(EXPERTS, 0.0), cost.total / bandwidth)
     return {"rows": rows, "bytes": int(cost.total), "bytes_by_family": {k: int(v) for k, v in cost.by_family.items()},
             "seconds": round(sample["seconds"], 6), "seconds_spread": _spread(samples),
             "bound_s": round(cost.total / bandwidth, 6), "share": _share(cost.total / bandwidth, sample["seconds"]),
             "families": families, "engine_s": round(engine, 6), "experts_picked": picked,
-            "least_efficient": _least(families)}
+            "least_efficient": _least(families), "products": made,
+            "rest_s": round(sample["seconds"] - engine - made["seconds"], 6)}
+
+
+def _products_figures(runs: list[Products], steps: int, expert_bytes: float, bound_s: float) -> dict[str, Any]:
+    """A step's native products (the mean of `runs`, each of `steps` steps): seconds, bytes and GB/s
+    of the dense calls and the experts' (the bytes of the experts its rows picked), and the share
+    of the step's bandwidth bound a step of nothing but these products would reach (`ceiling`): the
+    most these kernels allow, whatever the rest of the step."""
+    n = max(1, steps * len(runs))
+    dense_s, experts_s = sum(r.dense_s for r in runs) / n, sum(r.experts_s for r in runs) / n
+    dense_bytes = sum(r.dense_bytes for r in runs) / n
+    experts_bytes = expert_bytes if any(r.experts_calls for r in runs) else 0.0
+    return {"dense_s": round(dense_s, 6), "dense_bytes": int(dense_bytes),
+            "dense_calls": round(sum(r.dense_calls for r in runs) / n, 1),
+            "dense_gbs": round(dense_bytes / dense_s / 1e9, 2) if dense_s else None,
+            "experts_s": round(experts_s, 6), "experts_bytes": int(experts_bytes),
+            "experts_calls": round(sum(r.experts_calls for r in runs) / n, 1),
+            "experts_gbs": round(experts_bytes / experts_s / 1e9, 2) if experts_s else None,
+            "seconds": round(dense_s + experts_s, 6), "ceiling": _share(bound_s, dense_s + experts_s)}
 
 
 def _expert_rows(routing: list, experts: int) -> list[list[int]]:
@@ -306,6 +401,18 @@ def tables(r: dict[str, Any]) -> list[tuple[str, list[str], list[list]]]:
     prefill = ("prefill against the GEMM bound (float32 GEMM rate at each shape its weights multiply)",
                ["step", "GFLOP (weights)", "GFLOP (attention)", "GEMM GFLOP/s", "bound ms", "ms (median)", "share",
                 "target", "least efficient"], prefill_rows)
+    made_rows = []
+    for n, d in r["decode"].items():
+        m = d["products"]
+        made_rows.append([f"decode, {n} row{'s' if n > 1 else ''}", f"{d['seconds'] * 1e3:.2f}", f"{d['share']:.1%}",
+                          f"{m['dense_s'] * 1e3:.2f}", m["dense_gbs"], f"{m['experts_s'] * 1e3:.2f}", m["experts_gbs"],
+                          f"{d['rest_s'] * 1e3:.2f}", f"{d['engine_s'] * 1e3:.2f}",
+                          "" if m["ceiling"] is None else f"{m['ceiling']:.1%}"])
+    made = ("what a decode step is made of: its native products (dense: the layers' and the head's FP8 and BF16 "
+            "calls; experts: the routed experts' calls), the programs' other work, the engine; ceiling: the share "
+            "of the bound a step of these products alone would reach",
+            ["step", "ms (median)", "share", "dense ms", "dense GB/s", "experts ms", "experts GB/s",
+             "other work ms", "engine ms", "products' ceiling"], made_rows)
     split_rows = []
     for n, d in r["decode"].items():
         for family, f in d["families"].items():
@@ -320,7 +427,7 @@ def tables(r: dict[str, Any]) -> list[tuple[str, list[str], list[list]]]:
     split = ("by program family (layer: attention + shared expert + routing, with the KV rows; experts: the "
              "routed; decode: bytes and GB/s; prefill: FLOPs and GFLOP/s)",
              ["step", "family", "MB / GFLOP", "ms", "GB/s or GFLOP/s", "share"], split_rows)
-    return [main, prefill, split]
+    return [main, made, prefill, split]
 
 
 def main(preset: str = "small", backend: str = "aoti", json_output: bool = False, products: bool = False) -> int:

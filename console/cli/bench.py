@@ -47,11 +47,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "refresh seconds, residency refresh of a 300 GiB sidecar on mincore",
         description="Start dsv4-console in a pseudo-terminal on a tiny checkpoint: time to first "
         "paint, then its CPU use while idle (default 30 s at the default 2 s interval); again while "
-        "three `dsv4 serve` of it run under load (targets: <= 3 %% of a core, a refresh <= 0.5 s); then the "
+        "three `dsv4 serve` of it run under load (targets: <= 3 % of a core, a refresh <= 0.5 s); then the "
         "residency refresh of a 300 GiB sparse sidecar on the mincore fallback (kernels before "
-        "6.5): one sample, and the console's schedule over 300 refreshes (target <= 2 %% of a core); then a "
+        "6.5): one sample, and the console's schedule over 300 refreshes (target <= 2 % of a core); then a "
         "fleet of --fleet-hosts namespaced sshd hosts on loopback (as root): a refresh of every host (target "
-        "<= 2 s) and the fleet console's idle CPU, its ssh clients and masters included (target <= 3 %%).",
+        "<= 2 s) and the fleet console's idle CPU, its ssh clients and masters included (target <= 3 %).",
     )
     con.add_argument("--idle-seconds", type=float, default=30.0, help="idle window (default 30)")
     con.add_argument("--fleet-hosts", type=int, default=16, metavar="N", help="hosts of the fleet part (default 16; "
@@ -65,7 +65,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Compile a tiny checkpoint's programs twice with `dsv4 compile --jobs N` (the first run "
         "records each program's seconds); replay the second run's events through the console's tracker and "
         "compare its ETA at half the programs with the seconds really left, beside the old serial sum "
-        "(target: within 25 %%).",
+        "(target: within 25 %).",
     )
     eta.add_argument("--backend", choices=("export", "aoti"), default="export", help="compile backend")
     eta.add_argument("--jobs", type=int, default=2, help="compile workers (default 2)")
@@ -246,10 +246,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "(a read-only pass and a STREAM triad on the service's threads) and float32 GEMM rate at each shape a "
         "prefill multiplies; a decode step of 1, 8 and 32 rows against the bytes it must read (each weight once, "
         "the routed experts its rows picked, the head, the KV rows) and a prefill of 256 and 1024 tokens against "
-        "its GEMM bound, each split by program family so the least efficient part is named; all in turns. "
-        "Targets: decode ≥ 70 %% of the bound at 1 row, the 8-row step ≤ 1.5× the 1-row step, a 1024-token "
-        "prefill ≥ 50 %% of the GEMM bound. --json keys: bandwidth_gbs, decode_share_1, decode_share_8, "
-        "step_8_vs_1, prefill_share_1024.",
+        "its GEMM bound, each split by program family so the least efficient part is named, and a decode "
+        "step's native products timed within it (with the share of the bound a step of those alone would "
+        "reach: what these kernels allow); all in turns. "
+        "Targets: decode ≥ 70 % of the bound at 1 row, the 8-row step ≤ 1.5× the 1-row step, a 1024-token "
+        "prefill ≥ 50 % of the GEMM bound. --json keys: bandwidth_gbs, decode_share_1, decode_share_8, "
+        "step_8_vs_1, prefill_share_1024, products_ceiling_1.",
     )
     roof.add_argument("--preset", choices=("tiny", "small", "medium"), default="small",
                       help="synthetic checkpoint (default %(default)s; made on first use)")
@@ -320,7 +322,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="On one synthetic checkpoint, each in its own processes: compile every program cold "
         "(`dsv4 compile`), pull them from a docker-registry started on 127.0.0.1 (`cache pull`), import "
         "them from a bundle (`cache import`), each followed by a launch that HITs: seconds, bytes, and "
-        "pull + verify against the compile (target ≤ 5 %%). Without docker-registry installed, no pull row.",
+        "pull + verify against the compile (target ≤ 5 %). Without docker-registry installed, no pull row.",
     )
     ship.add_argument("--preset", choices=("tiny", "small", "medium"), default="small",
                       help="synthetic checkpoint (default %(default)s; made in a temp dir)")

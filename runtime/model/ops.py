@@ -244,6 +244,11 @@ def use_native(native: NativeProducts | None) -> None:
         getattr(native, "register_ops", lambda: False)()
 
 
+def native_products() -> NativeProducts | None:
+    """The native products this process runs (`use_native`); None where none are loaded."""
+    return _native_dense
+
+
 @contextlib.contextmanager
 def native_restored() -> Iterator[None]:
     """A block that may `use_native` other products (a benchmark's, a test's): the products that
