@@ -32,6 +32,7 @@ import math
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -108,6 +109,21 @@ def _dense_bytes(shapes: list) -> int:
 
 
 @contextlib.contextmanager
+def _kineto_quiet() -> Iterator[None]:
+    """The process's stderr (fd 2) to /dev/null for a profiler's start or stop: torch's profiler
+    (kineto) writes a line at each, whatever its log level: eighteen lines a roofline run."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+@contextlib.contextmanager
 def products_timed(native: Any) -> Iterator[Products]:
     """Time the native products of the steps run in the block, filled in when it ends: the
     `dsv4::dense` calls from torch's profiler (the programs call the op from C++, where no wrapper
@@ -126,9 +142,15 @@ def products_timed(native: Any) -> Iterator[Products]:
                 got.experts_s += time.perf_counter() - t0
                 got.experts_calls += 1
         native.ffn = timed
+    p = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
     try:
-        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as p:
+        with _kineto_quiet():
+            p.start()
+        try:
             yield got
+        finally:
+            with _kineto_quiet():
+                p.stop()
     finally:
         if ffn is not None:
             del native.ffn  # the class's method again
@@ -431,8 +453,6 @@ def tables(r: dict[str, Any]) -> list[tuple[str, list[str], list[list]]]:
 
 
 def main(preset: str = "small", backend: str = "aoti", json_output: bool = False, products: bool = False) -> int:
-    import sys
-
     from bench.report import print_json, print_table
 
     log = (lambda s: None) if json_output else (lambda s: print(s, file=sys.stderr, flush=True))

@@ -4,6 +4,8 @@ the native products timed within a step with the bytes they read."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -33,7 +35,7 @@ def test_the_roofline_names_every_share_and_the_least_efficient_family():
 
 
 def test_the_products_timed_are_the_dense_calls_and_the_experts_calls_with_their_weights_bytes(
-        native_library, serving):
+        native_library, serving, capfd):
     lib = load(native_library)
     serving(lib)  # `dsv4::dense` served by its kernel, as the programs call it
     gen = torch.Generator().manual_seed(5)
@@ -57,3 +59,6 @@ def test_the_products_timed_are_the_dense_calls_and_the_experts_calls_with_their
     assert got.experts_calls == 1 and got.experts_s > 0
     assert torch.equal(routed, want) and torch.equal(dense[0], lib.dense(x, fp8, scale))  # the same numbers
     assert "ffn" not in vars(lib)  # the wrapper is gone: the class's method again
+    print("after", file=sys.stderr, flush=True)
+    err = capfd.readouterr().err
+    assert "profiler" not in err and err.endswith("after\n")  # none of the profiler's lines; stderr back
