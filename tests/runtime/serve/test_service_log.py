@@ -35,7 +35,7 @@ def logged(tmp_path):
     saved = (list(root.handlers), root.level, threading.excepthook, warnings.showwarning, service_log.current())
 
     def records(logger: str | None = None) -> list[dict]:
-        lines = files.path.read_text().splitlines()
+        lines = files.path.read_text().split("\n")[:-1]  # whole lines: one may be half written
         return [r for r in map(json.loads, lines) if logger is None or r["logger"] == logger]
 
     files = service_log.install(service_log.JSON, tmp_path / "logs" / "serve-1.log")
@@ -125,19 +125,30 @@ def test_a_summary_line_says_what_the_service_does_under_load(tmp_path, logged):
                                     kwargs={"json": {"prompt": [1, 2, 3, 4], "max_tokens": 30}}) for _ in range(3)]
         for c in clients:
             c.start()
-        for _ in range(40):  # tokens trickle out while the summaries are written
+        deadline = time.monotonic() + 30  # a loaded host may start the clients late: wait for all three
+        while (scheduler.running, scheduler.queued) != (2, 1) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        engine.allow(2)
+        while engine.steps < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        # the first step's tokens are counted (the second step began after): from here, generating;
+        # the summaries before were written while the engine held every token back
+        generating_since = time.time()
+        for _ in range(38):  # tokens trickle out while the summaries are written (both slots full ~1 s)
             engine.allow(1)
-            time.sleep(0.02)
+            time.sleep(0.03)
         engine.allow(1000)
         for c in clients:
             c.join()
-        time.sleep(0.7)
+        while not any(s["ttft"]["count"] for s in logged("summary")) and time.monotonic() < deadline:
+            time.sleep(0.05)  # a summary after the requests' first tokens
         server.should_exit = True
         reporter.join()
     summaries = logged("summary")
     assert summaries, "no summary line while the service generated"
     busy = [s for s in summaries if s["running"] + s["queued"] > 0]
-    assert busy and all(s["generation_tokens_s"] > 0 for s in busy)  # generating: never 0
+    generating = [s for s in busy if s["time"] > generating_since + 0.05]  # (a record's time: when written)
+    assert generating and all(s["generation_tokens_s"] > 0 for s in generating)  # generating: never 0
     full = [s for s in busy if s["running"] == 2 and s["queued"] == 1]  # both slots busy, one waiting
     assert full and full[0]["kv_slots"] == full[0]["kv_slots_used"] == 2
     assert "generation" in full[0]["msg"] and "tok/s" in full[0]["msg"] and "KV 2/2 slots" in full[0]["msg"]
