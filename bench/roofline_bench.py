@@ -127,11 +127,12 @@ def _kineto_quiet() -> Iterator[None]:
 def products_timed(native: Any) -> Iterator[Products]:
     """Time the native products of the steps run in the block, filled in when it ends: the
     `dsv4::dense` calls from torch's profiler (the programs call the op from C++, where no wrapper
-    reaches; the profiler adds a microsecond or two a call, outside the op's own time), `native`'s
-    `ffn` (the experts' calls, from Python) wrapped on the instance for the block."""
+    reaches; the profiler adds a microsecond or two a call, part of it within a call's time: the
+    output's allocation is recorded too), `native`'s `ffn` (the experts' calls, from Python)
+    wrapped on the instance for the block."""
     from torch.profiler import ProfilerActivity, profile
 
-    got = Products()
+    got, p = Products(), profile(activities=[ProfilerActivity.CPU], record_shapes=True)
     ffn = getattr(native, "ffn", None)
     if ffn is not None:
         def timed(*args: Any) -> Any:
@@ -142,7 +143,6 @@ def products_timed(native: Any) -> Iterator[Products]:
                 got.experts_s += time.perf_counter() - t0
                 got.experts_calls += 1
         native.ffn = timed
-    p = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
     try:
         with _kineto_quiet():
             p.start()
