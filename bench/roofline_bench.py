@@ -35,7 +35,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from bench.step_cost import (
@@ -341,16 +341,16 @@ def _products_figures(runs: list[Products], steps: int, expert_bytes: float, bou
     of the step's bandwidth bound a step of nothing but these products would reach (`ceiling`): the
     most these kernels allow, whatever the rest of the step."""
     n = max(1, steps * len(runs))
-    dense_s, experts_s = sum(r.dense_s for r in runs) / n, sum(r.experts_s for r in runs) / n
-    dense_bytes = sum(r.dense_bytes for r in runs) / n
-    experts_bytes = expert_bytes if any(r.experts_calls for r in runs) else 0.0
-    return {"dense_s": round(dense_s, 6), "dense_bytes": int(dense_bytes),
-            "dense_calls": round(sum(r.dense_calls for r in runs) / n, 1),
-            "dense_gbs": round(dense_bytes / dense_s / 1e9, 2) if dense_s else None,
-            "experts_s": round(experts_s, 6), "experts_bytes": int(experts_bytes),
-            "experts_calls": round(sum(r.experts_calls for r in runs) / n, 1),
-            "experts_gbs": round(experts_bytes / experts_s / 1e9, 2) if experts_s else None,
-            "seconds": round(dense_s + experts_s, 6), "ceiling": _share(bound_s, dense_s + experts_s)}
+    each = Products(*(sum(getattr(r, f.name) for r in runs) / n for f in fields(Products)))  # a step's
+    experts_bytes = expert_bytes if each.experts_calls else 0.0
+    return {"dense_s": round(each.dense_s, 6), "dense_bytes": int(each.dense_bytes),
+            "dense_calls": round(each.dense_calls, 1),
+            "dense_gbs": round(each.dense_bytes / each.dense_s / 1e9, 2) if each.dense_s else None,
+            "experts_s": round(each.experts_s, 6), "experts_bytes": int(experts_bytes),
+            "experts_calls": round(each.experts_calls, 1),
+            "experts_gbs": round(experts_bytes / each.experts_s / 1e9, 2) if each.experts_s else None,
+            "seconds": round(each.dense_s + each.experts_s, 6),
+            "ceiling": _share(bound_s, each.dense_s + each.experts_s)}
 
 
 def _expert_rows(routing: list, experts: int) -> list[list[int]]:
