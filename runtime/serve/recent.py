@@ -4,7 +4,8 @@ A reader that scrapes /metrics twice and divides sees nothing move between two s
 apart while a slow service generates, and reads 0; a quantile drawn from a histogram's buckets is
 at best a bucket's bound. So the service keeps its own window, as vLLM's logger does: one slot a
 second (counts, and a histogram of each latency in fine log-spaced buckets, each 2^(1/8) ≈ 9% wider
-than the one before), the last minute of them. `figures(window)` sums the window's slots: rates
+than the one before), the last minute of them. `figures(window)` sums the window's slots (and
+`seconds(first, end)` whole seconds, for a reader that must count each second once): rates
 over the window (or the service's age, when younger: a fresh service is not averaged with seconds
 it did not live) and each quantile as the upper bound of its fine bucket — at most 9% over the
 true value, never under it. Past the largest bucket (an hour) a quantile is `above` it.
@@ -87,11 +88,20 @@ class Tally:
         # younger than the window: everything since its first second (its age spans one more slot than
         # ceil(age) when it started late in a second, and a one-shot read must not miss that first one)
         first = int(self.started) if age <= window else int(now) - math.ceil(span) + 1
+        return self._sum(first, None, span)
+
+    def seconds(self, first: int, end: int) -> Recent:
+        """What happened in the whole seconds first..end (end not included), its rates over the part
+        of them the tally lived: read once each, by a reader taking turns (the summary line), every
+        second counts in one reading, none lost between two and none twice."""
+        return self._sum(first, end, max(1e-3, end - max(float(first), self.started)))
+
+    def _sum(self, first: int, end: int | None, span: float) -> Recent:
         counts: Counter[str] = Counter()
         hists: dict[str, Counter[int]] = {name: Counter() for name in LATENCIES}
         with self._lock:
             for second, slot in self._slots.items():
-                if second >= first:
+                if second >= first and (end is None or second < end):
                     counts.update(slot.counts)
                     for name, hist in slot.latencies.items():
                         hists[name].update(hist)

@@ -116,13 +116,20 @@ def serve(launched, sock: socket.socket, limits: Limits | None = None, on_ready=
 
 
 def _report_stats(scheduler, metrics, server, on_stats, every: float) -> None:
-    """Every `every` seconds there was work (a request answered, a token made, one running or
-    waiting): the summary line of the last `every` seconds; the engine's stats to `on_stats`
+    """At each multiple of `every` whole seconds (at least 1) of the recent tally's clock where
+    there was work (a request answered, a token made, one running or waiting): the summary line of
+    the whole seconds since the last one (`Tally.seconds`: a sliding window read at uneven times
+    lost what fell between two reads, a first token among it); the engine's stats to `on_stats`
     when it ran steps."""
-    last = None
+    tally, every = metrics.recent, max(1, round(every))
+    last, end = None, (int(tally.clock()) // every + 1) * every
     while not server.should_exit:
-        time.sleep(every)
-        recent, stats = metrics.recent.figures(every), scheduler.stats
+        wait = end - tally.clock()
+        if wait > 0:
+            time.sleep(wait + 1e-3)  # just past the boundary: what is counted after it is the next line's
+            continue
+        recent, stats = tally.seconds(end - every, end), scheduler.stats
+        end += every
         if recent.requests_s or recent.generation_tokens_s or scheduler.running or scheduler.queued:
             log_summary(recent, scheduler.running, scheduler.queued, scheduler.slots, scheduler.free_slots,
                         stats.get("acceptance"))

@@ -52,6 +52,23 @@ def test_a_young_service_read_a_second_later_still_counts_its_first_second():
     assert young.prompt_tokens_s == round(6 / 1.4, 3) and young.ttft.count == 1
 
 
+def test_whole_seconds_read_in_turn_count_every_event_once():
+    """The summary line's reading (`Tally.seconds`): consecutive readings of whole seconds hold
+    every count and latency exactly once, wherever in a second it fell; the first reading's rate is
+    over the part the tally lived."""
+    clock = Clock(1000.7)
+    tally = r.Tally(clock)
+    for t in (1000.8, 1001.0, 1001.99, 1002.5, 1003.95, 1004.0):
+        clock.t = t
+        tally.add("generation_tokens", 2)
+        tally.observe("ttft", 0.1)
+    clock.t = 1004.2
+    first, second = tally.seconds(1000, 1002), tally.seconds(1002, 1004)
+    assert first.window_s == 1.3 and first.generation_tokens_s == round(6 / 1.3, 3) and first.ttft.count == 3
+    assert second.window_s == 2.0 and second.generation_tokens_s == 2.0 and second.ttft.count == 2
+    assert tally.seconds(1004, 1006).ttft.count == 1  # the second being counted: the next reading's
+
+
 def test_quantiles_are_never_under_the_true_value_and_at_most_a_bucket_over():
     rng = random.Random(7)
     clock = Clock()

@@ -119,10 +119,10 @@ def test_a_summary_line_says_what_the_service_does_under_load(tmp_path, logged):
     with served(fake_launched(tmp_path, engine=engine)) as svc:
         scheduler, metrics = svc.app.state.scheduler, svc.app.state.service.metrics
         server = SimpleNamespace(should_exit=False)
-        reporter = threading.Thread(target=_report_stats, args=(scheduler, metrics, server, None, 0.3), daemon=True)
+        reporter = threading.Thread(target=_report_stats, args=(scheduler, metrics, server, None, 1), daemon=True)
         reporter.start()
         clients = [threading.Thread(target=svc.post, args=("/v1/completions",),
-                                    kwargs={"json": {"prompt": [1, 2, 3, 4], "max_tokens": 30}}) for _ in range(3)]
+                                    kwargs={"json": {"prompt": [1, 2, 3, 4], "max_tokens": 60}}) for _ in range(3)]
         for c in clients:
             c.start()
         deadline = time.monotonic() + 30  # a loaded host may start the clients late: wait for all three
@@ -134,7 +134,7 @@ def test_a_summary_line_says_what_the_service_does_under_load(tmp_path, logged):
         # the first step's tokens are counted (the second step began after): from here, generating;
         # the summaries before were written while the engine held every token back
         generating_since = time.time()
-        for _ in range(38):  # tokens trickle out while the summaries are written (both slots full ~1 s)
+        for _ in range(75):  # tokens trickle out while the summaries are written (both slots full ~2 s)
             engine.allow(1)
             time.sleep(0.03)
         engine.allow(1000)
@@ -147,7 +147,8 @@ def test_a_summary_line_says_what_the_service_does_under_load(tmp_path, logged):
     summaries = logged("summary")
     assert summaries, "no summary line while the service generated"
     busy = [s for s in summaries if s["running"] + s["queued"] > 0]
-    generating = [s for s in busy if s["time"] > generating_since + 0.05]  # (a record's time: when written)
+    # a line's whole second began after: (a record's time: when written, just past its second's end)
+    generating = [s for s in busy if s["time"] > generating_since + 1.05]
     assert generating and all(s["generation_tokens_s"] > 0 for s in generating)  # generating: never 0
     full = [s for s in busy if s["running"] == 2 and s["queued"] == 1]  # both slots busy, one waiting
     assert full and full[0]["kv_slots"] == full[0]["kv_slots_used"] == 2
