@@ -14,8 +14,8 @@ very same products (`dense_low`): 11 → 18 GB/s a Zen 3 core in L1. Sums of up 
 held in registers, each widened vector multiplied into every row, a block's rows a few at a time
 across a slab of columns so each weight row's bytes are read as one run (tile by tile down a
 block's rows read a line a row: a Zen 3 core read the BF16 head at 12 GB/s so, 19 in runs); more
-rows widen a block of 16 columns once into a float panel in L1 and multiply a few rows at a time
-over it.
+rows widen a block of two units (32 columns, each weight row's bytes of them one run) once into
+float panels in L1 and multiply a few rows at a time over each.
 
 The order of a row's sums, one on every path and at every row count (a row's numbers never depend
 on the rows beside it): FP8, each scale block's products summed from zero in input order, then
@@ -42,6 +42,8 @@ DENSE_HEAD = r"""
 #define DENSE_UNIT 16              /* columns a vector unit widens */
 #define DENSE_KB 8                /* BF16's input block: rows of the weight a tile runs before the next tile */
 #define DENSE_PANEL_KB 64          /* BF16's input block through panels */
+#define DENSE_PANEL_UNITS 2        /* units a panel widens at once: FP8 at 5-16 rows on a Zen 3 core 9-16 % faster
+                                      than one (two cores from memory 3-14 %); four (32 KiB of panels) no faster */
 #define DENSE_GROUPS 2             /* BF16's groups of RMAX rows in registers before panels (each widens again):
                                       the head at 8 rows 9.9 -> 6.9 ms; FP8's panels stay faster from RMAX rows */
 #define DENSE_FP8_PASS 8           /* FP8's rows of a block a pass across a slab, rows in registers */
@@ -210,32 +212,42 @@ NK_ATTR static void dense_pass(const float *x, int64_t in, const float *panel, i
             dense_fold(out + r * cols + V::W * v, p[r][v], f, first, KIND != 0, big);
 }
 
-template <int KIND>
+/* U units' block widened once into panels (each weight row's bytes of the U units read as one run),
+   then PR rows at a time over each unit's */
+template <int KIND, int U>
 NK_ATTR static void dense_panel(const float *x, int64_t rows, int64_t in, const uint8_t *w, int64_t ld,
                                 const uint8_t *sc, int64_t lds, int64_t bi, int64_t bo, float *out, int64_t cols,
-                                int64_t o, int64_t b0, int64_t kb) {
-    alignas(64) float panel[DENSE_MAX_BLOCK * DENSE_UNIT];
+                                int64_t o0, int64_t b0, int64_t kb) {
+    alignas(64) float panels[U * DENSE_MAX_BLOCK * DENSE_UNIT];
     constexpr int B = KIND ? 1 : 2;
-    const uint8_t *row = w + B * (b0 * ld + o);
+    const uint8_t *row = w + B * (b0 * ld + o0);
     for (int64_t k = 0; k < kb; k++, row += B * ld) {
         _mm_prefetch((const char *)(row + B * kb * ld), _MM_HINT_T1);
-        F d[D::DV];
-        if (KIND == DENSE_FP8_LOW) D::fp8_low(row, d);
-        else if (KIND) D::fp8(row, d);
-        else D::bf16(row, d);
-        _Pragma("GCC unroll 16") for (int v = 0; v < D::DV; v++) V::store(panel + DENSE_UNIT * k + V::W * v, d[v]);
+        _Pragma("GCC unroll 4") for (int u = 0; u < U; u++) {
+            F d[D::DV];
+            const uint8_t *p = row + B * DENSE_UNIT * u;
+            if (KIND == DENSE_FP8_LOW) D::fp8_low(p, d);
+            else if (KIND) D::fp8(p, d);
+            else D::bf16(p, d);
+            _Pragma("GCC unroll 16") for (int v = 0; v < D::DV; v++)
+                V::store(panels + (u * kb + k) * DENSE_UNIT + V::W * v, d[v]);
+        }
     }
-    const uint8_t s = KIND ? sc[(b0 / bi) * lds + o / bo] : 0;
-    const float fs = KIND ? (s > 246 ? e8m0(s) : dense_factor(s)) : 1.f;
-    const F f = V::bcast(&fs);
-    for (int64_t r0 = 0; r0 < rows; r0 += D::PR) {
-        const float *xr = x + r0 * in + b0;
-        float *q = out + r0 * cols + o;
-        switch (rows - r0 < D::PR ? rows - r0 : D::PR) {
+    for (int u = 0; u < U; u++) {
+        const float *panel = panels + u * kb * DENSE_UNIT;
+        const int64_t o = o0 + DENSE_UNIT * u;
+        const uint8_t s = KIND ? sc[(b0 / bi) * lds + o / bo] : 0;
+        const float fs = KIND ? (s > 246 ? e8m0(s) : dense_factor(s)) : 1.f;
+        const F f = V::bcast(&fs);
+        for (int64_t r0 = 0; r0 < rows; r0 += D::PR) {
+            const float *xr = x + r0 * in + b0;
+            float *q = out + r0 * cols + o;
+            switch (rows - r0 < D::PR ? rows - r0 : D::PR) {
 #define PASS(n) case n: if constexpr (n <= D::PR) \
-            dense_pass<n, KIND>(xr, in, panel, kb, q, cols, f, b0 == 0, s > 246); break;
-            PASS(1) PASS(2) PASS(3) PASS(4) PASS(5) PASS(6) PASS(7) PASS(8)
+                dense_pass<n, KIND>(xr, in, panel, kb, q, cols, f, b0 == 0, s > 246); break;
+                PASS(1) PASS(2) PASS(3) PASS(4) PASS(5) PASS(6) PASS(7) PASS(8)
 #undef PASS
+            }
         }
     }
 }
@@ -282,8 +294,11 @@ NK_ATTR static void dense_columns(const float *x, int64_t rows, int64_t in, cons
         for (int64_t b0 = 0; b0 < in; b0 += kb) {
             const int64_t n = in - b0 < kb ? in - b0 : kb;
             if (!regs) {
-                for (int64_t o = s0; o < s1; o += DENSE_UNIT)
-                    dense_panel<KIND>(x, rows, in, w, ld, sc, lds, bi, bo, out, cols, o, b0, n);
+                int64_t o = s0;
+                for (; o + DENSE_PANEL_UNITS * DENSE_UNIT <= s1; o += DENSE_PANEL_UNITS * DENSE_UNIT)
+                    dense_panel<KIND, DENSE_PANEL_UNITS>(x, rows, in, w, ld, sc, lds, bi, bo, out, cols, o, b0, n);
+                for (; o < s1; o += DENSE_UNIT)
+                    dense_panel<KIND, 1>(x, rows, in, w, ld, sc, lds, bi, bo, out, cols, o, b0, n);
                 continue;
             }
             for (int64_t i0 = b0; i0 < b0 + n; i0 += pass) {
